@@ -1,0 +1,147 @@
+//! The `tidemark` command: `serve`, `user add` and `bench`.
+
+mod bench;
+
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use tidemark_server::{Server, ServerConfig};
+use tidemark_sqlite::SqliteStore;
+use tidemark_store::Store;
+
+#[derive(Parser)]
+#[command(name = "tidemark", version, about = "Instant messaging that never loses, duplicates or misorders a message")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(clap::Args, Clone)]
+struct StoreArgs {
+    /// Data directory of the embedded SQLite store.
+    #[arg(long, default_value = "./data")]
+    data: PathBuf,
+    /// PostgreSQL URL (cluster mode); not available in this build yet.
+    #[arg(long)]
+    database: Option<String>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the server.
+    Serve {
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: String,
+        #[command(flatten)]
+        store: StoreArgs,
+        /// NATS URL for cross-node hints (cluster mode); not available yet.
+        #[arg(long)]
+        nats: Option<String>,
+        /// Enables the admin endpoints.
+        #[arg(long, env = "TIDEMARK_ADMIN_TOKEN", hide_env_values = true)]
+        admin_token: Option<String>,
+        /// Access token lifetime, seconds.
+        #[arg(long, default_value_t = 900)]
+        access_ttl_secs: u64,
+        /// Fault drill: accept messages but never fan them out.
+        #[arg(long, hide = true)]
+        hold_fanout: bool,
+    },
+    /// Manage users.
+    User {
+        #[command(subcommand)]
+        command: UserCommand,
+    },
+    /// Benchmarks; each prints a table and writes JSON.
+    Bench {
+        #[command(subcommand)]
+        command: bench::BenchCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum UserCommand {
+    /// Create a user; the password is read from the first line of stdin.
+    Add {
+        name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+fn open_store(args: &StoreArgs) -> Result<Arc<SqliteStore>> {
+    if let Some(url) = &args.database {
+        let scheme = url.split(':').next().unwrap_or("");
+        bail!("--database {scheme}:… is not supported by this build yet; only the embedded SQLite store (--data) is");
+    }
+    SqliteStore::open(&args.data).with_context(|| format!("open store in {}", args.data.display()))
+}
+
+fn init_logs() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+}
+
+async fn wait_for_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve { listen, store, nats, admin_token, access_ttl_secs, hold_fanout } => {
+            init_logs();
+            if nats.is_some() {
+                bail!("--nats is not supported by this build yet (cluster mode needs the PostgreSQL store)");
+            }
+            let store = open_store(&store)?;
+            let config = ServerConfig {
+                admin_token: admin_token.filter(|t| !t.is_empty()),
+                access_token_ttl: std::time::Duration::from_secs(access_ttl_secs),
+                hold_fanout,
+                ..ServerConfig::default()
+            };
+            let server = Server::start(&listen, store as Arc<dyn Store>, config).await?;
+            // Scripts read this line to learn the bound address.
+            println!("tidemark listening on {}", server.addr);
+            wait_for_signal().await;
+            tracing::info!("shutting down");
+            server.stop().await;
+            Ok(())
+        }
+        Command::User { command: UserCommand::Add { name, store } } => {
+            tidemark_core::ids::check_user(&name).map_err(anyhow::Error::msg)?;
+            let mut password = String::new();
+            std::io::stdin().lock().read_line(&mut password).context("read password from stdin")?;
+            let password = password.trim_end_matches(['\r', '\n']);
+            if password.is_empty() {
+                bail!("empty password: write it to stdin");
+            }
+            let hash = tidemark_server::gateway::auth::hash_password(password).map_err(anyhow::Error::msg)?;
+            let store = open_store(&store)?;
+            let now = tidemark_server::util::now_ms();
+            if store.create_user(&name, &hash, now).await? {
+                println!("created user {name}");
+                Ok(())
+            } else {
+                bail!("user {name} already exists")
+            }
+        }
+        Command::Bench { command } => bench::run(command).await,
+    }
+}

@@ -1,0 +1,154 @@
+//! A WebSocket connection with request multiplexing by `rid`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures_util::{SinkExt, StreamExt};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use tidemark_proto::{op, AckOk, AckReq, ConvCreateOk, ConvCreateReq, SendOk, SendReq, SyncOk, SyncReq};
+use tokio::sync::{mpsc, oneshot};
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+
+use crate::{decode_reply, ClientError, ClientResult};
+
+/// Server-initiated frames.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerEvent {
+    Hint {
+        high_watermark: u64,
+        reason: String,
+    },
+    Kicked {
+        reason: String,
+    },
+    /// The connection ended.
+    Closed,
+}
+
+/// Server events buffered for the application; hints beyond this are
+/// dropped (a hint may be lost by design, D8), `kicked` and `Closed` never.
+pub const EVENTS_MAX: usize = 1024;
+/// Outgoing frames queued before `request` waits.
+pub const OUTGOING_MAX: usize = 256;
+
+type Pending = Arc<Mutex<HashMap<String, oneshot::Sender<Value>>>>;
+
+#[derive(Clone)]
+pub struct WsConn {
+    out: mpsc::Sender<Message>,
+    pending: Pending,
+    next_rid: Arc<AtomicU64>,
+}
+
+impl WsConn {
+    /// Connects to `ws_url` (like `ws://127.0.0.1:8080/v1/ws`) with the
+    /// access token in the `Authorization` header.
+    pub async fn connect(ws_url: &str, access_token: &str) -> ClientResult<(WsConn, mpsc::Receiver<ServerEvent>)> {
+        let mut request = ws_url.into_client_request().map_err(|e| ClientError::Transport(e.to_string()))?;
+        let value = format!("Bearer {access_token}").parse().map_err(|_| ClientError::Transport("bad token".into()))?;
+        request.headers_mut().insert("authorization", value);
+        let (socket, _) =
+            tokio_tungstenite::connect_async(request).await.map_err(|e| ClientError::Transport(e.to_string()))?;
+        let (mut sink, mut stream) = socket.split();
+        let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTGOING_MAX);
+        let (ev_tx, ev_rx) = mpsc::channel::<ServerEvent>(EVENTS_MAX);
+        let pending: Pending = Arc::default();
+        tokio::spawn(async move {
+            while let Some(msg) = out_rx.recv().await {
+                if sink.send(msg).await.is_err() {
+                    break;
+                }
+            }
+            let _ = sink.close().await;
+        });
+        let reader_pending = pending.clone();
+        let pong = out_tx.clone();
+        tokio::spawn(async move {
+            while let Some(Ok(msg)) = stream.next().await {
+                let text = match msg {
+                    Message::Text(t) => t,
+                    Message::Ping(p) => {
+                        let _ = pong.try_send(Message::Pong(p));
+                        continue;
+                    }
+                    Message::Close(_) => break,
+                    _ => continue,
+                };
+                let Ok(v) = serde_json::from_str::<Value>(&text) else {
+                    continue;
+                };
+                if let Some(rid) = v.get("rid").and_then(Value::as_str) {
+                    if let Some(tx) = reader_pending.lock().expect("pending lock").remove(rid) {
+                        let _ = tx.send(v);
+                    }
+                    continue;
+                }
+                match v.get("t").and_then(Value::as_str) {
+                    Some("hint") => {
+                        let high_watermark = v.get("user_sync_high_watermark").and_then(Value::as_u64).unwrap_or(0);
+                        let reason = v.get("reason").and_then(Value::as_str).unwrap_or("").to_owned();
+                        let _ = ev_tx.try_send(ServerEvent::Hint { high_watermark, reason });
+                    }
+                    Some("kicked") => {
+                        let reason = v.get("reason").and_then(Value::as_str).unwrap_or("").to_owned();
+                        let _ = ev_tx.send(ServerEvent::Kicked { reason }).await;
+                    }
+                    _ => {}
+                }
+            }
+            // Fail every request still waiting: their senders drop here.
+            reader_pending.lock().expect("pending lock").clear();
+            let _ = ev_tx.send(ServerEvent::Closed).await;
+        });
+        Ok((WsConn { out: out_tx, pending, next_rid: Arc::new(AtomicU64::new(1)) }, ev_rx))
+    }
+
+    /// Sends a raw text frame (for tests of malformed input).
+    pub async fn send_raw(&self, text: String) -> ClientResult<()> {
+        self.out.send(Message::Text(text.into())).await.map_err(|_| ClientError::Closed)
+    }
+
+    /// Sends `{"t": op, "rid": .., ...body}` and waits for its reply.
+    pub async fn request_value(&self, op: &str, body: Value) -> ClientResult<Value> {
+        let rid = format!("r{}", self.next_rid.fetch_add(1, Ordering::Relaxed));
+        let mut map = match body {
+            Value::Object(m) => m,
+            Value::Null => Default::default(),
+            _ => return Err(ClientError::Decode("request body must be an object".into())),
+        };
+        map.insert("t".into(), Value::String(op.into()));
+        map.insert("rid".into(), Value::String(rid.clone()));
+        let (tx, rx) = oneshot::channel();
+        self.pending.lock().expect("pending lock").insert(rid.clone(), tx);
+        if self.out.send(Message::Text(Value::Object(map).to_string().into())).await.is_err() {
+            self.pending.lock().expect("pending lock").remove(&rid);
+            return Err(ClientError::Closed);
+        }
+        rx.await.map_err(|_| ClientError::Closed)
+    }
+
+    pub async fn request<B: Serialize, T: DeserializeOwned>(&self, op: &str, body: &B) -> ClientResult<T> {
+        let body = serde_json::to_value(body).map_err(|e| ClientError::Decode(e.to_string()))?;
+        decode_reply(self.request_value(op, body).await?)
+    }
+
+    pub async fn send(&self, req: &SendReq) -> ClientResult<SendOk> {
+        self.request(op::SEND, req).await
+    }
+
+    pub async fn sync(&self, req: &SyncReq) -> ClientResult<SyncOk> {
+        self.request(op::SYNC, req).await
+    }
+
+    pub async fn ack(&self, batch_token: &str, sync_seq: u64) -> ClientResult<AckOk> {
+        self.request(op::ACK, &AckReq { batch_token: batch_token.into(), sync_seq }).await
+    }
+
+    pub async fn conv_create_direct(&self, peer: &str) -> ClientResult<ConvCreateOk> {
+        self.request(op::CONV_CREATE, &ConvCreateReq { kind: "direct".into(), members: vec![peer.into()] }).await
+    }
+}

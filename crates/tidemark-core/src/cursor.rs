@@ -1,0 +1,221 @@
+//! Device cursors (D1, D4, D5): where each device may resume and how its
+//! cumulative ACK moves.
+//!
+//! Every backend reads the device row, calls one of these functions and
+//! writes what it returns, all in one transaction. The functions never look
+//! at another device's row: one device's progress never moves another's (D1).
+
+use crate::{Generation, SyncSeq};
+
+/// Lifecycle of a device's sync cursor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceState {
+    /// Logged in, never synced: no batch token was ever issued to it.
+    New,
+    /// Incremental sync from `acked_sync_seq`.
+    Active,
+    /// Its generation was bumped; it must rebuild before syncing again.
+    Resetting,
+    /// Revoked (P5): every sync, ACK and read is refused.
+    Revoked,
+}
+
+impl DeviceState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeviceState::New => "NEW",
+            DeviceState::Active => "ACTIVE",
+            DeviceState::Resetting => "RESETTING",
+            DeviceState::Revoked => "REVOKED",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<DeviceState> {
+        Some(match s {
+            "NEW" => DeviceState::New,
+            "ACTIVE" => DeviceState::Active,
+            "RESETTING" => DeviceState::Resetting,
+            "REVOKED" => DeviceState::Revoked,
+            _ => return None,
+        })
+    }
+}
+
+/// The server's durable record of one device's sync progress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceCursor {
+    pub generation: Generation,
+    pub acked_sync_seq: SyncSeq,
+    pub state: DeviceState,
+}
+
+/// What the client says about itself on the first page of a sync.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ClientPosition {
+    /// Omitted by a device with no local state.
+    pub generation: Option<Generation>,
+    pub local_applied_sync_seq: Option<SyncSeq>,
+}
+
+/// Where a sync batch starts, decided from the server's cursor only; the
+/// client's claims can make the server replay more, never less (D5).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Resume {
+    /// Replay `(from, high watermark]` under `generation`.
+    Replay { generation: Generation, from: SyncSeq },
+    /// A never-synced device: set state `ACTIVE` at `generation` (CAS from
+    /// `NEW`), then replay from the start of the retained log.
+    Activate { generation: Generation },
+    /// The device is `RESETTING` at `generation` and the client has wiped its
+    /// local state: set `ACTIVE` with ACK 0 (CAS on generation and state),
+    /// then replay the retained log from its start. Snapshots (D7) replace
+    /// this path once the log is trimmed.
+    Rebuild { generation: Generation },
+    /// Bump the generation (CAS from `expected`), set `RESETTING`, answer
+    /// `RESET_REQUIRED` with the new generation.
+    Reset { expected: Generation },
+    /// Already resetting: answer `RESET_REQUIRED` with this generation.
+    StillResetting { generation: Generation },
+    /// Answer `DEVICE_REVOKED`.
+    Revoked,
+}
+
+/// D5: chooses the start of a sync batch.
+///
+/// `user_high_watermark` is the user's committed sync head; a client that
+/// claims to have applied beyond it has a corrupt store and is reset.
+pub fn decide_resume(cursor: DeviceCursor, client: ClientPosition, user_high_watermark: SyncSeq) -> Resume {
+    let local = client.local_applied_sync_seq.unwrap_or(0);
+    match cursor.state {
+        DeviceState::Revoked => Resume::Revoked,
+        DeviceState::New => match client.generation {
+            None if local == 0 => Resume::Activate { generation: cursor.generation },
+            _ => Resume::Reset { expected: cursor.generation },
+        },
+        DeviceState::Resetting => {
+            if client.generation == Some(cursor.generation) && local == 0 {
+                Resume::Rebuild { generation: cursor.generation }
+            } else {
+                Resume::StillResetting { generation: cursor.generation }
+            }
+        }
+        DeviceState::Active => {
+            let same_generation = client.generation == Some(cursor.generation);
+            let plausible = local >= cursor.acked_sync_seq && local <= user_high_watermark;
+            if same_generation && plausible {
+                Resume::Replay { generation: cursor.generation, from: cursor.acked_sync_seq }
+            } else {
+                Resume::Reset { expected: cursor.generation }
+            }
+        }
+    }
+}
+
+/// The result of a cumulative ACK (D4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AckDecision {
+    /// Write `acked_sync_seq = to`.
+    Advance { to: SyncSeq },
+    /// An older or equal ACK: return the current value, write nothing.
+    Unchanged { acked: SyncSeq },
+    /// The token's generation is not the device's: `STALE_GENERATION`.
+    StaleGeneration { current: Generation },
+    /// `RESET_REQUIRED`.
+    Resetting { current: Generation },
+    /// `DEVICE_REVOKED`.
+    Revoked,
+}
+
+/// D4: a monotonic compare-and-set. The caller has already checked the
+/// token's signature, owner, expiry and that `seq <= batch_high_watermark`.
+pub fn decide_ack(cursor: DeviceCursor, token_generation: Generation, seq: SyncSeq) -> AckDecision {
+    match cursor.state {
+        DeviceState::Revoked => return AckDecision::Revoked,
+        _ if token_generation != cursor.generation => {
+            return AckDecision::StaleGeneration { current: cursor.generation };
+        }
+        DeviceState::Resetting | DeviceState::New => {
+            return AckDecision::Resetting { current: cursor.generation };
+        }
+        DeviceState::Active => {}
+    }
+    if seq > cursor.acked_sync_seq {
+        AckDecision::Advance { to: seq }
+    } else {
+        AckDecision::Unchanged { acked: cursor.acked_sync_seq }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn active(generation: u64, acked: u64) -> DeviceCursor {
+        DeviceCursor { generation, acked_sync_seq: acked, state: DeviceState::Active }
+    }
+
+    fn pos(generation: Option<u64>, local: Option<u64>) -> ClientPosition {
+        ClientPosition { generation, local_applied_sync_seq: local }
+    }
+
+    /// One table for D5; each row is (cursor, client, head, expected).
+    #[test]
+    fn resume_rules() {
+        let new = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::New };
+        let resetting = DeviceCursor { generation: 4, acked_sync_seq: 7, state: DeviceState::Resetting };
+        let revoked = DeviceCursor { generation: 2, acked_sync_seq: 7, state: DeviceState::Revoked };
+        let cases = [
+            (new, pos(None, None), 10, Resume::Activate { generation: 1 }),
+            (new, pos(Some(3), Some(5)), 10, Resume::Reset { expected: 1 }),
+            (active(2, 5), pos(Some(2), Some(5)), 10, Resume::Replay { generation: 2, from: 5 }),
+            // A lost ACK: local ahead of the server ACK replays from the ACK.
+            (active(2, 5), pos(Some(2), Some(8)), 10, Resume::Replay { generation: 2, from: 5 }),
+            // Local behind the ACK (restored backup): bump first.
+            (active(2, 5), pos(Some(2), Some(4)), 10, Resume::Reset { expected: 2 }),
+            // Generation missing or mismatched: bump first.
+            (active(2, 5), pos(None, Some(5)), 10, Resume::Reset { expected: 2 }),
+            (active(2, 5), pos(Some(1), Some(5)), 10, Resume::Reset { expected: 2 }),
+            // Claims beyond anything the server ever wrote: corrupt, reset.
+            (active(2, 5), pos(Some(2), Some(11)), 10, Resume::Reset { expected: 2 }),
+            (resetting, pos(Some(4), Some(0)), 10, Resume::Rebuild { generation: 4 }),
+            (resetting, pos(Some(4), Some(3)), 10, Resume::StillResetting { generation: 4 }),
+            (resetting, pos(Some(3), Some(0)), 10, Resume::StillResetting { generation: 4 }),
+            (revoked, pos(Some(2), Some(7)), 10, Resume::Revoked),
+        ];
+        for (i, (cursor, client, head, want)) in cases.into_iter().enumerate() {
+            assert_eq!(decide_resume(cursor, client, head), want, "row {i}");
+        }
+    }
+
+    #[test]
+    fn ack_rules() {
+        assert_eq!(decide_ack(active(3, 5), 3, 9), AckDecision::Advance { to: 9 });
+        assert_eq!(decide_ack(active(3, 9), 3, 5), AckDecision::Unchanged { acked: 9 });
+        assert_eq!(decide_ack(active(3, 9), 3, 9), AckDecision::Unchanged { acked: 9 });
+        assert_eq!(decide_ack(active(3, 5), 2, 9), AckDecision::StaleGeneration { current: 3 });
+        let resetting = DeviceCursor { generation: 3, acked_sync_seq: 5, state: DeviceState::Resetting };
+        assert_eq!(decide_ack(resetting, 3, 9), AckDecision::Resetting { current: 3 });
+        assert_eq!(decide_ack(resetting, 2, 9), AckDecision::StaleGeneration { current: 3 });
+        let revoked = DeviceCursor { generation: 3, acked_sync_seq: 5, state: DeviceState::Revoked };
+        assert_eq!(decide_ack(revoked, 3, 9), AckDecision::Revoked);
+    }
+
+    proptest::proptest! {
+        /// Whatever order ACKs arrive in, the cursor only moves forward and
+        /// ends at the maximum ACKed value.
+        #[test]
+        fn acks_in_any_order_never_move_back(acks in proptest::collection::vec(0u64..1000, 1..50)) {
+            let mut cursor = active(1, 0);
+            for &a in &acks {
+                let before = cursor.acked_sync_seq;
+                match decide_ack(cursor, 1, a) {
+                    AckDecision::Advance { to } => cursor.acked_sync_seq = to,
+                    AckDecision::Unchanged { acked } => proptest::prop_assert_eq!(acked, before),
+                    other => proptest::prop_assert!(false, "unexpected {:?}", other),
+                }
+                proptest::prop_assert!(cursor.acked_sync_seq >= before);
+            }
+            proptest::prop_assert_eq!(cursor.acked_sync_seq, *acks.iter().max().unwrap());
+        }
+    }
+}

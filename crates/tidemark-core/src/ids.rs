@@ -1,0 +1,71 @@
+//! Validation of identifiers that come from outside (user names, device ids,
+//! client message ids). Bounds are named so every layer agrees on them.
+
+/// Longest user name, in bytes.
+pub const USER_BYTES_MAX: usize = 64;
+/// Longest device id, in bytes.
+pub const DEVICE_ID_BYTES_MAX: usize = 128;
+/// Longest client message id, in bytes.
+pub const CLIENT_MSG_ID_BYTES_MAX: usize = 128;
+/// Longest message kind, in bytes.
+pub const KIND_BYTES_MAX: usize = 32;
+
+fn is_id_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '@')
+}
+
+fn check(what: &str, s: &str, max: usize) -> Result<(), String> {
+    if s.is_empty() || s.len() > max {
+        return Err(format!("{what} must be 1..={max} bytes"));
+    }
+    if !s.chars().all(is_id_char) {
+        return Err(format!("{what} may contain only ASCII letters, digits and _ - . @"));
+    }
+    Ok(())
+}
+
+pub fn check_user(s: &str) -> Result<(), String> {
+    check("user", s, USER_BYTES_MAX)
+}
+
+pub fn check_device_id(s: &str) -> Result<(), String> {
+    check("device_id", s, DEVICE_ID_BYTES_MAX)
+}
+
+pub fn check_client_msg_id(s: &str) -> Result<(), String> {
+    if s.is_empty() || s.len() > CLIENT_MSG_ID_BYTES_MAX || s.chars().any(char::is_control) {
+        return Err(format!("client_msg_id must be 1..={CLIENT_MSG_ID_BYTES_MAX} bytes without control characters"));
+    }
+    Ok(())
+}
+
+pub fn check_kind(s: &str) -> Result<(), String> {
+    check("kind", s, KIND_BYTES_MAX)
+}
+
+/// The key that maps a direct pair to its single conversation, whatever the
+/// order in which the two users are named.
+pub fn direct_key(a: &str, b: &str) -> String {
+    if a <= b {
+        format!("{a}|{b}")
+    } else {
+        format!("{b}|{a}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids() {
+        assert!(check_user("alice").is_ok());
+        assert!(check_user("").is_err());
+        assert!(check_user("a|b").is_err());
+        assert!(check_user(&"x".repeat(65)).is_err());
+        assert!(check_device_id("phone-1").is_ok());
+        assert!(check_client_msg_id("m 1").is_ok());
+        assert!(check_client_msg_id("m\n1").is_err());
+        assert_eq!(direct_key("b", "a"), direct_key("a", "b"));
+    }
+}

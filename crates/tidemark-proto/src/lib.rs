@@ -1,0 +1,340 @@
+//! The Tidemark wire protocol: every JSON shape that crosses the network.
+//!
+//! This crate owns the names fixed by `shared/spec/PROTOCOL.md` (operation
+//! names, field names, error codes) and is the only crate that derives
+//! `Serialize`/`Deserialize` for wire types. It knows nothing about storage,
+//! sockets or the domain rules; the server and client convert explicitly.
+//!
+//! A WebSocket frame is one JSON object with `"t"` (operation) and `"rid"`
+//! (request id) beside the operation's own fields; over HTTP the same body
+//! travels without `t`/`rid`. [`split_frame`] and [`reply_frame`] do that
+//! framing so that both transports share one handler per operation.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+pub mod error;
+pub use error::{ErrorCode, ErrorFrame};
+
+/// Largest WebSocket frame or HTTP body the server accepts, in bytes.
+pub const FRAME_BYTES_MAX: usize = 256 * 1024;
+/// Largest serialized message `content`, in bytes.
+pub const CONTENT_BYTES_MAX: usize = 64 * 1024;
+/// Largest `client_msg_id`, in bytes.
+pub const CLIENT_MSG_ID_BYTES_MAX: usize = 128;
+/// Default and largest page of a `sync` call.
+pub const SYNC_LIMIT_DEFAULT: u32 = 100;
+pub const SYNC_LIMIT_MAX: u32 = 1000;
+
+/// Operation names, exactly as the contract spells them.
+pub mod op {
+    pub const AUTH: &str = "auth";
+    pub const SEND: &str = "send";
+    pub const SYNC: &str = "sync";
+    pub const ACK: &str = "ack";
+    pub const CONV_CREATE: &str = "conv.create";
+    pub const CONV_LIST: &str = "conv.list";
+    pub const DEVICE_REVOKE: &str = "device.revoke";
+    pub const PING: &str = "ping";
+    /// Every operation this server implements, for docs and OpenAPI.
+    pub const ALL: &[&str] = &[SEND, SYNC, ACK, CONV_CREATE, CONV_LIST, DEVICE_REVOKE, PING];
+}
+
+/// Server-initiated frame types.
+pub mod server_frame {
+    pub const HINT: &str = "hint";
+    pub const KICKED: &str = "kicked";
+}
+
+/// A client frame split into its operation, request id and body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Frame {
+    pub t: String,
+    pub rid: Option<String>,
+    pub body: Value,
+}
+
+/// Splits a WebSocket text frame into `t`, `rid` and the remaining body.
+/// A frame that is not a JSON object with a string `t` is `BAD_REQUEST`;
+/// the `rid`, when it could be read, is returned so the error can echo it.
+pub fn split_frame(text: &str) -> Result<Frame, (Option<String>, String)> {
+    let value: Value = serde_json::from_str(text).map_err(|e| (None, format!("malformed JSON: {e}")))?;
+    let Value::Object(mut map) = value else {
+        return Err((None, "frame must be a JSON object".into()));
+    };
+    let rid = match map.remove("rid") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(Value::Number(n)) => Some(n.to_string()),
+        Some(_) => return Err((None, "rid must be a string".into())),
+    };
+    let t = match map.remove("t") {
+        Some(Value::String(t)) => t,
+        _ => return Err((rid, "missing operation \"t\"".into())),
+    };
+    Ok(Frame { t, rid, body: Value::Object(map) })
+}
+
+/// Builds the reply frame `{"t": "<op>.ok", "rid": .., ...reply}`.
+pub fn reply_frame(op: &str, rid: Option<&str>, reply: Value) -> Value {
+    let mut map = match reply {
+        Value::Object(map) => map,
+        Value::Null => Map::new(),
+        other => {
+            let mut m = Map::new();
+            m.insert("value".into(), other);
+            m
+        }
+    };
+    map.insert("t".into(), Value::String(format!("{op}.ok")));
+    if let Some(rid) = rid {
+        map.insert("rid".into(), Value::String(rid.to_owned()));
+    }
+    Value::Object(map)
+}
+
+// ---------------------------------------------------------------- accounts
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdminUserReq {
+    pub user: String,
+    pub password: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdminUserOk {
+    pub user: String,
+    pub created: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LoginReq {
+    pub user: String,
+    pub password: String,
+    pub device_id: String,
+    #[serde(default)]
+    pub device_name: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct LoginOk {
+    pub user: String,
+    pub device_id: String,
+    pub access_token: String,
+    /// Seconds until `access_token` expires.
+    pub expires_in: u64,
+    pub refresh_token: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RefreshReq {
+    pub refresh_token: String,
+}
+
+/// First WebSocket frame when the upgrade carried no `Authorization` header.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AuthReq {
+    pub token: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AuthOk {
+    pub user: String,
+    pub device_id: String,
+    /// Increases with every new connection of this device (P2).
+    pub connection_epoch: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceRevokeReq {
+    pub device_id: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeviceRevokeOk {
+    pub device_id: String,
+    /// False when the device was already revoked.
+    pub revoked: bool,
+}
+
+// ---------------------------------------------------------- conversations
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvCreateReq {
+    pub kind: String,
+    pub members: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvCreateOk {
+    pub conv: String,
+    pub kind: String,
+    pub members: Vec<String>,
+    /// False when the direct pair already had its conversation.
+    pub created: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvSummary {
+    pub conv: String,
+    pub kind: String,
+    pub last_msg_seq: u64,
+    pub read_seq: u64,
+    pub unread: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvListOk {
+    pub conversations: Vec<ConvSummary>,
+}
+
+// ------------------------------------------------------------------ send
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SendReq {
+    pub conv: String,
+    pub client_msg_id: String,
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    pub content: Value,
+}
+
+fn default_kind() -> String {
+    "text".into()
+}
+
+/// `send.ok` states only that the message was accepted (S4).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SendOk {
+    pub message_id: String,
+    pub conv: String,
+    pub msg_seq: u64,
+    /// Server time of acceptance, milliseconds since the Unix epoch.
+    pub created_at: i64,
+    /// True when this `client_msg_id` had already been accepted.
+    pub duplicate: bool,
+}
+
+// ------------------------------------------------------------------ sync
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct SyncReq {
+    /// Omitted by a device with no local state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_generation: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub local_applied_sync_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    /// Next pages: the token of the first page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub batch_token: Option<String>,
+    /// Next pages: `next_cursor` of the previous page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cursor: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SyncOk {
+    pub sync_generation: u64,
+    pub resume_from: u64,
+    pub batch_high_watermark: u64,
+    pub server_acked_sync_seq: u64,
+    pub events: Vec<UserEvent>,
+    pub next_cursor: Option<String>,
+    pub has_more: bool,
+    pub batch_token: String,
+}
+
+/// One entry of a user's sync log.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct UserEvent {
+    pub sync_seq: u64,
+    /// `message` for now; later kinds (recall, read, settings) add values.
+    pub kind: String,
+    pub conv: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub msg_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<Envelope>,
+}
+
+/// The unified message envelope (C4).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Envelope {
+    pub message_id: String,
+    pub conv: String,
+    pub msg_seq: u64,
+    pub kind: String,
+    /// `normal` (later: `recalled`, `edited`).
+    pub state: String,
+    pub sender: String,
+    pub content: Value,
+    pub created_at: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AckReq {
+    pub batch_token: String,
+    pub sync_seq: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AckOk {
+    /// The device's cursor after this ACK (never lower than before it).
+    pub acked_sync_seq: u64,
+    pub sync_generation: u64,
+}
+
+// --------------------------------------------------------- server frames
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Hint {
+    pub user_sync_high_watermark: u64,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Kicked {
+    pub reason: String,
+}
+
+/// Reasons carried by `hint` and `kicked`.
+pub mod reason {
+    pub const NEW_EVENT: &str = "new_event";
+    pub const LAGGING_ACK: &str = "lagging_ack";
+    pub const CONNECTED: &str = "connected";
+    pub const SUPERSEDED: &str = "superseded";
+    pub const SLOW_CONSUMER: &str = "slow_consumer";
+    pub const DEVICE_REVOKED: &str = "device_revoked";
+    pub const SHUTDOWN: &str = "shutdown";
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_frame_keeps_rid_on_missing_op() {
+        let err = split_frame(r#"{"rid":"r1","x":1}"#).unwrap_err();
+        assert_eq!(err.0.as_deref(), Some("r1"));
+        let err = split_frame("not json").unwrap_err();
+        assert_eq!(err.0, None);
+        let f = split_frame(r#"{"t":"send","rid":"r2","conv":"c"}"#).unwrap();
+        assert_eq!(f.t, "send");
+        assert_eq!(f.rid.as_deref(), Some("r2"));
+        assert_eq!(f.body, serde_json::json!({"conv":"c"}));
+    }
+
+    #[test]
+    fn reply_frame_sets_t_and_rid() {
+        let v = reply_frame("ack", Some("r9"), serde_json::json!({"acked_sync_seq": 3}));
+        assert_eq!(v, serde_json::json!({"t":"ack.ok","rid":"r9","acked_sync_seq":3}));
+    }
+
+    #[test]
+    fn sync_req_omits_absent_fields() {
+        let v = serde_json::to_value(SyncReq { limit: Some(5), ..Default::default() }).unwrap();
+        assert_eq!(v, serde_json::json!({"limit":5}));
+    }
+}

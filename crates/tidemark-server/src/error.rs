@@ -1,0 +1,64 @@
+//! The typed error every operation returns, mapped to a wire code.
+
+use tidemark_proto::{ErrorCode, ErrorFrame};
+use tidemark_store::StoreError;
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    pub code: ErrorCode,
+    pub message: String,
+    pub retry_after_ms: Option<u64>,
+    pub sync_generation: Option<u64>,
+}
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
+        ApiError { code, message: message.into(), retry_after_ms: None, sync_generation: None }
+    }
+
+    pub fn bad_request(message: impl Into<String>) -> ApiError {
+        ApiError::new(ErrorCode::BadRequest, message)
+    }
+
+    pub fn with_generation(mut self, generation: u64) -> ApiError {
+        self.sync_generation = Some(generation);
+        self
+    }
+
+    pub fn into_frame(self, rid: Option<String>) -> ErrorFrame {
+        crate::metrics::refusal(self.code);
+        ErrorFrame {
+            t: "error".into(),
+            rid,
+            code: self.code,
+            message: self.message,
+            retry_after_ms: self.retry_after_ms,
+            sync_generation: self.sync_generation,
+        }
+    }
+}
+
+impl From<StoreError> for ApiError {
+    fn from(e: StoreError) -> ApiError {
+        match e {
+            StoreError::NotFound(what) => ApiError::new(ErrorCode::NotFound, what),
+            StoreError::NotMember => ApiError::new(ErrorCode::NotMember, "not a member of this conversation"),
+            StoreError::Invalid(m) => ApiError::bad_request(m),
+            StoreError::Conflict(m) => ApiError::new(ErrorCode::Conflict, m),
+            StoreError::Unavailable(m) => {
+                tracing::warn!(error = %m, "store unavailable");
+                ApiError {
+                    retry_after_ms: Some(200),
+                    ..ApiError::new(ErrorCode::Unavailable, "temporarily unavailable")
+                }
+            }
+            StoreError::Internal(m) => {
+                let id = crate::util::new_id("err_");
+                tracing::error!(error_id = %id, error = %m, "internal store error");
+                ApiError::new(ErrorCode::Internal, format!("internal error {id}"))
+            }
+        }
+    }
+}
+
+pub type ApiResult<T> = Result<T, ApiError>;

@@ -1,0 +1,136 @@
+//! HTTP routes: `POST /v1/rpc/<op>` with the same body and reply as the
+//! WebSocket frame (without `t`/`rid` in the request), login, refresh,
+//! admin, health and metrics.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::Value;
+use tidemark_proto::{AdminUserOk, AdminUserReq, ErrorCode, LoginReq, RefreshReq};
+
+use super::auth;
+use crate::error::ApiError;
+use crate::metrics as m;
+use crate::ops::{self, parse};
+use crate::server::AppState;
+
+pub(super) fn error_response(e: ApiError) -> Response {
+    let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    (status, Json(e.into_frame(None))).into_response()
+}
+
+fn json_body(body: &Bytes) -> Result<Value, ApiError> {
+    if body.is_empty() {
+        return Ok(Value::Object(Default::default()));
+    }
+    let v: Value = serde_json::from_slice(body).map_err(|e| ApiError::bad_request(format!("malformed JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::bad_request("body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?.strip_prefix("Bearer ").map(str::trim)
+}
+
+pub async fn rpc(
+    State(state): State<Arc<AppState>>,
+    Path(op): Path<String>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let ctx = match bearer(&headers) {
+        None => return error_response(ApiError::new(ErrorCode::Unauthenticated, "missing bearer token")),
+        Some(token) => match auth::authenticate(&state, token) {
+            Ok(ctx) => ctx,
+            Err(e) => return error_response(e),
+        },
+    };
+    let body = match json_body(&body) {
+        Ok(b) => b,
+        Err(e) => return error_response(e),
+    };
+    match ops::dispatch(state, ctx, op.clone(), body).await {
+        Ok(reply) => Json(tidemark_proto::reply_frame(&op, None, reply)).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+pub async fn login(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: LoginReq = match json_body(&body).and_then(parse) {
+        Ok(r) => r,
+        Err(e) => return error_response(e),
+    };
+    match auth::login(&state, req).await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+pub async fn refresh(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let req: RefreshReq = match json_body(&body).and_then(parse) {
+        Ok(r) => r,
+        Err(e) => return error_response(e),
+    };
+    match auth::refresh(&state, req).await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// Constant-time comparison so the admin token cannot be guessed by timing.
+fn same_secret(a: &str, b: &str) -> bool {
+    a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    let Some(admin) = state.config.admin_token.as_deref() else {
+        return error_response(ApiError::new(
+            ErrorCode::Forbidden,
+            "admin endpoints are disabled (TIDEMARK_ADMIN_TOKEN unset)",
+        ));
+    };
+    if !bearer(&headers).is_some_and(|t| same_secret(t, admin)) {
+        return error_response(ApiError::new(ErrorCode::Unauthenticated, "admin token required"));
+    }
+    let req: AdminUserReq = match json_body(&body).and_then(parse) {
+        Ok(r) => r,
+        Err(e) => return error_response(e),
+    };
+    match auth::create_user(&state, &req.user, &req.password).await {
+        Ok(created) => {
+            tracing::info!(user = %req.user, created, "admin created user");
+            Json(AdminUserOk { user: req.user, created }).into_response()
+        }
+        Err(e) => error_response(e),
+    }
+}
+
+pub async fn healthz(State(state): State<Arc<AppState>>) -> Response {
+    match state.store.outbox_stats().await {
+        Ok(s) => Json(serde_json::json!({"status": "ok", "outbox_backlog": s.backlog})).into_response(),
+        Err(e) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(serde_json::json!({"status": "unavailable", "error": e.to_string()})),
+        )
+            .into_response(),
+    }
+}
+
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    // Gauges that are cheap to read at scrape time are refreshed here.
+    if let Ok(s) = state.store.outbox_stats().await {
+        metrics::gauge!(m::OUTBOX_BACKLOG).set(s.backlog as f64);
+        let age = s.oldest_created_at_ms.map(|c| (crate::util::now_ms() - c).max(0) as f64 / 1000.0).unwrap_or(0.0);
+        metrics::gauge!(m::OUTBOX_OLDEST_AGE).set(age);
+    }
+    let st = state.store.stats();
+    metrics::gauge!(m::STORE_COMMITS).set(st.commits as f64);
+    metrics::gauge!(m::STORE_WRITES).set(st.writes as f64);
+    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
+}

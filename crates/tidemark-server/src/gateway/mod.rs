@@ -1,0 +1,31 @@
+//! The gateway: HTTP routes and the WebSocket endpoint. Both transports
+//! parse a frame, authenticate from the token, and call
+//! [`crate::ops::dispatch`]; neither holds message state.
+
+pub mod auth;
+mod http;
+mod openapi;
+mod ws;
+
+use std::sync::Arc;
+
+use axum::extract::DefaultBodyLimit;
+use axum::routing::{get, post};
+use axum::Router;
+
+use crate::server::AppState;
+
+pub fn router(state: Arc<AppState>) -> Router {
+    let body_max = state.config.frame_bytes_max;
+    Router::new()
+        .route("/healthz", get(http::healthz))
+        .route("/metrics", get(http::metrics))
+        .route("/v1/openapi.json", get(openapi::document))
+        .route("/v1/admin/users", post(http::admin_create_user))
+        .route("/v1/login", post(http::login))
+        .route("/v1/refresh", post(http::refresh))
+        .route("/v1/rpc/{op}", post(http::rpc))
+        .route("/v1/ws", get(ws::upgrade))
+        .layer(DefaultBodyLimit::max(body_max))
+        .with_state(state)
+}

@@ -1,0 +1,56 @@
+//! `GET /v1/openapi.json`: an OpenAPI 3.1 description of the HTTP surface.
+//! Request and reply shapes are spelled out in `docs/protocol.md`; this
+//! document lists every path and operation with its fields.
+
+use axum::Json;
+use serde_json::{json, Value};
+
+fn object(fields: &[&str]) -> Value {
+    let props: serde_json::Map<String, Value> = fields.iter().map(|f| ((*f).to_string(), json!({}))).collect();
+    json!({"type": "object", "properties": props})
+}
+
+fn rpc(summary: &str, request: &[&str], reply: &[&str]) -> Value {
+    json!({"post": {
+        "summary": summary,
+        "security": [{"bearer": []}],
+        "requestBody": {"content": {"application/json": {"schema": object(request)}}},
+        "responses": {
+            "200": {"description": "`<op>.ok`", "content": {"application/json": {"schema": object(reply)}}},
+            "default": {"description": "error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        }
+    }})
+}
+
+pub async fn document() -> Json<Value> {
+    Json(json!({
+        "openapi": "3.1.0",
+        "info": {"title": "Tidemark", "version": env!("CARGO_PKG_VERSION")},
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {"Error": object(&["t", "code", "message", "retry_after_ms", "sync_generation"])}
+        },
+        "paths": {
+            "/v1/admin/users": rpc("Create a user (admin token)", &["user", "password"], &["user", "created"]),
+            "/v1/login": rpc("Log a device in", &["user", "password", "device_id", "device_name"],
+                &["user", "device_id", "access_token", "expires_in", "refresh_token"]),
+            "/v1/refresh": rpc("Rotate a refresh token", &["refresh_token"],
+                &["user", "device_id", "access_token", "expires_in", "refresh_token"]),
+            "/v1/rpc/send": rpc("Send a message (S1-S4)", &["conv", "client_msg_id", "kind", "content"],
+                &["message_id", "conv", "msg_seq", "created_at", "duplicate"]),
+            "/v1/rpc/sync": rpc("Pull a page of the user sync log (D1-D5)",
+                &["sync_generation", "local_applied_sync_seq", "limit", "batch_token", "cursor"],
+                &["sync_generation", "resume_from", "batch_high_watermark", "server_acked_sync_seq", "events",
+                  "next_cursor", "has_more", "batch_token"]),
+            "/v1/rpc/ack": rpc("Cumulative sync ACK (D4)", &["batch_token", "sync_seq"], &["acked_sync_seq", "sync_generation"]),
+            "/v1/rpc/conv.create": rpc("Create a conversation (G1)", &["kind", "members"], &["conv", "kind", "members", "created"]),
+            "/v1/rpc/conv.list": rpc("List conversations with unread (R2)", &[], &["conversations"]),
+            "/v1/rpc/device.revoke": rpc("Revoke a device (P5)", &["device_id"], &["device_id", "revoked"]),
+            "/v1/rpc/ping": rpc("Liveness of the caller's session", &[], &[]),
+            "/v1/ws": {"get": {"summary": "WebSocket upgrade; frames as in docs/protocol.md",
+                "responses": {"101": {"description": "switching protocols"}}}},
+            "/healthz": {"get": {"responses": {"200": {"description": "ok"}}}},
+            "/metrics": {"get": {"responses": {"200": {"description": "Prometheus text format"}}}}
+        }
+    }))
+}

@@ -1,0 +1,267 @@
+//! The WebSocket endpoint `/v1/ws`.
+//!
+//! One reader loop per connection parses frames and dispatches them; one
+//! writer task owns the socket's sending half and sends replies (from a
+//! bounded queue), coalesced hints, pings and the final `kicked` frame.
+//!
+//! - A malformed frame gets a `BAD_REQUEST` error and the connection goes
+//!   on; its other requests are unaffected.
+//! - At most `ws_inflight_max` requests run at once; past that the reader
+//!   stops reading (TCP backpressure).
+//! - Each request's future is polled once in the reader before it is
+//!   spawned; the store call is the first await point, so the writes of one
+//!   connection enter the store's queue in arrival order.
+//! - A client that does not read its replies fills its send queue and is
+//!   disconnected (`kicked {reason: "slow_consumer"}`); it resyncs from its
+//!   cursor, so nothing is silently skipped.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::Response;
+use futures_util::stream::{SplitSink, SplitStream};
+use futures_util::{SinkExt, StreamExt};
+use serde_json::Value;
+use tidemark_proto::{op, reason, server_frame, split_frame, AuthOk, AuthReq, ErrorCode};
+use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::task::JoinSet;
+
+use super::auth;
+use super::http::{bearer, error_response};
+use crate::error::{ApiError, ApiResult};
+use crate::hub::ConnEntry;
+use crate::metrics as m;
+use crate::ops::{self, AuthCtx};
+use crate::server::AppState;
+
+/// Time a client has to send its `auth` frame.
+const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
+/// Time the writer has to deliver the final `kicked` frame.
+const KICK_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
+/// Time given to in-flight requests when a connection ends.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+pub async fn upgrade(State(state): State<Arc<AppState>>, headers: HeaderMap, ws: WebSocketUpgrade) -> Response {
+    let pre_auth = match bearer(&headers) {
+        None => None,
+        Some(token) => match auth::authenticate(&state, token) {
+            Ok(ctx) => Some(ctx),
+            Err(e) => return error_response(e),
+        },
+    };
+    let max = state.config.frame_bytes_max;
+    ws.max_message_size(max).max_frame_size(max).on_upgrade(move |socket| connection(state, socket, pre_auth))
+}
+
+fn error_text(e: ApiError, rid: Option<String>) -> String {
+    serde_json::to_string(&e.into_frame(rid)).expect("error frames serialize")
+}
+
+fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<Value>) -> String {
+    match result {
+        Ok(v) => tidemark_proto::reply_frame(op, rid, v).to_string(),
+        Err(e) => error_text(e, rid.map(str::to_owned)),
+    }
+}
+
+/// Queues a frame for the writer; a full queue means the client is not
+/// reading, and the connection is ended rather than a frame dropped.
+fn push(out: &mpsc::Sender<String>, entry: &ConnEntry, text: String) {
+    match out.try_send(text) {
+        Ok(()) => {}
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            metrics::counter!(m::SLOW_CONSUMERS).increment(1);
+            tracing::warn!(device = %entry.device, epoch = entry.epoch, "send queue full; disconnecting slow consumer");
+            entry.kick(reason::SLOW_CONSUMER);
+        }
+        Err(mpsc::error::TrySendError::Closed(_)) => {}
+    }
+}
+
+async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
+    std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *fut).poll(cx))).await
+}
+
+/// Reads frames until a valid `auth` frame arrives (errors for the rest).
+async fn first_frame_auth(
+    state: &AppState,
+    sink: &mut SplitSink<WebSocket, Message>,
+    stream: &mut SplitStream<WebSocket>,
+) -> Option<(AuthCtx, Option<String>)> {
+    let deadline = tokio::time::Instant::now() + AUTH_TIMEOUT;
+    loop {
+        let msg = tokio::time::timeout_at(deadline, stream.next()).await.ok()??.ok()?;
+        let text = match msg {
+            Message::Text(t) => t,
+            Message::Close(_) => return None,
+            _ => continue,
+        };
+        let reply = match split_frame(&text) {
+            Err((rid, m)) => error_text(ApiError::bad_request(m), rid),
+            Ok(f) if f.t != op::AUTH => {
+                error_text(ApiError::new(ErrorCode::Unauthenticated, "send an auth frame first"), f.rid)
+            }
+            Ok(f) => match ops::parse::<AuthReq>(f.body).and_then(|a| auth::authenticate(state, &a.token)) {
+                Ok(ctx) => return Some((ctx, f.rid)),
+                Err(e) => error_text(e, f.rid),
+            },
+        };
+        sink.send(Message::Text(reply.into())).await.ok()?;
+    }
+}
+
+async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<AuthCtx>) {
+    let (mut sink, mut stream) = socket.split();
+    let (ctx, auth_rid) = match pre_auth {
+        Some(ctx) => (ctx, None),
+        None => match first_frame_auth(&state, &mut sink, &mut stream).await {
+            Some((ctx, rid)) => (ctx, Some(rid)),
+            None => return,
+        },
+    };
+    let acked = match state.store.device(&ctx.user, &ctx.device).await {
+        Ok(Some(d)) => d.cursor.acked_sync_seq,
+        _ => 0,
+    };
+    let user_hw = state.store.user_high_watermark(&ctx.user).await.unwrap_or(0);
+    let entry = state.hub.register(&ctx.user, &ctx.device, acked, user_hw);
+    tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket connected");
+    let (out_tx, out_rx) = mpsc::channel::<String>(state.config.ws_send_queue_max);
+    if let Some(rid) = auth_rid {
+        let ok = AuthOk { user: ctx.user.clone(), device_id: ctx.device.clone(), connection_epoch: entry.epoch };
+        let v = serde_json::to_value(ok).expect("auth.ok serializes");
+        push(&out_tx, &entry, tidemark_proto::reply_frame(op::AUTH, rid.as_deref(), v).to_string());
+    }
+    let mut writer =
+        tokio::spawn(write_loop(sink, out_rx, entry.clone(), state.config.ws_ping, state.shutdown.clone()));
+    let inflight = Arc::new(Semaphore::new(state.config.ws_inflight_max));
+    let mut tasks: JoinSet<()> = JoinSet::new();
+    let mut kick = entry.kick_watch();
+    let mut last_seen = Instant::now();
+    let silent_max = state.config.ws_ping * 3;
+    let mut liveness = tokio::time::interval(state.config.ws_ping);
+    loop {
+        tokio::select! {
+            msg = stream.next() => {
+                let Some(Ok(msg)) = msg else { break };
+                last_seen = Instant::now();
+                let text = match msg {
+                    Message::Text(t) => t,
+                    Message::Binary(_) => {
+                        push(&out_tx, &entry, error_text(ApiError::bad_request("binary frames are not supported"), None));
+                        continue;
+                    }
+                    Message::Close(_) => break,
+                    Message::Ping(_) | Message::Pong(_) => continue,
+                };
+                let Ok(permit) = inflight.clone().acquire_owned().await else { break };
+                handle_text(&state, &ctx, &entry, &out_tx, &mut tasks, text, permit).await;
+            }
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+            _ = kick.changed() => break,
+            _ = &mut writer => break,
+            _ = liveness.tick() => {
+                if last_seen.elapsed() > silent_max {
+                    tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket silent; closing");
+                    break;
+                }
+            }
+        }
+    }
+    // Let requests already accepted finish (their writes are queued anyway).
+    let _ = tokio::time::timeout(DRAIN_TIMEOUT, async { while tasks.join_next().await.is_some() {} }).await;
+    tasks.shutdown().await;
+    drop(out_tx);
+    if tokio::time::timeout(KICK_FLUSH_TIMEOUT * 2, &mut writer).await.is_err() {
+        writer.abort();
+    }
+    state.hub.unregister(&entry);
+    tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket closed");
+}
+
+async fn handle_text(
+    state: &Arc<AppState>,
+    ctx: &AuthCtx,
+    entry: &Arc<ConnEntry>,
+    out: &mpsc::Sender<String>,
+    tasks: &mut JoinSet<()>,
+    text: Utf8Bytes,
+    permit: tokio::sync::OwnedSemaphorePermit,
+) {
+    let frame = match split_frame(&text) {
+        Ok(f) => f,
+        Err((rid, m)) => return push(out, entry, error_text(ApiError::bad_request(m), rid)),
+    };
+    if frame.t == op::AUTH {
+        let e = ApiError::bad_request("this connection is already authenticated");
+        return push(out, entry, error_text(e, frame.rid));
+    }
+    let op = frame.t;
+    let rid = frame.rid;
+    let mut fut = Box::pin(ops::dispatch(state.clone(), ctx.clone(), op.clone(), frame.body));
+    match poll_once(&mut fut).await {
+        Poll::Ready(result) => push(out, entry, reply_text(&op, rid.as_deref(), result)),
+        Poll::Pending => {
+            let (out, entry) = (out.clone(), entry.clone());
+            tasks.spawn(async move {
+                let result = fut.await;
+                push(&out, &entry, reply_text(&op, rid.as_deref(), result));
+                drop(permit);
+            });
+        }
+    }
+}
+
+async fn send_kicked(sink: &mut SplitSink<WebSocket, Message>, why: &'static str) {
+    let frame = serde_json::json!({"t": server_frame::KICKED, "reason": why}).to_string();
+    let _ = tokio::time::timeout(KICK_FLUSH_TIMEOUT, async {
+        sink.send(Message::Text(frame.into())).await?;
+        sink.send(Message::Close(Some(CloseFrame { code: 4000, reason: why.into() }))).await
+    })
+    .await;
+}
+
+async fn write_loop(
+    mut sink: SplitSink<WebSocket, Message>,
+    mut out: mpsc::Receiver<String>,
+    entry: Arc<ConnEntry>,
+    ping: Duration,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let mut kick = entry.kick_watch();
+    let mut ticker = tokio::time::interval(ping);
+    ticker.tick().await;
+    loop {
+        if let Some(why) = entry.kicked() {
+            return send_kicked(&mut sink, why).await;
+        }
+        let sent = tokio::select! {
+            biased;
+            _ = kick.changed() => continue,
+            _ = crate::util::stopped(&mut shutdown) => return send_kicked(&mut sink, reason::SHUTDOWN).await,
+            msg = out.recv() => match msg {
+                Some(text) => sink.send(Message::Text(text.into())).await,
+                None => return,
+            },
+            _ = entry.wake.notified() => match entry.take_hint() {
+                Some((hw, rehint)) => {
+                    let why = if rehint { reason::LAGGING_ACK } else { reason::NEW_EVENT };
+                    metrics::counter!(m::HINTS).increment(1);
+                    let frame = serde_json::json!({"t": server_frame::HINT, "user_sync_high_watermark": hw, "reason": why});
+                    sink.send(Message::Text(frame.to_string().into())).await
+                }
+                None => Ok(()),
+            },
+            _ = ticker.tick() => sink.send(Message::Ping(Default::default())).await,
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! The hub: which devices are connected right now, and the hints they get.
+//!
+//! A hint says only "your log reached this high watermark" (D8). Each
+//! connection has one hint slot holding the highest watermark not yet sent;
+//! many fan-outs before the connection's writer wakes become one frame with
+//! the latest value (coalescing), so hints never queue up without bound and
+//! can never overflow a connection. Losing one is harmless: clients sync on
+//! connect and periodically, and [`Hub::rehint_sweep`] repeats the hint to a
+//! device whose ACK lags its user's watermark for longer than a bound.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tokio::sync::{watch, Notify};
+
+/// One authenticated connection, as the hub sees it.
+#[derive(Debug)]
+pub struct ConnEntry {
+    pub user: String,
+    pub device: String,
+    /// Increases with each connection of any device (P2).
+    pub epoch: u64,
+    /// Highest watermark to hint; 0 when nothing is pending.
+    pending_hint: AtomicU64,
+    /// Highest watermark hinted so far.
+    hinted: AtomicU64,
+    rehint: AtomicBool,
+    /// The device's ACK as last seen by this server.
+    acked: AtomicU64,
+    last_hint_at_ms: AtomicI64,
+    /// Woken when a hint is pending.
+    pub wake: Notify,
+    /// Set once when the hub decides to end this connection.
+    kick: watch::Sender<Option<&'static str>>,
+}
+
+impl ConnEntry {
+    /// The hint to send now, if any: `(watermark, is_rehint)`.
+    pub fn take_hint(&self) -> Option<(u64, bool)> {
+        let hw = self.pending_hint.swap(0, Ordering::AcqRel);
+        let rehint = self.rehint.swap(false, Ordering::AcqRel);
+        if hw == 0 {
+            return None;
+        }
+        let before = self.hinted.fetch_max(hw, Ordering::AcqRel);
+        (hw > before || rehint).then_some((hw, rehint))
+    }
+
+    /// The kick reason, once the hub decided to end this connection.
+    pub fn kicked(&self) -> Option<&'static str> {
+        *self.kick.borrow()
+    }
+
+    /// Ends the connection; the first reason wins.
+    pub fn kick(&self, reason: &'static str) {
+        self.kick.send_if_modified(|k| {
+            if k.is_none() {
+                *k = Some(reason);
+                true
+            } else {
+                false
+            }
+        });
+    }
+
+    /// A receiver that changes when the connection is kicked.
+    pub fn kick_watch(&self) -> watch::Receiver<Option<&'static str>> {
+        self.kick.subscribe()
+    }
+
+    fn hint(&self, hw: u64, rehint: bool, now_ms: i64) {
+        self.pending_hint.fetch_max(hw, Ordering::AcqRel);
+        if rehint {
+            self.rehint.store(true, Ordering::Release);
+        }
+        self.last_hint_at_ms.store(now_ms, Ordering::Release);
+        self.wake.notify_one();
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct Hub {
+    conns: Mutex<HashMap<String, Vec<Arc<ConnEntry>>>>,
+    user_hw: Mutex<HashMap<String, u64>>,
+    epoch: AtomicU64,
+}
+
+impl Hub {
+    /// Registers a connection; an older connection of the same device is
+    /// kicked as superseded (P2). `acked` and `user_hw` seed the lag check.
+    pub fn register(&self, user: &str, device: &str, acked: u64, user_hw: u64) -> Arc<ConnEntry> {
+        let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+        let entry = Arc::new(ConnEntry {
+            user: user.into(),
+            device: device.into(),
+            epoch,
+            pending_hint: AtomicU64::new(0),
+            hinted: AtomicU64::new(0),
+            rehint: AtomicBool::new(false),
+            acked: AtomicU64::new(acked),
+            last_hint_at_ms: AtomicI64::new(crate::util::now_ms()),
+            wake: Notify::new(),
+            kick: watch::channel(None).0,
+        });
+        {
+            let mut hw = self.user_hw.lock().expect("hub lock");
+            let v = hw.entry(user.to_owned()).or_insert(0);
+            *v = (*v).max(user_hw);
+        }
+        let mut conns = self.conns.lock().expect("hub lock");
+        let list = conns.entry(user.to_owned()).or_default();
+        for old in list.iter().filter(|c| c.device == device) {
+            old.kick(tidemark_proto::reason::SUPERSEDED);
+        }
+        list.retain(|c| c.device != device);
+        list.push(entry.clone());
+        metrics::gauge!(crate::metrics::WS_CONNECTIONS).increment(1.0);
+        entry
+    }
+
+    pub fn unregister(&self, entry: &Arc<ConnEntry>) {
+        let mut conns = self.conns.lock().expect("hub lock");
+        if let Some(list) = conns.get_mut(&entry.user) {
+            list.retain(|c| !Arc::ptr_eq(c, entry));
+            if list.is_empty() {
+                conns.remove(&entry.user);
+            }
+        }
+        metrics::gauge!(crate::metrics::WS_CONNECTIONS).decrement(1.0);
+    }
+
+    /// A fan-out committed: the user's log now reaches `hw`.
+    pub fn notify_user(&self, user: &str, hw: u64) {
+        {
+            let mut map = self.user_hw.lock().expect("hub lock");
+            let v = map.entry(user.to_owned()).or_insert(0);
+            *v = (*v).max(hw);
+        }
+        let now = crate::util::now_ms();
+        let conns = self.conns.lock().expect("hub lock");
+        for c in conns.get(user).into_iter().flatten() {
+            c.hint(hw, false, now);
+        }
+    }
+
+    pub fn on_ack(&self, user: &str, device: &str, acked: u64) {
+        let conns = self.conns.lock().expect("hub lock");
+        for c in conns.get(user).into_iter().flatten().filter(|c| c.device == device) {
+            c.acked.fetch_max(acked, Ordering::AcqRel);
+        }
+    }
+
+    /// Ends every connection of a device (revocation, P5).
+    pub fn kick_device(&self, user: &str, device: &str, reason: &'static str) {
+        let conns = self.conns.lock().expect("hub lock");
+        for c in conns.get(user).into_iter().flatten().filter(|c| c.device == device) {
+            c.kick(reason);
+        }
+    }
+
+    /// Re-hints every connected device whose ACK is below its user's
+    /// watermark and that was not hinted for `after_ms` (D8). Returns how
+    /// many connections were re-hinted.
+    pub fn rehint_sweep(&self, now_ms: i64, after_ms: i64) -> usize {
+        let hws = self.user_hw.lock().expect("hub lock").clone();
+        let conns = self.conns.lock().expect("hub lock");
+        let mut n = 0;
+        for (user, list) in conns.iter() {
+            let hw = hws.get(user).copied().unwrap_or(0);
+            for c in list {
+                let lagging = c.acked.load(Ordering::Acquire) < hw;
+                let quiet = now_ms - c.last_hint_at_ms.load(Ordering::Acquire) >= after_ms;
+                if lagging && quiet {
+                    c.hint(hw, true, now_ms);
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    pub fn connections(&self) -> usize {
+        self.conns.lock().expect("hub lock").values().map(Vec::len).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hints_coalesce_to_the_latest_watermark() {
+        let hub = Hub::default();
+        let c = hub.register("bob", "phone", 0, 0);
+        for hw in 1..=50 {
+            hub.notify_user("bob", hw);
+        }
+        assert_eq!(c.take_hint(), Some((50, false)));
+        assert_eq!(c.take_hint(), None);
+        hub.notify_user("bob", 40);
+        assert_eq!(c.take_hint(), None, "an older watermark is not hinted again");
+    }
+
+    #[test]
+    fn lagging_device_is_rehinted_and_a_newer_connection_supersedes() {
+        let hub = Hub::default();
+        let c = hub.register("bob", "phone", 0, 0);
+        hub.notify_user("bob", 7);
+        assert_eq!(c.take_hint(), Some((7, false)));
+        let now = crate::util::now_ms();
+        assert_eq!(hub.rehint_sweep(now, 60_000), 0, "too soon");
+        assert_eq!(hub.rehint_sweep(now + 60_000, 60_000), 1);
+        assert_eq!(c.take_hint(), Some((7, true)));
+        hub.on_ack("bob", "phone", 7);
+        assert_eq!(hub.rehint_sweep(now + 120_000, 60_000), 0, "caught up");
+        let newer = hub.register("bob", "phone", 7, 7);
+        assert_eq!(c.kicked(), Some(tidemark_proto::reason::SUPERSEDED));
+        assert_eq!(newer.kicked(), None);
+        assert_eq!(hub.connections(), 1);
+    }
+}

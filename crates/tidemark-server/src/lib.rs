@@ -1,0 +1,27 @@
+//! The Tidemark server: gateway, services and background workers.
+//!
+//! - [`gateway`]: WebSocket `/v1/ws` and HTTP `/v1/rpc/<op>`, both calling
+//!   the same handler per operation ([`ops`]); login, refresh, admin,
+//!   health, metrics and the OpenAPI document.
+//! - [`ops`]: one module per operation: parse, apply through the store,
+//!   reply. Identity comes only from the verified access token (P1).
+//! - [`relay`]: the outbox relay: reloads the outbox at start-up and fans
+//!   out committed events, then hints the recipients' connected devices.
+//! - [`hub`]: live connections per user, coalesced hints, kicks, re-hints.
+//!
+//! The server holds no message state of its own: every fact is in the
+//! store, hints are only hints (D8), and two servers can run in one process
+//! because every dependency is passed in explicitly.
+
+pub mod config;
+pub mod error;
+pub mod gateway;
+pub mod hub;
+pub mod metrics;
+pub mod ops;
+pub mod relay;
+pub mod server;
+pub mod util;
+
+pub use config::ServerConfig;
+pub use server::{AppState, RunningServer, Server};

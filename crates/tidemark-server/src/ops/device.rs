@@ -1,0 +1,20 @@
+//! `device.revoke` (P5): the device's cursor becomes `REVOKED`, its refresh
+//! tokens are deleted, its live connections are kicked, and every later
+//! request of it is refused with `DEVICE_REVOKED`.
+
+use tidemark_proto::{reason, DeviceRevokeOk, DeviceRevokeReq};
+
+use super::AuthCtx;
+use crate::error::{ApiError, ApiResult};
+use crate::server::AppState;
+use crate::util::now_ms;
+
+pub async fn revoke(state: &AppState, ctx: &AuthCtx, req: DeviceRevokeReq) -> ApiResult<DeviceRevokeOk> {
+    tidemark_core::ids::check_device_id(&req.device_id).map_err(ApiError::bad_request)?;
+    // A user revokes their own devices only: the user comes from the token.
+    let revoked = state.store.revoke_device(&ctx.user, &req.device_id, now_ms()).await?;
+    state.revoked.write().expect("revoked lock").insert((ctx.user.clone(), req.device_id.clone()));
+    state.hub.kick_device(&ctx.user, &req.device_id, reason::DEVICE_REVOKED);
+    tracing::info!(device = %req.device_id, by_device = %ctx.device, "device revoked");
+    Ok(DeviceRevokeOk { device_id: req.device_id, revoked })
+}

@@ -1,0 +1,52 @@
+//! One module per operation: parse the body, apply it through the store,
+//! build the reply. [`dispatch`] is the single entry point used by both the
+//! WebSocket and the HTTP transport, so an operation behaves the same on
+//! both.
+
+pub mod conv;
+pub mod device;
+pub mod send;
+pub mod sync;
+
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use tidemark_proto::{op, ErrorCode};
+
+use crate::error::{ApiError, ApiResult};
+use crate::server::AppState;
+
+/// The caller, taken from a verified access token and nothing else (P1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuthCtx {
+    pub user: String,
+    pub device: String,
+}
+
+pub(crate) fn parse<T: DeserializeOwned>(body: Value) -> ApiResult<T> {
+    serde_json::from_value(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
+}
+
+pub(crate) fn to_value<T: serde::Serialize>(reply: &T) -> ApiResult<Value> {
+    serde_json::to_value(reply).map_err(|e| ApiError::new(ErrorCode::Internal, format!("encode reply: {e}")))
+}
+
+/// Runs operation `op` for `ctx`. Everything before the first store call is
+/// synchronous, so a transport that polls this future once before spawning
+/// it enqueues the connection's writes in arrival order.
+pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Value) -> ApiResult<Value> {
+    if state.is_revoked(&ctx.user, &ctx.device) {
+        return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked"));
+    }
+    match op.as_str() {
+        op::SEND => to_value(&send::run(&state, &ctx, parse(body)?).await?),
+        op::SYNC => to_value(&sync::sync(&state, &ctx, parse(body)?).await?),
+        op::ACK => to_value(&sync::ack(&state, &ctx, parse(body)?).await?),
+        op::CONV_CREATE => to_value(&conv::create(&state, &ctx, parse(body)?).await?),
+        op::CONV_LIST => to_value(&conv::list(&state, &ctx).await?),
+        op::DEVICE_REVOKE => to_value(&device::revoke(&state, &ctx, parse(body)?).await?),
+        op::PING => Ok(serde_json::json!({})),
+        other => Err(ApiError::bad_request(format!("unknown operation {other:?}"))),
+    }
+}

@@ -1,0 +1,53 @@
+//! `send` (S1–S4): validate, then one store call that commits the message
+//! fact and its outbox record. The reply says "accepted", nothing more.
+
+use tidemark_core::ids;
+use tidemark_proto::{SendOk, SendReq, CONTENT_BYTES_MAX};
+use tidemark_store::SendCmd;
+
+use super::AuthCtx;
+use crate::error::{ApiError, ApiResult};
+use crate::metrics as m;
+use crate::server::AppState;
+use crate::util::{new_id, now_ms};
+
+pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<SendOk> {
+    if req.conv.is_empty() || req.conv.len() > 64 {
+        return Err(ApiError::bad_request("conv must be 1..=64 bytes"));
+    }
+    ids::check_client_msg_id(&req.client_msg_id).map_err(ApiError::bad_request)?;
+    ids::check_kind(&req.kind).map_err(ApiError::bad_request)?;
+    if req.content.is_null() {
+        return Err(ApiError::bad_request("content is required"));
+    }
+    let content = serde_json::to_string(&req.content).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if content.len() > CONTENT_BYTES_MAX {
+        return Err(ApiError::bad_request(format!("content exceeds {CONTENT_BYTES_MAX} bytes")));
+    }
+    let cmd = SendCmd {
+        sender: ctx.user.clone(),
+        sender_device: ctx.device.clone(),
+        conv: req.conv,
+        client_msg_id: req.client_msg_id,
+        kind: req.kind,
+        content,
+        message_id: new_id("m"),
+        now_ms: now_ms(),
+    };
+    let accepted = state.store.accept_send(cmd).await?;
+    if accepted.duplicate {
+        metrics::counter!(m::SENDS_DUPLICATE).increment(1);
+    } else {
+        metrics::counter!(m::SENDS_ACCEPTED).increment(1);
+        state.relay_wake.notify_one();
+    }
+    tracing::debug!(message_id = %accepted.message_id, conv = %accepted.conv, msg_seq = accepted.msg_seq,
+        duplicate = accepted.duplicate, "send accepted");
+    Ok(SendOk {
+        message_id: accepted.message_id,
+        conv: accepted.conv,
+        msg_seq: accepted.msg_seq,
+        created_at: accepted.created_at_ms,
+        duplicate: accepted.duplicate,
+    })
+}

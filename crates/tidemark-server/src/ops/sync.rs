@@ -1,0 +1,223 @@
+//! `sync` (D1–D5, D8) and `ack` (D4).
+//!
+//! The first page decides where the batch starts from the server's cursor
+//! (`decide_resume`), fixes `batch_high_watermark` at the user's committed
+//! head and signs both into the batch token. Later pages carry that token
+//! and a signed cursor, so a batch never passes its watermark however many
+//! events arrive meanwhile; the next batch picks them up. `ack` is the
+//! store's compare-and-set under the token's generation.
+
+use tidemark_core::cursor::{decide_resume, AckDecision, ClientPosition, DeviceCursor, DeviceState, Resume};
+use tidemark_core::token::{BatchClaims, TokenError};
+use tidemark_proto::{
+    AckOk, AckReq, Envelope, ErrorCode, SyncOk, SyncReq, UserEvent, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX,
+};
+use tidemark_store::StoredEvent;
+
+use super::AuthCtx;
+use crate::error::{ApiError, ApiResult};
+use crate::metrics as m;
+use crate::server::AppState;
+use crate::util::now_ms;
+
+/// Attempts at the device-cursor compare-and-set before answering
+/// `UNAVAILABLE` (another request of the same device kept winning).
+const RESUME_CAS_ATTEMPTS_MAX: usize = 3;
+
+fn token_error(e: TokenError) -> ApiError {
+    ApiError::new(ErrorCode::TokenInvalid, format!("batch token refused: {e}"))
+}
+
+fn reset_required(generation: u64) -> ApiError {
+    ApiError::new(ErrorCode::ResetRequired, "the device must rebuild its local state").with_generation(generation)
+}
+
+fn stale(current: u64) -> ApiError {
+    ApiError::new(ErrorCode::StaleGeneration, "the batch belongs to an older sync_generation").with_generation(current)
+}
+
+fn revoked() -> ApiError {
+    ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked")
+}
+
+pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk> {
+    let limit = req.limit.unwrap_or(SYNC_LIMIT_DEFAULT);
+    if limit == 0 || limit > SYNC_LIMIT_MAX {
+        return Err(ApiError::bad_request(format!("limit must be 1..={SYNC_LIMIT_MAX}")));
+    }
+    let now = now_ms();
+    if let Some(token) = req.batch_token {
+        return next_page(state, ctx, token, req.cursor, limit, now).await;
+    }
+    if req.cursor.is_some() {
+        return Err(ApiError::bad_request("cursor needs the batch_token of its batch"));
+    }
+    let client = ClientPosition { generation: req.sync_generation, local_applied_sync_seq: req.local_applied_sync_seq };
+    for _ in 0..RESUME_CAS_ATTEMPTS_MAX {
+        let device = state
+            .store
+            .device(&ctx.user, &ctx.device)
+            .await?
+            .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
+        let current = device.cursor;
+        let user_hw = state.store.user_high_watermark(&ctx.user).await?;
+        let (expected, new, start) = match decide_resume(current, client, user_hw) {
+            Resume::Replay { generation, from } => {
+                return first_page(state, ctx, generation, from, user_hw, current.acked_sync_seq, limit, now).await;
+            }
+            Resume::Activate { generation } | Resume::Rebuild { generation } => {
+                (current, DeviceCursor { generation, acked_sync_seq: 0, state: DeviceState::Active }, true)
+            }
+            Resume::Reset { expected } => {
+                let bumped = DeviceCursor { generation: expected + 1, state: DeviceState::Resetting, ..current };
+                (current, bumped, false)
+            }
+            Resume::StillResetting { generation } => return Err(reset_required(generation)),
+            Resume::Revoked => return Err(revoked()),
+        };
+        let (won, _) = state.store.cas_device_cursor(&ctx.user, &ctx.device, expected, new, now).await?;
+        if !won {
+            continue;
+        }
+        if start {
+            // The retained log starts at 0 until retention trims it.
+            return first_page(state, ctx, new.generation, 0, user_hw, 0, limit, now).await;
+        }
+        metrics::counter!(m::GENERATION_BUMPS).increment(1);
+        tracing::info!(device = %ctx.device, generation = new.generation, "device generation bumped; reset required");
+        return Err(reset_required(new.generation));
+    }
+    Err(ApiError { retry_after_ms: Some(100), ..ApiError::new(ErrorCode::Unavailable, "device cursor is busy; retry") })
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn first_page(
+    state: &AppState,
+    ctx: &AuthCtx,
+    generation: u64,
+    resume_from: u64,
+    high_watermark: u64,
+    acked: u64,
+    limit: u32,
+    now: i64,
+) -> ApiResult<SyncOk> {
+    // resume_from is the server ACK, which never exceeds a watermark the
+    // server issued, and the watermark only grows: assert it on this side of
+    // the store boundary rather than serve a batch that runs backwards.
+    assert!(resume_from <= high_watermark, "device ACK {resume_from} above its user's log head {high_watermark}");
+    let claims = BatchClaims {
+        user: ctx.user.clone(),
+        device: ctx.device.clone(),
+        generation,
+        resume_from,
+        high_watermark,
+        expires_at_ms: now + state.config.batch_token_ttl.as_millis() as i64,
+    };
+    let token = state.keys.sign_batch(&claims);
+    page(state, ctx, token, &claims, resume_from, acked, limit).await
+}
+
+async fn next_page(
+    state: &AppState,
+    ctx: &AuthCtx,
+    token: String,
+    cursor: Option<String>,
+    limit: u32,
+    now: i64,
+) -> ApiResult<SyncOk> {
+    let claims = state.keys.verify_batch(&token, &ctx.user, &ctx.device, now).map_err(token_error)?;
+    let position = match cursor {
+        Some(c) => state.keys.verify_cursor(&c, &token, &claims).map_err(token_error)?,
+        None => claims.resume_from,
+    };
+    let device = state
+        .store
+        .device(&ctx.user, &ctx.device)
+        .await?
+        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
+    match device.cursor.state {
+        DeviceState::Revoked => return Err(revoked()),
+        _ if device.cursor.generation != claims.generation => return Err(stale(device.cursor.generation)),
+        DeviceState::Resetting | DeviceState::New => return Err(reset_required(device.cursor.generation)),
+        DeviceState::Active => {}
+    }
+    page(state, ctx, token, &claims, position, device.cursor.acked_sync_seq, limit).await
+}
+
+async fn page(
+    state: &AppState,
+    ctx: &AuthCtx,
+    token: String,
+    claims: &BatchClaims,
+    position: u64,
+    acked: u64,
+    limit: u32,
+) -> ApiResult<SyncOk> {
+    let mut stored = state.store.read_user_events(&ctx.user, position, claims.high_watermark, limit + 1).await?;
+    let has_more = stored.len() > limit as usize;
+    stored.truncate(limit as usize);
+    let next_cursor = match (has_more, stored.last()) {
+        (true, Some(last)) => Some(state.keys.sign_cursor(&token, last.sync_seq)),
+        _ => None,
+    };
+    let events = stored.into_iter().map(to_wire).collect::<ApiResult<Vec<_>>>()?;
+    metrics::counter!(m::SYNC_PAGES).increment(1);
+    Ok(SyncOk {
+        sync_generation: claims.generation,
+        resume_from: claims.resume_from,
+        batch_high_watermark: claims.high_watermark,
+        server_acked_sync_seq: acked,
+        events,
+        next_cursor,
+        has_more,
+        batch_token: token,
+    })
+}
+
+fn to_wire(e: StoredEvent) -> ApiResult<UserEvent> {
+    let message = match e.message {
+        None => None,
+        Some(msg) => Some(Envelope {
+            content: serde_json::from_str(&msg.content)
+                .map_err(|err| ApiError::new(ErrorCode::Internal, format!("stored content is not JSON: {err}")))?,
+            message_id: msg.message_id,
+            conv: msg.conv,
+            msg_seq: msg.msg_seq,
+            kind: msg.kind,
+            state: msg.state,
+            sender: msg.sender,
+            created_at: msg.created_at_ms,
+        }),
+    };
+    Ok(UserEvent { sync_seq: e.sync_seq, kind: e.kind, conv: e.conv, msg_seq: e.msg_seq, message })
+}
+
+pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckOk> {
+    let now = now_ms();
+    let claims = state.keys.verify_batch(&req.batch_token, &ctx.user, &ctx.device, now).map_err(token_error)?;
+    if req.sync_seq > claims.high_watermark {
+        metrics::counter!(m::ACKS, "result" => "beyond_watermark").increment(1);
+        return Err(ApiError::new(
+            ErrorCode::AckBeyondWatermark,
+            format!("sync_seq {} is above the batch watermark {}", req.sync_seq, claims.high_watermark),
+        ));
+    }
+    let result = state.store.ack(&ctx.user, &ctx.device, claims.generation, req.sync_seq, now).await?;
+    let label = match result.decision {
+        AckDecision::Advance { .. } => "advanced",
+        AckDecision::Unchanged { .. } => "unchanged",
+        AckDecision::StaleGeneration { .. } => "stale_generation",
+        AckDecision::Resetting { .. } => "resetting",
+        AckDecision::Revoked => "revoked",
+    };
+    metrics::counter!(m::ACKS, "result" => label).increment(1);
+    match result.decision {
+        AckDecision::Advance { .. } | AckDecision::Unchanged { .. } => {
+            state.hub.on_ack(&ctx.user, &ctx.device, result.cursor.acked_sync_seq);
+            Ok(AckOk { acked_sync_seq: result.cursor.acked_sync_seq, sync_generation: result.cursor.generation })
+        }
+        AckDecision::StaleGeneration { current } => Err(stale(current)),
+        AckDecision::Resetting { current } => Err(reset_required(current)),
+        AckDecision::Revoked => Err(revoked()),
+    }
+}

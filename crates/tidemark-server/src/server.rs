@@ -1,0 +1,96 @@
+//! Wiring: the shared state, the listener and the background workers, each
+//! with one owner that awaits it and a shutdown signal.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::{Arc, RwLock};
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use tidemark_core::token::TokenKeys;
+use tidemark_store::Store;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Notify};
+use tokio::task::JoinHandle;
+
+use crate::config::ServerConfig;
+use crate::hub::Hub;
+
+/// Everything a request handler may use, passed explicitly (no globals).
+pub struct AppState {
+    pub store: Arc<dyn Store>,
+    pub keys: TokenKeys,
+    pub config: ServerConfig,
+    pub hub: Hub,
+    /// Wakes the outbox relay after a send commits (a hint: it also polls).
+    pub relay_wake: Notify,
+    /// Revoked devices, fenced in memory so no request of theirs runs.
+    pub revoked: RwLock<HashSet<(String, String)>>,
+    pub metrics: PrometheusHandle,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl AppState {
+    pub fn is_revoked(&self, user: &str, device: &str) -> bool {
+        self.revoked.read().expect("revoked lock").contains(&(user.to_owned(), device.to_owned()))
+    }
+}
+
+pub struct Server;
+
+/// A started server: its address, and the handle to stop it.
+pub struct RunningServer {
+    pub addr: SocketAddr,
+    pub state: Arc<AppState>,
+    shutdown: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Server {
+    /// Binds `listen`, reloads the outbox and starts serving.
+    pub async fn start(listen: &str, store: Arc<dyn Store>, config: ServerConfig) -> std::io::Result<RunningServer> {
+        let io = |e: tidemark_store::StoreError| std::io::Error::other(e.to_string());
+        let secret = store.server_secret().await.map_err(io)?;
+        let revoked: HashSet<(String, String)> = store.revoked_devices().await.map_err(io)?.into_iter().collect();
+        let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let state = Arc::new(AppState {
+            store,
+            keys: TokenKeys::from_secret(&secret),
+            config,
+            hub: Hub::default(),
+            relay_wake: Notify::new(),
+            revoked: RwLock::new(revoked),
+            metrics: crate::metrics::install(),
+            shutdown: shutdown_rx.clone(),
+        });
+        let listener = TcpListener::bind(listen).await?;
+        let addr = listener.local_addr()?;
+        let app = crate::gateway::router(state.clone());
+        let mut http_shutdown = shutdown_rx.clone();
+        let http = tokio::spawn(async move {
+            let serve = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
+                crate::util::stopped(&mut http_shutdown).await;
+            });
+            if let Err(e) = serve.await {
+                tracing::error!(error = %e, "http server stopped");
+            }
+        });
+        let relay = tokio::spawn(crate::relay::run(state.clone(), shutdown_rx.clone()));
+        let rehint = tokio::spawn(crate::relay::run_rehint(state.clone(), shutdown_rx));
+        tracing::info!(%addr, "tidemark listening");
+        Ok(RunningServer { addr, state, shutdown: shutdown_tx, tasks: vec![http, relay, rehint] })
+    }
+}
+
+impl RunningServer {
+    /// Stops accepting, ends connections and waits for the workers.
+    pub async fn stop(self) {
+        let _ = self.shutdown.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}

@@ -1,0 +1,626 @@
+//! The embedded SQLite backend of [`tidemark_store::Store`] (X1).
+//!
+//! Layout: one writer thread owns the read-write connection and
+//! group-commits every write ([`writer`]); a small pool of read-only
+//! connections serves reads concurrently (WAL lets readers see the last
+//! committed state while the writer works). Because one writer serialises
+//! every write, `msg_seq` and `sync_seq` assignment are naturally
+//! contiguous and committed in order.
+//!
+//! Durability: `journal_mode=WAL` with `synchronous=FULL`. Each commit
+//! appends to the WAL and fsyncs it before COMMIT returns, so a reply that
+//! followed a commit survives a process crash *and* a power loss. (With
+//! `NORMAL`, a power loss could drop the last commits, which would break the
+//! promise of `send.ok`.) Fsyncs per commit: one; a passive checkpoint every
+//! [`writer::CHECKPOINT_EVERY_COMMITS`] commits adds two.
+
+mod read;
+mod schema;
+pub mod writer;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use tidemark_core::cursor::{decide_ack, AckDecision, DeviceCursor, DeviceState};
+use tidemark_core::membership::{recipients_at, Period};
+use tidemark_core::SyncSeq;
+use tidemark_store::*;
+use tokio::sync::Semaphore;
+
+use read::ReadPool;
+use writer::Writer;
+
+/// Read-only connections in the pool.
+pub const READERS_MAX: usize = 4;
+/// The database file name inside the data directory.
+pub const DB_FILE: &str = "tidemark.db";
+
+pub(crate) fn internal(e: rusqlite::Error) -> StoreError {
+    StoreError::Internal(format!("sqlite: {e}"))
+}
+
+pub struct SqliteStore {
+    writer: Writer,
+    readers: ReadPool,
+    path: PathBuf,
+    writer_thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for SqliteStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStore").field("path", &self.path).finish()
+    }
+}
+
+fn configure(conn: &Connection) -> rusqlite::Result<()> {
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "cache_size", -16_000)?;
+    Ok(())
+}
+
+impl SqliteStore {
+    /// Opens (creating if needed) the store in `data_dir`.
+    pub fn open(data_dir: &Path) -> StoreResult<Arc<SqliteStore>> {
+        std::fs::create_dir_all(data_dir)
+            .map_err(|e| StoreError::Unavailable(format!("create {}: {e}", data_dir.display())))?;
+        let path = data_dir.join(DB_FILE);
+        let conn = Connection::open(&path).map_err(internal)?;
+        let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).map_err(internal)?;
+        if !mode.eq_ignore_ascii_case("wal") {
+            return Err(StoreError::Internal(format!("journal_mode is {mode}, want wal")));
+        }
+        configure(&conn).map_err(internal)?;
+        // Checkpoints are run and counted by the writer itself.
+        conn.pragma_update(None, "wal_autocheckpoint", 0).map_err(internal)?;
+        conn.execute_batch(schema::SCHEMA).map_err(internal)?;
+        conn.execute(
+            "INSERT INTO meta (key, value) VALUES ('schema_version', ?1) ON CONFLICT(key) DO NOTHING",
+            params![schema::SCHEMA_VERSION],
+        )
+        .map_err(internal)?;
+        let mut readers = Vec::with_capacity(READERS_MAX);
+        for _ in 0..READERS_MAX {
+            let r =
+                Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
+                    .map_err(internal)?;
+            configure(&r).map_err(internal)?;
+            readers.push(r);
+        }
+        let (writer, handle) = Writer::start(conn);
+        Ok(Arc::new(SqliteStore {
+            writer,
+            readers: ReadPool { conns: Mutex::new(readers), permits: Semaphore::new(READERS_MAX) },
+            path,
+            writer_thread: Mutex::new(Some(handle)),
+        }))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl Drop for SqliteStore {
+    fn drop(&mut self) {
+        // The writer thread ends once its channel closes; the channel closes
+        // when `self.writer` is dropped right after this function.
+        let _ = self.writer_thread.lock().map(|mut h| h.take());
+    }
+}
+
+fn cursor_from_row(generation: i64, acked: i64, state: &str) -> StoreResult<DeviceCursor> {
+    let state = DeviceState::parse(state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+    Ok(DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state })
+}
+
+fn read_device(conn: &Connection, user: &str, device: &str) -> StoreResult<Option<DeviceRecord>> {
+    conn.prepare_cached(
+        "SELECT name, sync_generation, acked_sync_seq, state FROM devices WHERE user_id = ?1 AND device_id = ?2",
+    )
+    .map_err(internal)?
+    .query_row(params![user, device], |r| {
+        Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?, r.get::<_, i64>(2)?, r.get::<_, String>(3)?))
+    })
+    .optional()
+    .map_err(internal)?
+    .map(|(name, g, a, s)| {
+        Ok(DeviceRecord { user: user.into(), device: device.into(), name, cursor: cursor_from_row(g, a, &s)? })
+    })
+    .transpose()
+}
+
+fn write_cursor(conn: &Connection, user: &str, device: &str, c: DeviceCursor, now_ms: i64) -> StoreResult<()> {
+    let n = conn
+        .prepare_cached(
+            "UPDATE devices SET sync_generation = ?3, acked_sync_seq = ?4, state = ?5,
+                    row_version = row_version + 1, updated_at = ?6
+             WHERE user_id = ?1 AND device_id = ?2",
+        )
+        .map_err(internal)?
+        .execute(params![user, device, c.generation as i64, c.acked_sync_seq as i64, c.state.as_str(), now_ms])
+        .map_err(internal)?;
+    if n != 1 {
+        return Err(StoreError::NotFound(format!("device {device}")));
+    }
+    Ok(())
+}
+
+fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
+    let existing = conn
+        .prepare_cached(
+            "SELECT message_id, conv_id, msg_seq, created_at FROM messages WHERE sender = ?1 AND client_msg_id = ?2",
+        )
+        .map_err(internal)?
+        .query_row(params![cmd.sender, cmd.client_msg_id], |r| {
+            Ok(Accepted {
+                message_id: r.get(0)?,
+                conv: r.get(1)?,
+                msg_seq: r.get::<_, i64>(2)? as u64,
+                created_at_ms: r.get(3)?,
+                duplicate: true,
+            })
+        })
+        .optional()
+        .map_err(internal)?;
+    if let Some(original) = existing {
+        return Ok(original);
+    }
+    // The membership check runs here, at the conversation's linearisation
+    // point, so a send racing a removal is ordered by the writer (G1).
+    let member: Option<i64> = conn
+        .prepare_cached(
+            "SELECT period_id FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 AND leave_seq IS NULL",
+        )
+        .map_err(internal)?
+        .query_row(params![cmd.conv, cmd.sender], |r| r.get(0))
+        .optional()
+        .map_err(internal)?;
+    let head: Option<i64> = conn
+        .prepare_cached("UPDATE conversations SET head = head + 1 WHERE conv_id = ?1 RETURNING head")
+        .map_err(internal)?
+        .query_row(params![cmd.conv], |r| r.get(0))
+        .optional()
+        .map_err(internal)?;
+    let Some(msg_seq) = head else {
+        return Err(StoreError::NotFound(format!("conversation {}", cmd.conv)));
+    };
+    if member.is_none() {
+        // Undone by the job's savepoint rollback.
+        return Err(StoreError::NotMember);
+    }
+    conn.prepare_cached(
+        "INSERT INTO messages (message_id, conv_id, msg_seq, sender, sender_device, client_msg_id, kind, content, state, created_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'normal', ?9)",
+    )
+    .map_err(internal)?
+    .execute(params![
+        cmd.message_id,
+        cmd.conv,
+        msg_seq,
+        cmd.sender,
+        cmd.sender_device,
+        cmd.client_msg_id,
+        cmd.kind,
+        cmd.content,
+        cmd.now_ms
+    ])
+    .map_err(internal)?;
+    conn.prepare_cached(
+        "INSERT INTO outbox (kind, source_event_id, conv_id, msg_seq, actor, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+    )
+    .map_err(internal)?
+    .execute(params![EVENT_MESSAGE, cmd.message_id, cmd.conv, msg_seq, cmd.sender, cmd.now_ms])
+    .map_err(internal)?;
+    Ok(Accepted {
+        message_id: cmd.message_id.clone(),
+        conv: cmd.conv.clone(),
+        msg_seq: msg_seq as u64,
+        created_at_ms: cmd.now_ms,
+        duplicate: false,
+    })
+}
+
+fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<Period>> {
+    let mut stmt = conn
+        .prepare_cached(
+            "SELECT period_id, user_id, join_seq, leave_seq FROM membership_periods
+             WHERE conv_id = ?1 AND join_seq <= ?2 AND (leave_seq IS NULL OR leave_seq >= ?2)",
+        )
+        .map_err(internal)?;
+    let rows = stmt
+        .query_map(params![conv, seq as i64], |r| {
+            Ok(Period {
+                period_id: r.get(0)?,
+                user: r.get(1)?,
+                join_seq: r.get::<_, i64>(2)? as u64,
+                leave_seq: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
+            })
+        })
+        .map_err(internal)?;
+    rows.collect::<Result<Vec<_>, _>>().map_err(internal)
+}
+
+fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResult<FanoutReport> {
+    let mut report = FanoutReport::default();
+    let mut touched: std::collections::BTreeMap<String, SyncSeq> = Default::default();
+    for item in items {
+        let recipients = recipients_at(&periods_covering(conn, &item.conv, item.msg_seq)?, item.msg_seq);
+        for user in &recipients.quarantined {
+            conn.prepare_cached(
+                "INSERT OR IGNORE INTO fanout_quarantine (source_event_id, user_id, conv_id, msg_seq, reason, created_at)
+                 VALUES (?1, ?2, ?3, ?4, 'overlapping_membership_periods', ?5)",
+            )
+            .map_err(internal)?
+            .execute(params![item.source_event_id, user, item.conv, item.msg_seq as i64, now_ms])
+            .map_err(internal)?;
+            report.quarantined += 1;
+            tracing::error!(source_event_id = %item.source_event_id, conv = %item.conv, msg_seq = item.msg_seq,
+                "fan-out hit two membership periods of one user; quarantined");
+        }
+        for (user, period_id) in &recipients.deliver {
+            let seen: Option<i64> = conn
+                .prepare_cached(
+                    "SELECT sync_seq FROM user_events WHERE user_id = ?1 AND source_event_id = ?2 AND period_id = ?3",
+                )
+                .map_err(internal)?
+                .query_row(params![user, item.source_event_id, period_id], |r| r.get(0))
+                .optional()
+                .map_err(internal)?;
+            if seen.is_some() {
+                report.duplicates_skipped += 1;
+                continue;
+            }
+            let sync_seq: i64 = conn
+                .prepare_cached(
+                    "INSERT INTO user_heads (user_id, high_watermark) VALUES (?1, 1)
+                     ON CONFLICT(user_id) DO UPDATE SET high_watermark = high_watermark + 1
+                     RETURNING high_watermark",
+                )
+                .map_err(internal)?
+                .query_row(params![user], |r| r.get(0))
+                .map_err(internal)?;
+            let message_id = (item.kind == EVENT_MESSAGE).then_some(item.source_event_id.as_str());
+            conn.prepare_cached(
+                "INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id, period_id, created_at)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+            )
+            .map_err(internal)?
+            .execute(params![
+                user,
+                sync_seq,
+                item.kind,
+                item.conv,
+                item.msg_seq as i64,
+                message_id,
+                item.source_event_id,
+                period_id,
+                now_ms
+            ])
+            .map_err(internal)?;
+            // Projections commit with the event: once per (user, event).
+            let own = user == &item.actor;
+            conn.prepare_cached(
+                "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
+                 VALUES (?1, ?2, ?3, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?4 THEN 0 ELSE 1 END)
+                 ON CONFLICT(user_id, conv_id) DO UPDATE SET
+                    last_msg_seq = MAX(last_msg_seq, excluded.last_msg_seq),
+                    read_seq = CASE WHEN ?4 THEN MAX(read_seq, excluded.last_msg_seq) ELSE read_seq END,
+                    unread = unread + CASE WHEN ?4 OR excluded.last_msg_seq <= read_seq THEN 0 ELSE 1 END",
+            )
+            .map_err(internal)?
+            .execute(params![user, item.conv, item.msg_seq as i64, own])
+            .map_err(internal)?;
+            report.events_written += 1;
+            touched.insert(user.clone(), sync_seq as u64);
+        }
+        conn.prepare_cached("DELETE FROM outbox WHERE outbox_id = ?1")
+            .map_err(internal)?
+            .execute(params![item.outbox_id])
+            .map_err(internal)?;
+        report.items_done += 1;
+    }
+    report.users = touched.into_iter().collect();
+    Ok(report)
+}
+
+#[async_trait]
+impl Store for SqliteStore {
+    async fn server_secret(&self) -> StoreResult<Vec<u8>> {
+        if let Some(secret) = self
+            .readers
+            .read(|c| c.query_row("SELECT value FROM meta WHERE key = 'token_secret'", [], |r| r.get(0)).optional())
+            .await?
+        {
+            return Ok(secret);
+        }
+        let fresh: [u8; 32] = rand_secret();
+        self.writer
+            .write(move |c| {
+                c.execute(
+                    "INSERT INTO meta (key, value) VALUES ('token_secret', ?1) ON CONFLICT(key) DO NOTHING",
+                    params![fresh.to_vec()],
+                )
+                .map_err(internal)?;
+                c.query_row("SELECT value FROM meta WHERE key = 'token_secret'", [], |r| r.get(0)).map_err(internal)
+            })
+            .await
+    }
+
+    async fn create_user(&self, user: &str, password_hash: &str, now_ms: i64) -> StoreResult<bool> {
+        let (user, hash) = (user.to_owned(), password_hash.to_owned());
+        self.writer
+            .write(move |c| {
+                let n = c
+                    .execute(
+                        "INSERT INTO users (user_id, password_hash, created_at) VALUES (?1, ?2, ?3)
+                         ON CONFLICT(user_id) DO NOTHING",
+                        params![user, hash, now_ms],
+                    )
+                    .map_err(internal)?;
+                Ok(n == 1)
+            })
+            .await
+    }
+
+    async fn password_hash(&self, user: &str) -> StoreResult<Option<String>> {
+        let user = user.to_owned();
+        self.readers
+            .read(move |c| {
+                c.query_row("SELECT password_hash FROM users WHERE user_id = ?1", params![user], |r| r.get(0))
+                    .optional()
+            })
+            .await
+    }
+
+    async fn login_device(&self, user: &str, device: &str, name: &str, now_ms: i64) -> StoreResult<DeviceRecord> {
+        let (user, device, name) = (user.to_owned(), device.to_owned(), name.to_owned());
+        self.writer
+            .write(move |c| {
+                c.execute(
+                    "INSERT INTO devices (user_id, device_id, name, sync_generation, acked_sync_seq, state, row_version, created_at, updated_at)
+                     VALUES (?1, ?2, ?3, 1, 0, 'NEW', 1, ?4, ?4)
+                     ON CONFLICT(user_id, device_id) DO UPDATE SET name = excluded.name, updated_at = excluded.updated_at",
+                    params![user, device, name, now_ms],
+                )
+                .map_err(internal)?;
+                read_device(c, &user, &device)?.ok_or_else(|| StoreError::Internal("device vanished".into()))
+            })
+            .await
+    }
+
+    async fn device(&self, user: &str, device: &str) -> StoreResult<Option<DeviceRecord>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read_store(move |c| read_device(c, &user, &device)).await
+    }
+
+    async fn revoke_device(&self, user: &str, device: &str, now_ms: i64) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                let Some(rec) = read_device(c, &user, &device)? else {
+                    return Err(StoreError::NotFound(format!("device {device}")));
+                };
+                c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1 AND device_id = ?2", params![user, device])
+                    .map_err(internal)?;
+                if rec.cursor.state == DeviceState::Revoked {
+                    return Ok(false);
+                }
+                write_cursor(c, &user, &device, DeviceCursor { state: DeviceState::Revoked, ..rec.cursor }, now_ms)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    async fn revoked_devices(&self) -> StoreResult<Vec<(String, String)>> {
+        self.readers
+            .read(|c| {
+                let mut stmt = c.prepare("SELECT user_id, device_id FROM devices WHERE state = 'REVOKED'")?;
+                let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                rows.collect()
+            })
+            .await
+    }
+
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()> {
+        let (hash, rec) = (token_hash.to_owned(), rec.clone());
+        self.writer
+            .write(move |c| {
+                c.execute(
+                    "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at) VALUES (?1, ?2, ?3, ?4)",
+                    params![hash, rec.user, rec.device, rec.expires_at_ms],
+                )
+                .map_err(internal)?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>> {
+        let hash = token_hash.to_owned();
+        self.writer
+            .write(move |c| {
+                c.query_row(
+                    "DELETE FROM refresh_tokens WHERE token_hash = ?1 RETURNING user_id, device_id, expires_at",
+                    params![hash],
+                    |r| Ok(RefreshRecord { user: r.get(0)?, device: r.get(1)?, expires_at_ms: r.get(2)? }),
+                )
+                .optional()
+                .map_err(internal)
+            })
+            .await
+    }
+
+    async fn create_direct(&self, a: &str, b: &str, conv_id: &str, now_ms: i64) -> StoreResult<(String, bool)> {
+        if a == b {
+            return Err(StoreError::Invalid("a direct conversation needs two distinct users".into()));
+        }
+        let (a, b, conv_id) = (a.to_owned(), b.to_owned(), conv_id.to_owned());
+        let key = tidemark_core::ids::direct_key(&a, &b);
+        self.writer
+            .write(move |c| {
+                if let Some(existing) = c
+                    .query_row("SELECT conv_id FROM conversations WHERE direct_key = ?1", params![key], |r| r.get(0))
+                    .optional()
+                    .map_err(internal)?
+                {
+                    return Ok((existing, false));
+                }
+                for u in [&a, &b] {
+                    let known: Option<i64> = c
+                        .query_row("SELECT 1 FROM users WHERE user_id = ?1", params![u], |r| r.get(0))
+                        .optional()
+                        .map_err(internal)?;
+                    if known.is_none() {
+                        return Err(StoreError::NotFound(format!("user {u}")));
+                    }
+                }
+                c.execute(
+                    "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, created_at) VALUES (?1, ?2, ?3, 0, 1, ?4)",
+                    params![conv_id, CONV_DIRECT, key, now_ms],
+                )
+                .map_err(internal)?;
+                for u in [&a, &b] {
+                    // Both members see the conversation from its first message.
+                    c.execute(
+                        "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES (?1, ?2, 1, NULL)",
+                        params![conv_id, u],
+                    )
+                    .map_err(internal)?;
+                    c.execute(
+                        "INSERT INTO user_convs (user_id, conv_id) VALUES (?1, ?2) ON CONFLICT DO NOTHING",
+                        params![u, conv_id],
+                    )
+                    .map_err(internal)?;
+                }
+                Ok((conv_id, true))
+            })
+            .await
+    }
+
+    async fn conversation(&self, conv: &str) -> StoreResult<Option<Conversation>> {
+        let conv = conv.to_owned();
+        self.readers.read_store(move |c| read::conversation(c, &conv)).await
+    }
+
+    async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>> {
+        let user = user.to_owned();
+        self.readers.read_store(move |c| read::list_conversations(c, &user)).await
+    }
+
+    async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {
+        self.writer.write(move |c| accept_send_tx(c, &cmd)).await
+    }
+
+    async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
+        self.readers.read_store(move |c| read::pending_outbox(c, limit)).await
+    }
+
+    async fn outbox_stats(&self) -> StoreResult<OutboxStats> {
+        self.readers
+            .read(|c| {
+                c.query_row("SELECT COUNT(*), MIN(created_at) FROM outbox", [], |r| {
+                    Ok(OutboxStats { backlog: r.get::<_, i64>(0)? as u64, oldest_created_at_ms: r.get(1)? })
+                })
+            })
+            .await
+    }
+
+    async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
+        self.writer.write(move |c| fan_out_tx(c, &items, now_ms)).await
+    }
+
+    async fn user_high_watermark(&self, user: &str) -> StoreResult<SyncSeq> {
+        let user = user.to_owned();
+        self.readers
+            .read(move |c| {
+                c.query_row("SELECT high_watermark FROM user_heads WHERE user_id = ?1", params![user], |r| {
+                    r.get::<_, i64>(0)
+                })
+                .optional()
+                .map(|v| v.unwrap_or(0) as u64)
+            })
+            .await
+    }
+
+    async fn read_user_events(
+        &self,
+        user: &str,
+        after: SyncSeq,
+        upto: SyncSeq,
+        limit: u32,
+    ) -> StoreResult<Vec<StoredEvent>> {
+        let user = user.to_owned();
+        self.readers.read_store(move |c| read::user_events(c, &user, after, upto, limit)).await
+    }
+
+    async fn cas_device_cursor(
+        &self,
+        user: &str,
+        device: &str,
+        expected: DeviceCursor,
+        new: DeviceCursor,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                let Some(rec) = read_device(c, &user, &device)? else {
+                    return Err(StoreError::NotFound(format!("device {device}")));
+                };
+                if rec.cursor != expected {
+                    return Ok((false, rec.cursor));
+                }
+                assert!(new.generation >= expected.generation, "a generation never goes back");
+                write_cursor(c, &user, &device, new, now_ms)?;
+                Ok((true, new))
+            })
+            .await
+    }
+
+    async fn ack(
+        &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        seq: SyncSeq,
+        now_ms: i64,
+    ) -> StoreResult<AckResult> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                let Some(rec) = read_device(c, &user, &device)? else {
+                    return Err(StoreError::NotFound(format!("device {device}")));
+                };
+                let decision = decide_ack(rec.cursor, generation, seq);
+                let mut cursor = rec.cursor;
+                if let AckDecision::Advance { to } = decision {
+                    assert!(to > cursor.acked_sync_seq, "an ACK only moves forward");
+                    cursor.acked_sync_seq = to;
+                    write_cursor(c, &user, &device, cursor, now_ms)?;
+                }
+                Ok(AckResult { decision, cursor })
+            })
+            .await
+    }
+
+    fn stats(&self) -> StoreStats {
+        let s = &self.writer.stats;
+        StoreStats {
+            commits: s.commits.load(Ordering::Relaxed),
+            writes: s.writes.load(Ordering::Relaxed),
+            checkpoints: s.checkpoints.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn rand_secret() -> [u8; 32] {
+    // The secret is read from the OS RNG through SQLite's own generator so
+    // this crate needs no RNG dependency.
+    let conn = Connection::open_in_memory().expect("in-memory sqlite");
+    let bytes: Vec<u8> = conn.query_row("SELECT randomblob(32)", [], |r| r.get(0)).expect("randomblob");
+    bytes.try_into().expect("32 bytes")
+}

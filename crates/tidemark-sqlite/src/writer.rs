@@ -1,0 +1,138 @@
+//! The single writer: one thread owns the only read-write connection and
+//! group-commits every write request that queued up while the previous
+//! transaction was committing (many requests, one transaction, one fsync).
+//!
+//! Each request runs inside its own SAVEPOINT, so a request that fails (for
+//! example a send to a conversation the sender left) rolls back alone and
+//! the rest of the batch commits. Replies are sent only after COMMIT
+//! returned: a caller never hears "ok" for something that is not durable.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use rusqlite::Connection;
+use tidemark_store::{StoreError, StoreResult};
+use tokio::sync::{mpsc, oneshot};
+
+/// Most requests in one transaction.
+pub const WRITE_BATCH_MAX: usize = 1024;
+/// Most requests waiting for the writer; senders wait (backpressure) beyond.
+pub const WRITE_QUEUE_MAX: usize = 8192;
+/// A passive WAL checkpoint runs after this many commits.
+pub const CHECKPOINT_EVERY_COMMITS: u64 = 512;
+
+/// Completes one request once the batch's commit outcome is known.
+type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
+/// One write request: runs inside the open transaction.
+type Job = Box<dyn FnOnce(&Connection) -> Completer + Send>;
+
+#[derive(Debug, Default)]
+pub struct WriterStats {
+    pub commits: AtomicU64,
+    pub writes: AtomicU64,
+    pub checkpoints: AtomicU64,
+}
+
+#[derive(Clone)]
+pub struct Writer {
+    jobs: mpsc::Sender<Job>,
+    pub stats: Arc<WriterStats>,
+}
+
+impl Writer {
+    /// Starts the writer thread; it ends when every `Writer` clone is gone.
+    pub fn start(conn: Connection) -> (Writer, std::thread::JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel::<Job>(WRITE_QUEUE_MAX);
+        let stats = Arc::new(WriterStats::default());
+        let thread_stats = stats.clone();
+        let handle = std::thread::Builder::new()
+            .name("tidemark-sqlite-writer".into())
+            .spawn(move || run(conn, rx, &thread_stats))
+            .expect("spawn writer thread");
+        (Writer { jobs: tx, stats }, handle)
+    }
+
+    /// Runs `f` inside the next group-committed transaction and returns its
+    /// result once that transaction is durable.
+    pub async fn write<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        let (tx, rx) = oneshot::channel::<StoreResult<T>>();
+        let job: Job = Box::new(move |conn: &Connection| {
+            let result = in_savepoint(conn, f);
+            Box::new(move |commit_error: Option<StoreError>| {
+                let _ = tx.send(match commit_error {
+                    Some(e) => Err(e),
+                    None => result,
+                });
+            })
+        });
+        self.jobs.send(job).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
+        rx.await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?
+    }
+}
+
+fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
+    if let Err(e) = conn.execute_batch("SAVEPOINT job") {
+        return Err(crate::internal(e));
+    }
+    let result = f(conn);
+    let end = if result.is_ok() { "RELEASE job" } else { "ROLLBACK TO job; RELEASE job" };
+    if let Err(e) = conn.execute_batch(end) {
+        return Err(crate::internal(e));
+    }
+    result
+}
+
+fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats) {
+    let mut since_checkpoint = 0u64;
+    let mut batch: Vec<Job> = Vec::with_capacity(WRITE_BATCH_MAX);
+    while let Some(first) = rx.blocking_recv() {
+        batch.push(first);
+        while batch.len() < WRITE_BATCH_MAX {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let size = batch.len() as u64;
+        if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
+            // Nothing ran. Dropping a job drops its reply channel, so each
+            // caller gets `Unavailable` and may retry; pause rather than spin.
+            tracing::error!(error = %e, "store writer could not begin a transaction");
+            batch.clear();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            continue;
+        }
+        let completers: Vec<Completer> = batch.drain(..).map(|job| job(&conn)).collect();
+        let commit_error = match conn.execute_batch("COMMIT") {
+            Ok(()) => None,
+            Err(e) => {
+                let _ = conn.execute_batch("ROLLBACK");
+                tracing::error!(error = %e, "store commit failed; batch rolled back");
+                Some(StoreError::Unavailable(format!("commit: {e}")))
+            }
+        };
+        if commit_error.is_none() {
+            stats.commits.fetch_add(1, Ordering::Relaxed);
+            stats.writes.fetch_add(size, Ordering::Relaxed);
+            metrics::counter!("tidemark_store_commits_total").increment(1);
+            metrics::histogram!("tidemark_store_commit_batch_size").record(size as f64);
+            since_checkpoint += 1;
+        }
+        for complete in completers {
+            complete(commit_error.clone());
+        }
+        if since_checkpoint >= CHECKPOINT_EVERY_COMMITS {
+            since_checkpoint = 0;
+            if conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())).is_ok() {
+                stats.checkpoints.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!("tidemark_store_checkpoints_total").increment(1);
+            }
+        }
+    }
+    // Every sender is gone: fold the WAL back so the database file is whole.
+    let _ = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+}
