@@ -25,6 +25,9 @@ pub const CLIENT_MSG_ID_BYTES_MAX: usize = 128;
 /// Default and largest page of a `sync` call.
 pub const SYNC_LIMIT_DEFAULT: u32 = 100;
 pub const SYNC_LIMIT_MAX: u32 = 1000;
+/// A sync page stops adding events once their contents reach this many
+/// bytes (it always carries at least one), so a reply stays a bounded frame.
+pub const SYNC_PAGE_BYTES_MAX: usize = 1024 * 1024;
 
 /// Operation names, exactly as the contract spells them.
 pub mod op {

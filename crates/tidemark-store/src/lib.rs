@@ -15,6 +15,9 @@
 //! codes. This crate knows nothing about serde, sockets or a particular
 //! database.
 
+#[cfg(feature = "conformance")]
+pub mod conformance;
+
 use async_trait::async_trait;
 use tidemark_core::cursor::{AckDecision, DeviceCursor};
 use tidemark_core::{MsgSeq, SyncSeq};

@@ -146,6 +146,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
     let mut last_seen = Instant::now();
     let silent_max = state.config.ws_ping * 3;
     let mut liveness = tokio::time::interval(state.config.ws_ping);
+    let mut writer_done = false;
     loop {
         tokio::select! {
             msg = stream.next() => {
@@ -165,7 +166,10 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
             }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             _ = kick.changed() => break,
-            _ = &mut writer => break,
+            _ = &mut writer => {
+                writer_done = true;
+                break;
+            }
             _ = liveness.tick() => {
                 if last_seen.elapsed() > silent_max {
                     tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket silent; closing");
@@ -178,7 +182,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, async { while tasks.join_next().await.is_some() {} }).await;
     tasks.shutdown().await;
     drop(out_tx);
-    if tokio::time::timeout(KICK_FLUSH_TIMEOUT * 2, &mut writer).await.is_err() {
+    if !writer_done && tokio::time::timeout(KICK_FLUSH_TIMEOUT * 2, &mut writer).await.is_err() {
         writer.abort();
     }
     state.hub.unregister(&entry);

@@ -11,6 +11,7 @@ use tidemark_core::cursor::{decide_resume, AckDecision, ClientPosition, DeviceCu
 use tidemark_core::token::{BatchClaims, TokenError};
 use tidemark_proto::{
     AckOk, AckReq, Envelope, ErrorCode, SyncOk, SyncReq, UserEvent, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX,
+    SYNC_PAGE_BYTES_MAX,
 };
 use tidemark_store::StoredEvent;
 
@@ -154,8 +155,17 @@ async fn page(
     limit: u32,
 ) -> ApiResult<SyncOk> {
     let mut stored = state.store.read_user_events(&ctx.user, position, claims.high_watermark, limit + 1).await?;
-    let has_more = stored.len() > limit as usize;
-    stored.truncate(limit as usize);
+    let mut keep = stored.len().min(limit as usize);
+    let mut bytes = 0usize;
+    for (i, e) in stored.iter().take(keep).enumerate() {
+        bytes += e.message.as_ref().map_or(0, |m| m.content.len());
+        if bytes > SYNC_PAGE_BYTES_MAX && i > 0 {
+            keep = i;
+            break;
+        }
+    }
+    let has_more = stored.len() > keep;
+    stored.truncate(keep);
     let next_cursor = match (has_more, stored.last()) {
         (true, Some(last)) => Some(state.keys.sign_cursor(&token, last.sync_seq)),
         _ => None,

@@ -1,0 +1,205 @@
+//! The conformance suite every backend must pass: the same checks, the same
+//! meaning, whatever the database. A backend's tests call [`run_all`] (or
+//! each check) with a fresh, empty store. Checks panic with a message that
+//! names the broken requirement.
+
+use std::sync::Arc;
+
+use tidemark_core::cursor::{AckDecision, DeviceCursor, DeviceState};
+
+use crate::*;
+
+const T0: i64 = 1_700_000_000_000;
+
+async fn users(store: &dyn Store, names: &[&str]) {
+    for n in names {
+        assert!(store.create_user(n, "phc-not-checked-here", T0).await.unwrap(), "create user {n}");
+    }
+}
+
+fn send(sender: &str, conv: &str, cmid: &str) -> SendCmd {
+    SendCmd {
+        sender: sender.into(),
+        sender_device: "d1".into(),
+        conv: conv.into(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: format!("{{\"text\":\"{cmid}\"}}"),
+        message_id: format!("m-{sender}-{cmid}"),
+        now_ms: T0,
+    }
+}
+
+/// Runs every check, each on its own fresh store from `fresh`.
+pub async fn run_all<F, Fut>(fresh: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Arc<dyn Store>>,
+{
+    direct_pair_maps_to_one_conversation(&*fresh().await).await;
+    send_is_idempotent(&*fresh().await).await;
+    concurrent_sends_get_contiguous_seqs(fresh().await).await;
+    refused_send_leaves_no_hole(&*fresh().await).await;
+    fan_out_is_idempotent_and_projects_once(&*fresh().await).await;
+    user_log_pages_are_ranges(&*fresh().await).await;
+    ack_is_a_monotonic_cas_per_device(&*fresh().await).await;
+    cursor_cas_refuses_a_stale_expectation(&*fresh().await).await;
+    refresh_tokens_are_used_once(&*fresh().await).await;
+    revocation_is_durable(&*fresh().await).await;
+}
+
+/// G1: one conversation per direct pair, whatever the order.
+pub async fn direct_pair_maps_to_one_conversation(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    let (c1, created1) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    let (c2, created2) = store.create_direct("b", "a", "c2", T0).await.unwrap();
+    assert!(created1 && !created2, "G1: the second create finds the first");
+    assert_eq!(c1, c2, "G1: a direct pair maps to one conversation");
+    assert!(matches!(store.create_direct("a", "nobody", "c3", T0).await, Err(StoreError::NotFound(_))));
+    let conv = store.conversation(&c1).await.unwrap().unwrap();
+    assert_eq!(conv.members, vec!["a".to_string(), "b".to_string()]);
+}
+
+/// S1: a retry returns the original message, never a second one.
+pub async fn send_is_idempotent(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    let first = store.accept_send(send("a", &conv, "x")).await.unwrap();
+    let mut retry = send("a", &conv, "x");
+    retry.message_id = "another-id".into();
+    let second = store.accept_send(retry).await.unwrap();
+    assert!(!first.duplicate && second.duplicate, "S1: the retry is flagged duplicate");
+    assert_eq!((first.message_id, first.msg_seq), (second.message_id, second.msg_seq), "S1: same id and seq");
+    assert_eq!(store.conversation(&conv).await.unwrap().unwrap().head, 1, "S1: one message");
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, 1, "S3: one outbox record");
+}
+
+/// S2: concurrent sends get 1..=n with no hole and no repeat.
+pub async fn concurrent_sends_get_contiguous_seqs(store: Arc<dyn Store>) {
+    users(&*store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    let n = 200u64;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (store, conv) = (store.clone(), conv.clone());
+        let sender = if i % 2 == 0 { "a" } else { "b" };
+        tasks.spawn(async move { store.accept_send(send(sender, &conv, &format!("k{i}"))).await.unwrap().msg_seq });
+    }
+    let mut seqs: Vec<u64> = tasks.join_all().await;
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=n).collect::<Vec<_>>(), "S2: contiguous msg_seq");
+}
+
+/// S2/S3: a refused send (not a member, unknown conversation) consumes no
+/// msg_seq and writes no outbox record.
+pub async fn refused_send_leaves_no_hole(store: &dyn Store) {
+    users(store, &["a", "b", "c"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    assert_eq!(store.accept_send(send("a", &conv, "1")).await.unwrap().msg_seq, 1);
+    assert_eq!(store.accept_send(send("c", &conv, "2")).await, Err(StoreError::NotMember));
+    assert!(matches!(store.accept_send(send("a", "no-such-conv", "3")).await, Err(StoreError::NotFound(_))));
+    assert_eq!(store.accept_send(send("b", &conv, "4")).await.unwrap().msg_seq, 2, "S2: no hole after a refusal");
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, 2);
+}
+
+/// F2, F3, R3: one event per recipient, contiguous sync_seq, a redelivered
+/// item changes nothing, unread moves once.
+pub async fn fan_out_is_idempotent_and_projects_once(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    for i in 0..3 {
+        store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+    }
+    let items = store.pending_outbox(100).await.unwrap();
+    assert_eq!(items.len(), 3);
+    let report = store.fan_out(items.clone(), T0).await.unwrap();
+    assert_eq!(report.events_written, 6, "F2: one event per recipient, sender included");
+    assert_eq!(report.users, vec![("a".to_string(), 3), ("b".to_string(), 3)]);
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, 0, "F1: consumed items leave the outbox");
+    // The relay crashed after the commit and delivers the same items again.
+    let again = store.fan_out(items, T0).await.unwrap();
+    assert_eq!((again.events_written, again.duplicates_skipped), (0, 6), "F3: redelivery writes nothing");
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), 3);
+    let list = store.list_conversations("b").await.unwrap();
+    assert_eq!((list[0].last_msg_seq, list[0].unread), (3, 3), "R3: unread moved once per event");
+    let own = store.list_conversations("a").await.unwrap();
+    assert_eq!((own[0].unread, own[0].read_seq), (0, 3), "own messages are not unread");
+    let events = store.read_user_events("b", 0, 3, 10).await.unwrap();
+    let seqs: Vec<u64> = events.iter().map(|e| e.sync_seq).collect();
+    assert_eq!(seqs, vec![1, 2, 3], "F2: contiguous sync_seq");
+    let msg_seqs: Vec<Option<u64>> = events.iter().map(|e| e.msg_seq).collect();
+    assert_eq!(msg_seqs, vec![Some(1), Some(2), Some(3)]);
+    assert_eq!(events[0].message.as_ref().unwrap().content, "{\"text\":\"0\"}");
+}
+
+/// D2: reads are exactly the half-open range, ascending, bounded.
+pub async fn user_log_pages_are_ranges(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    for i in 0..10 {
+        store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+    }
+    store.fan_out(store.pending_outbox(100).await.unwrap(), T0).await.unwrap();
+    let page = store.read_user_events("b", 3, 7, 100).await.unwrap();
+    assert_eq!(page.iter().map(|e| e.sync_seq).collect::<Vec<_>>(), vec![4, 5, 6, 7]);
+    let page = store.read_user_events("b", 3, 10, 2).await.unwrap();
+    assert_eq!(page.iter().map(|e| e.sync_seq).collect::<Vec<_>>(), vec![4, 5]);
+    assert!(store.read_user_events("b", 10, 10, 5).await.unwrap().is_empty());
+}
+
+/// D1, D4: ACKs move one device only, forward only, in its generation only.
+pub async fn ack_is_a_monotonic_cas_per_device(store: &dyn Store) {
+    users(store, &["b"]).await;
+    let phone = store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("b", "desk", "Desk", T0).await.unwrap();
+    let active = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::Active };
+    assert!(store.cas_device_cursor("b", "phone", phone.cursor, active, T0).await.unwrap().0);
+    let r = store.ack("b", "phone", 1, 9, T0).await.unwrap();
+    assert_eq!(r.decision, AckDecision::Advance { to: 9 });
+    let r = store.ack("b", "phone", 1, 4, T0).await.unwrap();
+    assert_eq!((r.decision, r.cursor.acked_sync_seq), (AckDecision::Unchanged { acked: 9 }, 9), "D4: never back");
+    let r = store.ack("b", "phone", 0, 12, T0).await.unwrap();
+    assert_eq!(r.decision, AckDecision::StaleGeneration { current: 1 }, "D4: older generation refused");
+    assert_eq!(store.device("b", "phone").await.unwrap().unwrap().cursor.acked_sync_seq, 9);
+    let desk = store.device("b", "desk").await.unwrap().unwrap();
+    assert_eq!((desk.cursor.acked_sync_seq, desk.cursor.state), (0, DeviceState::New), "D1: other device untouched");
+    let r = store.ack("b", "desk", 1, 3, T0).await.unwrap();
+    assert_eq!(r.decision, AckDecision::Resetting { current: 1 }, "a never-synced device cannot ACK");
+}
+
+/// D5: a CAS with a stale expectation changes nothing.
+pub async fn cursor_cas_refuses_a_stale_expectation(store: &dyn Store) {
+    users(store, &["b"]).await;
+    let rec = store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    let bumped = DeviceCursor { generation: 2, acked_sync_seq: 0, state: DeviceState::Resetting };
+    assert!(store.cas_device_cursor("b", "phone", rec.cursor, bumped, T0).await.unwrap().0);
+    let other = DeviceCursor { generation: 3, acked_sync_seq: 0, state: DeviceState::Resetting };
+    let (won, now) = store.cas_device_cursor("b", "phone", rec.cursor, other, T0).await.unwrap();
+    assert!(!won, "the expectation is stale");
+    assert_eq!(now, bumped);
+}
+
+/// P1: refresh tokens rotate.
+pub async fn refresh_tokens_are_used_once(store: &dyn Store) {
+    users(store, &["b"]).await;
+    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1 };
+    store.put_refresh_token("h1", &rec).await.unwrap();
+    assert_eq!(store.take_refresh_token("h1").await.unwrap(), Some(rec));
+    assert_eq!(store.take_refresh_token("h1").await.unwrap(), None);
+}
+
+/// P5: revocation sticks, survives re-login, and drops refresh tokens.
+pub async fn revocation_is_durable(store: &dyn Store) {
+    users(store, &["b"]).await;
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1 };
+    store.put_refresh_token("h1", &rec).await.unwrap();
+    assert!(store.revoke_device("b", "phone", T0).await.unwrap());
+    assert!(!store.revoke_device("b", "phone", T0).await.unwrap());
+    assert_eq!(store.take_refresh_token("h1").await.unwrap(), None);
+    let again = store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    assert_eq!(again.cursor.state, DeviceState::Revoked);
+    assert_eq!(store.revoked_devices().await.unwrap(), vec![("b".to_string(), "phone".to_string())]);
+    let r = store.ack("b", "phone", 1, 1, T0).await.unwrap();
+    assert_eq!(r.decision, AckDecision::Revoked);
+}
