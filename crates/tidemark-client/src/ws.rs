@@ -51,8 +51,10 @@ impl WsConn {
         let mut request = ws_url.into_client_request().map_err(|e| ClientError::Transport(e.to_string()))?;
         let value = format!("Bearer {access_token}").parse().map_err(|_| ClientError::Transport("bad token".into()))?;
         request.headers_mut().insert("authorization", value);
-        let (socket, _) =
-            tokio_tungstenite::connect_async(request).await.map_err(|e| ClientError::Transport(e.to_string()))?;
+        // Nagle off: requests are small frames that must leave at once.
+        let (socket, _) = tokio_tungstenite::connect_async_with_config(request, None, true)
+            .await
+            .map_err(|e| ClientError::Transport(e.to_string()))?;
         let (mut sink, mut stream) = socket.split();
         let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTGOING_MAX);
         let (ev_tx, ev_rx) = mpsc::channel::<ServerEvent>(EVENTS_MAX);

@@ -144,7 +144,8 @@ pub struct AuthReq {
 pub struct AuthOk {
     pub user: String,
     pub device_id: String,
-    /// Increases with every new connection of this device (P2).
+    /// Increases with every new connection on this server process; a newer
+    /// connection of the same device supersedes the older one (P2).
     pub connection_epoch: u64,
 }
 
@@ -306,7 +307,6 @@ pub struct Kicked {
 pub mod reason {
     pub const NEW_EVENT: &str = "new_event";
     pub const LAGGING_ACK: &str = "lagging_ack";
-    pub const CONNECTED: &str = "connected";
     pub const SUPERSEDED: &str = "superseded";
     pub const SLOW_CONSUMER: &str = "slow_consumer";
     pub const DEVICE_REVOKED: &str = "device_revoked";

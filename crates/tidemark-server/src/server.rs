@@ -65,6 +65,12 @@ impl Server {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
         let app = crate::gateway::router(state.clone());
+        // Replies and hints are small frames that must leave at once: with
+        // Nagle on, a reply queued behind a hint waits for the peer's
+        // delayed ACK (~40 ms) and senders stall instead of batching.
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         let mut http_shutdown = shutdown_rx.clone();
         let http = tokio::spawn(async move {
             let serve = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {

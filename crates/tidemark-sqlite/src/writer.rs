@@ -74,15 +74,18 @@ impl Writer {
     }
 }
 
+fn exec_cached(conn: &Connection, sql: &str) -> StoreResult<()> {
+    conn.prepare_cached(sql).and_then(|mut s| s.execute([])).map(|_| ()).map_err(crate::internal)
+}
+
 fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
-    if let Err(e) = conn.execute_batch("SAVEPOINT job") {
-        return Err(crate::internal(e));
-    }
+    // Cached statements: these run twice per request on the hot path.
+    exec_cached(conn, "SAVEPOINT job")?;
     let result = f(conn);
-    let end = if result.is_ok() { "RELEASE job" } else { "ROLLBACK TO job; RELEASE job" };
-    if let Err(e) = conn.execute_batch(end) {
-        return Err(crate::internal(e));
+    if result.is_err() {
+        exec_cached(conn, "ROLLBACK TO job")?;
     }
+    exec_cached(conn, "RELEASE job")?;
     result
 }
 

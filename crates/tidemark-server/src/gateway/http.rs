@@ -34,8 +34,32 @@ fn json_body(body: &Bytes) -> Result<Value, ApiError> {
     Ok(v)
 }
 
+/// The token of an `Authorization: Bearer <token>` header (the scheme
+/// name is case-insensitive, RFC 7235).
 pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
-    headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?.strip_prefix("Bearer ").map(str::trim)
+    let value = headers.get(axum::http::header::AUTHORIZATION)?.to_str().ok()?;
+    let (scheme, token) = value.split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+}
+
+/// Turns axum's plain-text rejections (body too large, bad method, no such
+/// route) into the contract's error object, so every 4xx carries a code.
+pub async fn contract_errors(response: Response) -> Response {
+    let status = response.status();
+    let is_json = response
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if !status.is_client_error() || is_json || status == StatusCode::UNAUTHORIZED {
+        return response;
+    }
+    let (code, message) = match status {
+        StatusCode::NOT_FOUND => (ErrorCode::NotFound, "no such route".to_string()),
+        StatusCode::PAYLOAD_TOO_LARGE => (ErrorCode::BadRequest, "request body too large".to_string()),
+        other => (ErrorCode::BadRequest, format!("request refused: {other}")),
+    };
+    (status, Json(ApiError::new(code, message).into_frame(None))).into_response()
 }
 
 pub async fn rpc(

@@ -27,5 +27,6 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/rpc/{op}", post(http::rpc))
         .route("/v1/ws", get(ws::upgrade))
         .layer(DefaultBodyLimit::max(body_max))
+        .layer(axum::middleware::map_response(http::contract_errors))
         .with_state(state)
 }

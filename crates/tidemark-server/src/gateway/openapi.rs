@@ -11,9 +11,16 @@ fn object(fields: &[&str]) -> Value {
 }
 
 fn rpc(summary: &str, request: &[&str], reply: &[&str]) -> Value {
+    secured(summary, "bearer", request, reply)
+}
+
+/// `scheme` is `bearer` (a device access token), `admin` (the admin token)
+/// or empty (no authentication).
+fn secured(summary: &str, scheme: &str, request: &[&str], reply: &[&str]) -> Value {
+    let security = if scheme.is_empty() { json!([]) } else { json!([{ scheme: [] }]) };
     json!({"post": {
         "summary": summary,
-        "security": [{"bearer": []}],
+        "security": security,
         "requestBody": {"content": {"application/json": {"schema": object(request)}}},
         "responses": {
             "200": {"description": "`<op>.ok`", "content": {"application/json": {"schema": object(reply)}}},
@@ -27,14 +34,17 @@ pub async fn document() -> Json<Value> {
         "openapi": "3.1.0",
         "info": {"title": "Tidemark", "version": env!("CARGO_PKG_VERSION")},
         "components": {
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-            "schemas": {"Error": object(&["t", "code", "message", "retry_after_ms", "sync_generation"])}
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer", "description": "device access token from /v1/login"},
+                "admin": {"type": "http", "scheme": "bearer", "description": "TIDEMARK_ADMIN_TOKEN"}
+            },
+            "schemas": {"Error": object(&["t", "rid", "code", "message", "retry_after_ms", "sync_generation"])}
         },
         "paths": {
-            "/v1/admin/users": rpc("Create a user (admin token)", &["user", "password"], &["user", "created"]),
-            "/v1/login": rpc("Log a device in", &["user", "password", "device_id", "device_name"],
+            "/v1/admin/users": secured("Create a user (admin token)", "admin", &["user", "password"], &["user", "created"]),
+            "/v1/login": secured("Log a device in", "", &["user", "password", "device_id", "device_name"],
                 &["user", "device_id", "access_token", "expires_in", "refresh_token"]),
-            "/v1/refresh": rpc("Rotate a refresh token", &["refresh_token"],
+            "/v1/refresh": secured("Rotate a refresh token", "", &["refresh_token"],
                 &["user", "device_id", "access_token", "expires_in", "refresh_token"]),
             "/v1/rpc/send": rpc("Send a message (S1-S4)", &["conv", "client_msg_id", "kind", "content"],
                 &["message_id", "conv", "msg_seq", "created_at", "duplicate"]),

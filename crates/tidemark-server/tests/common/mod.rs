@@ -52,6 +52,9 @@ impl TestServer {
     pub async fn device(&self, user: &str, device: &str) -> Device {
         let login = self.http.login(user, PASSWORD, device).await.unwrap();
         let (ws, events) = WsConn::connect(&self.ws_url(), &login.access_token).await.unwrap();
+        // A round trip proves the server registered the connection (and so
+        // will hint it) before the test goes on.
+        ws.request_value("ping", json!({})).await.unwrap();
         Device {
             user: user.into(),
             device: device.into(),
