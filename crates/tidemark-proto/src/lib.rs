@@ -311,6 +311,8 @@ pub mod reason {
     pub const SLOW_CONSUMER: &str = "slow_consumer";
     pub const DEVICE_REVOKED: &str = "device_revoked";
     pub const SHUTDOWN: &str = "shutdown";
+    /// The access token of the connection expired: refresh and reconnect.
+    pub const TOKEN_EXPIRED: &str = "token_expired";
 }
 
 #[cfg(test)]

@@ -79,10 +79,18 @@ impl ConnEntry {
     }
 }
 
+/// The connections of one user and the user's latest known watermark.
+#[derive(Debug, Default)]
+struct UserConns {
+    high_watermark: u64,
+    conns: Vec<Arc<ConnEntry>>,
+}
+
+/// Only users with a live connection have an entry, so the hub's memory is
+/// bounded by the number of connections.
 #[derive(Debug, Default)]
 pub struct Hub {
-    conns: Mutex<HashMap<String, Vec<Arc<ConnEntry>>>>,
-    user_hw: Mutex<HashMap<String, u64>>,
+    users: Mutex<HashMap<String, UserConns>>,
     epoch: AtomicU64,
 }
 
@@ -103,28 +111,24 @@ impl Hub {
             wake: Notify::new(),
             kick: watch::channel(None).0,
         });
-        {
-            let mut hw = self.user_hw.lock().expect("hub lock");
-            let v = hw.entry(user.to_owned()).or_insert(0);
-            *v = (*v).max(user_hw);
-        }
-        let mut conns = self.conns.lock().expect("hub lock");
-        let list = conns.entry(user.to_owned()).or_default();
-        for old in list.iter().filter(|c| c.device == device) {
+        let mut users = self.users.lock().expect("hub lock");
+        let u = users.entry(user.to_owned()).or_default();
+        u.high_watermark = u.high_watermark.max(user_hw);
+        for old in u.conns.iter().filter(|c| c.device == device) {
             old.kick(tidemark_proto::reason::SUPERSEDED);
         }
-        list.retain(|c| c.device != device);
-        list.push(entry.clone());
+        u.conns.retain(|c| c.device != device);
+        u.conns.push(entry.clone());
         metrics::gauge!(crate::metrics::WS_CONNECTIONS).increment(1.0);
         entry
     }
 
     pub fn unregister(&self, entry: &Arc<ConnEntry>) {
-        let mut conns = self.conns.lock().expect("hub lock");
-        if let Some(list) = conns.get_mut(&entry.user) {
-            list.retain(|c| !Arc::ptr_eq(c, entry));
-            if list.is_empty() {
-                conns.remove(&entry.user);
+        let mut users = self.users.lock().expect("hub lock");
+        if let Some(u) = users.get_mut(&entry.user) {
+            u.conns.retain(|c| !Arc::ptr_eq(c, entry));
+            if u.conns.is_empty() {
+                users.remove(&entry.user);
             }
         }
         metrics::gauge!(crate::metrics::WS_CONNECTIONS).decrement(1.0);
@@ -132,29 +136,26 @@ impl Hub {
 
     /// A fan-out committed: the user's log now reaches `hw`.
     pub fn notify_user(&self, user: &str, hw: u64) {
-        {
-            let mut map = self.user_hw.lock().expect("hub lock");
-            let v = map.entry(user.to_owned()).or_insert(0);
-            *v = (*v).max(hw);
-        }
         let now = crate::util::now_ms();
-        let conns = self.conns.lock().expect("hub lock");
-        for c in conns.get(user).into_iter().flatten() {
+        let mut users = self.users.lock().expect("hub lock");
+        let Some(u) = users.get_mut(user) else { return };
+        u.high_watermark = u.high_watermark.max(hw);
+        for c in &u.conns {
             c.hint(hw, false, now);
         }
     }
 
     pub fn on_ack(&self, user: &str, device: &str, acked: u64) {
-        let conns = self.conns.lock().expect("hub lock");
-        for c in conns.get(user).into_iter().flatten().filter(|c| c.device == device) {
+        let users = self.users.lock().expect("hub lock");
+        for c in users.get(user).into_iter().flat_map(|u| &u.conns).filter(|c| c.device == device) {
             c.acked.fetch_max(acked, Ordering::AcqRel);
         }
     }
 
     /// Ends every connection of a device (revocation, P5).
     pub fn kick_device(&self, user: &str, device: &str, reason: &'static str) {
-        let conns = self.conns.lock().expect("hub lock");
-        for c in conns.get(user).into_iter().flatten().filter(|c| c.device == device) {
+        let users = self.users.lock().expect("hub lock");
+        for c in users.get(user).into_iter().flat_map(|u| &u.conns).filter(|c| c.device == device) {
             c.kick(reason);
         }
     }
@@ -163,12 +164,11 @@ impl Hub {
     /// watermark and that was not hinted for `after_ms` (D8). Returns how
     /// many connections were re-hinted.
     pub fn rehint_sweep(&self, now_ms: i64, after_ms: i64) -> usize {
-        let hws = self.user_hw.lock().expect("hub lock").clone();
-        let conns = self.conns.lock().expect("hub lock");
+        let users = self.users.lock().expect("hub lock");
         let mut n = 0;
-        for (user, list) in conns.iter() {
-            let hw = hws.get(user).copied().unwrap_or(0);
-            for c in list {
+        for u in users.values() {
+            let hw = u.high_watermark;
+            for c in &u.conns {
                 let lagging = c.acked.load(Ordering::Acquire) < hw;
                 let quiet = now_ms - c.last_hint_at_ms.load(Ordering::Acquire) >= after_ms;
                 if lagging && quiet {
@@ -181,7 +181,7 @@ impl Hub {
     }
 
     pub fn connections(&self) -> usize {
-        self.conns.lock().expect("hub lock").values().map(Vec::len).sum()
+        self.users.lock().expect("hub lock").values().map(|u| u.conns.len()).sum()
     }
 }
 
@@ -218,5 +218,8 @@ mod tests {
         assert_eq!(c.kicked(), Some(tidemark_proto::reason::SUPERSEDED));
         assert_eq!(newer.kicked(), None);
         assert_eq!(hub.connections(), 1);
+        hub.unregister(&c);
+        hub.unregister(&newer);
+        assert!(hub.users.lock().unwrap().is_empty(), "no memory kept for users without connections");
     }
 }

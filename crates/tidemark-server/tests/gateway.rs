@@ -331,3 +331,29 @@ async fn admin_health_metrics_and_openapi() {
     s.stop().await;
     ts.stop().await;
 }
+
+/// P1: a WebSocket lives no longer than its short-lived access token; the
+/// client is told why, refreshes and reconnects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_ends_when_its_access_token_expires() {
+    let config = tidemark_server::ServerConfig { access_token_ttl: Duration::from_secs(1), ..Default::default() };
+    let ts = TestServer::start_with(config).await;
+    ts.user("ann").await;
+    let mut ann = ts.device("ann", "phone").await;
+    let reason = tokio::time::timeout(Duration::from_secs(5), async {
+        loop {
+            match ann.events.recv().await {
+                Some(ServerEvent::Kicked { reason }) => return reason,
+                Some(_) => continue,
+                None => return String::new(),
+            }
+        }
+    })
+    .await
+    .expect("kicked before the timeout");
+    assert_eq!(reason, "token_expired");
+    let fresh = ts.http.refresh(&ann.refresh).await.unwrap();
+    let (ws, _) = WsConn::connect(&ts.ws_url(), &fresh.access_token).await.unwrap();
+    assert_eq!(ws.request_value("ping", json!({})).await.unwrap()["t"], "ping.ok");
+    ts.stop().await;
+}

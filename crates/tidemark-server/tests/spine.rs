@@ -353,3 +353,43 @@ async fn connected_devices_get_coalesced_hints_and_rehints() {
     );
     ts.stop().await;
 }
+
+/// A lost ACK never loses or skips anything: the device applied a batch but
+/// its ACK never arrived; the next sync resumes from the server's ACK and
+/// re-sends those events, which the client applies idempotently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_ack_replays_from_the_server_ack() {
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let mut ben = ts.device("ben", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    for i in 0..4 {
+        ann.send(&conv, &format!("{i}")).await;
+    }
+    ben.sync_until(4, 10).await;
+    for i in 4..8 {
+        ann.send(&conv, &format!("{i}")).await;
+    }
+    // Apply a batch locally without ACKing it (the ACK was lost).
+    let mut page = ben.sync_page(10).await.unwrap();
+    while page.batch_high_watermark < 8 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        page = ben.sync_page(10).await.unwrap();
+    }
+    for e in page.events.clone() {
+        ben.apply(e);
+    }
+    assert_eq!(ben.applied, 8);
+    // Reconnect: the local position (8) is ahead of the server ACK (4).
+    let again = ben.sync_page(10).await.unwrap();
+    assert_eq!((again.resume_from, again.server_acked_sync_seq), (4, 4));
+    let seqs: Vec<u64> = again.events.iter().map(|e| e.sync_seq).collect();
+    assert_eq!(seqs, vec![5, 6, 7, 8], "the unacknowledged events come again");
+    ben.sync_batch(10).await;
+    assert_eq!(ben.log.len(), 8, "applied once each");
+    let cursor = ts.running().state.store.device("ben", "phone").await.unwrap().unwrap().cursor;
+    assert_eq!(cursor.acked_sync_seq, 8);
+    ts.stop().await;
+}

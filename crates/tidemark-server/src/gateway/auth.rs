@@ -38,7 +38,7 @@ pub fn authenticate(state: &AppState, token: &str) -> ApiResult<AuthCtx> {
     if state.is_revoked(&claims.user, &claims.device) {
         return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked"));
     }
-    Ok(AuthCtx { user: claims.user, device: claims.device })
+    Ok(AuthCtx { user: claims.user, device: claims.device, expires_at_ms: claims.expires_at_ms })
 }
 
 pub async fn create_user(state: &AppState, user: &str, password: &str) -> ApiResult<bool> {

@@ -147,6 +147,9 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
     let silent_max = state.config.ws_ping * 3;
     let mut liveness = tokio::time::interval(state.config.ws_ping);
     let mut writer_done = false;
+    let token_left = Duration::from_millis((ctx.expires_at_ms - crate::util::now_ms()).max(0) as u64);
+    let token_expiry = tokio::time::sleep(token_left);
+    tokio::pin!(token_expiry);
     loop {
         tokio::select! {
             msg = stream.next() => {
@@ -166,6 +169,8 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
             }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             _ = kick.changed() => break,
+            // Short-lived tokens (P1) bound a connection's life too.
+            _ = &mut token_expiry => entry.kick(reason::TOKEN_EXPIRED),
             _ = &mut writer => {
                 writer_done = true;
                 break;

@@ -22,6 +22,8 @@ use crate::server::AppState;
 pub struct AuthCtx {
     pub user: String,
     pub device: String,
+    /// When the access token expires; a WebSocket is closed then.
+    pub expires_at_ms: i64,
 }
 
 pub(crate) fn parse<T: DeserializeOwned>(body: Value) -> ApiResult<T> {

@@ -187,13 +187,11 @@ impl Device {
             .collect()
     }
 
+    /// The next hint within `within`; `None` on timeout, kick or close.
     pub async fn next_hint(&mut self, within: Duration) -> Option<u64> {
-        let deadline = tokio::time::Instant::now() + within;
-        loop {
-            match tokio::time::timeout_at(deadline, self.events.recv()).await {
-                Ok(Some(ServerEvent::Hint { high_watermark, .. })) => return Some(high_watermark),
-                Ok(Some(_)) | Ok(None) | Err(_) => return None,
-            }
+        match tokio::time::timeout(within, self.events.recv()).await {
+            Ok(Some(ServerEvent::Hint { high_watermark, .. })) => Some(high_watermark),
+            _ => None,
         }
     }
 }
