@@ -8,6 +8,7 @@
 //! decision and the write are one atomic step, and the rule itself is the
 //! same for every backend.
 
+pub mod convsync;
 pub mod cursor;
 pub mod ids;
 pub mod membership;

@@ -28,6 +28,12 @@ pub const SYNC_LIMIT_MAX: u32 = 1000;
 /// A sync page stops adding events once their contents reach this many
 /// bytes (it always carries at least one), so a reply stays a bounded frame.
 pub const SYNC_PAGE_BYTES_MAX: usize = 1024 * 1024;
+/// Default and largest page of `conv.sync`.
+pub const CONV_SYNC_LIMIT_DEFAULT: u32 = 50;
+pub const CONV_SYNC_LIMIT_MAX: u32 = 200;
+/// Default and largest page of `history` (seed 003 caps pages at 50).
+pub const HISTORY_LIMIT_DEFAULT: u32 = 20;
+pub const HISTORY_LIMIT_MAX: u32 = 50;
 
 /// Operation names, exactly as the contract spells them.
 pub mod op {
@@ -39,8 +45,41 @@ pub mod op {
     pub const CONV_LIST: &str = "conv.list";
     pub const DEVICE_REVOKE: &str = "device.revoke";
     pub const PING: &str = "ping";
+    pub const CONV_ADD: &str = "conv.add";
+    pub const CONV_REMOVE: &str = "conv.remove";
+    pub const CONV_LEAVE: &str = "conv.leave";
+    pub const CONV_SYNC: &str = "conv.sync";
+    pub const HISTORY: &str = "history";
+    pub const RECALL: &str = "recall";
+    pub const EDIT: &str = "edit";
+    pub const REACT: &str = "react";
+    pub const CONV_SETTINGS: &str = "conv.settings";
+    pub const READ: &str = "read";
+    pub const DELIVERY_ACK: &str = "delivery.ack";
+    /// Tidemark extension: delete a message for the caller only (E3).
+    pub const MESSAGE_DELETE: &str = "message.delete";
     /// Every operation this server implements, for docs and OpenAPI.
-    pub const ALL: &[&str] = &[SEND, SYNC, ACK, CONV_CREATE, CONV_LIST, DEVICE_REVOKE, PING];
+    pub const ALL: &[&str] = &[
+        SEND,
+        SYNC,
+        ACK,
+        CONV_CREATE,
+        CONV_LIST,
+        CONV_ADD,
+        CONV_REMOVE,
+        CONV_LEAVE,
+        CONV_SYNC,
+        HISTORY,
+        RECALL,
+        EDIT,
+        REACT,
+        CONV_SETTINGS,
+        READ,
+        DELIVERY_ACK,
+        MESSAGE_DELETE,
+        DEVICE_REVOKE,
+        PING,
+    ];
 }
 
 /// Server-initiated frame types.
@@ -185,6 +224,184 @@ pub struct ConvSummary {
     pub last_msg_seq: u64,
     pub read_seq: u64,
     pub unread: u64,
+    pub muted: bool,
+    pub pinned: bool,
+    /// False once the caller left or was removed (history stays readable).
+    pub active: bool,
+}
+
+/// `conv.add`, `conv.remove` (`user` required) and `conv.leave`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvMemberReq {
+    pub conv: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Optional idempotency key; a retry returns the original event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_msg_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvMemberOk {
+    pub conv: String,
+    /// The membership event's position in the conversation.
+    pub msg_seq: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvSyncReq {
+    pub conv: String,
+    #[serde(default)]
+    pub after: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<u64>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvSyncOk {
+    pub conv: String,
+    pub epoch: u64,
+    pub min_seq: u64,
+    pub head: u64,
+    pub next_after: u64,
+    pub has_more: bool,
+    pub trimmed: bool,
+    pub events: Vec<Envelope>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HistoryReq {
+    pub conv: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub before_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct HistoryOk {
+    /// Newest first.
+    pub messages: Vec<Envelope>,
+    /// `before_seq` of the next (older) page; null when `has_more` is false.
+    pub next_cursor: Option<u64>,
+    pub has_more: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecallReq {
+    pub conv: String,
+    pub message_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_msg_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct RecallOk {
+    /// The recall event's `msg_seq`.
+    pub msg_seq: u64,
+    pub version: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EditReq {
+    pub conv: String,
+    pub message_id: String,
+    pub content: Value,
+    pub base_version: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_msg_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EditOk {
+    pub msg_seq: u64,
+    pub version: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReactReq {
+    pub conv: String,
+    pub message_id: String,
+    pub reaction: String,
+    /// `add` or `remove`.
+    pub op: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_msg_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReactOk {
+    /// The reaction event's `msg_seq` (0 when a remove changed nothing).
+    pub msg_seq: u64,
+    pub version: u64,
+    /// False when the reaction was already in the requested state.
+    pub changed: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvSettingsReq {
+    pub conv: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub muted: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pinned: Option<bool>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ConvSettingsOk {
+    pub conv: String,
+    pub muted: bool,
+    pub pinned: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReadReq {
+    pub conv: String,
+    pub read_to_seq: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ReadOk {
+    pub conv: String,
+    pub read_seq: u64,
+    pub unread: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeliveryAckReq {
+    pub message_ids: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct DeliveryAckOk {
+    /// How many (message, device) deliveries were new.
+    pub recorded: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct MessageDeleteReq {
+    pub conv: String,
+    pub message_id: String,
+}
+
+/// Admin: bump a conversation's epoch.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdminEpochReq {
+    pub conv: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdminEpochOk {
+    pub conv: String,
+    pub epoch: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdminUnreadOk {
+    pub rows_checked: u64,
+    pub drifted: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -261,6 +478,9 @@ pub struct UserEvent {
     pub msg_seq: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Envelope>,
+    /// The payload of per-user events (`read`, `settings`, `delete`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
 }
 
 /// The unified message envelope (C4).
@@ -270,11 +490,19 @@ pub struct Envelope {
     pub conv: String,
     pub msg_seq: u64,
     pub kind: String,
-    /// `normal` (later: `recalled`, `edited`).
+    /// `normal`, `edited`, `recalled` (content is `{}`), or `deleted` (the
+    /// reader deleted it for themselves; content is `{}`).
     pub state: String,
     pub sender: String,
     pub content: Value,
     pub created_at: i64,
+    /// Bumped by every edit, reaction and recall: apply an event only if
+    /// its version is higher than the one you hold (E2).
+    #[serde(default)]
+    pub version: u64,
+    /// Reactions by kind, with the users who reacted.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub reactions: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

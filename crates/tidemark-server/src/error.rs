@@ -52,6 +52,17 @@ impl From<StoreError> for ApiError {
                     ..ApiError::new(ErrorCode::Unavailable, "temporarily unavailable")
                 }
             }
+            StoreError::Forbidden(m) => ApiError::new(ErrorCode::Forbidden, m),
+            StoreError::CursorAhead(head) => {
+                ApiError::new(ErrorCode::CursorAhead, format!("after is beyond the conversation head {head}"))
+            }
+            StoreError::EpochChanged(epoch) => ApiError::new(
+                ErrorCode::EpochChanged,
+                format!("the conversation epoch is now {epoch}; resync it from 0"),
+            ),
+            StoreError::VersionConflict(v) => {
+                ApiError::new(ErrorCode::Conflict, format!("base_version is stale; the message is at version {v}"))
+            }
             StoreError::Internal(m) => {
                 let id = crate::util::new_id("err_");
                 tracing::error!(error_id = %id, error = %m, "internal store error");

@@ -14,6 +14,7 @@
 //! promise of `send.ok`.) Fsyncs per commit: one; a passive checkpoint every
 //! [`writer::CHECKPOINT_EVERY_COMMITS`] commits adds two.
 
+mod events;
 mod read;
 mod schema;
 pub mod writer;
@@ -150,75 +151,55 @@ fn write_cursor(conn: &Connection, user: &str, device: &str, c: DeviceCursor, no
 }
 
 fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
-    let existing = conn
-        .prepare_cached(
-            "SELECT message_id, conv_id, msg_seq, created_at FROM messages WHERE sender = ?1 AND client_msg_id = ?2",
-        )
-        .map_err(internal)?
-        .query_row(params![cmd.sender, cmd.client_msg_id], |r| {
-            Ok(Accepted {
-                message_id: r.get(0)?,
-                conv: r.get(1)?,
-                msg_seq: r.get::<_, i64>(2)? as u64,
-                created_at_ms: r.get(3)?,
-                duplicate: true,
-            })
-        })
-        .optional()
-        .map_err(internal)?;
-    if let Some(original) = existing {
-        return Ok(original);
+    if let Some((message_id, conv, msg_seq, created_at_ms)) =
+        events::existing_event(conn, &cmd.sender, &cmd.client_msg_id)?
+    {
+        return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
+    }
+    if tidemark_store::is_control_kind(&cmd.kind) {
+        return Err(StoreError::Invalid(format!("kind {} is reserved for control events", cmd.kind)));
     }
     // The membership check runs here, at the conversation's linearisation
     // point, so a send racing a removal is ordered by the writer (G1).
-    let member: Option<i64> = conn
-        .prepare_cached(
-            "SELECT period_id FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 AND leave_seq IS NULL",
-        )
-        .map_err(internal)?
-        .query_row(params![cmd.conv, cmd.sender], |r| r.get(0))
-        .optional()
-        .map_err(internal)?;
-    let head: Option<i64> = conn
-        .prepare_cached("UPDATE conversations SET head = head + 1 WHERE conv_id = ?1 RETURNING head")
-        .map_err(internal)?
-        .query_row(params![cmd.conv], |r| r.get(0))
-        .optional()
-        .map_err(internal)?;
-    let Some(msg_seq) = head else {
-        return Err(StoreError::NotFound(format!("conversation {}", cmd.conv)));
-    };
-    if member.is_none() {
-        // Undone by the job's savepoint rollback.
-        return Err(StoreError::NotMember);
+    if !events::is_active_member(conn, &cmd.conv, &cmd.sender)? {
+        let exists: Option<i64> = conn
+            .query_row("SELECT 1 FROM conversations WHERE conv_id = ?1", params![cmd.conv], |r| r.get(0))
+            .optional()
+            .map_err(internal)?;
+        return Err(match exists {
+            None => StoreError::NotFound(format!("conversation {}", cmd.conv)),
+            Some(_) => StoreError::NotMember,
+        });
     }
-    conn.prepare_cached(
-        "INSERT INTO messages (message_id, conv_id, msg_seq, sender, sender_device, client_msg_id, kind, content, state, created_at)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, 'normal', ?9)",
-    )
-    .map_err(internal)?
-    .execute(params![
-        cmd.message_id,
-        cmd.conv,
-        msg_seq,
-        cmd.sender,
-        cmd.sender_device,
-        cmd.client_msg_id,
-        cmd.kind,
-        cmd.content,
-        cmd.now_ms
-    ])
-    .map_err(internal)?;
-    conn.prepare_cached(
-        "INSERT INTO outbox (kind, source_event_id, conv_id, msg_seq, actor, created_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-    )
-    .map_err(internal)?
-    .execute(params![EVENT_MESSAGE, cmd.message_id, cmd.conv, msg_seq, cmd.sender, cmd.now_ms])
-    .map_err(internal)?;
+    if let Some(quoted) = &cmd.quote_id {
+        let seq: Option<(String, i64, String)> = conn
+            .query_row("SELECT conv_id, msg_seq, kind FROM messages WHERE message_id = ?1", params![quoted], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })
+            .optional()
+            .map_err(internal)?;
+        match seq {
+            Some((conv, seq, kind))
+                if conv == cmd.conv
+                    && !tidemark_store::is_control_kind(&kind)
+                    && events::sees(conn, &cmd.conv, &cmd.sender, seq as u64)? => {}
+            _ => return Err(StoreError::Invalid(format!("quoted message {quoted} is not in this conversation"))),
+        }
+    }
+    let event = ConvEventCmd {
+        conv: cmd.conv.clone(),
+        actor: cmd.sender.clone(),
+        actor_device: cmd.sender_device.clone(),
+        event_id: cmd.message_id.clone(),
+        client_msg_id: cmd.client_msg_id.clone(),
+        now_ms: cmd.now_ms,
+    };
+    let msg_seq =
+        events::append_conv_event(conn, &event, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL)?;
     Ok(Accepted {
         message_id: cmd.message_id.clone(),
         conv: cmd.conv.clone(),
-        msg_seq: msg_seq as u64,
+        msg_seq,
         created_at_ms: cmd.now_ms,
         duplicate: false,
     })
@@ -244,11 +225,51 @@ fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<
     rows.collect::<Result<Vec<_>, _>>().map_err(internal)
 }
 
+/// The event row behind an outbox item: its sender and, for control
+/// events, the target's `msg_seq` and sender.
+struct FanoutSource {
+    kind: String,
+    target: Option<(u64, String, String)>,
+}
+
+fn fanout_source(conn: &Connection, item: &OutboxItem) -> StoreResult<FanoutSource> {
+    let (kind, target_id): (String, Option<String>) = conn
+        .prepare_cached("SELECT kind, target_id FROM messages WHERE message_id = ?1")
+        .map_err(internal)?
+        .query_row(params![item.source_event_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .map_err(internal)?;
+    let target = match target_id {
+        None => None,
+        Some(id) => conn
+            .prepare_cached("SELECT msg_seq, sender FROM messages WHERE message_id = ?1")
+            .map_err(internal)?
+            .query_row(params![id], |r| Ok((r.get::<_, i64>(0)? as u64, r.get(1)?, id.clone())))
+            .optional()
+            .map_err(internal)?,
+    };
+    Ok(FanoutSource { kind, target })
+}
+
 fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResult<FanoutReport> {
     let mut report = FanoutReport::default();
     let mut touched: std::collections::BTreeMap<String, SyncSeq> = Default::default();
     for item in items {
-        let recipients = recipients_at(&periods_covering(conn, &item.conv, item.msg_seq)?, item.msg_seq);
+        let source = fanout_source(conn, item)?;
+        let mut recipients = recipients_at(&periods_covering(conn, &item.conv, item.msg_seq)?, item.msg_seq);
+        if source.kind == KIND_RECALL {
+            // A recall also reaches whoever could see the original and has
+            // left since: tombstones outlive every holder of the content (E1).
+            if let Some((target_seq, _, _)) = &source.target {
+                let earlier = recipients_at(&periods_covering(conn, &item.conv, *target_seq)?, *target_seq);
+                for (user, period) in earlier.deliver {
+                    let known =
+                        recipients.deliver.iter().any(|(u, _)| *u == user) || recipients.quarantined.contains(&user);
+                    if !known {
+                        recipients.deliver.push((user, period));
+                    }
+                }
+            }
+        }
         for user in &recipients.quarantined {
             conn.prepare_cached(
                 "INSERT OR IGNORE INTO fanout_quarantine (source_event_id, user_id, conv_id, msg_seq, reason, created_at)
@@ -283,37 +304,31 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
                 .map_err(internal)?
                 .query_row(params![user], |r| r.get(0))
                 .map_err(internal)?;
-            let message_id = (item.kind == EVENT_MESSAGE).then_some(item.source_event_id.as_str());
             conn.prepare_cached(
                 "INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id, period_id, created_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7, ?8)",
             )
             .map_err(internal)?
-            .execute(params![
-                user,
-                sync_seq,
-                item.kind,
-                item.conv,
-                item.msg_seq as i64,
-                message_id,
-                item.source_event_id,
-                period_id,
-                now_ms
-            ])
+            .execute(params![user, sync_seq, item.kind, item.conv, item.msg_seq as i64, item.source_event_id, period_id, now_ms])
             .map_err(internal)?;
             // Projections commit with the event: once per (user, event).
             let own = user == &item.actor;
+            let counts = item.kind == EVENT_MESSAGE && !own;
             conn.prepare_cached(
                 "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
-                 VALUES (?1, ?2, ?3, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?4 THEN 0 ELSE 1 END)
+                 VALUES (?1, ?2, ?3, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END)
                  ON CONFLICT(user_id, conv_id) DO UPDATE SET
                     last_msg_seq = MAX(last_msg_seq, excluded.last_msg_seq),
                     read_seq = CASE WHEN ?4 THEN MAX(read_seq, excluded.last_msg_seq) ELSE read_seq END,
-                    unread = unread + CASE WHEN ?4 OR excluded.last_msg_seq <= read_seq THEN 0 ELSE 1 END",
+                    unread = unread + CASE WHEN ?5 AND excluded.last_msg_seq > read_seq THEN 1 ELSE 0 END",
             )
             .map_err(internal)?
-            .execute(params![user, item.conv, item.msg_seq as i64, own])
+            .execute(params![user, item.conv, item.msg_seq as i64, own, counts])
             .map_err(internal)?;
+            if item.kind == EVENT_RECALL {
+                // The recalled message no longer counts as unread.
+                events::recount_unread(conn, user, &item.conv)?;
+            }
             report.events_written += 1;
             touched.insert(user.clone(), sync_seq as u64);
         }
@@ -479,7 +494,8 @@ impl Store for SqliteStore {
                     }
                 }
                 c.execute(
-                    "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, created_at) VALUES (?1, ?2, ?3, 0, 1, ?4)",
+                    "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at)
+                     VALUES (?1, ?2, ?3, 0, 1, NULL, ?4)",
                     params![conv_id, CONV_DIRECT, key, now_ms],
                 )
                 .map_err(internal)?;
@@ -509,6 +525,129 @@ impl Store for SqliteStore {
     async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>> {
         let user = user.to_owned();
         self.readers.read_store(move |c| read::list_conversations(c, &user)).await
+    }
+
+    async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<u64> {
+        self.writer.write(move |c| events::create_group(c, &cmd, &members)).await
+    }
+
+    async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
+        let target = target.to_owned();
+        self.writer.write(move |c| events::change_membership(c, &cmd, &target, change)).await
+    }
+
+    async fn bump_epoch(&self, conv: &str) -> StoreResult<u64> {
+        let conv = conv.to_owned();
+        self.writer
+            .write(move |c| {
+                c.query_row(
+                    "UPDATE conversations SET epoch = epoch + 1 WHERE conv_id = ?1 RETURNING epoch",
+                    params![conv],
+                    |r| r.get::<_, i64>(0),
+                )
+                .optional()
+                .map_err(internal)?
+                .map(|e| e as u64)
+                .ok_or_else(|| StoreError::NotFound(format!("conversation {conv}")))
+            })
+            .await
+    }
+
+    async fn recall(&self, cmd: ConvEventCmd, message_id: &str) -> StoreResult<ControlOutcome> {
+        let id = message_id.to_owned();
+        self.writer.write(move |c| events::recall(c, &cmd, &id)).await
+    }
+
+    async fn edit(
+        &self,
+        cmd: ConvEventCmd,
+        message_id: &str,
+        content: &str,
+        base_version: u64,
+    ) -> StoreResult<ControlOutcome> {
+        let (id, content) = (message_id.to_owned(), content.to_owned());
+        self.writer.write(move |c| events::edit(c, &cmd, &id, &content, base_version)).await
+    }
+
+    async fn react(
+        &self,
+        cmd: ConvEventCmd,
+        message_id: &str,
+        reaction: &str,
+        add: bool,
+    ) -> StoreResult<ControlOutcome> {
+        let (id, reaction) = (message_id.to_owned(), reaction.to_owned());
+        self.writer.write(move |c| events::react(c, &cmd, &id, &reaction, add)).await
+    }
+
+    async fn mark_read(&self, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> StoreResult<ReadOutcome> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.writer.write(move |c| events::mark_read(c, &user, &conv, read_to_seq, now_ms)).await
+    }
+
+    async fn update_settings(
+        &self,
+        user: &str,
+        conv: &str,
+        muted: Option<bool>,
+        pinned: Option<bool>,
+        now_ms: i64,
+    ) -> StoreResult<(ConvState, UserEventOutcome)> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        let (_, _, _, written) = self
+            .writer
+            .write({
+                let (user, conv) = (user.clone(), conv.clone());
+                move |c| events::update_settings(c, &user, &conv, muted, pinned, now_ms)
+            })
+            .await?;
+        let state =
+            self.list_conversations(&user).await?.into_iter().find(|s| s.conv == conv).ok_or(StoreError::NotMember)?;
+        Ok((state, UserEventOutcome { written }))
+    }
+
+    async fn delete_for_me(
+        &self,
+        user: &str,
+        conv: &str,
+        message_id: &str,
+        now_ms: i64,
+    ) -> StoreResult<UserEventOutcome> {
+        let (user, conv, id) = (user.to_owned(), conv.to_owned(), message_id.to_owned());
+        let written = self.writer.write(move |c| events::delete_for_me(c, &user, &conv, &id, now_ms)).await?;
+        Ok(UserEventOutcome { written })
+    }
+
+    async fn record_delivery(
+        &self,
+        user: &str,
+        device: &str,
+        message_ids: Vec<String>,
+        now_ms: i64,
+    ) -> StoreResult<u64> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer.write(move |c| events::record_delivery(c, &user, &device, &message_ids, now_ms)).await
+    }
+
+    async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild> {
+        self.writer.write(events::rebuild_unread).await
+    }
+
+    async fn conv_sync(
+        &self,
+        user: &str,
+        conv: &str,
+        after: u64,
+        limit: u32,
+        epoch: Option<u64>,
+    ) -> StoreResult<ConvSyncPage> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers.read_store(move |c| read::conv_sync(c, &user, &conv, after, limit, epoch)).await
+    }
+
+    async fn history(&self, user: &str, conv: &str, before_seq: Option<u64>, limit: u32) -> StoreResult<HistoryPage> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers.read_store(move |c| read::history(c, &user, &conv, before_seq, limit)).await
     }
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {

@@ -4,6 +4,7 @@
 use std::sync::Mutex;
 
 use rusqlite::{params, Connection, OptionalExtension};
+use tidemark_core::convsync::{ConvSnapshot, ConvSyncRefusal};
 use tidemark_store::*;
 use tokio::sync::Semaphore;
 
@@ -68,9 +69,9 @@ pub(crate) fn conversation(c: &Connection, conv: &str) -> StoreResult<Option<Con
 pub(crate) fn list_conversations(c: &Connection, user: &str) -> StoreResult<Vec<ConvState>> {
     let mut stmt = c
         .prepare_cached(
-            "SELECT uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread
+            "SELECT uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread, uc.muted, uc.pinned, uc.active
              FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
-             WHERE uc.user_id = ?1 ORDER BY uc.last_msg_seq DESC, uc.conv_id",
+             WHERE uc.user_id = ?1 ORDER BY uc.pinned DESC, uc.last_msg_seq DESC, uc.conv_id",
         )
         .map_err(internal)?;
     let rows = stmt
@@ -81,6 +82,9 @@ pub(crate) fn list_conversations(c: &Connection, user: &str) -> StoreResult<Vec<
                 last_msg_seq: r.get::<_, i64>(2)? as u64,
                 read_seq: r.get::<_, i64>(3)? as u64,
                 unread: r.get::<_, i64>(4)? as u64,
+                muted: r.get(5)?,
+                pinned: r.get(6)?,
+                active: r.get(7)?,
             })
         })
         .map_err(internal)?;
@@ -110,6 +114,72 @@ pub(crate) fn pending_outbox(c: &Connection, limit: u32) -> StoreResult<Vec<Outb
     rows.collect::<Result<Vec<_>, _>>().map_err(internal)
 }
 
+/// Columns of a message row, in the order [`message_at`] reads them.
+pub(crate) const MSG_COLS: &str =
+    "m.message_id, m.conv_id, m.msg_seq, m.kind, m.state, m.sender, m.content, m.created_at, m.version, m.quote_id";
+
+/// Reads a message from `MSG_COLS` starting at column `at`; the quote id
+/// comes back beside it for [`decorate`].
+pub(crate) fn message_at(r: &rusqlite::Row, at: usize) -> rusqlite::Result<(StoredMessage, Option<String>)> {
+    Ok((
+        StoredMessage {
+            message_id: r.get(at)?,
+            conv: r.get(at + 1)?,
+            msg_seq: r.get::<_, i64>(at + 2)? as u64,
+            kind: r.get(at + 3)?,
+            state: r.get(at + 4)?,
+            sender: r.get(at + 5)?,
+            content: r.get(at + 6)?,
+            created_at_ms: r.get(at + 7)?,
+            version: r.get::<_, i64>(at + 8)? as u64,
+            quote: None,
+            reactions: Vec::new(),
+        },
+        r.get(at + 9)?,
+    ))
+}
+
+/// Renders messages for one reader: deleted-for-me becomes a placeholder,
+/// a quote says whether its target was recalled, reactions are attached.
+/// Recalled content is already wiped in storage.
+pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage, Option<String>)]) -> StoreResult<()> {
+    for (m, quote_id) in msgs.iter_mut() {
+        let deleted: Option<i64> = c
+            .prepare_cached("SELECT 1 FROM user_deleted WHERE user_id = ?1 AND message_id = ?2")
+            .map_err(internal)?
+            .query_row(params![reader, m.message_id], |r| r.get(0))
+            .optional()
+            .map_err(internal)?;
+        if deleted.is_some() {
+            m.state = STATE_DELETED.into();
+            m.content = "{}".into();
+        }
+        if let Some(q) = quote_id.take() {
+            let state: Option<String> = c
+                .prepare_cached("SELECT state FROM messages WHERE message_id = ?1")
+                .map_err(internal)?
+                .query_row(params![q], |r| r.get(0))
+                .optional()
+                .map_err(internal)?;
+            m.quote = Some((q, state.as_deref() == Some(STATE_RECALLED)));
+        }
+        let mut stmt = c
+            .prepare_cached("SELECT reaction, user_id FROM reactions WHERE message_id = ?1 ORDER BY reaction, user_id")
+            .map_err(internal)?;
+        let rows = stmt
+            .query_map(params![m.message_id], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
+            .map_err(internal)?;
+        for row in rows {
+            let (reaction, user) = row.map_err(internal)?;
+            match m.reactions.last_mut() {
+                Some((r, users)) if *r == reaction => users.push(user),
+                _ => m.reactions.push((reaction, vec![user])),
+            }
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn user_events(
     c: &Connection,
     user: &str,
@@ -117,41 +187,43 @@ pub(crate) fn user_events(
     upto: u64,
     limit: u32,
 ) -> StoreResult<Vec<StoredEvent>> {
-    let mut stmt = c
-        .prepare_cached(
-            "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq,
-                    m.message_id, m.msg_seq, m.kind, m.state, m.sender, m.content, m.created_at
-             FROM user_events e LEFT JOIN messages m ON m.message_id = e.message_id
-             WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3
-             ORDER BY e.sync_seq LIMIT ?4",
-        )
-        .map_err(internal)?;
+    let sql = format!(
+        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}
+         FROM user_events e LEFT JOIN messages m ON m.message_id = e.message_id
+         WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3
+         ORDER BY e.sync_seq LIMIT ?4"
+    );
+    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
     let rows = stmt
         .query_map(params![user, after as i64, upto as i64, limit], |r| {
-            let conv: String = r.get(2)?;
-            let message = match r.get::<_, Option<String>>(4)? {
+            let message = match r.get::<_, Option<String>>(5)? {
                 None => None,
-                Some(message_id) => Some(StoredMessage {
-                    message_id,
-                    conv: conv.clone(),
-                    msg_seq: r.get::<_, i64>(5)? as u64,
-                    kind: r.get(6)?,
-                    state: r.get(7)?,
-                    sender: r.get(8)?,
-                    content: r.get(9)?,
-                    created_at_ms: r.get(10)?,
-                }),
+                Some(_) => Some(message_at(r, 5)?),
             };
-            Ok(StoredEvent {
-                sync_seq: r.get::<_, i64>(0)? as u64,
-                kind: r.get(1)?,
-                conv,
-                msg_seq: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
+            Ok((
+                StoredEvent {
+                    sync_seq: r.get::<_, i64>(0)? as u64,
+                    kind: r.get(1)?,
+                    conv: r.get(2)?,
+                    msg_seq: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
+                    message: None,
+                    data: r.get(4)?,
+                },
                 message,
-            })
+            ))
         })
         .map_err(internal)?;
-    let events = rows.collect::<Result<Vec<_>, _>>().map_err(internal)?;
+    let mut events = Vec::new();
+    for row in rows {
+        let (mut e, m) = row.map_err(internal)?;
+        if let Some(m) = m {
+            let mut one = [m];
+            decorate(c, user, &mut one)?;
+            let [(m, _)] = one;
+            e.message = Some(m);
+        }
+        events.push(e);
+    }
     // Assert on our side of the storage boundary: a page is ascending and
     // inside the requested range.
     let mut prev = after;
@@ -160,4 +232,121 @@ pub(crate) fn user_events(
         prev = e.sync_seq;
     }
     Ok(events)
+}
+
+/// The reader's membership periods cover `m.msg_seq` (G1).
+const VISIBLE: &str = "EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?2
+     AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))";
+
+fn conv_snapshot(c: &Connection, conv: &str, user: &str) -> StoreResult<ConvSnapshot> {
+    let row: Option<(i64, i64, i64)> = c
+        .prepare_cached("SELECT head, min_seq, epoch FROM conversations WHERE conv_id = ?1")
+        .map_err(internal)?
+        .query_row(params![conv], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .optional()
+        .map_err(internal)?;
+    let Some((head, min_seq, epoch)) = row else {
+        return Err(StoreError::NotFound(format!("conversation {conv}")));
+    };
+    let ever: Option<i64> = c
+        .prepare_cached("SELECT 1 FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 LIMIT 1")
+        .map_err(internal)?
+        .query_row(params![conv, user], |r| r.get(0))
+        .optional()
+        .map_err(internal)?;
+    if ever.is_none() {
+        return Err(StoreError::NotMember);
+    }
+    Ok(ConvSnapshot { head: head as u64, min_seq: min_seq as u64, epoch: epoch as u64 })
+}
+
+/// `conv.sync` in one read transaction: head, min_seq, epoch, periods and
+/// events all come from the same snapshot (C1).
+pub(crate) fn conv_sync(
+    c: &Connection,
+    user: &str,
+    conv: &str,
+    after: u64,
+    limit: u32,
+    epoch: Option<u64>,
+) -> StoreResult<ConvSyncPage> {
+    c.execute_batch("BEGIN DEFERRED").map_err(internal)?;
+    let result = conv_sync_in_snapshot(c, user, conv, after, limit, epoch);
+    let _ = c.execute_batch("COMMIT");
+    result
+}
+
+fn conv_sync_in_snapshot(
+    c: &Connection,
+    user: &str,
+    conv: &str,
+    after: u64,
+    limit: u32,
+    epoch: Option<u64>,
+) -> StoreResult<ConvSyncPage> {
+    let snap = conv_snapshot(c, conv, user)?;
+    let trimmed = tidemark_core::convsync::check(snap, after, epoch).map_err(|r| match r {
+        ConvSyncRefusal::CursorAhead { head } => StoreError::CursorAhead(head),
+        ConvSyncRefusal::EpochChanged { epoch } => StoreError::EpochChanged(epoch),
+    })?;
+    let from = after.max(snap.min_seq.saturating_sub(1));
+    let sql = format!(
+        "SELECT {MSG_COLS} FROM messages m
+         WHERE m.conv_id = ?1 AND m.msg_seq > ?3 AND m.msg_seq <= ?4 AND {VISIBLE}
+         ORDER BY m.msg_seq LIMIT ?5"
+    );
+    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+    let mut rows: Vec<(StoredMessage, Option<String>)> = stmt
+        .query_map(params![conv, user, from as i64, snap.head as i64, limit + 1], |r| message_at(r, 0))
+        .map_err(internal)?
+        .collect::<Result<_, _>>()
+        .map_err(internal)?;
+    let has_more = rows.len() > limit as usize;
+    rows.truncate(limit as usize);
+    decorate(c, user, &mut rows)?;
+    let last = rows.last().map(|(m, _)| m.msg_seq);
+    let next_after = tidemark_core::convsync::next_after(after, snap.head, has_more, last);
+    Ok(ConvSyncPage {
+        epoch: snap.epoch,
+        min_seq: snap.min_seq,
+        head: snap.head,
+        next_after,
+        has_more,
+        trimmed,
+        events: rows.into_iter().map(|(m, _)| m).collect(),
+    })
+}
+
+/// `history`: newest first below `before_seq`, inside the reader's periods,
+/// so a forged cursor reaches neither before a join nor after a leave (C3).
+pub(crate) fn history(
+    c: &Connection,
+    user: &str,
+    conv: &str,
+    before: Option<u64>,
+    limit: u32,
+) -> StoreResult<HistoryPage> {
+    c.execute_batch("BEGIN DEFERRED").map_err(internal)?;
+    let result = (|| {
+        let snap = conv_snapshot(c, conv, user)?;
+        let below = before.unwrap_or(snap.head + 1);
+        let sql = format!(
+            "SELECT {MSG_COLS} FROM messages m
+             WHERE m.conv_id = ?1 AND m.msg_seq < ?3 AND m.msg_seq >= ?4 AND {VISIBLE}
+             ORDER BY m.msg_seq DESC LIMIT ?5"
+        );
+        let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+        let mut rows: Vec<(StoredMessage, Option<String>)> = stmt
+            .query_map(params![conv, user, below as i64, snap.min_seq as i64, limit + 1], |r| message_at(r, 0))
+            .map_err(internal)?
+            .collect::<Result<_, _>>()
+            .map_err(internal)?;
+        let has_more = rows.len() > limit as usize;
+        rows.truncate(limit as usize);
+        decorate(c, user, &mut rows)?;
+        let next_cursor = if has_more { rows.last().map(|(m, _)| m.msg_seq) } else { None };
+        Ok(HistoryPage { messages: rows.into_iter().map(|(m, _)| m).collect(), next_cursor, has_more })
+    })();
+    let _ = c.execute_batch("COMMIT");
+    result
 }

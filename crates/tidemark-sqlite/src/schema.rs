@@ -3,7 +3,7 @@
 //! conversation data shards by `conv_id` and user data by `user_id` (X2).
 
 /// Bumped when the schema changes; stored in `meta.schema_version`.
-pub const SCHEMA_VERSION: i64 = 1;
+pub const SCHEMA_VERSION: i64 = 2;
 
 pub const SCHEMA: &str = r#"
 -- Server-wide values: the token secret, the schema version.
@@ -53,7 +53,12 @@ CREATE TABLE IF NOT EXISTS conversations (
     kind        TEXT NOT NULL,
     direct_key  TEXT UNIQUE,
     head        INTEGER NOT NULL DEFAULT 0,
+    -- The lowest msg_seq still retained (C2 `trimmed`); 1 until trimming.
+    min_seq     INTEGER NOT NULL DEFAULT 1,
+    -- Bumped by any operation that rewrites the log (C2 EPOCH_CHANGED).
     epoch       INTEGER NOT NULL DEFAULT 1,
+    -- Group owner (may remove members); NULL for direct conversations.
+    owner       TEXT,
     created_at  INTEGER NOT NULL
 );
 
@@ -70,8 +75,12 @@ CREATE TABLE IF NOT EXISTS membership_periods (
 );
 CREATE INDEX IF NOT EXISTS membership_by_user ON membership_periods (user_id, conv_id);
 
--- Message facts, keyed by conversation order. UNIQUE(sender, client_msg_id)
--- is the idempotency key of send (S1).
+-- Conversation events, keyed by conversation order: user messages and the
+-- control events that take a msg_seq too (conv.created, member.join,
+-- member.leave, recall, edit, reaction). UNIQUE(sender, client_msg_id) is the
+-- idempotency key of every one of them (S1). A recall wipes the target's
+-- content for good and records the recall's seq (E1); edits and reactions
+-- bump `version` (E2).
 CREATE TABLE IF NOT EXISTS messages (
     message_id     TEXT PRIMARY KEY,
     conv_id        TEXT NOT NULL,
@@ -82,10 +91,42 @@ CREATE TABLE IF NOT EXISTS messages (
     kind           TEXT NOT NULL,
     content        TEXT NOT NULL,
     state          TEXT NOT NULL,
+    version        INTEGER NOT NULL DEFAULT 1,
+    -- The message a control event acts on.
+    target_id      TEXT,
+    -- The message this one quotes (same conversation).
+    quote_id       TEXT,
+    -- msg_seq of the recall event, once recalled.
+    recall_seq     INTEGER,
     created_at     INTEGER NOT NULL,
     UNIQUE (conv_id, msg_seq),
     UNIQUE (sender, client_msg_id)
 );
+
+-- Reactions by user (E2); the message's version moves with each change.
+CREATE TABLE IF NOT EXISTS reactions (
+    message_id  TEXT NOT NULL,
+    user_id     TEXT NOT NULL,
+    reaction    TEXT NOT NULL,
+    event_seq   INTEGER NOT NULL,
+    PRIMARY KEY (message_id, user_id, reaction)
+) WITHOUT ROWID;
+
+-- Messages a user deleted for themselves only (E3).
+CREATE TABLE IF NOT EXISTS user_deleted (
+    user_id     TEXT NOT NULL,
+    message_id  TEXT NOT NULL,
+    PRIMARY KEY (user_id, message_id)
+) WITHOUT ROWID;
+
+-- Per-device delivery (R1): distinct from the sync ACK and from read.
+CREATE TABLE IF NOT EXISTS deliveries (
+    message_id    TEXT NOT NULL,
+    user_id       TEXT NOT NULL,
+    device_id     TEXT NOT NULL,
+    delivered_at  INTEGER NOT NULL,
+    PRIMARY KEY (message_id, user_id, device_id)
+) WITHOUT ROWID;
 
 -- The transactional outbox: written with the fact it announces (S3), removed
 -- by the fan-out transaction that consumed it (F1). Survives restarts.
@@ -116,11 +157,15 @@ CREATE TABLE IF NOT EXISTS user_events (
     msg_seq          INTEGER,
     message_id       TEXT,
     source_event_id  TEXT NOT NULL,
+    -- The membership period that admitted it; 0 for per-user events.
     period_id        INTEGER NOT NULL,
+    -- Payload of per-user events (read, settings, delete), JSON.
+    data             TEXT,
     created_at       INTEGER NOT NULL,
     PRIMARY KEY (user_id, sync_seq),
     UNIQUE (user_id, source_event_id, period_id)
 ) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS user_events_by_conv ON user_events (user_id, conv_id, msg_seq);
 
 -- Per-user conversation projection (list, unread), moved only inside the
 -- fan-out transaction that wrote the user event (R3).
@@ -130,6 +175,11 @@ CREATE TABLE IF NOT EXISTS user_convs (
     last_msg_seq  INTEGER NOT NULL DEFAULT 0,
     read_seq      INTEGER NOT NULL DEFAULT 0,
     unread        INTEGER NOT NULL DEFAULT 0,
+    muted         INTEGER NOT NULL DEFAULT 0,
+    pinned        INTEGER NOT NULL DEFAULT 0,
+    settings_version INTEGER NOT NULL DEFAULT 0,
+    -- 0 once the user left or was removed.
+    active        INTEGER NOT NULL DEFAULT 1,
     PRIMARY KEY (user_id, conv_id)
 ) WITHOUT ROWID;
 

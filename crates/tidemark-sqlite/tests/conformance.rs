@@ -37,6 +37,7 @@ async fn accepted_sends_and_outbox_survive_reopen() {
                 kind: "text".into(),
                 content: "{}".into(),
                 message_id: format!("m{i}"),
+                quote_id: None,
                 now_ms: 0,
             };
             store.accept_send(cmd).await.unwrap();
@@ -69,6 +70,7 @@ async fn group_commit_batches_concurrent_writes() {
                 kind: "text".into(),
                 content: "{}".into(),
                 message_id: format!("m{i}"),
+                quote_id: None,
                 now_ms: 0,
             };
             store.accept_send(cmd).await.unwrap();

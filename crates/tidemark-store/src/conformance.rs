@@ -26,6 +26,7 @@ fn send(sender: &str, conv: &str, cmid: &str) -> SendCmd {
         kind: "text".into(),
         content: format!("{{\"text\":\"{cmid}\"}}"),
         message_id: format!("m-{sender}-{cmid}"),
+        quote_id: None,
         now_ms: T0,
     }
 }

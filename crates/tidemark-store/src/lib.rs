@@ -41,6 +41,18 @@ pub enum StoreError {
     /// A broken invariant or backend bug.
     #[error("internal: {0}")]
     Internal(String),
+    /// The caller may not do this (not the owner, not the sender…).
+    #[error("forbidden: {0}")]
+    Forbidden(String),
+    /// `conv.sync` with `after` above the conversation head (C2).
+    #[error("cursor ahead of head {0}")]
+    CursorAhead(MsgSeq),
+    /// `conv.sync` with another epoch than the conversation's (C2).
+    #[error("conversation epoch is now {0}")]
+    EpochChanged(u64),
+    /// A stale `base_version` (E2); carries the current version.
+    #[error("version is now {0}")]
+    VersionConflict(u64),
 }
 
 /// A device and its sync cursor.
@@ -86,6 +98,8 @@ pub struct SendCmd {
     pub content: String,
     /// Used only if this `(sender, client_msg_id)` is new.
     pub message_id: String,
+    /// A quoted message of the same conversation (`content.quote`).
+    pub quote_id: Option<String>,
     pub now_ms: i64,
 }
 
@@ -136,11 +150,39 @@ pub struct StoredMessage {
     pub conv: String,
     pub msg_seq: MsgSeq,
     pub kind: String,
+    /// `normal`, `edited`, `recalled` (content wiped), or `deleted` (the
+    /// reader deleted it for themselves).
     pub state: String,
     pub sender: String,
-    /// Serialized JSON.
+    /// Serialized JSON; `{}` once recalled or deleted for the reader.
     pub content: String,
     pub created_at_ms: i64,
+    /// Bumped by every edit, reaction and recall (E2).
+    pub version: u64,
+    /// The quoted message and whether it was recalled since.
+    pub quote: Option<(String, bool)>,
+    /// Reactions: `(reaction, users)`, sorted.
+    pub reactions: Vec<(String, Vec<String>)>,
+}
+
+/// Message states.
+pub const STATE_NORMAL: &str = "normal";
+pub const STATE_EDITED: &str = "edited";
+pub const STATE_RECALLED: &str = "recalled";
+pub const STATE_DELETED: &str = "deleted";
+
+/// Conversation event kinds that are not user content: they take a
+/// `msg_seq` like messages but never count as unread.
+pub const KIND_CREATED: &str = "conv.created";
+pub const KIND_JOIN: &str = "member.join";
+pub const KIND_LEAVE: &str = "member.leave";
+pub const KIND_RECALL: &str = "recall";
+pub const KIND_EDIT: &str = "edit";
+pub const KIND_REACTION: &str = "reaction";
+pub const CONTROL_KINDS: &[&str] = &[KIND_CREATED, KIND_JOIN, KIND_LEAVE, KIND_RECALL, KIND_EDIT, KIND_REACTION];
+
+pub fn is_control_kind(kind: &str) -> bool {
+    CONTROL_KINDS.contains(&kind)
 }
 
 /// One entry of a user's sync log.
@@ -151,10 +193,37 @@ pub struct StoredEvent {
     pub conv: String,
     pub msg_seq: Option<MsgSeq>,
     pub message: Option<StoredMessage>,
+    /// Per-user events carry their payload as serialized JSON.
+    pub data: Option<String>,
 }
 
-/// Event kinds of the user sync log.
+/// Event kinds of the user sync log. Conversation events fan out as
+/// `message` (user content), `membership`, `recall`, `edit`, `reaction`;
+/// per-user events are written straight into one user's log.
 pub const EVENT_MESSAGE: &str = "message";
+pub const EVENT_MEMBERSHIP: &str = "membership";
+pub const EVENT_RECALL: &str = "recall";
+pub const EVENT_EDIT: &str = "edit";
+pub const EVENT_REACTION: &str = "reaction";
+pub const EVENT_READ: &str = "read";
+pub const EVENT_SETTINGS: &str = "settings";
+pub const EVENT_DELETE: &str = "delete";
+
+/// The user-log event kind of a conversation event kind.
+pub fn event_kind_of(kind: &str) -> &'static str {
+    match kind {
+        KIND_CREATED | KIND_JOIN | KIND_LEAVE => EVENT_MEMBERSHIP,
+        KIND_RECALL => EVENT_RECALL,
+        KIND_EDIT => EVENT_EDIT,
+        KIND_REACTION => EVENT_REACTION,
+        _ => EVENT_MESSAGE,
+    }
+}
+
+/// The delivery scope of per-user events (read, settings, delete): not a
+/// membership period, but a stable non-null id so the idempotency key
+/// `(user, source_event_id, period_id)` holds for them too.
+pub const USER_SCOPE_PERIOD: i64 = 0;
 
 /// One row of a user's conversation list (projection kept by fan-out).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -164,6 +233,84 @@ pub struct ConvState {
     pub last_msg_seq: MsgSeq,
     pub read_seq: MsgSeq,
     pub unread: u64,
+    pub muted: bool,
+    pub pinned: bool,
+    /// False once the user left or was removed.
+    pub active: bool,
+}
+
+/// A membership change, ordered by the conversation's writer (G1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MembershipChange {
+    Add,
+    Remove,
+    Leave,
+}
+
+/// A conversation event written by the conversation's writer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvEventCmd {
+    pub conv: String,
+    pub actor: String,
+    pub actor_device: String,
+    /// The new event's id.
+    pub event_id: String,
+    /// Idempotency key of the event (same table as sends).
+    pub client_msg_id: String,
+    pub now_ms: i64,
+}
+
+/// What a control event did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlOutcome {
+    /// The event's `msg_seq` (the original one on a retry).
+    pub msg_seq: MsgSeq,
+    /// The target message's version after the event.
+    pub version: u64,
+    /// False when nothing changed (a retry, or a reaction already there).
+    pub changed: bool,
+}
+
+/// A per-user event written straight into the user's log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UserEventOutcome {
+    /// The user's new high watermark if an event was written.
+    pub written: Option<SyncSeq>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOutcome {
+    pub read_seq: MsgSeq,
+    pub unread: u64,
+    pub written: Option<SyncSeq>,
+}
+
+/// One page of `conv.sync`, read from one snapshot (C1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvSyncPage {
+    pub epoch: u64,
+    pub min_seq: MsgSeq,
+    pub head: MsgSeq,
+    pub next_after: MsgSeq,
+    pub has_more: bool,
+    pub trimmed: bool,
+    pub events: Vec<StoredMessage>,
+}
+
+/// One page of `history`, newest first (C3).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HistoryPage {
+    pub messages: Vec<StoredMessage>,
+    pub next_cursor: Option<MsgSeq>,
+    pub has_more: bool,
+}
+
+/// What an unread rebuild found (R3).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UnreadRebuild {
+    pub rows_checked: u64,
+    /// Rows whose materialised count differed from the facts (now fixed).
+    pub drifted: u64,
 }
 
 /// The result of an ACK: the decision taken inside the backend's
@@ -233,6 +380,93 @@ pub trait Store: Send + Sync + 'static {
 
     /// The user's conversation list with its projections.
     async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>>;
+
+    /// Creates a group: `conv.created` at `msg_seq` 1 and a membership
+    /// period from 1 for the creator and each member.
+    async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<MsgSeq>;
+
+    /// Adds, removes or lets a member leave, as a conversation event whose
+    /// `msg_seq` opens (`join_seq`) or closes (`leave_seq`, inclusive) the
+    /// target's membership period.
+    async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange)
+        -> StoreResult<MsgSeq>;
+
+    /// Bumps a conversation's epoch (after any operation that rewrote its
+    /// log); returns the new epoch.
+    async fn bump_epoch(&self, conv: &str) -> StoreResult<u64>;
+
+    /// Recalls a message (E1): a new `recall` event; the target keeps its
+    /// `msg_seq` but its content is wiped for good.
+    async fn recall(&self, cmd: ConvEventCmd, message_id: &str) -> StoreResult<ControlOutcome>;
+
+    /// Edits a message if `base_version` is current (E2).
+    async fn edit(
+        &self,
+        cmd: ConvEventCmd,
+        message_id: &str,
+        content: &str,
+        base_version: u64,
+    ) -> StoreResult<ControlOutcome>;
+
+    /// Adds or removes a reaction (E2).
+    async fn react(
+        &self,
+        cmd: ConvEventCmd,
+        message_id: &str,
+        reaction: &str,
+        add: bool,
+    ) -> StoreResult<ControlOutcome>;
+
+    /// Moves the user's read cursor to `read_to_seq` (never back), recounts
+    /// unread from the user's own log, and writes a `read` user event (R1–R3).
+    async fn mark_read(&self, user: &str, conv: &str, read_to_seq: MsgSeq, now_ms: i64) -> StoreResult<ReadOutcome>;
+
+    /// Per-user conversation settings (E3).
+    async fn update_settings(
+        &self,
+        user: &str,
+        conv: &str,
+        muted: Option<bool>,
+        pinned: Option<bool>,
+        now_ms: i64,
+    ) -> StoreResult<(ConvState, UserEventOutcome)>;
+
+    /// Deletes a message for this user only (E3).
+    async fn delete_for_me(
+        &self,
+        user: &str,
+        conv: &str,
+        message_id: &str,
+        now_ms: i64,
+    ) -> StoreResult<UserEventOutcome>;
+
+    /// Records per-device delivery of messages the user may see (R1);
+    /// returns how many were new.
+    async fn record_delivery(
+        &self,
+        user: &str,
+        device: &str,
+        message_ids: Vec<String>,
+        now_ms: i64,
+    ) -> StoreResult<u64>;
+
+    /// Recomputes every unread count from the facts and fixes drift (R3).
+    async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild>;
+
+    /// `conv.sync` for `user` (C1–C2), limited to the user's periods.
+    async fn conv_sync(
+        &self,
+        user: &str,
+        conv: &str,
+        after: MsgSeq,
+        limit: u32,
+        epoch: Option<u64>,
+    ) -> StoreResult<ConvSyncPage>;
+
+    /// `history` for `user` (C3), newest first below `before_seq`, limited to
+    /// the user's periods.
+    async fn history(&self, user: &str, conv: &str, before_seq: Option<MsgSeq>, limit: u32)
+        -> StoreResult<HistoryPage>;
 
     // ---------------------------------------------------------------- send
 

@@ -1,12 +1,55 @@
-//! `conv.create` and `conv.list`.
+//! Conversations: `conv.create` (direct and group), membership changes
+//! (`conv.add`, `conv.remove`, `conv.leave`), `conv.list`, `conv.sync`,
+//! `history`, `conv.settings` and `read`.
 
-use tidemark_proto::{ConvCreateOk, ConvCreateReq, ConvListOk, ConvSummary};
-use tidemark_store::CONV_DIRECT;
+use tidemark_proto::{
+    ConvCreateOk, ConvCreateReq, ConvListOk, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, ConvSummary,
+    ConvSyncOk, ConvSyncReq, HistoryOk, HistoryReq, ReadOk, ReadReq, CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX,
+    HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
+};
+use tidemark_store::{ConvEventCmd, MembershipChange, CONV_DIRECT, CONV_GROUP};
 
+use super::render::envelope;
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
 use crate::server::AppState;
 use crate::util::{new_id, now_ms};
+
+fn check_conv(conv: &str) -> ApiResult<()> {
+    if conv.is_empty() || conv.len() > 64 {
+        return Err(ApiError::bad_request("conv must be 1..=64 bytes"));
+    }
+    Ok(())
+}
+
+/// A conversation event command from the caller; `client_msg_id` makes a
+/// retry return the original event.
+pub(super) fn event_cmd(ctx: &AuthCtx, conv: &str, client_msg_id: Option<String>) -> ApiResult<ConvEventCmd> {
+    let event_id = new_id("m");
+    let client_msg_id = match client_msg_id {
+        Some(id) => {
+            tidemark_core::ids::check_client_msg_id(&id).map_err(ApiError::bad_request)?;
+            id
+        }
+        None => format!("srv-{event_id}"),
+    };
+    Ok(ConvEventCmd {
+        conv: conv.into(),
+        actor: ctx.user.clone(),
+        actor_device: ctx.device.clone(),
+        event_id,
+        client_msg_id,
+        now_ms: now_ms(),
+    })
+}
+
+fn limit(requested: Option<u32>, default: u32, max: u32) -> ApiResult<u32> {
+    let l = requested.unwrap_or(default);
+    if l == 0 || l > max {
+        return Err(ApiError::bad_request(format!("limit must be 1..={max}")));
+    }
+    Ok(l)
+}
 
 pub async fn create(state: &AppState, ctx: &AuthCtx, req: ConvCreateReq) -> ApiResult<ConvCreateOk> {
     match req.kind.as_str() {
@@ -22,9 +65,41 @@ pub async fn create(state: &AppState, ctx: &AuthCtx, req: ConvCreateReq) -> ApiR
             members.sort();
             Ok(ConvCreateOk { conv, kind: CONV_DIRECT.into(), members, created })
         }
-        "group" => Err(ApiError::bad_request("group conversations are not available on this server yet")),
+        CONV_GROUP => {
+            for m in &req.members {
+                tidemark_core::ids::check_user(m).map_err(ApiError::bad_request)?;
+            }
+            let conv = new_id("g");
+            let cmd = event_cmd(ctx, &conv, None)?;
+            state.store.create_group(cmd, req.members.clone()).await?;
+            state.relay_wake.notify_one();
+            let mut members = req.members;
+            members.push(ctx.user.clone());
+            members.sort();
+            members.dedup();
+            Ok(ConvCreateOk { conv, kind: CONV_GROUP.into(), members, created: true })
+        }
         other => Err(ApiError::bad_request(format!("unknown conversation kind {other:?}"))),
     }
+}
+
+pub async fn membership(
+    state: &AppState,
+    ctx: &AuthCtx,
+    req: ConvMemberReq,
+    change: MembershipChange,
+) -> ApiResult<ConvMemberOk> {
+    check_conv(&req.conv)?;
+    let target = match change {
+        MembershipChange::Leave => ctx.user.clone(),
+        _ => req.user.clone().ok_or_else(|| ApiError::bad_request("user is required"))?,
+    };
+    tidemark_core::ids::check_user(&target).map_err(ApiError::bad_request)?;
+    let cmd = event_cmd(ctx, &req.conv, req.client_msg_id)?;
+    let msg_seq = state.store.change_membership(cmd, &target, change).await?;
+    state.relay_wake.notify_one();
+    tracing::info!(conv = %req.conv, target = %target, msg_seq, ?change, "membership changed");
+    Ok(ConvMemberOk { conv: req.conv, msg_seq })
 }
 
 pub async fn list(state: &AppState, ctx: &AuthCtx) -> ApiResult<ConvListOk> {
@@ -38,7 +113,56 @@ pub async fn list(state: &AppState, ctx: &AuthCtx) -> ApiResult<ConvListOk> {
                 last_msg_seq: r.last_msg_seq,
                 read_seq: r.read_seq,
                 unread: r.unread,
+                muted: r.muted,
+                pinned: r.pinned,
+                active: r.active,
             })
             .collect(),
     })
+}
+
+pub async fn sync(state: &AppState, ctx: &AuthCtx, req: ConvSyncReq) -> ApiResult<ConvSyncOk> {
+    check_conv(&req.conv)?;
+    let limit = limit(req.limit, CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX)?;
+    let page = state.store.conv_sync(&ctx.user, &req.conv, req.after, limit, req.epoch).await?;
+    Ok(ConvSyncOk {
+        conv: req.conv,
+        epoch: page.epoch,
+        min_seq: page.min_seq,
+        head: page.head,
+        next_after: page.next_after,
+        has_more: page.has_more,
+        trimmed: page.trimmed,
+        events: page.events.into_iter().map(envelope).collect::<ApiResult<_>>()?,
+    })
+}
+
+pub async fn history(state: &AppState, ctx: &AuthCtx, req: HistoryReq) -> ApiResult<HistoryOk> {
+    check_conv(&req.conv)?;
+    let limit = limit(req.limit, HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX)?;
+    let page = state.store.history(&ctx.user, &req.conv, req.before_seq, limit).await?;
+    Ok(HistoryOk {
+        messages: page.messages.into_iter().map(envelope).collect::<ApiResult<_>>()?,
+        next_cursor: page.next_cursor,
+        has_more: page.has_more,
+    })
+}
+
+pub async fn settings(state: &AppState, ctx: &AuthCtx, req: ConvSettingsReq) -> ApiResult<ConvSettingsOk> {
+    check_conv(&req.conv)?;
+    let (row, outcome) = state.store.update_settings(&ctx.user, &req.conv, req.muted, req.pinned, now_ms()).await?;
+    if let Some(hw) = outcome.written {
+        state.hub.notify_user(&ctx.user, hw);
+    }
+    Ok(ConvSettingsOk { conv: req.conv, muted: row.muted, pinned: row.pinned })
+}
+
+pub async fn read(state: &AppState, ctx: &AuthCtx, req: ReadReq) -> ApiResult<ReadOk> {
+    check_conv(&req.conv)?;
+    let r = state.store.mark_read(&ctx.user, &req.conv, req.read_to_seq, now_ms()).await?;
+    if let Some(hw) = r.written {
+        // The read cursor reaches the user's other devices as a user event (R2).
+        state.hub.notify_user(&ctx.user, hw);
+    }
+    Ok(ReadOk { conv: req.conv, read_seq: r.read_seq, unread: r.unread })
 }

@@ -3,8 +3,10 @@
 //! WebSocket and the HTTP transport, so an operation behaves the same on
 //! both.
 
+pub mod control;
 pub mod conv;
 pub mod device;
+pub mod render;
 pub mod send;
 pub mod sync;
 
@@ -13,6 +15,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tidemark_proto::{op, ErrorCode};
+use tidemark_store::MembershipChange;
 
 use crate::error::{ApiError, ApiResult};
 use crate::server::AppState;
@@ -47,6 +50,18 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::ACK => to_value(&sync::ack(&state, &ctx, parse(body)?).await?),
         op::CONV_CREATE => to_value(&conv::create(&state, &ctx, parse(body)?).await?),
         op::CONV_LIST => to_value(&conv::list(&state, &ctx).await?),
+        op::CONV_ADD => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Add).await?),
+        op::CONV_REMOVE => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Remove).await?),
+        op::CONV_LEAVE => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Leave).await?),
+        op::CONV_SYNC => to_value(&conv::sync(&state, &ctx, parse(body)?).await?),
+        op::HISTORY => to_value(&conv::history(&state, &ctx, parse(body)?).await?),
+        op::CONV_SETTINGS => to_value(&conv::settings(&state, &ctx, parse(body)?).await?),
+        op::READ => to_value(&conv::read(&state, &ctx, parse(body)?).await?),
+        op::RECALL => to_value(&control::recall(&state, &ctx, parse(body)?).await?),
+        op::EDIT => to_value(&control::edit(&state, &ctx, parse(body)?).await?),
+        op::REACT => to_value(&control::react(&state, &ctx, parse(body)?).await?),
+        op::MESSAGE_DELETE => control::delete_for_me(&state, &ctx, parse(body)?).await,
+        op::DELIVERY_ACK => to_value(&control::delivery_ack(&state, &ctx, parse(body)?).await?),
         op::DEVICE_REVOKE => to_value(&device::revoke(&state, &ctx, parse(body)?).await?),
         op::PING => Ok(serde_json::json!({})),
         other => Err(ApiError::bad_request(format!("unknown operation {other:?}"))),

@@ -17,13 +17,14 @@ pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Sen
     }
     ids::check_client_msg_id(&req.client_msg_id).map_err(ApiError::bad_request)?;
     ids::check_kind(&req.kind).map_err(ApiError::bad_request)?;
-    if req.content.is_null() {
-        return Err(ApiError::bad_request("content is required"));
-    }
-    let content = serde_json::to_string(&req.content).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    if content.len() > CONTENT_BYTES_MAX {
-        return Err(ApiError::bad_request(format!("content exceeds {CONTENT_BYTES_MAX} bytes")));
-    }
+    let content = check_content(&req.kind, &req.content)?;
+    let quote_id = match req.content.get("quote") {
+        None => None,
+        Some(q) => match q.get("message_id").and_then(|v| v.as_str()) {
+            Some(id) if !id.is_empty() && id.len() <= 64 => Some(id.to_owned()),
+            _ => return Err(ApiError::bad_request("content.quote needs a message_id")),
+        },
+    };
     let cmd = SendCmd {
         sender: ctx.user.clone(),
         sender_device: ctx.device.clone(),
@@ -32,6 +33,7 @@ pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Sen
         kind: req.kind,
         content,
         message_id: new_id("m"),
+        quote_id,
         now_ms: now_ms(),
     };
     let accepted = state.store.accept_send(cmd).await?;
@@ -50,4 +52,28 @@ pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Sen
         created_at: accepted.created_at_ms,
         duplicate: accepted.duplicate,
     })
+}
+
+/// Required fields of the reference kinds: a file, a red packet or a card
+/// is a reference to a resource held elsewhere, never the resource (C4).
+const REFERENCE_FIELDS: &[(&str, &[&str])] =
+    &[("file", &["file_id", "file_name", "file_size"]), ("red_packet", &["red_packet_id"]), ("card", &["card_id"])];
+
+/// Validates a message content and returns it serialized.
+pub(super) fn check_content(kind: &str, content: &serde_json::Value) -> ApiResult<String> {
+    if !content.is_object() {
+        return Err(ApiError::bad_request("content must be a JSON object"));
+    }
+    if let Some((_, fields)) = REFERENCE_FIELDS.iter().find(|(k, _)| *k == kind) {
+        for f in *fields {
+            if content.get(f).is_none_or(|v| v.is_null()) {
+                return Err(ApiError::bad_request(format!("a {kind} message needs content.{f} (a reference)")));
+            }
+        }
+    }
+    let text = serde_json::to_string(content).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    if text.len() > CONTENT_BYTES_MAX {
+        return Err(ApiError::bad_request(format!("content exceeds {CONTENT_BYTES_MAX} bytes")));
+    }
+    Ok(text)
 }

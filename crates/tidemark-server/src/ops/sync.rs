@@ -10,10 +10,8 @@
 use tidemark_core::cursor::{decide_resume, AckDecision, ClientPosition, DeviceCursor, DeviceState, Resume};
 use tidemark_core::token::{BatchClaims, TokenError};
 use tidemark_proto::{
-    AckOk, AckReq, Envelope, ErrorCode, SyncOk, SyncReq, UserEvent, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX,
-    SYNC_PAGE_BYTES_MAX,
+    AckOk, AckReq, ErrorCode, SyncOk, SyncReq, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX, SYNC_PAGE_BYTES_MAX,
 };
-use tidemark_store::StoredEvent;
 
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
@@ -170,7 +168,7 @@ async fn page(
         (true, Some(last)) => Some(state.keys.sign_cursor(&token, last.sync_seq)),
         _ => None,
     };
-    let events = stored.into_iter().map(to_wire).collect::<ApiResult<Vec<_>>>()?;
+    let events = stored.into_iter().map(super::render::user_event).collect::<ApiResult<Vec<_>>>()?;
     metrics::counter!(m::SYNC_PAGES).increment(1);
     Ok(SyncOk {
         sync_generation: claims.generation,
@@ -182,24 +180,6 @@ async fn page(
         has_more,
         batch_token: token,
     })
-}
-
-fn to_wire(e: StoredEvent) -> ApiResult<UserEvent> {
-    let message = match e.message {
-        None => None,
-        Some(msg) => Some(Envelope {
-            content: serde_json::from_str(&msg.content)
-                .map_err(|err| ApiError::new(ErrorCode::Internal, format!("stored content is not JSON: {err}")))?,
-            message_id: msg.message_id,
-            conv: msg.conv,
-            msg_seq: msg.msg_seq,
-            kind: msg.kind,
-            state: msg.state,
-            sender: msg.sender,
-            created_at: msg.created_at_ms,
-        }),
-    };
-    Ok(UserEvent { sync_seq: e.sync_seq, kind: e.kind, conv: e.conv, msg_seq: e.msg_seq, message })
 }
 
 pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckOk> {
