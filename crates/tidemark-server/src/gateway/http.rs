@@ -10,7 +10,9 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
-use tidemark_proto::{AdminUserOk, AdminUserReq, ErrorCode, LoginReq, RefreshReq};
+use tidemark_proto::{
+    AdminEpochOk, AdminEpochReq, AdminUnreadOk, AdminUserOk, AdminUserReq, ErrorCode, LoginReq, RefreshReq,
+};
 
 use super::auth;
 use crate::error::ApiError;
@@ -112,15 +114,57 @@ fn same_secret(a: &str, b: &str) -> bool {
     a.len() == b.len() && a.bytes().zip(b.bytes()).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+/// The admin token check shared by every admin route.
+fn admin_guard(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
     let Some(admin) = state.config.admin_token.as_deref() else {
-        return error_response(ApiError::new(
+        return Err(error_response(ApiError::new(
             ErrorCode::Forbidden,
             "admin endpoints are disabled (TIDEMARK_ADMIN_TOKEN unset)",
-        ));
+        )));
     };
-    if !bearer(&headers).is_some_and(|t| same_secret(t, admin)) {
-        return error_response(ApiError::new(ErrorCode::Unauthenticated, "admin token required"));
+    if !bearer(headers).is_some_and(|t| same_secret(t, admin)) {
+        return Err(error_response(ApiError::new(ErrorCode::Unauthenticated, "admin token required")));
+    }
+    Ok(())
+}
+
+/// `POST /v1/admin/conv/epoch {conv}`: after any operation that rewrote a
+/// conversation's log, clients must drop their cursor for it (C2).
+pub async fn admin_bump_epoch(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return r;
+    }
+    let req: AdminEpochReq = match json_body(&body).and_then(parse) {
+        Ok(r) => r,
+        Err(e) => return error_response(e),
+    };
+    match state.store.bump_epoch(&req.conv).await {
+        Ok(epoch) => {
+            tracing::warn!(conv = %req.conv, epoch, "admin bumped conversation epoch");
+            Json(AdminEpochOk { conv: req.conv, epoch }).into_response()
+        }
+        Err(e) => error_response(e.into()),
+    }
+}
+
+/// `POST /v1/admin/unread/rebuild`: recounts unread from the facts and
+/// reports how many rows had drifted (R3).
+pub async fn admin_rebuild_unread(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return r;
+    }
+    match state.store.rebuild_unread().await {
+        Ok(r) => {
+            tracing::info!(rows = r.rows_checked, drifted = r.drifted, "unread rebuilt");
+            Json(AdminUnreadOk { rows_checked: r.rows_checked, drifted: r.drifted }).into_response()
+        }
+        Err(e) => error_response(e.into()),
+    }
+}
+
+pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return r;
     }
     let req: AdminUserReq = match json_body(&body).and_then(parse) {
         Ok(r) => r,

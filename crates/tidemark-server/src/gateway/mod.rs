@@ -22,6 +22,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/metrics", get(http::metrics))
         .route("/v1/openapi.json", get(openapi::document))
         .route("/v1/admin/users", post(http::admin_create_user))
+        .route("/v1/admin/conv/epoch", post(http::admin_bump_epoch))
+        .route("/v1/admin/unread/rebuild", post(http::admin_rebuild_unread))
         .route("/v1/login", post(http::login))
         .route("/v1/refresh", post(http::refresh))
         .route("/v1/rpc/{op}", post(http::rpc))
