@@ -63,13 +63,15 @@ pub struct ClientPosition {
 pub enum Resume {
     /// Replay `(from, high watermark]` under `generation`.
     Replay { generation: Generation, from: SyncSeq },
-    /// A never-synced device: set state `ACTIVE` at `generation` (CAS from
-    /// `NEW`), then replay from the start of the retained log.
+    /// A never-synced device while the user's log is retained from its
+    /// start: set state `ACTIVE` at `generation` (CAS from `NEW`), then
+    /// replay the whole log. Once the log was trimmed, a new device gets a
+    /// snapshot instead (D7).
     Activate { generation: Generation },
-    /// The device is `RESETTING` at `generation` and the client has wiped its
-    /// local state: set `ACTIVE` with ACK 0 (CAS on generation and state),
-    /// then replay the retained log from its start. Snapshots (D7) replace
-    /// this path once the log is trimmed.
+    /// The device is `RESETTING` at `generation`, the client has wiped its
+    /// local state and the log is retained from its start: set `ACTIVE` with
+    /// ACK 0 (CAS on generation and state), then replay the whole log. Once
+    /// the log was trimmed, only a snapshot (D7) rebuilds a device.
     Rebuild { generation: Generation },
     /// Bump the generation (CAS from `expected`), set `RESETTING`, answer
     /// `RESET_REQUIRED` with the new generation.
@@ -80,20 +82,31 @@ pub enum Resume {
     Revoked,
 }
 
+/// The user's log as the resume rule needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct UserLog {
+    /// The committed sync head.
+    pub high_watermark: SyncSeq,
+    /// Events at or below this were trimmed (L1); 0 when nothing was.
+    pub trimmed_upto: SyncSeq,
+}
+
 /// D5: chooses the start of a sync batch.
 ///
-/// `user_high_watermark` is the user's committed sync head; a client that
-/// claims to have applied beyond it has a corrupt store and is reset.
-pub fn decide_resume(cursor: DeviceCursor, client: ClientPosition, user_high_watermark: SyncSeq) -> Resume {
+/// A client that claims to have applied beyond the user's head has a
+/// corrupt store and is reset; a device whose ACK fell below the trimmed
+/// part of the log cannot replay and is reset too (L2, D7).
+pub fn decide_resume(cursor: DeviceCursor, client: ClientPosition, log: UserLog) -> Resume {
     let local = client.local_applied_sync_seq.unwrap_or(0);
+    let whole_log = log.trimmed_upto == 0;
     match cursor.state {
         DeviceState::Revoked => Resume::Revoked,
         DeviceState::New => match client.generation {
-            None if local == 0 => Resume::Activate { generation: cursor.generation },
+            None if local == 0 && whole_log => Resume::Activate { generation: cursor.generation },
             _ => Resume::Reset { expected: cursor.generation },
         },
         DeviceState::Resetting => {
-            if client.generation == Some(cursor.generation) && local == 0 {
+            if client.generation == Some(cursor.generation) && local == 0 && whole_log {
                 Resume::Rebuild { generation: cursor.generation }
             } else {
                 Resume::StillResetting { generation: cursor.generation }
@@ -101,8 +114,9 @@ pub fn decide_resume(cursor: DeviceCursor, client: ClientPosition, user_high_wat
         }
         DeviceState::Active => {
             let same_generation = client.generation == Some(cursor.generation);
-            let plausible = local >= cursor.acked_sync_seq && local <= user_high_watermark;
-            if same_generation && plausible {
+            let plausible = local >= cursor.acked_sync_seq && local <= log.high_watermark;
+            let retained = cursor.acked_sync_seq >= log.trimmed_upto;
+            if same_generation && plausible && retained {
                 Resume::Replay { generation: cursor.generation, from: cursor.acked_sync_seq }
             } else {
                 Resume::Reset { expected: cursor.generation }
@@ -183,8 +197,25 @@ mod tests {
             (revoked, pos(Some(2), Some(7)), 10, Resume::Revoked),
         ];
         for (i, (cursor, client, head, want)) in cases.into_iter().enumerate() {
-            assert_eq!(decide_resume(cursor, client, head), want, "row {i}");
+            let log = UserLog { high_watermark: head, trimmed_upto: 0 };
+            assert_eq!(decide_resume(cursor, client, log), want, "row {i}");
         }
+    }
+
+    /// L2, D7: once the log was trimmed, nobody replays what is gone.
+    #[test]
+    fn trimmed_log_forces_snapshots() {
+        let log = UserLog { high_watermark: 50, trimmed_upto: 20 };
+        let new = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::New };
+        assert_eq!(decide_resume(new, pos(None, None), log), Resume::Reset { expected: 1 }, "a new device");
+        // Offline past the window: its ACK is below the trimmed part.
+        assert_eq!(decide_resume(active(3, 10), pos(Some(3), Some(10)), log), Resume::Reset { expected: 3 });
+        assert_eq!(
+            decide_resume(active(3, 20), pos(Some(3), Some(20)), log),
+            Resume::Replay { generation: 3, from: 20 }
+        );
+        let resetting = DeviceCursor { generation: 4, acked_sync_seq: 0, state: DeviceState::Resetting };
+        assert_eq!(decide_resume(resetting, pos(Some(4), Some(0)), log), Resume::StillResetting { generation: 4 });
     }
 
     #[test]

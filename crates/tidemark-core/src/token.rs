@@ -36,6 +36,7 @@ pub struct TokenKeys {
     access: [u8; 32],
     batch: [u8; 32],
     cursor: [u8; 32],
+    snapshot: [u8; 32],
 }
 
 impl std::fmt::Debug for TokenKeys {
@@ -78,6 +79,19 @@ pub struct AccessClaims {
     pub expires_at_ms: i64,
 }
 
+/// Claims of a snapshot token (D7): the snapshot, its owner, the
+/// generation it was built for, its base and its manifest digest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotClaims {
+    pub snapshot_id: String,
+    pub user: String,
+    pub device: String,
+    pub generation: Generation,
+    pub base_sync_seq: SyncSeq,
+    pub manifest_digest: String,
+    pub expires_at_ms: i64,
+}
+
 /// Claims of a batch token (D3): everything an ACK or a next page must match.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BatchClaims {
@@ -96,6 +110,7 @@ impl TokenKeys {
             access: derive(secret, "tidemark/access/v1"),
             batch: derive(secret, "tidemark/batch/v1"),
             cursor: derive(secret, "tidemark/cursor/v1"),
+            snapshot: derive(secret, "tidemark/snapshot/v1"),
         }
     }
 
@@ -143,6 +158,45 @@ impl TokenKeys {
         if c.resume_from > c.high_watermark {
             return Err(TokenError::Malformed);
         }
+        if c.user != user || c.device != device {
+            return Err(TokenError::Foreign);
+        }
+        if now_ms >= c.expires_at_ms {
+            return Err(TokenError::Expired);
+        }
+        Ok(c)
+    }
+
+    pub fn sign_snapshot(&self, c: &SnapshotClaims) -> String {
+        let claims = format!(
+            "s|{}|{}|{}|{}|{}|{}|{}",
+            c.snapshot_id, c.user, c.device, c.generation, c.base_sync_seq, c.manifest_digest, c.expires_at_ms
+        );
+        sign(&self.snapshot, &claims)
+    }
+
+    /// Verifies signature, owner and expiry of a snapshot token.
+    pub fn verify_snapshot(
+        &self,
+        token: &str,
+        user: &str,
+        device: &str,
+        now_ms: i64,
+    ) -> Result<SnapshotClaims, TokenError> {
+        let claims = open(&self.snapshot, token)?;
+        let parts: Vec<&str> = claims.split('|').collect();
+        if parts.len() != 8 || parts[0] != "s" {
+            return Err(TokenError::Malformed);
+        }
+        let c = SnapshotClaims {
+            snapshot_id: parts[1].into(),
+            user: parts[2].into(),
+            device: parts[3].into(),
+            generation: field(&parts, 4)?,
+            base_sync_seq: field(&parts, 5)?,
+            manifest_digest: parts[6].into(),
+            expires_at_ms: field(&parts, 7)?,
+        };
         if c.user != user || c.device != device {
             return Err(TokenError::Foreign);
         }
@@ -220,6 +274,26 @@ mod tests {
         let other = TokenKeys::from_secret(b"another-secret-of-32-bytes......");
         assert_eq!(other.verify_batch(&t, "bob", "phone", 0), Err(TokenError::BadSignature));
         assert_eq!(k.verify_batch("garbage", "bob", "phone", 0), Err(TokenError::Malformed));
+    }
+
+    #[test]
+    fn snapshot_tokens_bind_owner_and_expiry() {
+        let k = keys();
+        let c = SnapshotClaims {
+            snapshot_id: "s1".into(),
+            user: "bob".into(),
+            device: "phone".into(),
+            generation: 6,
+            base_sync_seq: 40,
+            manifest_digest: "abcd".into(),
+            expires_at_ms: 100,
+        };
+        let t = k.sign_snapshot(&c);
+        assert_eq!(k.verify_snapshot(&t, "bob", "phone", 99), Ok(c));
+        assert_eq!(k.verify_snapshot(&t, "bob", "desk", 99), Err(TokenError::Foreign));
+        assert_eq!(k.verify_snapshot(&t, "bob", "phone", 100), Err(TokenError::Expired));
+        let batch = k.sign_batch(&batch());
+        assert_eq!(k.verify_snapshot(&batch, "bob", "phone", 0), Err(TokenError::BadSignature));
     }
 
     #[test]

@@ -56,6 +56,9 @@ pub mod op {
     pub const CONV_SETTINGS: &str = "conv.settings";
     pub const READ: &str = "read";
     pub const DELIVERY_ACK: &str = "delivery.ack";
+    pub const SNAPSHOT_BEGIN: &str = "snapshot.begin";
+    pub const SNAPSHOT_PAGE: &str = "snapshot.page";
+    pub const SNAPSHOT_ACK: &str = "snapshot.ack";
     /// Tidemark extension: delete a message for the caller only (E3).
     pub const MESSAGE_DELETE: &str = "message.delete";
     /// Every operation this server implements, for docs and OpenAPI.
@@ -77,6 +80,9 @@ pub mod op {
         READ,
         DELIVERY_ACK,
         MESSAGE_DELETE,
+        SNAPSHOT_BEGIN,
+        SNAPSHOT_PAGE,
+        SNAPSHOT_ACK,
         DEVICE_REVOKE,
         PING,
     ];
@@ -384,6 +390,54 @@ pub struct DeliveryAckOk {
 pub struct MessageDeleteReq {
     pub conv: String,
     pub message_id: String,
+}
+
+/// `snapshot.begin` (D7): no request fields.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotBeginOk {
+    pub snapshot_id: String,
+    pub snapshot_token: String,
+    /// The generation the snapshot belongs to; sync with it afterwards.
+    pub sync_generation: u64,
+    /// The frozen `sync_seq` the snapshot reflects; after `snapshot.ack`
+    /// the device's cursor is here and incremental sync continues from it.
+    pub base_sync_seq: u64,
+    /// Hex SHA-256 over every item of every page, in order, each as
+    /// canonical JSON (keys sorted, no whitespace) followed by `\n`.
+    pub manifest_digest: String,
+    pub pages: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotPageReq {
+    pub snapshot_token: String,
+    pub page: u32,
+}
+
+/// One page of a snapshot: items `{"type":"conv",…}` (a conversation
+/// summary) each followed by its `{"type":"message","message":{…}}` items.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotPageOk {
+    pub page: u32,
+    pub pages: u32,
+    pub items: Vec<Value>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotAckReq {
+    pub snapshot_token: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SnapshotAckOk {
+    pub acked_sync_seq: u64,
+    pub sync_generation: u64,
+}
+
+/// The canonical form of a snapshot item, as hashed
+/// into the manifest digest (serde_json sorts object keys).
+pub fn canonical_item(item: &Value) -> String {
+    serde_json::to_string(item).expect("a JSON value serializes")
 }
 
 /// Admin: bump a conversation's epoch.

@@ -26,6 +26,17 @@ pub struct ServerConfig {
     pub rehint_after: Duration,
     /// WebSocket ping period; a connection silent for three periods is closed.
     pub ws_ping: Duration,
+    /// Lifetime of a snapshot (and of its retention fence).
+    pub snapshot_ttl: Duration,
+    /// Latest messages per conversation a snapshot carries (older ones
+    /// come from `history`).
+    pub snapshot_messages_per_conv: u32,
+    /// Items per snapshot page.
+    pub snapshot_page_items: usize,
+    /// User-log retention (L1–L2); `None` keeps every event.
+    pub retention: Option<tidemark_store::RetentionPolicy>,
+    /// How often the retention pass runs.
+    pub retention_every: Duration,
     /// Test hook: accept sends but never fan out (the outbox keeps them).
     /// Used to prove that a crash before fan-out loses nothing.
     pub hold_fanout: bool,
@@ -45,6 +56,14 @@ impl Default for ServerConfig {
             relay_poll: Duration::from_secs(1),
             rehint_after: Duration::from_secs(5),
             ws_ping: Duration::from_secs(20),
+            snapshot_ttl: Duration::from_secs(30 * 60),
+            snapshot_messages_per_conv: 100,
+            snapshot_page_items: 200,
+            retention: Some(tidemark_store::RetentionPolicy {
+                keep_events_younger_than_ms: 7 * 24 * 3600 * 1000,
+                device_inactive_after_ms: 30 * 24 * 3600 * 1000,
+            }),
+            retention_every: Duration::from_secs(60),
             hold_fanout: false,
         }
     }

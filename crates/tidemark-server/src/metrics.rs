@@ -48,6 +48,8 @@ fn describe() {
     describe_counter!(GENERATION_BUMPS, "Device generations bumped (resets).");
     describe_counter!(HINTS, "Hint frames sent to connected devices.");
     describe_counter!(SLOW_CONSUMERS, "WebSocket connections closed because their send queue filled.");
+    describe_counter!(TRIMMED_EVENTS, "User-log events removed by retention.");
+    describe_counter!(SNAPSHOTS, "Snapshots by outcome (built, installed).");
     describe_gauge!(WS_CONNECTIONS, "Open authenticated WebSocket connections.");
     describe_gauge!(STORE_COMMITS, "Store write transactions committed since start.");
     describe_gauge!(STORE_WRITES, "Store write requests carried by those transactions.");
@@ -67,6 +69,8 @@ pub const REFUSALS: &str = "tidemark_refusals_total";
 pub const GENERATION_BUMPS: &str = "tidemark_generation_bumps_total";
 pub const HINTS: &str = "tidemark_hints_sent_total";
 pub const SLOW_CONSUMERS: &str = "tidemark_slow_consumer_disconnects_total";
+pub const TRIMMED_EVENTS: &str = "tidemark_retention_trimmed_events_total";
+pub const SNAPSHOTS: &str = "tidemark_snapshots_total";
 pub const WS_CONNECTIONS: &str = "tidemark_ws_connections";
 pub const STORE_COMMITS: &str = "tidemark_store_commits";
 pub const STORE_WRITES: &str = "tidemark_store_writes";

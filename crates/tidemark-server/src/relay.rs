@@ -74,3 +74,29 @@ pub async fn run_rehint(state: Arc<AppState>, mut shutdown: watch::Receiver<bool
         state.hub.rehint_sweep(now_ms(), state.config.rehint_after.as_millis() as i64);
     }
 }
+
+/// The retention pass (L1–L2), every `retention_every`.
+pub async fn run_retention(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+    let Some(policy) = state.config.retention else {
+        return crate::util::stopped(&mut shutdown).await;
+    };
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(state.config.retention_every) => {}
+            _ = crate::util::stopped(&mut shutdown) => return,
+        }
+        match state.store.trim_user_logs(policy, now_ms()).await {
+            Ok(r) if r.events_deleted > 0 || r.snapshots_expired > 0 => {
+                metrics::counter!(m::TRIMMED_EVENTS).increment(r.events_deleted);
+                tracing::info!(
+                    users = r.users_trimmed,
+                    events = r.events_deleted,
+                    snapshots_expired = r.snapshots_expired,
+                    "retention pass"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "retention pass failed"),
+        }
+    }
+}

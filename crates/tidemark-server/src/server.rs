@@ -81,9 +81,10 @@ impl Server {
             }
         });
         let relay = tokio::spawn(crate::relay::run(state.clone(), shutdown_rx.clone()));
-        let rehint = tokio::spawn(crate::relay::run_rehint(state.clone(), shutdown_rx));
+        let rehint = tokio::spawn(crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
+        let retention = tokio::spawn(crate::relay::run_retention(state.clone(), shutdown_rx));
         tracing::info!(%addr, "tidemark listening");
-        Ok(RunningServer { addr, state, shutdown: shutdown_tx, tasks: vec![http, relay, rehint] })
+        Ok(RunningServer { addr, state, shutdown: shutdown_tx, tasks: vec![http, relay, rehint, retention] })
     }
 }
 

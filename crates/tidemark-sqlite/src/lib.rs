@@ -15,6 +15,7 @@
 //! [`writer::CHECKPOINT_EVERY_COMMITS`] commits adds two.
 
 mod events;
+mod lifecycle;
 mod read;
 mod schema;
 pub mod writer;
@@ -118,7 +119,7 @@ fn cursor_from_row(generation: i64, acked: i64, state: &str) -> StoreResult<Devi
     Ok(DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state })
 }
 
-fn read_device(conn: &Connection, user: &str, device: &str) -> StoreResult<Option<DeviceRecord>> {
+pub(crate) fn read_device(conn: &Connection, user: &str, device: &str) -> StoreResult<Option<DeviceRecord>> {
     conn.prepare_cached(
         "SELECT name, sync_generation, acked_sync_seq, state FROM devices WHERE user_id = ?1 AND device_id = ?2",
     )
@@ -134,7 +135,13 @@ fn read_device(conn: &Connection, user: &str, device: &str) -> StoreResult<Optio
     .transpose()
 }
 
-fn write_cursor(conn: &Connection, user: &str, device: &str, c: DeviceCursor, now_ms: i64) -> StoreResult<()> {
+pub(crate) fn write_cursor(
+    conn: &Connection,
+    user: &str,
+    device: &str,
+    c: DeviceCursor,
+    now_ms: i64,
+) -> StoreResult<()> {
     let n = conn
         .prepare_cached(
             "UPDATE devices SET sync_generation = ?3, acked_sync_seq = ?4, state = ?5,
@@ -648,6 +655,64 @@ impl Store for SqliteStore {
     async fn history(&self, user: &str, conv: &str, before_seq: Option<u64>, limit: u32) -> StoreResult<HistoryPage> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
         self.readers.read_store(move |c| read::history(c, &user, &conv, before_seq, limit)).await
+    }
+
+    async fn user_log(&self, user: &str) -> StoreResult<tidemark_core::cursor::UserLog> {
+        let user = user.to_owned();
+        self.readers.read_store(move |c| lifecycle::user_log(c, &user)).await
+    }
+
+    async fn begin_snapshot(
+        &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        snapshot_id: &str,
+        messages_per_conv: u32,
+        expires_at_ms: i64,
+        now_ms: i64,
+    ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)> {
+        let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
+        self.writer
+            .write(move |c| {
+                lifecycle::begin_snapshot(c, &user, &device, generation, &id, messages_per_conv, expires_at_ms, now_ms)
+            })
+            .await
+    }
+
+    async fn finish_snapshot(
+        &self,
+        snapshot_id: &str,
+        manifest_digest: &str,
+        pages: Vec<Vec<String>>,
+    ) -> StoreResult<()> {
+        let (id, digest) = (snapshot_id.to_owned(), manifest_digest.to_owned());
+        self.writer.write(move |c| lifecycle::finish_snapshot(c, &id, &digest, &pages)).await
+    }
+
+    async fn snapshot(&self, snapshot_id: &str) -> StoreResult<Option<SnapshotMeta>> {
+        let id = snapshot_id.to_owned();
+        self.readers.read_store(move |c| lifecycle::snapshot(c, &id)).await
+    }
+
+    async fn snapshot_page(&self, snapshot_id: &str, page: u32) -> StoreResult<Option<Vec<String>>> {
+        let id = snapshot_id.to_owned();
+        self.readers.read_store(move |c| lifecycle::snapshot_page(c, &id, page)).await
+    }
+
+    async fn ack_snapshot(
+        &self,
+        user: &str,
+        device: &str,
+        snapshot_id: &str,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)> {
+        let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
+        self.writer.write(move |c| lifecycle::ack_snapshot(c, &user, &device, &id, now_ms)).await
+    }
+
+    async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
+        self.writer.write(move |c| lifecycle::trim_user_logs(c, policy, now_ms)).await
     }
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {

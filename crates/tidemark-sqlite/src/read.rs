@@ -235,7 +235,8 @@ pub(crate) fn user_events(
 }
 
 /// The reader's membership periods cover `m.msg_seq` (G1).
-const VISIBLE: &str = "EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?2
+pub(crate) const VISIBLE: &str =
+    "EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?2
      AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))";
 
 fn conv_snapshot(c: &Connection, conv: &str, user: &str) -> StoreResult<ConvSnapshot> {

@@ -144,7 +144,34 @@ CREATE TABLE IF NOT EXISTS outbox (
 -- numbers, so it is also the committed high watermark (F2).
 CREATE TABLE IF NOT EXISTS user_heads (
     user_id         TEXT PRIMARY KEY,
-    high_watermark  INTEGER NOT NULL
+    high_watermark  INTEGER NOT NULL,
+    -- Events at or below this were trimmed (L1); only snapshots reach them.
+    trimmed_upto    INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+
+-- Snapshots (D7): a frozen base, BUILDING until its pages are stored, then
+-- READY and immutable, INSTALLED once the device acknowledged it. BUILDING
+-- and READY bases fence retention until they expire.
+CREATE TABLE IF NOT EXISTS snapshots (
+    snapshot_id      TEXT PRIMARY KEY,
+    user_id          TEXT NOT NULL,
+    device_id        TEXT NOT NULL,
+    generation       INTEGER NOT NULL,
+    base_sync_seq    INTEGER NOT NULL,
+    state            TEXT NOT NULL CHECK (state IN ('BUILDING','READY','INSTALLED','EXPIRED')),
+    manifest_digest  TEXT NOT NULL DEFAULT '',
+    pages            INTEGER NOT NULL DEFAULT 0,
+    created_at       INTEGER NOT NULL,
+    expires_at       INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS snapshots_by_user ON snapshots (user_id, state);
+
+CREATE TABLE IF NOT EXISTS snapshot_items (
+    snapshot_id  TEXT NOT NULL,
+    page         INTEGER NOT NULL,
+    idx          INTEGER NOT NULL,
+    item         TEXT NOT NULL,
+    PRIMARY KEY (snapshot_id, page, idx)
 ) WITHOUT ROWID;
 
 -- The user sync log, keyed (user_id, sync_seq) for range reads (D2);

@@ -321,6 +321,53 @@ pub struct AckResult {
     pub cursor: DeviceCursor,
 }
 
+/// One conversation of a snapshot: the user's view of it at the base.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotConv {
+    /// `last_msg_seq` is the highest event of this conversation in the
+    /// user's log at or below the base.
+    pub state: ConvState,
+    /// The most recent messages delivered at or below the base, ascending.
+    pub messages: Vec<StoredMessage>,
+}
+
+/// A snapshot's durable record (D7).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotMeta {
+    pub snapshot_id: String,
+    pub user: String,
+    pub device: String,
+    pub generation: u64,
+    pub base_sync_seq: SyncSeq,
+    /// `BUILDING`, `READY` (immutable), `INSTALLED` or `EXPIRED`.
+    pub state: String,
+    pub manifest_digest: String,
+    pub pages: u32,
+    pub expires_at_ms: i64,
+}
+
+pub const SNAPSHOT_BUILDING: &str = "BUILDING";
+pub const SNAPSHOT_READY: &str = "READY";
+pub const SNAPSHOT_INSTALLED: &str = "INSTALLED";
+
+/// What one retention pass did (L1).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrimReport {
+    pub users_trimmed: u64,
+    pub events_deleted: u64,
+    pub snapshots_expired: u64,
+}
+
+/// Retention settings (L1–L2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetentionPolicy {
+    /// Events younger than this are kept whatever the fence.
+    pub keep_events_younger_than_ms: i64,
+    /// A device whose cursor did not move for this long stops holding the
+    /// fence; on return it is reset (L2).
+    pub device_inactive_after_ms: i64,
+}
+
 /// Backlog of the outbox, for metrics and health.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct OutboxStats {
@@ -493,6 +540,56 @@ pub trait Store: Send + Sync + 'static {
 
     /// The user's committed sync high watermark (0 if the log is empty).
     async fn user_high_watermark(&self, user: &str) -> StoreResult<SyncSeq>;
+
+    /// The user's head and trim point (D5, L1).
+    async fn user_log(&self, user: &str) -> StoreResult<tidemark_core::cursor::UserLog>;
+
+    /// Starts a snapshot for a device `RESETTING` at `generation`: freezes
+    /// the base at the user's head and reads the user's view at exactly that
+    /// base (every conversation and its latest `messages_per_conv` messages)
+    /// in the same transaction, recording it as `BUILDING`, which fences
+    /// retention from now on. `Conflict` if the device is not resetting at
+    /// that generation.
+    #[allow(clippy::too_many_arguments)]
+    async fn begin_snapshot(
+        &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        snapshot_id: &str,
+        messages_per_conv: u32,
+        expires_at_ms: i64,
+        now_ms: i64,
+    ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)>;
+
+    /// Stores the pages and digest and turns `BUILDING` into `READY`; a
+    /// `READY` snapshot never changes again.
+    async fn finish_snapshot(
+        &self,
+        snapshot_id: &str,
+        manifest_digest: &str,
+        pages: Vec<Vec<String>>,
+    ) -> StoreResult<()>;
+
+    async fn snapshot(&self, snapshot_id: &str) -> StoreResult<Option<SnapshotMeta>>;
+
+    /// The items of one page of a `READY` or `INSTALLED` snapshot.
+    async fn snapshot_page(&self, snapshot_id: &str, page: u32) -> StoreResult<Option<Vec<String>>>;
+
+    /// Installs: if the device is still `RESETTING` at the snapshot's
+    /// generation, its cursor becomes `ACTIVE` at the snapshot's base (one
+    /// CAS). Returns whether it did and the cursor after the call.
+    async fn ack_snapshot(
+        &self,
+        user: &str,
+        device: &str,
+        snapshot_id: &str,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)>;
+
+    /// One retention pass over every user log (L1–L2): never past the
+    /// slowest valid device's ACK or a live snapshot's base.
+    async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport>;
 
     /// Events with `after < sync_seq <= upto`, ascending, at most `limit`.
     async fn read_user_events(

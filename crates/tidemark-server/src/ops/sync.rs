@@ -59,8 +59,9 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
             .await?
             .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
         let current = device.cursor;
-        let user_hw = state.store.user_high_watermark(&ctx.user).await?;
-        let (expected, new, start) = match decide_resume(current, client, user_hw) {
+        let log = state.store.user_log(&ctx.user).await?;
+        let user_hw = log.high_watermark;
+        let (expected, new, start) = match decide_resume(current, client, log) {
             Resume::Replay { generation, from } => {
                 return first_page(state, ctx, generation, from, user_hw, current.acked_sync_seq, limit, now).await;
             }

@@ -65,6 +65,7 @@ impl TestServer {
             generation: None,
             applied: 0,
             log: Vec::new(),
+            snapshot: Vec::new(),
         }
     }
 
@@ -86,6 +87,8 @@ pub struct Device {
     pub generation: Option<u64>,
     pub applied: u64,
     pub log: Vec<UserEvent>,
+    /// Messages installed from a snapshot (D7), before `log`.
+    pub snapshot: Vec<tidemark_client::proto::Envelope>,
 }
 
 impl Device {
@@ -105,6 +108,59 @@ impl Device {
         let page = self.ws.sync(&req).await?;
         self.generation = Some(page.sync_generation);
         Ok(page)
+    }
+
+    /// Fetches every page of a fresh snapshot, checks the digest and
+    /// installs it (replacing the local state), then ACKs it. Returns the
+    /// snapshot's base. `tamper` corrupts one item after download, as a
+    /// broken transfer would, and the install is refused before any ACK.
+    pub async fn install_snapshot(&mut self, tamper: bool) -> Result<u64, String> {
+        let begin: tidemark_client::proto::SnapshotBeginOk =
+            self.ws.request("snapshot.begin", &json!({})).await.map_err(|e| e.to_string())?;
+        let mut items = Vec::new();
+        for page in 0..begin.pages {
+            let p: tidemark_client::proto::SnapshotPageOk = self
+                .ws
+                .request("snapshot.page", &json!({"snapshot_token": begin.snapshot_token, "page": page}))
+                .await
+                .map_err(|e| e.to_string())?;
+            items.extend(p.items);
+        }
+        if tamper {
+            if let Some(Value::Object(first)) = items.first_mut() {
+                first.insert("unread".into(), json!(999));
+            }
+        }
+        if tidemark_server::ops::snapshot::manifest_digest(&items) != begin.manifest_digest {
+            return Err("manifest digest mismatch".into());
+        }
+        // "One local transaction": replace everything at once.
+        self.log.clear();
+        self.snapshot = items
+            .iter()
+            .filter(|i| i["type"] == "message")
+            .map(|i| serde_json::from_value(i["message"].clone()).unwrap())
+            .collect();
+        self.applied = begin.base_sync_seq;
+        self.generation = Some(begin.sync_generation);
+        let ack: Value = self
+            .ws
+            .request("snapshot.ack", &json!({"snapshot_token": begin.snapshot_token}))
+            .await
+            .map_err(|e| e.to_string())?;
+        assert_eq!(ack["acked_sync_seq"], begin.base_sync_seq);
+        Ok(begin.base_sync_seq)
+    }
+
+    /// The device's view of a conversation: snapshot then log messages,
+    /// by msg_seq, each once (message_id, text).
+    pub fn view(&self, conv: &str) -> std::collections::BTreeMap<u64, String> {
+        let mut v = std::collections::BTreeMap::new();
+        let from_log = self.log.iter().filter_map(|e| e.message.as_ref());
+        for m in self.snapshot.iter().chain(from_log).filter(|m| m.conv == conv) {
+            v.insert(m.msg_seq, m.message_id.clone());
+        }
+        v
     }
 
     /// Drops every server event received so far.

@@ -1,0 +1,180 @@
+//! Snapshots (D7): `snapshot.begin`, `snapshot.page`, `snapshot.ack`.
+//!
+//! A device that must rebuild (new after the log was trimmed, rolled back,
+//! offline past the retention window) asks for a snapshot: the store freezes
+//! the base `S` and reads the user's view at exactly `S`; this module turns
+//! it into canonical JSON items, pages and a digest, and signs a token
+//! binding snapshot, device, generation, base and digest. The client checks
+//! the digest, installs in one local transaction, then `snapshot.ack` moves
+//! the cursor to `S` by one CAS; incremental sync continues from `S`.
+
+use serde_json::{json, Value};
+use sha2::Digest;
+use tidemark_core::cursor::{DeviceCursor, DeviceState};
+use tidemark_core::token::{SnapshotClaims, TokenError};
+use tidemark_proto::{
+    canonical_item, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotPageOk, SnapshotPageReq,
+};
+use tidemark_store::SnapshotConv;
+
+use super::render::envelope;
+use super::AuthCtx;
+use crate::error::{ApiError, ApiResult};
+use crate::metrics as m;
+use crate::server::AppState;
+use crate::util::{new_id, now_ms};
+
+fn token_error(e: TokenError) -> ApiError {
+    ApiError::new(ErrorCode::TokenInvalid, format!("snapshot token refused: {e}"))
+}
+
+fn items(view: Vec<SnapshotConv>) -> ApiResult<Vec<Value>> {
+    let mut out = Vec::new();
+    for c in view {
+        let s = c.state;
+        out.push(json!({"type": "conv", "conv": s.conv, "kind": s.kind, "last_msg_seq": s.last_msg_seq,
+            "read_seq": s.read_seq, "unread": s.unread, "muted": s.muted, "pinned": s.pinned, "active": s.active}));
+        for msg in c.messages {
+            out.push(json!({"type": "message", "message": envelope(msg)?}));
+        }
+    }
+    Ok(out)
+}
+
+/// Hex SHA-256 over each item's canonical JSON followed by a newline.
+pub fn manifest_digest<'a>(items: impl IntoIterator<Item = &'a Value>) -> String {
+    let mut h = sha2::Sha256::new();
+    for item in items {
+        h.update(canonical_item(item).as_bytes());
+        h.update(b"\n");
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk> {
+    let now = now_ms();
+    let device = state
+        .store
+        .device(&ctx.user, &ctx.device)
+        .await?
+        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
+    let mut cursor = device.cursor;
+    match cursor.state {
+        DeviceState::Revoked => return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked")),
+        DeviceState::Resetting => {}
+        // Any other device asking for a snapshot is resetting itself: the
+        // generation moves first, fencing its older tokens (D5).
+        _ => {
+            let bumped = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
+            let (won, now_cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, cursor, bumped, now).await?;
+            if !won {
+                return Err(ApiError {
+                    retry_after_ms: Some(100),
+                    ..ApiError::new(ErrorCode::Unavailable, "device cursor is busy; retry")
+                });
+            }
+            metrics::counter!(m::GENERATION_BUMPS).increment(1);
+            cursor = now_cursor;
+        }
+    }
+    let snapshot_id = new_id("s");
+    let expires_at_ms = now + state.config.snapshot_ttl.as_millis() as i64;
+    let (base, view) = state
+        .store
+        .begin_snapshot(
+            &ctx.user,
+            &ctx.device,
+            cursor.generation,
+            &snapshot_id,
+            state.config.snapshot_messages_per_conv,
+            expires_at_ms,
+            now,
+        )
+        .await?;
+    let all = items(view)?;
+    let digest = manifest_digest(&all);
+    let pages: Vec<Vec<String>> =
+        all.chunks(state.config.snapshot_page_items.max(1)).map(|c| c.iter().map(canonical_item).collect()).collect();
+    let page_count = pages.len() as u32;
+    state.store.finish_snapshot(&snapshot_id, &digest, pages).await?;
+    metrics::counter!(m::SNAPSHOTS, "outcome" => "built").increment(1);
+    tracing::info!(device = %ctx.device, snapshot_id = %snapshot_id, base, items = all.len(), "snapshot ready");
+    let token = state.keys.sign_snapshot(&SnapshotClaims {
+        snapshot_id: snapshot_id.clone(),
+        user: ctx.user.clone(),
+        device: ctx.device.clone(),
+        generation: cursor.generation,
+        base_sync_seq: base,
+        manifest_digest: digest.clone(),
+        expires_at_ms,
+    });
+    Ok(SnapshotBeginOk {
+        snapshot_id,
+        snapshot_token: token,
+        sync_generation: cursor.generation,
+        base_sync_seq: base,
+        manifest_digest: digest,
+        pages: page_count,
+    })
+}
+
+/// Checks that the device is still resetting at the snapshot's generation.
+async fn check_device(state: &AppState, ctx: &AuthCtx, claims: &SnapshotClaims) -> ApiResult<DeviceCursor> {
+    let d = state
+        .store
+        .device(&ctx.user, &ctx.device)
+        .await?
+        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
+    match d.cursor.state {
+        DeviceState::Revoked => Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked")),
+        _ if d.cursor.generation != claims.generation => {
+            Err(ApiError::new(ErrorCode::StaleGeneration, "the snapshot belongs to an older sync_generation")
+                .with_generation(d.cursor.generation))
+        }
+        _ => Ok(d.cursor),
+    }
+}
+
+pub async fn page(state: &AppState, ctx: &AuthCtx, req: SnapshotPageReq) -> ApiResult<SnapshotPageOk> {
+    let claims =
+        state.keys.verify_snapshot(&req.snapshot_token, &ctx.user, &ctx.device, now_ms()).map_err(token_error)?;
+    check_device(state, ctx, &claims).await?;
+    let meta = state
+        .store
+        .snapshot(&claims.snapshot_id)
+        .await?
+        .ok_or_else(|| ApiError::new(ErrorCode::TokenInvalid, "unknown snapshot"))?;
+    let Some(items) = state.store.snapshot_page(&claims.snapshot_id, req.page).await? else {
+        return Err(ApiError::bad_request(format!("page must be 0..{} of a ready snapshot", meta.pages)));
+    };
+    let items = items
+        .iter()
+        .map(|i| serde_json::from_str(i))
+        .collect::<Result<Vec<Value>, _>>()
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("stored snapshot item: {e}")))?;
+    Ok(SnapshotPageOk { page: req.page, pages: meta.pages, items })
+}
+
+pub async fn ack(state: &AppState, ctx: &AuthCtx, req: SnapshotAckReq) -> ApiResult<SnapshotAckOk> {
+    let now = now_ms();
+    let claims = state.keys.verify_snapshot(&req.snapshot_token, &ctx.user, &ctx.device, now).map_err(token_error)?;
+    check_device(state, ctx, &claims).await?;
+    let (installed, cursor) = state.store.ack_snapshot(&ctx.user, &ctx.device, &claims.snapshot_id, now).await?;
+    if installed {
+        metrics::counter!(m::SNAPSHOTS, "outcome" => "installed").increment(1);
+        state.hub.on_ack(&ctx.user, &ctx.device, cursor.acked_sync_seq);
+        return Ok(SnapshotAckOk { acked_sync_seq: cursor.acked_sync_seq, sync_generation: cursor.generation });
+    }
+    match cursor.state {
+        // A retried ACK of the snapshot that was installed: the same answer.
+        DeviceState::Active
+            if cursor.generation == claims.generation && cursor.acked_sync_seq >= claims.base_sync_seq =>
+        {
+            Ok(SnapshotAckOk { acked_sync_seq: cursor.acked_sync_seq, sync_generation: cursor.generation })
+        }
+        _ => Err(ApiError::new(
+            ErrorCode::TokenInvalid,
+            "the snapshot is no longer installable (expired or superseded); begin a new one",
+        )),
+    }
+}

@@ -1,0 +1,246 @@
+//! Device recovery and reset (issue 5): generation fencing (D5), snapshots
+//! (D7) and user-log retention (L1–L2), over real sockets and SQLite.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use serde_json::json;
+use tidemark_client::proto::ErrorCode;
+use tidemark_server::ServerConfig;
+use tidemark_store::{RetentionPolicy, Store};
+
+async fn say(d: &Device, conv: &str, text: &str) {
+    d.ws.request_value("send", json!({"conv": conv, "client_msg_id": text, "content": {"text": text}})).await.unwrap();
+}
+
+/// D5: a generation-5 batch token ACKed after the device moved to
+/// generation 6 is refused, and the cursor does not move.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn old_generation_ack_is_refused_after_a_reset() {
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let mut ben = ts.device("ben", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    // Walk ben's phone to generation 5: each snapshot install is a reset.
+    ben.sync_page(10).await.unwrap();
+    for _ in 0..4 {
+        ben.install_snapshot(false).await.unwrap();
+    }
+    assert_eq!(ben.generation, Some(5));
+    for i in 0..3 {
+        say(&ann, &conv, &format!("m{i}")).await;
+    }
+    ben.sync_until(3, 10).await;
+    let old = ben.sync_page(10).await.unwrap();
+    assert_eq!(old.sync_generation, 5);
+    // The device resets again (say, a restore): generation 6.
+    ben.install_snapshot(false).await.unwrap();
+    assert_eq!(ben.generation, Some(6));
+    let before = ts.running().state.store.device("ben", "phone").await.unwrap().unwrap().cursor;
+    assert_eq!(code(ben.ws.ack(&old.batch_token, 3).await), ErrorCode::StaleGeneration);
+    let after = ts.running().state.store.device("ben", "phone").await.unwrap().unwrap().cursor;
+    assert_eq!(before, after, "the stale ACK changed nothing");
+    ts.stop().await;
+}
+
+/// D7: a snapshot built while several conversations keep receiving
+/// messages reflects exactly its base; everything after arrives by
+/// incremental sync; nothing missing, nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_under_writes_is_exact_and_incremental_sync_completes_it() {
+    let ts = TestServer::start().await;
+    for u in ["ann", "ben", "cat"] {
+        ts.user(u).await;
+    }
+    let ann = ts.device("ann", "phone").await;
+    let cat = ts.device("cat", "phone").await;
+    let mut reference = ts.device("ben", "desk").await;
+    let c1 = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let c2 = cat.ws.conv_create_direct("ben").await.unwrap().conv;
+    let g: serde_json::Value =
+        ann.ws.request_value("conv.create", json!({"kind": "group", "members": ["ben", "cat"]})).await.unwrap();
+    let c3 = g["conv"].as_str().unwrap().to_owned();
+    for i in 0..10 {
+        say(&ann, &c1, &format!("a{i}")).await;
+        say(&cat, &c2, &format!("c{i}")).await;
+    }
+    let writers: Vec<_> =
+        [(ann.ws.clone(), c1.clone(), "x"), (cat.ws.clone(), c2.clone(), "y"), (ann.ws.clone(), c3.clone(), "z")]
+            .into_iter()
+            .map(|(ws, conv, p)| {
+                tokio::spawn(async move {
+                    for i in 0..40 {
+                        ws.request_value(
+                            "send",
+                            json!({"conv": conv, "client_msg_id": format!("{p}{i}"), "content": {"text": "w"}}),
+                        )
+                        .await
+                        .unwrap();
+                    }
+                })
+            })
+            .collect();
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let mut phone = ts.device("ben", "phone").await;
+    phone.sync_page(10).await.unwrap();
+    let base = phone.install_snapshot(false).await.unwrap();
+    let snapshot_view: Vec<(String, u64)> = phone.snapshot.iter().map(|m| (m.conv.clone(), m.msg_seq)).collect();
+    for w in writers {
+        w.await.unwrap();
+    }
+    // The reference device holds the whole log: the snapshot must equal
+    // exactly the messages whose user events are at or below the base.
+    let total = 1 + 20 + 120; // group created + 20 direct + 120 written
+    reference.sync_until(total, 50).await;
+    let mut at_base: Vec<(String, u64)> =
+        reference.log.iter().filter(|e| e.sync_seq <= base).map(|e| (e.conv.clone(), e.msg_seq.unwrap())).collect();
+    at_base.sort();
+    let mut snap_sorted = snapshot_view.clone();
+    snap_sorted.sort();
+    assert_eq!(snap_sorted, at_base, "the manifest reflects exactly the base");
+    // Incremental sync from the base completes the view.
+    phone.sync_until(total - at_base.len(), 50).await;
+    for conv in [&c1, &c2, &c3] {
+        let mut count = 0;
+        let seqs: Vec<u64> = phone.view(conv).keys().copied().collect();
+        let want: Vec<u64> = reference.view(conv).keys().copied().collect();
+        assert_eq!(seqs, want, "nothing missing in {conv}");
+        count += phone.snapshot.iter().filter(|m| &m.conv == conv).count();
+        count += phone.log.iter().filter(|e| &e.conv == conv).count();
+        assert_eq!(count, want.len(), "nothing twice in {conv}");
+    }
+    ts.stop().await;
+}
+
+/// D7: a corrupt page (digest mismatch) or an install aborted midway never
+/// moves the cursor; a retry of the same snapshot succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broken_or_interrupted_install_never_moves_the_cursor() {
+    let ts = TestServer::start_with(ServerConfig { snapshot_page_items: 3, ..Default::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let mut ben = ts.device("ben", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    for i in 0..10 {
+        say(&ann, &conv, &format!("m{i}")).await;
+    }
+    ben.sync_until(10, 4).await;
+    let store = ts.running().state.store.clone();
+    let acked = store.device("ben", "phone").await.unwrap().unwrap().cursor;
+    // Corrupt transfer: the digest check fails and nothing is ACKed.
+    assert_eq!(ben.install_snapshot(true).await, Err("manifest digest mismatch".into()));
+    let mid = store.device("ben", "phone").await.unwrap().unwrap().cursor;
+    assert_eq!((mid.acked_sync_seq, mid.generation), (acked.acked_sync_seq, acked.generation + 1), "bumped, not moved");
+    // Interrupted: begin and one page, then the app dies.
+    let begin: tidemark_client::proto::SnapshotBeginOk = ben.ws.request("snapshot.begin", &json!({})).await.unwrap();
+    assert!(begin.pages > 1);
+    let _: serde_json::Value =
+        ben.ws.request("snapshot.page", &json!({"snapshot_token": begin.snapshot_token, "page": 0})).await.unwrap();
+    let still = store.device("ben", "phone").await.unwrap().unwrap().cursor;
+    assert_eq!(still.acked_sync_seq, acked.acked_sync_seq, "no ACK, no move");
+    assert_eq!(code(ben.sync_page(5).await), ErrorCode::ResetRequired, "it must finish a snapshot first");
+    assert_eq!(
+        code(
+            ben.ws
+                .request::<_, serde_json::Value>(
+                    "snapshot.page",
+                    &json!({"snapshot_token": begin.snapshot_token, "page": 99})
+                )
+                .await
+        ),
+        ErrorCode::BadRequest
+    );
+    // The same immutable snapshot can be fetched again and installed.
+    let mut items = Vec::new();
+    for page in 0..begin.pages {
+        let p: tidemark_client::proto::SnapshotPageOk = ben
+            .ws
+            .request("snapshot.page", &json!({"snapshot_token": begin.snapshot_token, "page": page}))
+            .await
+            .unwrap();
+        items.extend(p.items);
+    }
+    assert_eq!(tidemark_server::ops::snapshot::manifest_digest(&items), begin.manifest_digest);
+    let ack: serde_json::Value =
+        ben.ws.request("snapshot.ack", &json!({"snapshot_token": begin.snapshot_token})).await.unwrap();
+    assert_eq!(ack["acked_sync_seq"], begin.base_sync_seq);
+    let again: serde_json::Value =
+        ben.ws.request("snapshot.ack", &json!({"snapshot_token": begin.snapshot_token})).await.unwrap();
+    assert_eq!(again["acked_sync_seq"], begin.base_sync_seq, "a retried ACK gets the same answer");
+    ts.stop().await;
+}
+
+/// L1–L2: the trim never passes the slowest valid device's ACK or a live
+/// snapshot's base; a device offline past the window stops holding it and,
+/// on return, gets RESET_REQUIRED, a snapshot and full convergence, never
+/// an empty "nothing new"; a new device after a trim gets a snapshot too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_respects_fences_and_long_offline_devices_resync() {
+    let ts = TestServer::start_with(ServerConfig { retention: None, ..Default::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let mut slow = ts.device("ben", "slow").await;
+    let mut fast = ts.device("ben", "fast").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    for i in 0..5 {
+        say(&ann, &conv, &format!("a{i}")).await;
+    }
+    slow.sync_until(5, 10).await;
+    for i in 5..20 {
+        say(&ann, &conv, &format!("a{i}")).await;
+    }
+    fast.sync_until(20, 10).await;
+    let store = ts.running().state.store.clone();
+    let keep_all_devices = RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 3_600_000 };
+    let now = || tidemark_server::util::now_ms() + 1;
+    store.trim_user_logs(keep_all_devices, now()).await.unwrap();
+    assert_eq!(store.user_log("ben").await.unwrap().trimmed_upto, 5, "the slowest valid ACK is the fence");
+    slow.sync_batch(10).await; // still replays: nothing it needs is gone
+    assert_eq!(slow.log.len(), 20);
+
+    // slow goes offline; the window passes; more traffic; fast keeps up.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 20..30 {
+        say(&ann, &conv, &format!("a{i}")).await;
+    }
+    fast.sync_until(30, 10).await;
+    let short_window = RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 200 };
+    store.trim_user_logs(short_window, now()).await.unwrap();
+    assert_eq!(store.user_log("ben").await.unwrap().trimmed_upto, 30, "the inactive device no longer holds the fence");
+
+    // slow returns: not an empty page, a reset.
+    assert_eq!(code(slow.sync_page(10).await), ErrorCode::ResetRequired);
+    slow.install_snapshot(false).await.unwrap();
+    say(&ann, &conv, "after").await;
+    slow.sync_until(1, 10).await;
+    fast.sync_until(31, 10).await;
+    assert_eq!(slow.view(&conv), fast.view(&conv), "full convergence");
+
+    // A live snapshot's base fences the trim: tablet starts one and stalls.
+    let mut tablet = ts.device("ben", "tablet").await;
+    assert_eq!(code(tablet.sync_page(10).await), ErrorCode::ResetRequired, "a new device after a trim gets a snapshot");
+    let begin: tidemark_client::proto::SnapshotBeginOk = tablet.ws.request("snapshot.begin", &json!({})).await.unwrap();
+    for i in 0..5 {
+        say(&ann, &conv, &format!("b{i}")).await;
+    }
+    fast.sync_until(36, 10).await;
+    slow.sync_until(6, 10).await;
+    store.trim_user_logs(short_window, now()).await.unwrap();
+    assert_eq!(
+        store.user_log("ben").await.unwrap().trimmed_upto,
+        begin.base_sync_seq,
+        "never past a live snapshot base"
+    );
+    let _: serde_json::Value =
+        tablet.ws.request("snapshot.ack", &json!({"snapshot_token": begin.snapshot_token})).await.unwrap();
+    tablet.generation = Some(begin.sync_generation);
+    tablet.applied = begin.base_sync_seq;
+    tablet.sync_until(5, 10).await;
+    ts.stop().await;
+}

@@ -1,0 +1,253 @@
+//! Device lifecycle in the store: snapshots (D7) and user-log retention
+//! (L1–L2). Writer-side functions run inside the writer's transaction.
+//!
+//! A snapshot's view is read in the very transaction that freezes its base,
+//! so it is exactly the user's view at that `sync_seq`: the single writer
+//! admits no event between the two. This blocks other writes while the view
+//! is read, which the per-conversation message bound keeps short.
+
+use rusqlite::{params, Connection, OptionalExtension};
+use tidemark_core::cursor::{DeviceCursor, DeviceState};
+use tidemark_store::*;
+
+use crate::{internal, read};
+
+/// Most conversations in one snapshot.
+pub const SNAPSHOT_CONVS_MAX: usize = 10_000;
+
+type R<T> = StoreResult<T>;
+
+fn device_cursor(c: &Connection, user: &str, device: &str) -> R<DeviceCursor> {
+    crate::read_device(c, user, device)?
+        .map(|d| d.cursor)
+        .ok_or_else(|| StoreError::NotFound(format!("device {device}")))
+}
+
+fn head(c: &Connection, user: &str) -> R<(u64, u64)> {
+    Ok(c.query_row("SELECT high_watermark, trimmed_upto FROM user_heads WHERE user_id = ?1", params![user], |r| {
+        Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64))
+    })
+    .optional()
+    .map_err(internal)?
+    .unwrap_or((0, 0)))
+}
+
+pub(crate) fn user_log(c: &Connection, user: &str) -> R<tidemark_core::cursor::UserLog> {
+    let (high_watermark, trimmed_upto) = head(c, user)?;
+    Ok(tidemark_core::cursor::UserLog { high_watermark, trimmed_upto })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn begin_snapshot(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    generation: u64,
+    snapshot_id: &str,
+    per_conv: u32,
+    expires_at_ms: i64,
+    now_ms: i64,
+) -> R<(u64, Vec<SnapshotConv>)> {
+    let cursor = device_cursor(c, user, device)?;
+    if cursor.state != DeviceState::Resetting || cursor.generation != generation {
+        return Err(StoreError::Conflict(format!(
+            "device is {} at generation {}, not resetting at {generation}",
+            cursor.state.as_str(),
+            cursor.generation
+        )));
+    }
+    let (base, _) = head(c, user)?;
+    c.execute(
+        "INSERT INTO snapshots (snapshot_id, user_id, device_id, generation, base_sync_seq, state, created_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, 'BUILDING', ?6, ?7)",
+        params![snapshot_id, user, device, generation as i64, base as i64, now_ms, expires_at_ms],
+    )
+    .map_err(internal)?;
+    let convs = read::list_conversations(c, user)?;
+    if convs.len() > SNAPSHOT_CONVS_MAX {
+        return Err(StoreError::Invalid(format!("more than {SNAPSHOT_CONVS_MAX} conversations")));
+    }
+    let mut view = Vec::with_capacity(convs.len());
+    for state in convs {
+        // What fan-out delivered to this user up to now, i.e. up to the
+        // base: messages up to the projection's last_msg_seq, inside the
+        // user's periods, newest `per_conv`.
+        let sql = format!(
+            "SELECT {} FROM messages m
+             WHERE m.conv_id = ?1 AND m.msg_seq <= ?3 AND {}
+             ORDER BY m.msg_seq DESC LIMIT ?4",
+            read::MSG_COLS,
+            read::VISIBLE
+        );
+        let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+        let mut rows: Vec<(StoredMessage, Option<String>)> = stmt
+            .query_map(params![state.conv, user, state.last_msg_seq as i64, per_conv], |r| read::message_at(r, 0))
+            .map_err(internal)?
+            .collect::<Result<_, _>>()
+            .map_err(internal)?;
+        rows.reverse();
+        read::decorate(c, user, &mut rows)?;
+        view.push(SnapshotConv { state, messages: rows.into_iter().map(|(m, _)| m).collect() });
+    }
+    Ok((base, view))
+}
+
+pub(crate) fn finish_snapshot(c: &Connection, snapshot_id: &str, digest: &str, pages: &[Vec<String>]) -> R<()> {
+    let n = c
+        .execute(
+            "UPDATE snapshots SET state = 'READY', manifest_digest = ?2, pages = ?3 WHERE snapshot_id = ?1 AND state = 'BUILDING'",
+            params![snapshot_id, digest, pages.len() as i64],
+        )
+        .map_err(internal)?;
+    if n != 1 {
+        return Err(StoreError::Conflict(format!("snapshot {snapshot_id} is not building")));
+    }
+    let mut stmt = c
+        .prepare_cached("INSERT INTO snapshot_items (snapshot_id, page, idx, item) VALUES (?1, ?2, ?3, ?4)")
+        .map_err(internal)?;
+    for (p, items) in pages.iter().enumerate() {
+        for (i, item) in items.iter().enumerate() {
+            stmt.execute(params![snapshot_id, p as i64, i as i64, item]).map_err(internal)?;
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn snapshot(c: &Connection, snapshot_id: &str) -> R<Option<SnapshotMeta>> {
+    c.prepare_cached(
+        "SELECT user_id, device_id, generation, base_sync_seq, state, manifest_digest, pages, expires_at
+         FROM snapshots WHERE snapshot_id = ?1",
+    )
+    .map_err(internal)?
+    .query_row(params![snapshot_id], |r| {
+        Ok(SnapshotMeta {
+            snapshot_id: snapshot_id.into(),
+            user: r.get(0)?,
+            device: r.get(1)?,
+            generation: r.get::<_, i64>(2)? as u64,
+            base_sync_seq: r.get::<_, i64>(3)? as u64,
+            state: r.get(4)?,
+            manifest_digest: r.get(5)?,
+            pages: r.get::<_, i64>(6)? as u32,
+            expires_at_ms: r.get(7)?,
+        })
+    })
+    .optional()
+    .map_err(internal)
+}
+
+pub(crate) fn snapshot_page(c: &Connection, snapshot_id: &str, page: u32) -> R<Option<Vec<String>>> {
+    let Some(meta) = snapshot(c, snapshot_id)? else { return Ok(None) };
+    if meta.state == SNAPSHOT_BUILDING || page >= meta.pages {
+        return Ok(None);
+    }
+    let mut stmt = c
+        .prepare_cached("SELECT item FROM snapshot_items WHERE snapshot_id = ?1 AND page = ?2 ORDER BY idx")
+        .map_err(internal)?;
+    let items = stmt
+        .query_map(params![snapshot_id, page as i64], |r| r.get(0))
+        .map_err(internal)?
+        .collect::<Result<Vec<String>, _>>()
+        .map_err(internal)?;
+    Ok(Some(items))
+}
+
+pub(crate) fn ack_snapshot(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    snapshot_id: &str,
+    now_ms: i64,
+) -> R<(bool, DeviceCursor)> {
+    let meta = snapshot(c, snapshot_id)?.ok_or_else(|| StoreError::NotFound(format!("snapshot {snapshot_id}")))?;
+    let cursor = device_cursor(c, user, device)?;
+    if meta.user != user || meta.device != device {
+        return Err(StoreError::NotFound(format!("snapshot {snapshot_id}")));
+    }
+    let installable = meta.state == SNAPSHOT_READY
+        && cursor.state == DeviceState::Resetting
+        && cursor.generation == meta.generation
+        && now_ms < meta.expires_at_ms;
+    if !installable {
+        return Ok((false, cursor));
+    }
+    let new =
+        DeviceCursor { generation: meta.generation, acked_sync_seq: meta.base_sync_seq, state: DeviceState::Active };
+    crate::write_cursor(c, user, device, new, now_ms)?;
+    c.execute("UPDATE snapshots SET state = 'INSTALLED' WHERE snapshot_id = ?1", params![snapshot_id])
+        .map_err(internal)?;
+    // Its items are no longer needed by anyone.
+    c.execute("DELETE FROM snapshot_items WHERE snapshot_id = ?1", params![snapshot_id]).map_err(internal)?;
+    Ok((true, new))
+}
+
+/// One retention pass. Per user, the fence is the lowest of: the ACK of
+/// every device that is `ACTIVE` and moved within the inactivity window,
+/// and the base of every live (`BUILDING`/`READY`, unexpired) snapshot.
+/// Events above the fence, or younger than the keep window, stay. The
+/// client never reports a position that counts here (L1).
+pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i64) -> R<TrimReport> {
+    let mut report = TrimReport::default();
+    report.snapshots_expired = c
+        .execute(
+            "UPDATE snapshots SET state = 'EXPIRED' WHERE state IN ('BUILDING','READY') AND expires_at <= ?1",
+            params![now_ms],
+        )
+        .map_err(internal)? as u64;
+    c.execute(
+        "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE state = 'EXPIRED')",
+        [],
+    )
+    .map_err(internal)?;
+    let users: Vec<(String, i64, i64)> = {
+        let mut stmt = c.prepare("SELECT user_id, high_watermark, trimmed_upto FROM user_heads").map_err(internal)?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
+        rows.collect::<Result<_, _>>().map_err(internal)?
+    };
+    let active_since = now_ms - policy.device_inactive_after_ms;
+    let young = now_ms - policy.keep_events_younger_than_ms;
+    for (user, hw, trimmed) in users {
+        let device_fence: Option<i64> = c
+            .query_row(
+                "SELECT MIN(acked_sync_seq) FROM devices WHERE user_id = ?1 AND state = 'ACTIVE' AND updated_at >= ?2",
+                params![user, active_since],
+                |r| r.get(0),
+            )
+            .map_err(internal)?;
+        let snapshot_fence: Option<i64> = c
+            .query_row(
+                "SELECT MIN(base_sync_seq) FROM snapshots WHERE user_id = ?1 AND state IN ('BUILDING','READY')",
+                params![user],
+                |r| r.get(0),
+            )
+            .map_err(internal)?;
+        let age_fence: Option<i64> = c
+            .query_row(
+                "SELECT MAX(sync_seq) FROM user_events WHERE user_id = ?1 AND created_at < ?2",
+                params![user, young],
+                |r| r.get(0),
+            )
+            .map_err(internal)?;
+        // Without any valid device the log is kept (nobody fenced it, but a
+        // device may still log in and get a snapshot; trimming would only
+        // save space).
+        let Some(device_fence) = device_fence else { continue };
+        let fence = [Some(device_fence), snapshot_fence, age_fence.or(Some(0)), Some(hw)]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(0);
+        if fence <= trimmed {
+            continue;
+        }
+        let deleted = c
+            .execute("DELETE FROM user_events WHERE user_id = ?1 AND sync_seq <= ?2", params![user, fence])
+            .map_err(internal)?;
+        c.execute("UPDATE user_heads SET trimmed_upto = ?2 WHERE user_id = ?1", params![user, fence])
+            .map_err(internal)?;
+        tracing::info!(user = %user, trimmed_upto = fence, deleted, "user log trimmed");
+        report.users_trimmed += 1;
+        report.events_deleted += deleted as u64;
+    }
+    Ok(report)
+}
