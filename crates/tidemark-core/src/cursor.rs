@@ -16,6 +16,9 @@ pub enum DeviceState {
     Active,
     /// Its generation was bumped; it must rebuild before syncing again.
     Resetting,
+    /// Its generation was bumped for a recovery session (D6): it replays a
+    /// frozen range and completes only by ACKing that range's end.
+    Recovering,
     /// Revoked (P5): every sync, ACK and read is refused.
     Revoked,
 }
@@ -26,6 +29,7 @@ impl DeviceState {
             DeviceState::New => "NEW",
             DeviceState::Active => "ACTIVE",
             DeviceState::Resetting => "RESETTING",
+            DeviceState::Recovering => "RECOVERING",
             DeviceState::Revoked => "REVOKED",
         }
     }
@@ -35,6 +39,7 @@ impl DeviceState {
             "NEW" => DeviceState::New,
             "ACTIVE" => DeviceState::Active,
             "RESETTING" => DeviceState::Resetting,
+            "RECOVERING" => DeviceState::Recovering,
             "REVOKED" => DeviceState::Revoked,
             _ => return None,
         })
@@ -80,6 +85,31 @@ pub enum Resume {
     StillResetting { generation: Generation },
     /// Answer `DEVICE_REVOKED`.
     Revoked,
+    /// The local store is a little behind the server ACK (a restored
+    /// backup) and the log still holds the gap: bump the generation (CAS
+    /// from `expected`), state `RECOVERING`, and open a durable recovery
+    /// session replaying `(from, high watermark]` (D6).
+    Recover { expected: Generation, from: SyncSeq },
+    /// A recovery session is open for this generation: replay its frozen
+    /// range again (the client reconnected mid-recovery).
+    ContinueRecovery { generation: Generation },
+}
+
+/// A live recovery session, as the resume and ACK rules see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecoveryInfo {
+    pub session_id: String,
+    pub resume_from: SyncSeq,
+    pub high_watermark: SyncSeq,
+    pub expires_at_ms: i64,
+}
+
+/// Bounds of recovery sessions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecoveryPolicy {
+    /// "A little behind": at most this many events between the local
+    /// position and the server ACK; more than that gets a snapshot.
+    pub max_gap: SyncSeq,
 }
 
 /// The user's log as the resume rule needs it.
@@ -97,9 +127,33 @@ pub struct UserLog {
 /// corrupt store and is reset; a device whose ACK fell below the trimmed
 /// part of the log cannot replay and is reset too (L2, D7).
 pub fn decide_resume(cursor: DeviceCursor, client: ClientPosition, log: UserLog) -> Resume {
+    decide_resume_with(cursor, client, log, None, RecoveryPolicy { max_gap: 0 }, 0)
+}
+
+/// D5–D6: the resume rule with recovery sessions. `session` is the
+/// device's open recovery session, if any; `now_ms` decides its expiry.
+pub fn decide_resume_with(
+    cursor: DeviceCursor,
+    client: ClientPosition,
+    log: UserLog,
+    session: Option<&RecoveryInfo>,
+    policy: RecoveryPolicy,
+    now_ms: i64,
+) -> Resume {
     let local = client.local_applied_sync_seq.unwrap_or(0);
     let whole_log = log.trimmed_upto == 0;
+    if cursor.state == DeviceState::Recovering {
+        let live = session.is_some_and(|s| now_ms < s.expires_at_ms);
+        return if live && client.generation == Some(cursor.generation) {
+            Resume::ContinueRecovery { generation: cursor.generation }
+        } else {
+            // Expired, or the client lost the recovery generation: a
+            // snapshot reset, never a partial replay (D6).
+            Resume::Reset { expected: cursor.generation }
+        };
+    }
     match cursor.state {
+        DeviceState::Recovering => unreachable!("handled above"),
         DeviceState::Revoked => Resume::Revoked,
         DeviceState::New => match client.generation {
             None if local == 0 && whole_log => Resume::Activate { generation: cursor.generation },
@@ -116,8 +170,15 @@ pub fn decide_resume(cursor: DeviceCursor, client: ClientPosition, log: UserLog)
             let same_generation = client.generation == Some(cursor.generation);
             let plausible = local >= cursor.acked_sync_seq && local <= log.high_watermark;
             let retained = cursor.acked_sync_seq >= log.trimmed_upto;
+            let behind = local < cursor.acked_sync_seq;
+            let recoverable = same_generation
+                && behind
+                && cursor.acked_sync_seq - local <= policy.max_gap
+                && local >= log.trimmed_upto;
             if same_generation && plausible && retained {
                 Resume::Replay { generation: cursor.generation, from: cursor.acked_sync_seq }
+            } else if recoverable {
+                Resume::Recover { expected: cursor.generation, from: local }
             } else {
                 Resume::Reset { expected: cursor.generation }
             }
@@ -138,11 +199,30 @@ pub enum AckDecision {
     Resetting { current: Generation },
     /// `DEVICE_REVOKED`.
     Revoked,
+    /// The final ACK of a live recovery session: set `ACTIVE` with
+    /// `acked_sync_seq = to` and complete the session (D6).
+    CompleteRecovery { to: SyncSeq },
+    /// The recovery session expired: reset (bump, `RESETTING`).
+    RecoveryExpired { current: Generation },
 }
 
 /// D4: a monotonic compare-and-set. The caller has already checked the
 /// token's signature, owner, expiry and that `seq <= batch_high_watermark`.
 pub fn decide_ack(cursor: DeviceCursor, token_generation: Generation, seq: SyncSeq) -> AckDecision {
+    decide_ack_with(cursor, token_generation, None, None, seq, 0)
+}
+
+/// D4 and D6: the ACK rule with recovery sessions. `token_session` is the
+/// recovery session bound into the batch token, `session` the device's open
+/// one. During recovery only the session's own final ACK moves the cursor.
+pub fn decide_ack_with(
+    cursor: DeviceCursor,
+    token_generation: Generation,
+    token_session: Option<&str>,
+    session: Option<&RecoveryInfo>,
+    seq: SyncSeq,
+    now_ms: i64,
+) -> AckDecision {
     match cursor.state {
         DeviceState::Revoked => return AckDecision::Revoked,
         _ if token_generation != cursor.generation => {
@@ -150,6 +230,19 @@ pub fn decide_ack(cursor: DeviceCursor, token_generation: Generation, seq: SyncS
         }
         DeviceState::Resetting | DeviceState::New => {
             return AckDecision::Resetting { current: cursor.generation };
+        }
+        DeviceState::Recovering => {
+            let Some(s) = session.filter(|s| Some(s.session_id.as_str()) == token_session) else {
+                return AckDecision::Unchanged { acked: cursor.acked_sync_seq };
+            };
+            if now_ms >= s.expires_at_ms {
+                return AckDecision::RecoveryExpired { current: cursor.generation };
+            }
+            return if seq == s.high_watermark {
+                AckDecision::CompleteRecovery { to: s.high_watermark.max(cursor.acked_sync_seq) }
+            } else {
+                AckDecision::Unchanged { acked: cursor.acked_sync_seq }
+            };
         }
         DeviceState::Active => {}
     }
@@ -229,6 +322,36 @@ mod tests {
         assert_eq!(decide_ack(resetting, 2, 9), AckDecision::StaleGeneration { current: 3 });
         let revoked = DeviceCursor { generation: 3, acked_sync_seq: 5, state: DeviceState::Revoked };
         assert_eq!(decide_ack(revoked, 3, 9), AckDecision::Revoked);
+    }
+
+    #[test]
+    fn recovery_rules() {
+        let log = UserLog { high_watermark: 100, trimmed_upto: 10 };
+        let policy = RecoveryPolicy { max_gap: 20 };
+        let recover = |local| decide_resume_with(active(3, 50), pos(Some(3), Some(local)), log, None, policy, 0);
+        assert_eq!(recover(40), Resume::Recover { expected: 3, from: 40 }, "a little behind");
+        assert_eq!(recover(29), Resume::Reset { expected: 3 }, "too far behind");
+        let trimmed = UserLog { trimmed_upto: 45, ..log };
+        assert_eq!(
+            decide_resume_with(active(3, 50), pos(Some(3), Some(40)), trimmed, None, policy, 0),
+            Resume::Reset { expected: 3 },
+            "the gap is no longer in the log"
+        );
+        let recovering = DeviceCursor { generation: 4, acked_sync_seq: 50, state: DeviceState::Recovering };
+        let s = RecoveryInfo { session_id: "r1".into(), resume_from: 40, high_watermark: 60, expires_at_ms: 1_000 };
+        let go = |now| decide_resume_with(recovering, pos(Some(4), Some(45)), log, Some(&s), policy, now);
+        assert_eq!(go(999), Resume::ContinueRecovery { generation: 4 });
+        assert_eq!(go(1_000), Resume::Reset { expected: 4 }, "expired: snapshot");
+        let ack = |tok: Option<&str>, seq, now| decide_ack_with(recovering, 4, tok, Some(&s), seq, now);
+        assert_eq!(ack(Some("r1"), 60, 0), AckDecision::CompleteRecovery { to: 60 });
+        assert_eq!(ack(Some("r1"), 55, 0), AckDecision::Unchanged { acked: 50 }, "only the final ACK completes");
+        assert_eq!(ack(None, 60, 0), AckDecision::Unchanged { acked: 50 }, "a token without the session");
+        assert_eq!(ack(Some("r0"), 60, 0), AckDecision::Unchanged { acked: 50 });
+        assert_eq!(ack(Some("r1"), 60, 1_000), AckDecision::RecoveryExpired { current: 4 });
+        assert_eq!(
+            decide_ack_with(recovering, 3, Some("r1"), Some(&s), 60, 0),
+            AckDecision::StaleGeneration { current: 4 }
+        );
     }
 
     proptest::proptest! {

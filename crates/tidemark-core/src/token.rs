@@ -101,6 +101,8 @@ pub struct BatchClaims {
     pub resume_from: SyncSeq,
     pub high_watermark: SyncSeq,
     pub expires_at_ms: i64,
+    /// The recovery session this batch replays, if any (D6).
+    pub recovery_session: Option<String>,
 }
 
 impl TokenKeys {
@@ -133,8 +135,14 @@ impl TokenKeys {
 
     pub fn sign_batch(&self, c: &BatchClaims) -> String {
         let claims = format!(
-            "b|{}|{}|{}|{}|{}|{}",
-            c.user, c.device, c.generation, c.resume_from, c.high_watermark, c.expires_at_ms
+            "b|{}|{}|{}|{}|{}|{}|{}",
+            c.user,
+            c.device,
+            c.generation,
+            c.resume_from,
+            c.high_watermark,
+            c.expires_at_ms,
+            c.recovery_session.as_deref().unwrap_or("")
         );
         sign(&self.batch, &claims)
     }
@@ -144,7 +152,7 @@ impl TokenKeys {
     pub fn verify_batch(&self, token: &str, user: &str, device: &str, now_ms: i64) -> Result<BatchClaims, TokenError> {
         let claims = open(&self.batch, token)?;
         let parts: Vec<&str> = claims.split('|').collect();
-        if parts.len() != 7 || parts[0] != "b" {
+        if parts.len() != 8 || parts[0] != "b" {
             return Err(TokenError::Malformed);
         }
         let c = BatchClaims {
@@ -154,6 +162,7 @@ impl TokenKeys {
             resume_from: field(&parts, 4)?,
             high_watermark: field(&parts, 5)?,
             expires_at_ms: field(&parts, 6)?,
+            recovery_session: Some(parts[7]).filter(|s| !s.is_empty()).map(str::to_owned),
         };
         if c.resume_from > c.high_watermark {
             return Err(TokenError::Malformed);
@@ -255,6 +264,7 @@ mod tests {
             resume_from: 10,
             high_watermark: 20,
             expires_at_ms: 1_000,
+            recovery_session: None,
         }
     }
 
@@ -268,7 +278,7 @@ mod tests {
         assert_eq!(k.verify_batch(&t, "eve", "phone", 0), Err(TokenError::Foreign));
         // Forged claims with the original signature.
         let (_, mac) = t.split_once('.').unwrap();
-        let forged = format!("{}.{}", B64.encode("b|bob|phone|5|10|99|1000"), mac);
+        let forged = format!("{}.{}", B64.encode("b|bob|phone|5|10|99|1000|"), mac);
         assert_eq!(k.verify_batch(&forged, "bob", "phone", 0), Err(TokenError::BadSignature));
         // Another server's secret.
         let other = TokenKeys::from_secret(b"another-secret-of-32-bytes......");

@@ -26,6 +26,11 @@ pub struct ServerConfig {
     pub rehint_after: Duration,
     /// WebSocket ping period; a connection silent for three periods is closed.
     pub ws_ping: Duration,
+    /// Recovery sessions (D6): the largest gap between a device's local
+    /// position and its server ACK that is replayed rather than rebuilt by
+    /// a snapshot, and how long a session lives (and fences retention).
+    pub recovery_max_gap: u64,
+    pub recovery_ttl: Duration,
     /// Lifetime of a snapshot (and of its retention fence).
     pub snapshot_ttl: Duration,
     /// Latest messages per conversation a snapshot carries (older ones
@@ -56,6 +61,8 @@ impl Default for ServerConfig {
             relay_poll: Duration::from_secs(1),
             rehint_after: Duration::from_secs(5),
             ws_ping: Duration::from_secs(20),
+            recovery_max_gap: 1000,
+            recovery_ttl: Duration::from_secs(10 * 60),
             snapshot_ttl: Duration::from_secs(30 * 60),
             snapshot_messages_per_conv: 100,
             snapshot_page_items: 200,

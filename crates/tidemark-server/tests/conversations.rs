@@ -8,10 +8,9 @@ use std::time::Duration;
 
 use common::*;
 use serde_json::{json, Value};
-use tidemark_client::proto::{ConvSyncOk, ErrorCode, HistoryOk, SendReq};
+use tidemark_client::proto::{ConvSyncOk, HistoryOk, SendReq};
 use tidemark_client::WsConn;
 use tidemark_server::ServerConfig;
-use tidemark_store::Store;
 
 async fn call(ws: &WsConn, op: &str, body: Value) -> Value {
     let v = ws.request_value(op, body).await.unwrap();
@@ -438,7 +437,7 @@ async fn conv_sync_validation_table() {
     };
     let mut after = 0;
     let mut got: Vec<u64> = Vec::new();
-    let mut epoch = None;
+    let mut epoch;
     loop {
         let page: ConvSyncOk =
             ben.ws.request("conv.sync", &json!({"conv": conv, "after": after, "limit": 7})).await.unwrap();

@@ -9,7 +9,7 @@ use common::*;
 use serde_json::json;
 use tidemark_client::proto::ErrorCode;
 use tidemark_server::ServerConfig;
-use tidemark_store::{RetentionPolicy, Store};
+use tidemark_store::RetentionPolicy;
 
 async fn say(d: &Device, conv: &str, text: &str) {
     d.ws.request_value("send", json!({"conv": conv, "client_msg_id": text, "content": {"text": text}})).await.unwrap();
@@ -242,5 +242,93 @@ async fn retention_respects_fences_and_long_offline_devices_resync() {
     tablet.generation = Some(begin.sync_generation);
     tablet.applied = begin.base_sync_seq;
     tablet.sync_until(5, 10).await;
+    ts.stop().await;
+}
+
+/// D6: a device a little behind its ACK gets a recovery session that keeps
+/// every event it needs through a concurrent trim and completes only by its
+/// own final ACK; an expired session turns into a snapshot, never a partial
+/// page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_session_fences_trim_and_expires_into_a_snapshot() {
+    let config = ServerConfig { retention: None, recovery_ttl: Duration::from_millis(400), ..Default::default() };
+    let ts = TestServer::start_with(config).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let mut phone = ts.device("ben", "phone").await;
+    let mut fast = ts.device("ben", "fast").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    for i in 0..20 {
+        say(&ann, &conv, &format!("a{i}")).await;
+    }
+    phone.sync_until(20, 10).await;
+    fast.sync_until(20, 10).await;
+    let store = ts.running().state.store.clone();
+    let everything = RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 3_600_000 };
+    let now = || tidemark_server::util::now_ms() + 1;
+
+    // Restore a backup holding 12 events: the server ACK is 20.
+    phone.log.truncate(12);
+    phone.applied = 12;
+    let g0 = phone.generation.unwrap();
+    let first = phone.sync_page(3).await.unwrap();
+    assert_eq!((first.sync_generation, first.resume_from, first.batch_high_watermark), (g0 + 1, 12, 20));
+    assert_eq!(store.device("ben", "phone").await.unwrap().unwrap().cursor.state.as_str(), "RECOVERING");
+    // A trim runs meanwhile: the session fences everything after 12.
+    store.trim_user_logs(everything, now()).await.unwrap();
+    assert_eq!(store.user_log("ben").await.unwrap().trimmed_upto, 12);
+    let token = first.batch_token.clone();
+    let mut page = first;
+    loop {
+        for e in page.events.clone() {
+            phone.apply(e);
+        }
+        if !page.has_more {
+            break;
+        }
+        let next = tidemark_client::proto::SyncReq {
+            batch_token: Some(token.clone()),
+            cursor: page.next_cursor.clone(),
+            limit: Some(3),
+            ..Default::default()
+        };
+        page = phone.ws.sync(&next).await.unwrap();
+    }
+    assert_eq!(phone.applied, 20, "every needed event was there");
+    // Intermediate ACKs do not complete the session; the final one does.
+    assert_eq!(phone.ws.ack(&token, 15).await.unwrap().acked_sync_seq, 20);
+    assert_eq!(store.device("ben", "phone").await.unwrap().unwrap().cursor.state.as_str(), "RECOVERING");
+    let done = phone.ws.ack(&token, 20).await.unwrap();
+    assert_eq!((done.acked_sync_seq, done.sync_generation), (20, g0 + 1));
+    assert_eq!(store.device("ben", "phone").await.unwrap().unwrap().cursor.state.as_str(), "ACTIVE");
+    let ids: Vec<u64> = phone.log.iter().map(|e| e.sync_seq).collect();
+    assert_eq!(ids, (1..=20).collect::<Vec<_>>(), "nothing lost, nothing twice");
+
+    // Again, but the session expires before the device finishes.
+    for i in 20..25 {
+        say(&ann, &conv, &format!("a{i}")).await;
+    }
+    phone.sync_until(25, 10).await;
+    fast.sync_until(25, 10).await;
+    phone.log.truncate(18);
+    phone.applied = 18;
+    let first = phone.sync_page(2).await.unwrap();
+    assert_eq!(first.resume_from, 18);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.trim_user_logs(everything, now()).await.unwrap();
+    assert!(store.user_log("ben").await.unwrap().trimmed_upto > 18, "an expired session fences nothing");
+    let next = tidemark_client::proto::SyncReq {
+        batch_token: Some(first.batch_token.clone()),
+        cursor: first.next_cursor.clone(),
+        limit: Some(2),
+        ..Default::default()
+    };
+    assert_eq!(code(phone.ws.sync(&next).await), ErrorCode::ResetRequired, "a reset, never a partial page");
+    phone.install_snapshot(false).await.unwrap();
+    say(&ann, &conv, "after").await;
+    phone.sync_until(1, 10).await;
+    fast.sync_until(26, 10).await;
+    assert_eq!(phone.view(&conv), fast.view(&conv), "full convergence");
     ts.stop().await;
 }

@@ -224,6 +224,7 @@ async fn acks_are_monotonic_and_bad_acks_are_refused() {
         resume_from: 0,
         high_watermark: 10,
         expires_at_ms: 1,
+        recovery_session: None,
     });
     assert_eq!(code(ben.ws.ack(&expired, 9).await), ErrorCode::TokenInvalid);
     // Foreign: ben's token used by another device of ben and by ann.
@@ -237,10 +238,11 @@ async fn acks_are_monotonic_and_bad_acks_are_refused() {
     let cursor = ts.running().state.store.device("ben", "phone").await.unwrap().unwrap().cursor;
     assert_eq!(cursor.acked_sync_seq, 7, "no refusal moved the cursor");
 
-    // Old generation: the device resets (local position behind its ACK),
-    // then the generation-1 token is refused and the cursor stays.
-    ben.generation = Some(generation);
-    ben.applied = 2;
+    // Old generation: the device resets (its local store belongs to another
+    // generation), then the generation-1 token is refused and the cursor
+    // stays.
+    ben.generation = Some(generation + 7);
+    ben.applied = 7;
     let reset = ben.sync_page(100).await.unwrap_err();
     assert_eq!(reset.code(), Some(ErrorCode::ResetRequired));
     let tidemark_client::ClientError::Server(frame) = reset else { unreachable!() };
@@ -281,7 +283,8 @@ async fn one_devices_ack_never_moves_another() {
 /// ends with the same view; the sender's own other devices get its sends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolled_back_device_resets_and_rebuilds() {
-    let ts = TestServer::start().await;
+    // Too far behind for a recovery session: the device is reset.
+    let ts = TestServer::start_with(tidemark_server::ServerConfig { recovery_max_gap: 2, ..Default::default() }).await;
     ts.user("ann").await;
     ts.user("ben").await;
     let ann = ts.device("ann", "phone").await;

@@ -26,7 +26,7 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
-use tidemark_core::cursor::{decide_ack, AckDecision, DeviceCursor, DeviceState};
+use tidemark_core::cursor::{DeviceCursor, DeviceState};
 use tidemark_core::membership::{recipients_at, Period};
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
@@ -790,25 +790,33 @@ impl Store for SqliteStore {
         user: &str,
         device: &str,
         generation: u64,
+        token_session: Option<&str>,
         seq: SyncSeq,
         now_ms: i64,
     ) -> StoreResult<AckResult> {
+        let (user, device, session) = (user.to_owned(), device.to_owned(), token_session.map(str::to_owned));
+        self.writer.write(move |c| lifecycle::ack(c, &user, &device, generation, session.as_deref(), seq, now_ms)).await
+    }
+
+    async fn begin_recovery(
+        &self,
+        user: &str,
+        device: &str,
+        expected: DeviceCursor,
+        session: tidemark_core::cursor::RecoveryInfo,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.writer
-            .write(move |c| {
-                let Some(rec) = read_device(c, &user, &device)? else {
-                    return Err(StoreError::NotFound(format!("device {device}")));
-                };
-                let decision = decide_ack(rec.cursor, generation, seq);
-                let mut cursor = rec.cursor;
-                if let AckDecision::Advance { to } = decision {
-                    assert!(to > cursor.acked_sync_seq, "an ACK only moves forward");
-                    cursor.acked_sync_seq = to;
-                    write_cursor(c, &user, &device, cursor, now_ms)?;
-                }
-                Ok(AckResult { decision, cursor })
-            })
-            .await
+        self.writer.write(move |c| lifecycle::begin_recovery(c, &user, &device, expected, &session, now_ms)).await
+    }
+
+    async fn recovery_session(
+        &self,
+        user: &str,
+        device: &str,
+    ) -> StoreResult<Option<tidemark_core::cursor::RecoveryInfo>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read_store(move |c| lifecycle::recovery_session(c, &user, &device)).await
     }
 
     fn stats(&self) -> StoreStats {

@@ -7,7 +7,7 @@
 //! is read, which the per-conversation message bound keeps short.
 
 use rusqlite::{params, Connection, OptionalExtension};
-use tidemark_core::cursor::{DeviceCursor, DeviceState};
+use tidemark_core::cursor::{decide_ack_with, AckDecision, DeviceCursor, DeviceState, RecoveryInfo};
 use tidemark_store::*;
 
 use crate::{internal, read};
@@ -182,8 +182,9 @@ pub(crate) fn ack_snapshot(
 }
 
 /// One retention pass. Per user, the fence is the lowest of: the ACK of
-/// every device that is `ACTIVE` and moved within the inactivity window,
-/// and the base of every live (`BUILDING`/`READY`, unexpired) snapshot.
+/// every device that is `ACTIVE` or `RECOVERING` and moved within the
+/// inactivity window, the `resume_from` of every live recovery session, and
+/// the base of every live (`BUILDING`/`READY`, unexpired) snapshot.
 /// Events above the fence, or younger than the keep window, stay. The
 /// client never reports a position that counts here (L1).
 pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i64) -> R<TrimReport> {
@@ -209,8 +210,16 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
     for (user, hw, trimmed) in users {
         let device_fence: Option<i64> = c
             .query_row(
-                "SELECT MIN(acked_sync_seq) FROM devices WHERE user_id = ?1 AND state = 'ACTIVE' AND updated_at >= ?2",
+                "SELECT MIN(acked_sync_seq) FROM devices WHERE user_id = ?1 AND state IN ('ACTIVE','RECOVERING')
+                 AND updated_at >= ?2",
                 params![user, active_since],
+                |r| r.get(0),
+            )
+            .map_err(internal)?;
+        let recovery_fence: Option<i64> = c
+            .query_row(
+                "SELECT MIN(resume_from) FROM recovery_sessions WHERE user_id = ?1 AND state = 'ACTIVE' AND expires_at > ?2",
+                params![user, now_ms],
                 |r| r.get(0),
             )
             .map_err(internal)?;
@@ -232,7 +241,7 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
         // device may still log in and get a snapshot; trimming would only
         // save space).
         let Some(device_fence) = device_fence else { continue };
-        let fence = [Some(device_fence), snapshot_fence, age_fence.or(Some(0)), Some(hw)]
+        let fence = [Some(device_fence), recovery_fence, snapshot_fence, age_fence.or(Some(0)), Some(hw)]
             .into_iter()
             .flatten()
             .min()
@@ -250,4 +259,106 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
         report.events_deleted += deleted as u64;
     }
     Ok(report)
+}
+
+pub(crate) fn recovery_session(c: &Connection, user: &str, device: &str) -> R<Option<RecoveryInfo>> {
+    c.prepare_cached(
+        "SELECT session_id, resume_from, high_watermark, expires_at FROM recovery_sessions
+         WHERE user_id = ?1 AND device_id = ?2 AND state = 'ACTIVE'",
+    )
+    .map_err(internal)?
+    .query_row(params![user, device], |r| {
+        Ok(RecoveryInfo {
+            session_id: r.get(0)?,
+            resume_from: r.get::<_, i64>(1)? as u64,
+            high_watermark: r.get::<_, i64>(2)? as u64,
+            expires_at_ms: r.get(3)?,
+        })
+    })
+    .optional()
+    .map_err(internal)
+}
+
+pub(crate) fn begin_recovery(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    expected: DeviceCursor,
+    session: &RecoveryInfo,
+    now_ms: i64,
+) -> R<(bool, DeviceCursor)> {
+    let cursor = device_cursor(c, user, device)?;
+    if cursor != expected {
+        return Ok((false, cursor));
+    }
+    let new = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Recovering, ..cursor };
+    crate::write_cursor(c, user, device, new, now_ms)?;
+    // Any older session of this device is over: the generation moved.
+    c.execute(
+        "UPDATE recovery_sessions SET state = 'EXPIRED' WHERE user_id = ?1 AND device_id = ?2 AND state = 'ACTIVE'",
+        params![user, device],
+    )
+    .map_err(internal)?;
+    c.execute(
+        "INSERT INTO recovery_sessions (session_id, user_id, device_id, generation, resume_from, high_watermark, state, created_at, expires_at)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, 'ACTIVE', ?7, ?8)",
+        params![
+            session.session_id,
+            user,
+            device,
+            new.generation as i64,
+            session.resume_from as i64,
+            session.high_watermark as i64,
+            now_ms,
+            session.expires_at_ms
+        ],
+    )
+    .map_err(internal)?;
+    Ok((true, new))
+}
+
+pub(crate) fn ack(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    generation: u64,
+    token_session: Option<&str>,
+    seq: u64,
+    now_ms: i64,
+) -> R<AckResult> {
+    let mut cursor = device_cursor(c, user, device)?;
+    let session = recovery_session(c, user, device)?;
+    let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), seq, now_ms);
+    match decision {
+        AckDecision::Advance { to } => {
+            assert!(to > cursor.acked_sync_seq, "an ACK only moves forward");
+            cursor.acked_sync_seq = to;
+            crate::write_cursor(c, user, device, cursor, now_ms)?;
+        }
+        AckDecision::CompleteRecovery { to } => {
+            // The session's own CAS: only the live session of this
+            // generation completes, and only here.
+            let s = session.as_ref().expect("a completion has a session");
+            let n = c
+                .execute(
+                    "UPDATE recovery_sessions SET state = 'COMPLETED' WHERE session_id = ?1 AND state = 'ACTIVE'",
+                    params![s.session_id],
+                )
+                .map_err(internal)?;
+            assert_eq!(n, 1, "the live session completes once");
+            cursor = DeviceCursor { acked_sync_seq: to, state: DeviceState::Active, ..cursor };
+            crate::write_cursor(c, user, device, cursor, now_ms)?;
+        }
+        AckDecision::RecoveryExpired { .. } => {
+            c.execute(
+                "UPDATE recovery_sessions SET state = 'EXPIRED' WHERE user_id = ?1 AND device_id = ?2 AND state = 'ACTIVE'",
+                params![user, device],
+            )
+            .map_err(internal)?;
+            cursor = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
+            crate::write_cursor(c, user, device, cursor, now_ms)?;
+        }
+        _ => {}
+    }
+    Ok(AckResult { decision, cursor })
 }

@@ -28,7 +28,7 @@ CREATE TABLE IF NOT EXISTS devices (
     name             TEXT NOT NULL,
     sync_generation  INTEGER NOT NULL,
     acked_sync_seq   INTEGER NOT NULL,
-    state            TEXT NOT NULL CHECK (state IN ('NEW','ACTIVE','RESETTING','REVOKED')),
+    state            TEXT NOT NULL CHECK (state IN ('NEW','ACTIVE','RESETTING','RECOVERING','REVOKED')),
     row_version      INTEGER NOT NULL,
     created_at       INTEGER NOT NULL,
     updated_at       INTEGER NOT NULL,
@@ -148,6 +148,23 @@ CREATE TABLE IF NOT EXISTS user_heads (
     -- Events at or below this were trimmed (L1); only snapshots reach them.
     trimmed_upto    INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
+
+-- Recovery sessions (D6): a frozen (resume_from, high_watermark] replay for
+-- a device whose local store fell a little behind its ACK. At most one
+-- ACTIVE per device; it fences retention from resume_from until it
+-- completes (by its own CAS on the final ACK) or expires.
+CREATE TABLE IF NOT EXISTS recovery_sessions (
+    session_id      TEXT PRIMARY KEY,
+    user_id         TEXT NOT NULL,
+    device_id       TEXT NOT NULL,
+    generation      INTEGER NOT NULL,
+    resume_from     INTEGER NOT NULL,
+    high_watermark  INTEGER NOT NULL,
+    state           TEXT NOT NULL CHECK (state IN ('ACTIVE','COMPLETED','EXPIRED')),
+    created_at      INTEGER NOT NULL,
+    expires_at      INTEGER NOT NULL
+);
+CREATE UNIQUE INDEX IF NOT EXISTS recovery_one_active ON recovery_sessions (user_id, device_id) WHERE state = 'ACTIVE';
 
 -- Snapshots (D7): a frozen base, BUILDING until its pages are stored, then
 -- READY and immutable, INSTALLED once the device acknowledged it. BUILDING

@@ -155,16 +155,16 @@ pub async fn ack_is_a_monotonic_cas_per_device(store: &dyn Store) {
     store.login_device("b", "desk", "Desk", T0).await.unwrap();
     let active = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::Active };
     assert!(store.cas_device_cursor("b", "phone", phone.cursor, active, T0).await.unwrap().0);
-    let r = store.ack("b", "phone", 1, 9, T0).await.unwrap();
+    let r = store.ack("b", "phone", 1, None, 9, T0).await.unwrap();
     assert_eq!(r.decision, AckDecision::Advance { to: 9 });
-    let r = store.ack("b", "phone", 1, 4, T0).await.unwrap();
+    let r = store.ack("b", "phone", 1, None, 4, T0).await.unwrap();
     assert_eq!((r.decision, r.cursor.acked_sync_seq), (AckDecision::Unchanged { acked: 9 }, 9), "D4: never back");
-    let r = store.ack("b", "phone", 0, 12, T0).await.unwrap();
+    let r = store.ack("b", "phone", 0, None, 12, T0).await.unwrap();
     assert_eq!(r.decision, AckDecision::StaleGeneration { current: 1 }, "D4: older generation refused");
     assert_eq!(store.device("b", "phone").await.unwrap().unwrap().cursor.acked_sync_seq, 9);
     let desk = store.device("b", "desk").await.unwrap().unwrap();
     assert_eq!((desk.cursor.acked_sync_seq, desk.cursor.state), (0, DeviceState::New), "D1: other device untouched");
-    let r = store.ack("b", "desk", 1, 3, T0).await.unwrap();
+    let r = store.ack("b", "desk", 1, None, 3, T0).await.unwrap();
     assert_eq!(r.decision, AckDecision::Resetting { current: 1 }, "a never-synced device cannot ACK");
 }
 
@@ -201,6 +201,6 @@ pub async fn revocation_is_durable(store: &dyn Store) {
     let again = store.login_device("b", "phone", "Phone", T0).await.unwrap();
     assert_eq!(again.cursor.state, DeviceState::Revoked);
     assert_eq!(store.revoked_devices().await.unwrap(), vec![("b".to_string(), "phone".to_string())]);
-    let r = store.ack("b", "phone", 1, 1, T0).await.unwrap();
+    let r = store.ack("b", "phone", 1, None, 1, T0).await.unwrap();
     assert_eq!(r.decision, AckDecision::Revoked);
 }

@@ -611,9 +611,39 @@ pub trait Store: Send + Sync + 'static {
         now_ms: i64,
     ) -> StoreResult<(bool, DeviceCursor)>;
 
-    /// A cumulative ACK: `decide_ack` applied inside one transaction.
-    async fn ack(&self, user: &str, device: &str, generation: u64, seq: SyncSeq, now_ms: i64)
-        -> StoreResult<AckResult>;
+    /// A cumulative ACK: `decide_ack_with` applied inside one transaction,
+    /// with the device's open recovery session; `token_session` is the
+    /// session bound into the batch token. Completing a recovery and
+    /// expiring one (bump, `RESETTING`) happen here too (D6).
+    async fn ack(
+        &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        token_session: Option<&str>,
+        seq: SyncSeq,
+        now_ms: i64,
+    ) -> StoreResult<AckResult>;
+
+    /// Opens a recovery session (D6): if the cursor still equals
+    /// `expected`, bumps its generation, sets `RECOVERING` and records the
+    /// session (which fences retention from its `resume_from` until it
+    /// completes or expires), in one transaction.
+    async fn begin_recovery(
+        &self,
+        user: &str,
+        device: &str,
+        expected: DeviceCursor,
+        session: tidemark_core::cursor::RecoveryInfo,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)>;
+
+    /// The device's open recovery session, if any.
+    async fn recovery_session(
+        &self,
+        user: &str,
+        device: &str,
+    ) -> StoreResult<Option<tidemark_core::cursor::RecoveryInfo>>;
 
     // -------------------------------------------------------- observability
 

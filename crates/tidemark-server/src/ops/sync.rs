@@ -7,7 +7,9 @@
 //! events arrive meanwhile; the next batch picks them up. `ack` is the
 //! store's compare-and-set under the token's generation.
 
-use tidemark_core::cursor::{decide_resume, AckDecision, ClientPosition, DeviceCursor, DeviceState, Resume};
+use tidemark_core::cursor::{
+    decide_resume_with, AckDecision, ClientPosition, DeviceCursor, DeviceState, RecoveryInfo, RecoveryPolicy, Resume,
+};
 use tidemark_core::token::{BatchClaims, TokenError};
 use tidemark_proto::{
     AckOk, AckReq, ErrorCode, SyncOk, SyncReq, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX, SYNC_PAGE_BYTES_MAX,
@@ -61,9 +63,47 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
         let current = device.cursor;
         let log = state.store.user_log(&ctx.user).await?;
         let user_hw = log.high_watermark;
-        let (expected, new, start) = match decide_resume(current, client, log) {
+        let session = match current.state {
+            DeviceState::Recovering => state.store.recovery_session(&ctx.user, &ctx.device).await?,
+            _ => None,
+        };
+        let policy = RecoveryPolicy { max_gap: state.config.recovery_max_gap };
+        let (expected, new, start) = match decide_resume_with(current, client, log, session.as_ref(), policy, now) {
             Resume::Replay { generation, from } => {
-                return first_page(state, ctx, generation, from, user_hw, current.acked_sync_seq, limit, now).await;
+                let batch = Batch { generation, resume_from: from, high_watermark: user_hw, recovery: None };
+                return first_page(state, ctx, batch, current.acked_sync_seq, limit, now).await;
+            }
+            Resume::ContinueRecovery { generation } => {
+                let s = session.expect("a recovering device has its session");
+                let batch = Batch {
+                    generation,
+                    resume_from: s.resume_from,
+                    high_watermark: s.high_watermark,
+                    recovery: Some(s.session_id),
+                };
+                return first_page(state, ctx, batch, current.acked_sync_seq, limit, now).await;
+            }
+            Resume::Recover { from, .. } => {
+                let info = RecoveryInfo {
+                    session_id: crate::util::new_id("r"),
+                    resume_from: from,
+                    high_watermark: user_hw,
+                    expires_at_ms: now + state.config.recovery_ttl.as_millis() as i64,
+                };
+                let (won, cursor) =
+                    state.store.begin_recovery(&ctx.user, &ctx.device, current, info.clone(), now).await?;
+                if !won {
+                    continue;
+                }
+                metrics::counter!(m::GENERATION_BUMPS).increment(1);
+                tracing::info!(device = %ctx.device, generation = cursor.generation, from, "recovery session opened");
+                let batch = Batch {
+                    generation: cursor.generation,
+                    resume_from: from,
+                    high_watermark: user_hw,
+                    recovery: Some(info.session_id),
+                };
+                return first_page(state, ctx, batch, cursor.acked_sync_seq, limit, now).await;
             }
             Resume::Activate { generation } | Resume::Rebuild { generation } => {
                 (current, DeviceCursor { generation, acked_sync_seq: 0, state: DeviceState::Active }, true)
@@ -80,8 +120,9 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
             continue;
         }
         if start {
-            // The retained log starts at 0 until retention trims it.
-            return first_page(state, ctx, new.generation, 0, user_hw, 0, limit, now).await;
+            // Only reached while the user's log is retained from its start.
+            let batch = Batch { generation: new.generation, resume_from: 0, high_watermark: user_hw, recovery: None };
+            return first_page(state, ctx, batch, 0, limit, now).await;
         }
         metrics::counter!(m::GENERATION_BUMPS).increment(1);
         tracing::info!(device = %ctx.device, generation = new.generation, "device generation bumped; reset required");
@@ -90,21 +131,28 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
     Err(ApiError { retry_after_ms: Some(100), ..ApiError::new(ErrorCode::Unavailable, "device cursor is busy; retry") })
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn first_page(
-    state: &AppState,
-    ctx: &AuthCtx,
+/// The fixed ends of a batch, as they go into its token.
+struct Batch {
     generation: u64,
     resume_from: u64,
     high_watermark: u64,
+    recovery: Option<String>,
+}
+
+async fn first_page(
+    state: &AppState,
+    ctx: &AuthCtx,
+    batch: Batch,
     acked: u64,
     limit: u32,
     now: i64,
 ) -> ApiResult<SyncOk> {
-    // resume_from is the server ACK, which never exceeds a watermark the
-    // server issued, and the watermark only grows: assert it on this side of
-    // the store boundary rather than serve a batch that runs backwards.
-    assert!(resume_from <= high_watermark, "device ACK {resume_from} above its user's log head {high_watermark}");
+    // resume_from is the server ACK (or a recovery start below it), which
+    // never exceeds a watermark the server issued, and the watermark only
+    // grows: assert it on this side of the store boundary rather than serve
+    // a batch that runs backwards.
+    let Batch { generation, resume_from, high_watermark, recovery } = batch;
+    assert!(resume_from <= high_watermark, "batch start {resume_from} above its user's log head {high_watermark}");
     let claims = BatchClaims {
         user: ctx.user.clone(),
         device: ctx.device.clone(),
@@ -112,6 +160,7 @@ async fn first_page(
         resume_from,
         high_watermark,
         expires_at_ms: now + state.config.batch_token_ttl.as_millis() as i64,
+        recovery_session: recovery,
     };
     let token = state.keys.sign_batch(&claims);
     page(state, ctx, token, &claims, resume_from, acked, limit).await
@@ -139,7 +188,26 @@ async fn next_page(
         DeviceState::Revoked => return Err(revoked()),
         _ if device.cursor.generation != claims.generation => return Err(stale(device.cursor.generation)),
         DeviceState::Resetting | DeviceState::New => return Err(reset_required(device.cursor.generation)),
-        DeviceState::Active => {}
+        DeviceState::Active | DeviceState::Recovering => {}
+    }
+    // Never a partial page: if the rest of this batch is no longer all in
+    // the log (trimmed, or its recovery session expired and stopped
+    // fencing it), the device is reset instead (D6, L2).
+    let log = state.store.user_log(&ctx.user).await?;
+    let session_over = match device.cursor.state {
+        DeviceState::Recovering => !state
+            .store
+            .recovery_session(&ctx.user, &ctx.device)
+            .await?
+            .is_some_and(|s| Some(&s.session_id) == claims.recovery_session.as_ref() && now < s.expires_at_ms),
+        _ => false,
+    };
+    if position < log.trimmed_upto || session_over {
+        let bumped =
+            DeviceCursor { generation: device.cursor.generation + 1, state: DeviceState::Resetting, ..device.cursor };
+        let (_, cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, device.cursor, bumped, now).await?;
+        metrics::counter!(m::GENERATION_BUMPS).increment(1);
+        return Err(reset_required(cursor.generation));
     }
     page(state, ctx, token, &claims, position, device.cursor.acked_sync_seq, limit).await
 }
@@ -193,22 +261,31 @@ pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckO
             format!("sync_seq {} is above the batch watermark {}", req.sync_seq, claims.high_watermark),
         ));
     }
-    let result = state.store.ack(&ctx.user, &ctx.device, claims.generation, req.sync_seq, now).await?;
+    let result = state
+        .store
+        .ack(&ctx.user, &ctx.device, claims.generation, claims.recovery_session.as_deref(), req.sync_seq, now)
+        .await?;
     let label = match result.decision {
         AckDecision::Advance { .. } => "advanced",
         AckDecision::Unchanged { .. } => "unchanged",
         AckDecision::StaleGeneration { .. } => "stale_generation",
         AckDecision::Resetting { .. } => "resetting",
         AckDecision::Revoked => "revoked",
+        AckDecision::CompleteRecovery { .. } => "recovery_completed",
+        AckDecision::RecoveryExpired { .. } => "recovery_expired",
     };
     metrics::counter!(m::ACKS, "result" => label).increment(1);
     match result.decision {
-        AckDecision::Advance { .. } | AckDecision::Unchanged { .. } => {
+        AckDecision::Advance { .. } | AckDecision::Unchanged { .. } | AckDecision::CompleteRecovery { .. } => {
             state.hub.on_ack(&ctx.user, &ctx.device, result.cursor.acked_sync_seq);
             Ok(AckOk { acked_sync_seq: result.cursor.acked_sync_seq, sync_generation: result.cursor.generation })
         }
         AckDecision::StaleGeneration { current } => Err(stale(current)),
         AckDecision::Resetting { current } => Err(reset_required(current)),
         AckDecision::Revoked => Err(revoked()),
+        // The session expired before its final ACK: the device was reset
+        // (bumped, RESETTING) in the same transaction and rebuilds from a
+        // snapshot, never from a partial replay (D6).
+        AckDecision::RecoveryExpired { .. } => Err(reset_required(result.cursor.generation)),
     }
 }
