@@ -151,6 +151,7 @@ impl WsConn {
     }
 
     pub async fn conv_create_direct(&self, peer: &str) -> ClientResult<ConvCreateOk> {
-        self.request(op::CONV_CREATE, &ConvCreateReq { kind: "direct".into(), members: vec![peer.into()] }).await
+        self.request(op::CONV_CREATE, &ConvCreateReq { kind: "direct".into(), members: vec![peer.into()], client_msg_id: None })
+            .await
     }
 }

@@ -212,6 +212,9 @@ pub struct DeviceRevokeOk {
 pub struct ConvCreateReq {
     pub kind: String,
     pub members: Vec<String>,
+    /// Groups: an optional idempotency key; a retry returns the same group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub client_msg_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -525,7 +528,9 @@ pub struct SyncOk {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct UserEvent {
     pub sync_seq: u64,
-    /// `message` for now; later kinds (recall, read, settings) add values.
+    /// `message`, `membership`, `recall`, `edit`, `reaction` (conversation
+    /// events, with `message`), `read`, `settings`, `delete` (per-user
+    /// events, with `data`). Clients skip kinds they do not know.
     pub kind: String,
     pub conv: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

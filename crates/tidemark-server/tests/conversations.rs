@@ -656,3 +656,83 @@ async fn unread_rebuild_reports_and_repairs_drift() {
     assert_eq!(list["conversations"][0]["unread"], 3, "repaired from the facts");
     ts.stop().await;
 }
+
+/// Visibility of control events and idempotency keys: a newcomer never
+/// receives an edit of a message from before its join; a recall also wipes
+/// the content that earlier edit events carried; an own reply clears the
+/// unread below it; an idempotency key names one operation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_events_follow_the_targets_visibility() {
+    let ts = TestServer::start().await;
+    for u in ["own", "cat", "new"] {
+        ts.user(u).await;
+    }
+    let own = ts.device("own", "phone").await;
+    let mut cat = ts.device("cat", "phone").await;
+    let mut newcomer = ts.device("new", "phone").await;
+    let created =
+        call(&own.ws, "conv.create", json!({"kind": "group", "members": ["cat"], "client_msg_id": "g-1"})).await;
+    let retried =
+        call(&own.ws, "conv.create", json!({"kind": "group", "members": ["cat"], "client_msg_id": "g-1"})).await;
+    assert_eq!(created["conv"], retried["conv"], "a retried create is the same group");
+    let conv = created["conv"].as_str().unwrap().to_owned();
+    let m = say(&own.ws, &conv, "draft").await; // 2
+    let id = m["message_id"].as_str().unwrap().to_owned();
+    let join = call(&own.ws, "conv.add", json!({"conv": conv, "user": "new"})).await["msg_seq"].as_u64().unwrap(); // 3
+    let again = call(&own.ws, "conv.add", json!({"conv": conv, "user": "new"})).await["msg_seq"].as_u64().unwrap();
+    assert_eq!(join, again, "adding a member twice changes nothing");
+    call(
+        &own.ws,
+        "edit",
+        json!({"conv": conv, "message_id": id, "content": {"text": "EDITED-SECRET"}, "base_version": 1}),
+    )
+    .await; // 4
+    say(&own.ws, &conv, "for-all").await; // 5
+    newcomer.sync_until(2, 10).await; // join + for-all
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    newcomer.sync_batch(10).await;
+    let seen: Vec<u64> = conv_log(&newcomer, &conv).iter().map(|e| e.0).collect();
+    assert_eq!(seen, vec![3, 5], "no edit of a message from before the join");
+    let (synced, _) = conv_sync_all(&newcomer.ws, &conv, 0, 10).await;
+    assert_eq!(synced, vec![3, 5]);
+    let h: HistoryOk = newcomer.ws.request("history", &json!({"conv": conv})).await.unwrap();
+    assert!(!serde_json::to_string(&h).unwrap().contains("EDITED-SECRET"));
+
+    // The recall wipes the edit event's content too, on every path.
+    call(&own.ws, "recall", json!({"conv": conv, "message_id": id})).await; // 6
+    cat.sync_until(6, 10).await;
+    assert!(!serde_json::to_string(&cat.log).unwrap().contains("EDITED-SECRET") || cat.log.len() < 6);
+    let mut fresh = ts.device("cat", "tablet").await;
+    fresh.sync_until(6, 10).await;
+    assert!(
+        !serde_json::to_string(&fresh.log).unwrap().contains("EDITED-SECRET"),
+        "no path serves edited text of a recalled message"
+    );
+    let (all, _) = conv_sync_all(&cat.ws, &conv, 0, 10).await;
+    assert_eq!(all, vec![1, 2, 3, 4, 5, 6]);
+    let page: ConvSyncOk = cat.ws.request("conv.sync", &json!({"conv": conv, "after": 0})).await.unwrap();
+    assert!(!serde_json::to_string(&page).unwrap().contains("EDITED-SECRET"));
+
+    // An own reply marks what it answers as read.
+    let unread = |v: Value| {
+        v["conversations"].as_array().unwrap().iter().find(|c| c["conv"] == conv.as_str()).unwrap()["unread"].clone()
+    };
+    assert_eq!(unread(call(&cat.ws, "conv.list", json!({})).await), 1, "for-all is unread (the recalled one is not)");
+    say(&cat.ws, &conv, "reply").await;
+    cat.sync_until(7, 10).await;
+    assert_eq!(unread(call(&cat.ws, "conv.list", json!({})).await), 0);
+    assert_eq!(call(&cat.ws, "read", json!({"conv": conv, "read_to_seq": 1})).await["unread"], 0);
+
+    // One idempotency key, one operation.
+    assert_eq!(
+        refused(&own.ws, "recall", json!({"conv": conv, "message_id": id, "client_msg_id": "for-all"})).await,
+        "BAD_REQUEST"
+    );
+    let other = own.ws.conv_create_direct("cat").await.unwrap().conv;
+    assert_eq!(
+        refused(&own.ws, "send", json!({"conv": other, "client_msg_id": "for-all", "content": {"text": "x"}})).await,
+        "BAD_REQUEST"
+    );
+    assert_eq!(refused(&cat.ws, "read", json!({"conv": "g-nope", "read_to_seq": 1})).await, "NOT_FOUND");
+    ts.stop().await;
+}

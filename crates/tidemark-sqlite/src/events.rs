@@ -23,19 +23,39 @@ fn exec(c: &Connection, sql: &str, p: impl rusqlite::Params) -> R<usize> {
     c.prepare_cached(sql).map_err(internal)?.execute(p).map_err(internal)
 }
 
-/// The earlier event with this idempotency key, if any: its msg_seq.
-pub(crate) fn existing_event(
+/// The earlier event with this idempotency key, if any: its id, conv,
+/// msg_seq and time. An idempotency key names one operation: reusing it in
+/// another conversation or for another kind of event is refused. `kinds`
+/// empty means "a user message".
+pub(crate) fn existing_event_of(
     c: &Connection,
     sender: &str,
     client_msg_id: &str,
+    conv: &str,
+    kinds: &[&str],
 ) -> R<Option<(String, String, u64, i64)>> {
-    c.prepare_cached(
-        "SELECT message_id, conv_id, msg_seq, created_at FROM messages WHERE sender = ?1 AND client_msg_id = ?2",
-    )
-    .map_err(internal)?
-    .query_row(params![sender, client_msg_id], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64, r.get(3)?)))
-    .optional()
-    .map_err(internal)
+    let row: Option<(String, String, u64, i64, String)> = c
+        .prepare_cached(
+            "SELECT message_id, conv_id, msg_seq, created_at, kind FROM messages WHERE sender = ?1 AND client_msg_id = ?2",
+        )
+        .map_err(internal)?
+        .query_row(params![sender, client_msg_id], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? as u64, r.get(3)?, r.get(4)?))
+        })
+        .optional()
+        .map_err(internal)?;
+    match row {
+        None => Ok(None),
+        Some((id, event_conv, seq, at, kind)) => {
+            let same_kind = if kinds.is_empty() { !is_control_kind(&kind) } else { kinds.contains(&kind.as_str()) };
+            if event_conv != conv || !same_kind {
+                return Err(StoreError::Invalid(format!(
+                    "client_msg_id {client_msg_id} was already used for another operation"
+                )));
+            }
+            Ok(Some((id, event_conv, seq, at)))
+        }
+    }
 }
 
 pub(crate) fn is_active_member(c: &Connection, conv: &str, user: &str) -> R<bool> {
@@ -124,11 +144,18 @@ fn user_exists(c: &Connection, user: &str) -> R<bool> {
     Ok(q::<i64>(c, "SELECT 1 FROM users WHERE user_id = ?1", params![user])?.is_some())
 }
 
-pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String]) -> R<u64> {
-    if let Some((_, conv, seq, _)) = existing_event(c, &cmd.actor, &cmd.client_msg_id)? {
-        if conv == cmd.conv {
-            return Ok(seq);
-        }
+pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String]) -> R<(String, u64)> {
+    // A retried create finds the group its first attempt made.
+    let earlier: Option<(String, String)> = c
+        .prepare_cached("SELECT conv_id, kind FROM messages WHERE sender = ?1 AND client_msg_id = ?2")
+        .map_err(internal)?
+        .query_row(params![cmd.actor, cmd.client_msg_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .optional()
+        .map_err(internal)?;
+    match earlier {
+        Some((conv, kind)) if kind == KIND_CREATED => return Ok((conv, 1)),
+        Some(_) => return Err(StoreError::Invalid(format!("client_msg_id {} was already used", cmd.client_msg_id))),
+        None => {}
     }
     let mut all: Vec<String> = members.to_vec();
     all.push(cmd.actor.clone());
@@ -162,7 +189,7 @@ pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String
             params![u, cmd.conv],
         )?;
     }
-    Ok(seq)
+    Ok((cmd.conv.clone(), seq))
 }
 
 fn conv_kind_owner(c: &Connection, conv: &str) -> R<(String, Option<String>)> {
@@ -175,10 +202,10 @@ fn conv_kind_owner(c: &Connection, conv: &str) -> R<(String, Option<String>)> {
 }
 
 pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str, change: MembershipChange) -> R<u64> {
-    if let Some((_, conv, seq, _)) = existing_event(c, &cmd.actor, &cmd.client_msg_id)? {
-        if conv == cmd.conv {
-            return Ok(seq);
-        }
+    if let Some((_, _, seq, _)) =
+        existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[KIND_JOIN, KIND_LEAVE])?
+    {
+        return Ok(seq);
     }
     let (kind, owner) = conv_kind_owner(c, &cmd.conv)?;
     if kind != CONV_GROUP {
@@ -194,7 +221,14 @@ pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str
                 return Err(StoreError::NotFound(format!("user {target}")));
             }
             if target_active {
-                return Err(StoreError::Conflict(format!("{target} is already a member")));
+                // Already a member: nothing to do; the open period's join.
+                let join: i64 = q(
+                    c,
+                    "SELECT join_seq FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 AND leave_seq IS NULL",
+                    params![cmd.conv, target],
+                )?
+                .expect("an active member has an open period");
+                return Ok(join as u64);
             }
             let members: i64 = q(
                 c,
@@ -283,17 +317,16 @@ fn load_target(c: &Connection, conv: &str, message_id: &str) -> R<Target> {
     }
 }
 
-fn retry_outcome(c: &Connection, cmd: &ConvEventCmd, message_id: &str) -> R<Option<ControlOutcome>> {
-    let Some((_, conv, seq, _)) = existing_event(c, &cmd.actor, &cmd.client_msg_id)? else { return Ok(None) };
-    if conv != cmd.conv {
+fn retry_outcome(c: &Connection, cmd: &ConvEventCmd, message_id: &str, kind: &str) -> R<Option<ControlOutcome>> {
+    let Some((_, _, seq, _)) = existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[kind])? else {
         return Ok(None);
-    }
+    };
     let t = load_target(c, &cmd.conv, message_id)?;
     Ok(Some(ControlOutcome { msg_seq: seq, version: t.version, changed: false }))
 }
 
 pub(crate) fn recall(c: &Connection, cmd: &ConvEventCmd, message_id: &str) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id)? {
+    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_RECALL)? {
         return Ok(done);
     }
     let t = load_target(c, &cmd.conv, message_id)?;
@@ -315,6 +348,14 @@ pub(crate) fn recall(c: &Connection, cmd: &ConvEventCmd, message_id: &str) -> R<
         params![message_id, STATE_RECALLED, seq as i64],
     )?;
     exec(c, "DELETE FROM reactions WHERE message_id = ?1", params![message_id])?;
+    // Earlier edit events carried the content too: keep them as events,
+    // without the content.
+    exec(
+        c,
+        "UPDATE messages SET content = json_set(json_remove(content, '$.content'), '$.recalled', json('true'))
+         WHERE target_id = ?1 AND kind = ?2",
+        params![message_id, KIND_EDIT],
+    )?;
     Ok(ControlOutcome { msg_seq: seq, version: t.version + 1, changed: true })
 }
 
@@ -325,7 +366,7 @@ pub(crate) fn edit(
     content: &str,
     base_version: u64,
 ) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id)? {
+    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_EDIT)? {
         return Ok(done);
     }
     let t = load_target(c, &cmd.conv, message_id)?;
@@ -363,7 +404,7 @@ pub(crate) fn react(
     reaction: &str,
     add: bool,
 ) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id)? {
+    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_REACTION)? {
         return Ok(done);
     }
     let t = load_target(c, &cmd.conv, message_id)?;
@@ -489,7 +530,7 @@ pub(crate) fn mark_read(c: &Connection, user: &str, conv: &str, read_to_seq: u64
         .query_row(params![user, conv], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()
         .map_err(internal)?;
-    let Some((read_seq, head)) = row else { return Err(StoreError::NotMember) };
+    let Some((read_seq, head)) = row else { return Err(not_found_or_not_member(c, conv)?) };
     let target = read_to_seq.min(head as u64);
     if target <= read_seq as u64 {
         let unread: i64 =
@@ -523,7 +564,7 @@ pub(crate) fn update_settings(
         .query_row(params![user, conv], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
         .optional()
         .map_err(internal)?;
-    let Some((m0, p0, v0)) = row else { return Err(StoreError::NotMember) };
+    let Some((m0, p0, v0)) = row else { return Err(not_found_or_not_member(c, conv)?) };
     let (m1, p1) = (muted.unwrap_or(m0), pinned.unwrap_or(p0));
     if (m1, p1) == (m0, p0) {
         return Ok((m0, p0, v0 as u64, None));
@@ -596,4 +637,12 @@ pub(crate) fn rebuild_unread(c: &Connection) -> R<UnreadRebuild> {
         }
     }
     Ok(report)
+}
+
+fn not_found_or_not_member(c: &Connection, conv: &str) -> R<StoreError> {
+    let exists: Option<i64> = q(c, "SELECT 1 FROM conversations WHERE conv_id = ?1", params![conv])?;
+    Ok(match exists {
+        None => StoreError::NotFound(format!("conversation {conv}")),
+        Some(_) => StoreError::NotMember,
+    })
 }

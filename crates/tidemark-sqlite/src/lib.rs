@@ -159,7 +159,7 @@ pub(crate) fn write_cursor(
 
 fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
     if let Some((message_id, conv, msg_seq, created_at_ms)) =
-        events::existing_event(conn, &cmd.sender, &cmd.client_msg_id)?
+        events::existing_event_of(conn, &cmd.sender, &cmd.client_msg_id, &cmd.conv, &[])?
     {
         return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
@@ -263,12 +263,17 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
     for item in items {
         let source = fanout_source(conn, item)?;
         let mut recipients = recipients_at(&periods_covering(conn, &item.conv, item.msg_seq)?, item.msg_seq);
-        if source.kind == KIND_RECALL {
-            // A recall also reaches whoever could see the original and has
-            // left since: tombstones outlive every holder of the content (E1).
-            if let Some((target_seq, _, _)) = &source.target {
-                let earlier = recipients_at(&periods_covering(conn, &item.conv, *target_seq)?, *target_seq);
-                for (user, period) in earlier.deliver {
+        if let Some((target_seq, _, _)) = &source.target {
+            // A control event concerns a message: only who could see that
+            // message gets it. Edits and reactions go to current holders
+            // (periods covering both the event and the target); a recall
+            // also reaches holders who left since: tombstones outlive every
+            // holder of the content (E1).
+            let holders = recipients_at(&periods_covering(conn, &item.conv, *target_seq)?, *target_seq);
+            let held = |u: &String| holders.deliver.iter().any(|(h, _)| h == u) || holders.quarantined.contains(u);
+            recipients.deliver.retain(|(u, _)| held(u));
+            if source.kind == KIND_RECALL {
+                for (user, period) in holders.deliver {
                     let known =
                         recipients.deliver.iter().any(|(u, _)| *u == user) || recipients.quarantined.contains(&user);
                     if !known {
@@ -319,21 +324,27 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
             .execute(params![user, sync_seq, item.kind, item.conv, item.msg_seq as i64, item.source_event_id, period_id, now_ms])
             .map_err(internal)?;
             // Projections commit with the event: once per (user, event).
+            // A user's own message marks the conversation read up to it; a
+            // message the user already deleted for themselves never counts.
             let own = user == &item.actor;
             let counts = item.kind == EVENT_MESSAGE && !own;
+            let bumps_last = item.kind != EVENT_RECALL;
             conn.prepare_cached(
                 "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
-                 VALUES (?1, ?2, ?3, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END)
+                 VALUES (?1, ?2, CASE WHEN ?6 THEN ?3 ELSE 0 END, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END)
                  ON CONFLICT(user_id, conv_id) DO UPDATE SET
-                    last_msg_seq = MAX(last_msg_seq, excluded.last_msg_seq),
-                    read_seq = CASE WHEN ?4 THEN MAX(read_seq, excluded.last_msg_seq) ELSE read_seq END,
-                    unread = unread + CASE WHEN ?5 AND excluded.last_msg_seq > read_seq THEN 1 ELSE 0 END",
+                    last_msg_seq = CASE WHEN ?6 THEN MAX(last_msg_seq, ?3) ELSE last_msg_seq END,
+                    read_seq = CASE WHEN ?4 THEN MAX(read_seq, ?3) ELSE read_seq END,
+                    unread = unread + CASE WHEN ?5 AND ?3 > read_seq
+                        AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = ?7)
+                        THEN 1 ELSE 0 END",
             )
             .map_err(internal)?
-            .execute(params![user, item.conv, item.msg_seq as i64, own, counts])
+            .execute(params![user, item.conv, item.msg_seq as i64, own, counts, bumps_last, item.source_event_id])
             .map_err(internal)?;
-            if item.kind == EVENT_RECALL {
-                // The recalled message no longer counts as unread.
+            if item.kind == EVENT_RECALL || (own && item.kind == EVENT_MESSAGE) {
+                // A recalled message no longer counts; an own message moved
+                // the read cursor over whatever was unread below it.
                 events::recount_unread(conn, user, &item.conv)?;
             }
             report.events_written += 1;
@@ -534,7 +545,7 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| read::list_conversations(c, &user)).await
     }
 
-    async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<u64> {
+    async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         self.writer.write(move |c| events::create_group(c, &cmd, &members)).await
     }
 

@@ -154,7 +154,8 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
             m.state = STATE_DELETED.into();
             m.content = "{}".into();
         }
-        if let Some(q) = quote_id.take() {
+        let wiped = m.state == STATE_DELETED || m.state == STATE_RECALLED;
+        if let Some(q) = quote_id.take().filter(|_| !wiped) {
             let state: Option<String> = c
                 .prepare_cached("SELECT state FROM messages WHERE message_id = ?1")
                 .map_err(internal)?
@@ -162,6 +163,9 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
                 .optional()
                 .map_err(internal)?;
             m.quote = Some((q, state.as_deref() == Some(STATE_RECALLED)));
+        }
+        if wiped {
+            continue;
         }
         let mut stmt = c
             .prepare_cached("SELECT reaction, user_id FROM reactions WHERE message_id = ?1 ORDER BY reaction, user_id")
@@ -235,9 +239,15 @@ pub(crate) fn user_events(
 }
 
 /// The reader's membership periods cover `m.msg_seq` (G1).
+/// A control event is visible only to who could see its target too, so a
+/// newcomer never reads an edit of a message from before its join.
 pub(crate) const VISIBLE: &str =
     "EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?2
-     AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))";
+     AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
+     AND (m.target_id IS NULL OR EXISTS (SELECT 1 FROM messages t JOIN membership_periods p2
+          ON p2.conv_id = t.conv_id AND p2.user_id = ?2 AND p2.join_seq <= t.msg_seq
+             AND (p2.leave_seq IS NULL OR t.msg_seq <= p2.leave_seq)
+          WHERE t.message_id = m.target_id))";
 
 fn conv_snapshot(c: &Connection, conv: &str, user: &str) -> StoreResult<ConvSnapshot> {
     let row: Option<(i64, i64, i64)> = c

@@ -429,8 +429,9 @@ pub trait Store: Send + Sync + 'static {
     async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>>;
 
     /// Creates a group: `conv.created` at `msg_seq` 1 and a membership
-    /// period from 1 for the creator and each member.
-    async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<MsgSeq>;
+    /// period from 1 for the creator and each member. A retry with the same
+    /// `client_msg_id` returns the group the first attempt created.
+    async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, MsgSeq)>;
 
     /// Adds, removes or lets a member leave, as a conversation event whose
     /// `msg_seq` opens (`join_seq`) or closes (`leave_seq`, inclusive) the

@@ -43,6 +43,20 @@ pub(super) fn event_cmd(ctx: &AuthCtx, conv: &str, client_msg_id: Option<String>
     })
 }
 
+/// Where a page must stop so its contents stay under
+/// `SYNC_PAGE_BYTES_MAX` (it always keeps its first item); `None` when the
+/// whole page fits.
+fn bytes_cut(sizes: impl Iterator<Item = usize>) -> Option<usize> {
+    let mut total = 0;
+    for (i, size) in sizes.enumerate() {
+        total += size;
+        if total > tidemark_proto::SYNC_PAGE_BYTES_MAX && i > 0 {
+            return Some(i);
+        }
+    }
+    None
+}
+
 fn limit(requested: Option<u32>, default: u32, max: u32) -> ApiResult<u32> {
     let l = requested.unwrap_or(default);
     if l == 0 || l > max {
@@ -69,9 +83,8 @@ pub async fn create(state: &AppState, ctx: &AuthCtx, req: ConvCreateReq) -> ApiR
             for m in &req.members {
                 tidemark_core::ids::check_user(m).map_err(ApiError::bad_request)?;
             }
-            let conv = new_id("g");
-            let cmd = event_cmd(ctx, &conv, None)?;
-            state.store.create_group(cmd, req.members.clone()).await?;
+            let cmd = event_cmd(ctx, &new_id("g"), req.client_msg_id.clone())?;
+            let (conv, _) = state.store.create_group(cmd, req.members.clone()).await?;
             state.relay_wake.notify_one();
             let mut members = req.members;
             members.push(ctx.user.clone());
@@ -124,7 +137,13 @@ pub async fn list(state: &AppState, ctx: &AuthCtx) -> ApiResult<ConvListOk> {
 pub async fn sync(state: &AppState, ctx: &AuthCtx, req: ConvSyncReq) -> ApiResult<ConvSyncOk> {
     check_conv(&req.conv)?;
     let limit = limit(req.limit, CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX)?;
-    let page = state.store.conv_sync(&ctx.user, &req.conv, req.after, limit, req.epoch).await?;
+    let mut page = state.store.conv_sync(&ctx.user, &req.conv, req.after, limit, req.epoch).await?;
+    if let Some(keep) = bytes_cut(page.events.iter().map(|m| m.content.len())) {
+        // The page stops at the byte bound; the cursor stops with it.
+        page.events.truncate(keep);
+        page.has_more = true;
+        page.next_after = page.events.last().map_or(req.after, |m| m.msg_seq);
+    }
     Ok(ConvSyncOk {
         conv: req.conv,
         epoch: page.epoch,
@@ -140,7 +159,12 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: ConvSyncReq) -> ApiResul
 pub async fn history(state: &AppState, ctx: &AuthCtx, req: HistoryReq) -> ApiResult<HistoryOk> {
     check_conv(&req.conv)?;
     let limit = limit(req.limit, HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX)?;
-    let page = state.store.history(&ctx.user, &req.conv, req.before_seq, limit).await?;
+    let mut page = state.store.history(&ctx.user, &req.conv, req.before_seq, limit).await?;
+    if let Some(keep) = bytes_cut(page.messages.iter().map(|m| m.content.len())) {
+        page.messages.truncate(keep);
+        page.has_more = true;
+        page.next_cursor = page.messages.last().map(|m| m.msg_seq);
+    }
     Ok(HistoryOk {
         messages: page.messages.into_iter().map(envelope).collect::<ApiResult<_>>()?,
         next_cursor: page.next_cursor,
