@@ -340,7 +340,8 @@ pub(crate) fn history(
     c.execute_batch("BEGIN DEFERRED").map_err(internal)?;
     let result = (|| {
         let snap = conv_snapshot(c, conv, user)?;
-        let below = before.unwrap_or(snap.head + 1);
+        // Nothing lies above the head: clamp, so a huge cursor cannot wrap.
+        let below = before.unwrap_or(u64::MAX).min(snap.head + 1);
         let sql = format!(
             "SELECT {MSG_COLS} FROM messages m
              WHERE m.conv_id = ?1 AND m.msg_seq < ?3 AND m.msg_seq >= ?4 AND {VISIBLE}

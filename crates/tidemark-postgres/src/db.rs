@@ -1,0 +1,108 @@
+//! Statement helpers shared by the writer and the readers: cached prepared
+//! statements, typed column reads and the mapping of PostgreSQL errors to
+//! the store's neutral kinds.
+//!
+//! Every statement goes through the connection's statement cache, so after
+//! the first use a statement costs one round trip (Bind/Execute), not two.
+//! This module knows no table and no domain rule.
+
+use deadpool_postgres::ClientWrapper;
+use tidemark_store::{StoreError, StoreResult};
+use tokio_postgres::error::SqlState;
+use tokio_postgres::types::{FromSql, ToSql};
+use tokio_postgres::Row;
+
+/// A pooled connection (the writer's or a reader's).
+pub(crate) type Conn = ClientWrapper;
+/// Statement parameters.
+pub(crate) type Params<'a> = &'a [&'a (dyn ToSql + Sync)];
+
+/// Maps a driver error to a neutral kind. Lost connections, timeouts,
+/// deadlock victims and serialisation failures are `Unavailable` (the
+/// caller may retry: nothing was committed for it); everything else the
+/// database refuses is a bug or a broken invariant, `Internal`, as in the
+/// SQLite backend (a unique violation there is `Internal` too).
+pub(crate) fn error(e: tokio_postgres::Error) -> StoreError {
+    const RETRYABLE: [SqlState; 6] = [
+        SqlState::T_R_DEADLOCK_DETECTED,
+        SqlState::T_R_SERIALIZATION_FAILURE,
+        SqlState::QUERY_CANCELED,
+        SqlState::LOCK_NOT_AVAILABLE,
+        SqlState::ADMIN_SHUTDOWN,
+        SqlState::TOO_MANY_CONNECTIONS,
+    ];
+    if let Some(db) = e.as_db_error() {
+        let retryable = RETRYABLE.contains(db.code()) || db.code().code().starts_with("08");
+        let message = format!("postgres: {}: {}", db.code().code(), db.message());
+        return if retryable { StoreError::Unavailable(message) } else { StoreError::Internal(message) };
+    }
+    let io = std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>());
+    if e.is_closed() || io {
+        StoreError::Unavailable(format!("postgres connection: {e}"))
+    } else {
+        StoreError::Internal(format!("postgres: {e}"))
+    }
+}
+
+/// A connection could not be had from a pool in time.
+pub(crate) fn pool_error(e: deadpool_postgres::PoolError) -> StoreError {
+    StoreError::Unavailable(format!("postgres pool: {e}"))
+}
+
+pub(crate) async fn query(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Vec<Row>> {
+    let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    c.query(&stmt, params).await.map_err(error)
+}
+
+pub(crate) async fn query_opt(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Option<Row>> {
+    let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    c.query_opt(&stmt, params).await.map_err(error)
+}
+
+pub(crate) async fn query_one(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Row> {
+    let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    c.query_one(&stmt, params).await.map_err(error)
+}
+
+/// Runs a statement; returns the number of rows it changed.
+pub(crate) async fn exec(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<u64> {
+    let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    c.execute(&stmt, params).await.map_err(error)
+}
+
+/// The first column of the first row, if any.
+pub(crate) async fn scalar<T>(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Option<T>>
+where
+    T: for<'r> FromSql<'r>,
+{
+    match query_opt(c, sql, params).await? {
+        None => Ok(None),
+        Some(row) => col(&row, 0).map(Some),
+    }
+}
+
+/// A typed column; a type mismatch is a bug, reported as `Internal`
+/// instead of the driver's panic.
+pub(crate) fn col<'r, T: FromSql<'r>>(row: &'r Row, idx: usize) -> StoreResult<T> {
+    row.try_get(idx).map_err(|e| StoreError::Internal(format!("postgres column {idx}: {e}")))
+}
+
+/// A stored sequence number or version (`BIGINT`, never negative).
+pub(crate) fn seq(row: &Row, idx: usize) -> StoreResult<u64> {
+    let v: i64 = col(row, idx)?;
+    u64::try_from(v).map_err(|_| StoreError::Internal(format!("negative sequence {v} in column {idx}")))
+}
+
+/// A nullable sequence number.
+pub(crate) fn seq_opt(row: &Row, idx: usize) -> StoreResult<Option<u64>> {
+    let v: Option<i64> = col(row, idx)?;
+    v.map(|v| u64::try_from(v).map_err(|_| StoreError::Internal(format!("negative sequence {v} in column {idx}"))))
+        .transpose()
+}
+
+/// A Rust sequence number as a `BIGINT` parameter, saturating: stored
+/// values never exceed `i64::MAX`, so a larger bound from a client (say a
+/// `before_seq` of `u64::MAX`) means the same as `i64::MAX`.
+pub(crate) fn big(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}

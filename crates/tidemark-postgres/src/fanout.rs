@@ -1,0 +1,204 @@
+//! The fan-out transaction (F2–F4, R3): outbox items become user events.
+//!
+//! It runs in three steps inside one writer request:
+//!
+//! 1. resolve every item's recipients from the membership periods covering
+//!    its `msg_seq` (F4), plus, for a recall, whoever could see the original
+//!    (E1). Reads only: the periods covering a committed `msg_seq` never
+//!    change (a later leave closes a period at a higher seq, a later join
+//!    opens one above), so no conversation lock is needed;
+//! 2. lock the head row of every recipient in `user_id` order, so two
+//!    fan-outs (on two nodes) touching the same users queue up instead of
+//!    deadlocking;
+//! 3. per item and recipient, skip what the log already holds (F3), else
+//!    append the event at `head + 1` and move the projections in the same
+//!    statement; then remove the outbox row.
+//!
+//! The idempotency key `UNIQUE (user_id, source_event_id, period_id)` is the
+//! last line of defence: if two writers ever delivered the same item at
+//! once, the second fails on it and rolls back instead of exposing a
+//! duplicate. This module knows nothing about the queue or the readers.
+
+use std::collections::BTreeMap;
+
+use tidemark_core::membership::{recipients_at, Period, Recipients};
+use tidemark_core::SyncSeq;
+use tidemark_store::*;
+
+use crate::db::{big, col, exec, query, query_one, seq, seq_opt, Conn};
+use crate::events;
+
+type R<T> = StoreResult<T>;
+
+async fn periods_covering(c: &Conn, conv: &str, at: u64) -> R<Vec<Period>> {
+    let rows = query(
+        c,
+        "SELECT period_id, user_id, join_seq, leave_seq FROM membership_periods
+         WHERE conv_id = $1 AND join_seq <= $2 AND (leave_seq IS NULL OR leave_seq >= $2)",
+        &[&conv, &big(at)],
+    )
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(Period { period_id: col(r, 0)?, user: col(r, 1)?, join_seq: seq(r, 2)?, leave_seq: seq_opt(r, 3)? })
+        })
+        .collect()
+}
+
+/// The recipients of one item: those covering its `msg_seq`. A control
+/// event concerns a message, so only who could see that message gets it:
+/// edits and reactions go to current holders (periods covering both the
+/// event and the target); a recall also reaches holders who left since, so
+/// tombstones outlive every holder of the content (E1).
+async fn resolve(c: &Conn, item: &OutboxItem) -> R<Recipients> {
+    let source = query_one(
+        c,
+        "SELECT s.kind, t.msg_seq FROM messages s
+         LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
+         WHERE s.conv_id = $1 AND s.message_id = $2",
+        &[&item.conv, &item.source_event_id],
+    )
+    .await?;
+    let kind: String = col(&source, 0)?;
+    let target_seq = seq_opt(&source, 1)?;
+    let mut recipients = recipients_at(&periods_covering(c, &item.conv, item.msg_seq).await?, item.msg_seq);
+    if let Some(target_seq) = target_seq {
+        let holders = recipients_at(&periods_covering(c, &item.conv, target_seq).await?, target_seq);
+        let held = |u: &String| holders.deliver.iter().any(|(h, _)| h == u) || holders.quarantined.contains(u);
+        recipients.deliver.retain(|(u, _)| held(u));
+        if kind == KIND_RECALL {
+            for (user, period) in holders.deliver {
+                let known =
+                    recipients.deliver.iter().any(|(u, _)| *u == user) || recipients.quarantined.contains(&user);
+                if !known {
+                    recipients.deliver.push((user, period));
+                }
+            }
+        }
+    }
+    Ok(recipients)
+}
+
+/// Locks the head rows of `users` in `user_id` order, creating missing ones
+/// at 0 (step 2).
+async fn lock_heads(c: &Conn, users: &[String]) -> R<()> {
+    if users.is_empty() {
+        return Ok(());
+    }
+    exec(
+        c,
+        "INSERT INTO user_heads (user_id, high_watermark)
+         SELECT u, 0 FROM unnest($1::text[]) AS t(u) ORDER BY u COLLATE \"C\"
+         ON CONFLICT (user_id) DO NOTHING",
+        &[&users],
+    )
+    .await?;
+    query(c, "SELECT user_id FROM user_heads WHERE user_id = ANY($1) ORDER BY user_id FOR UPDATE", &[&users]).await?;
+    Ok(())
+}
+
+/// Appends one conversation event to one user's log and moves the user's
+/// projection, in one statement; returns the new `sync_seq`. A recall does
+/// not move `last_msg_seq`; the unread count moves only for user content
+/// from someone else above the read cursor that the user did not delete for
+/// themselves; the user's own event moves the read cursor (R3).
+const DELIVER: &str = "WITH h AS (
+         INSERT INTO user_heads AS h (user_id, high_watermark) VALUES ($1, 1)
+         ON CONFLICT (user_id) DO UPDATE SET high_watermark = h.high_watermark + 1
+         RETURNING high_watermark),
+     e AS (
+         INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id, period_id,
+                                  created_at)
+         SELECT $1, h.high_watermark, $2, $3, $4, $5, $5, $6, $7 FROM h
+         RETURNING sync_seq),
+     p AS (
+         INSERT INTO user_convs AS uc (user_id, conv_id, last_msg_seq, read_seq, unread)
+         VALUES ($1, $3, CASE WHEN $10 THEN $4 ELSE 0 END, CASE WHEN $8 THEN $4 ELSE 0 END,
+                 CASE WHEN $9 THEN 1 ELSE 0 END)
+         ON CONFLICT (user_id, conv_id) DO UPDATE SET
+             last_msg_seq = CASE WHEN $10 THEN GREATEST(uc.last_msg_seq, $4) ELSE uc.last_msg_seq END,
+             read_seq = CASE WHEN $8 THEN GREATEST(uc.read_seq, $4) ELSE uc.read_seq END,
+             unread = uc.unread + CASE WHEN $9 AND $4 > uc.read_seq
+                 AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = $5)
+                 THEN 1 ELSE 0 END)
+     SELECT sync_seq FROM e";
+
+pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<FanoutReport> {
+    let mut plans = Vec::with_capacity(items.len());
+    for item in items {
+        plans.push(resolve(c, item).await?);
+    }
+    let mut users: Vec<String> = plans.iter().flat_map(|r| r.deliver.iter().map(|(u, _)| u.clone())).collect();
+    users.sort();
+    users.dedup();
+    lock_heads(c, &users).await?;
+
+    let mut report = FanoutReport::default();
+    let mut touched: BTreeMap<String, SyncSeq> = BTreeMap::new();
+    for (item, recipients) in items.iter().zip(plans) {
+        for user in &recipients.quarantined {
+            exec(
+                c,
+                "INSERT INTO fanout_quarantine (user_id, source_event_id, conv_id, msg_seq, reason, created_at)
+                 VALUES ($1, $2, $3, $4, 'overlapping_membership_periods', $5)
+                 ON CONFLICT DO NOTHING",
+                &[&user, &item.source_event_id, &item.conv, &big(item.msg_seq), &now_ms],
+            )
+            .await?;
+            report.quarantined += 1;
+            tracing::error!(source_event_id = %item.source_event_id, conv = %item.conv, msg_seq = item.msg_seq,
+                "fan-out hit two membership periods of one user; quarantined");
+        }
+        let targets: Vec<String> = recipients.deliver.iter().map(|(u, _)| u.clone()).collect();
+        let held = if targets.is_empty() {
+            Vec::new()
+        } else {
+            let rows = query(
+                c,
+                "SELECT user_id, period_id FROM user_events WHERE user_id = ANY($1) AND source_event_id = $2",
+                &[&targets, &item.source_event_id],
+            )
+            .await?;
+            rows.iter().map(|r| Ok((col::<String>(r, 0)?, col::<i64>(r, 1)?))).collect::<R<Vec<_>>>()?
+        };
+        for (user, period_id) in &recipients.deliver {
+            if held.iter().any(|(u, p)| u == user && p == period_id) {
+                report.duplicates_skipped += 1;
+                continue;
+            }
+            // Projections commit with the event: once per (user, event).
+            let own = user == &item.actor;
+            let counts = item.kind == EVENT_MESSAGE && !own;
+            let bumps_last = item.kind != EVENT_RECALL;
+            let row = query_one(
+                c,
+                DELIVER,
+                &[
+                    &user,
+                    &item.kind,
+                    &item.conv,
+                    &big(item.msg_seq),
+                    &item.source_event_id,
+                    period_id,
+                    &now_ms,
+                    &own,
+                    &counts,
+                    &bumps_last,
+                ],
+            )
+            .await?;
+            let sync_seq = seq(&row, 0)?;
+            if item.kind == EVENT_RECALL || (own && item.kind == EVENT_MESSAGE) {
+                // A recalled message no longer counts; an own message moved
+                // the read cursor over whatever was unread below it.
+                events::recount_unread(c, user, &item.conv).await?;
+            }
+            report.events_written += 1;
+            touched.insert(user.clone(), sync_seq);
+        }
+        exec(c, "DELETE FROM outbox WHERE conv_id = $1 AND outbox_id = $2", &[&item.conv, &item.outbox_id]).await?;
+        report.items_done += 1;
+    }
+    report.users = touched.into_iter().collect();
+    Ok(report)
+}

@@ -1,0 +1,802 @@
+//! The PostgreSQL backend of [`tidemark_store::Store`] (X2): the same
+//! operations, the same errors and the same invariants as the embedded SQLite
+//! backend, on a database that several server nodes can share.
+//!
+//! # Layout
+//!
+//! - [`writer`]: one task owns the store's read-write connection and
+//!   group-commits every write: the requests queued while the previous
+//!   transaction committed run in one `READ COMMITTED` transaction, each in
+//!   its own SAVEPOINT, and are answered only after COMMIT (one WAL flush
+//!   per batch). [`Store::stats`] counts commits and the requests they
+//!   carried; PostgreSQL checkpoints on its own, so `checkpoints` is 0.
+//! - `read`: a pool of connections for reads. Multi-statement reads
+//!   (`conv.sync`, `history`, user-log pages, a conversation and its
+//!   members) run in one `REPEATABLE READ READ ONLY` transaction, i.e. one
+//!   snapshot; single-statement reads run alone.
+//! - `events`, `fanout` and `lifecycle` (recovery sessions, ACKs,
+//!   snapshots, retention): the write transactions, rule for rule the SQLite
+//!   backend's; [`schema`]: tables and key layout; `db`: statement helpers
+//!   and error mapping.
+//!
+//! # Sequences and locks
+//!
+//! One writer per store means requests never contend with each other, but
+//! the SQL is written to stay correct with several writers on one database
+//! (several nodes), because every sequence is assigned under a row lock held
+//! until COMMIT:
+//!
+//! - `msg_seq`: `UPDATE conversations SET head = head + 1 ... RETURNING head`.
+//!   A second writer blocks on the row until the first commits, so `n+1` is
+//!   never visible before `n` (S2). Every conversation event locks the
+//!   conversation row *before* checking membership, rights or versions, so
+//!   its checks see every change committed before it (G1, E2).
+//! - `sync_seq`: `user_heads.high_watermark + 1 RETURNING`, same pattern
+//!   (F2); fan-out idempotency is `UNIQUE (user_id, source_event_id,
+//!   period_id)` (F3).
+//! - device cursors: `SELECT ... FOR UPDATE`, then `decide_ack` or the CAS
+//!   comparison, then the write, all in the writer's transaction (D4, D5).
+//!
+//! Lock order inside one request:
+//!
+//! 1. conversation side: the conversation row, then that conversation's
+//!    rows (`membership_periods`, `messages`, `reactions`, `outbox`); a
+//!    conversation event touches user data only through
+//!    `user_convs (target, conv)` on a membership change, never a user head;
+//! 2. user side: user head rows in `user_id` order (fan-out locks all of its
+//!    recipients' heads up front; read, settings, delete-for-me, recovery
+//!    and snapshot start lock their user's head first; retention visits
+//!    users in `user_id` order), then that user's device row, then the
+//!    user's other rows (`user_events`, `user_convs`, `user_deleted`,
+//!    `recovery_sessions`, `snapshots`, `fanout_quarantine`). An ACK or a
+//!    cursor CAS locks only the device row (`FOR UPDATE`); installing a
+//!    snapshot locks the snapshot row, then the device row. Retention
+//!    expires stale snapshots before it visits the heads: no request waits
+//!    for an existing snapshot row while holding a head.
+//!
+//! Fan-out reads the conversation side without locks (the periods covering
+//! a committed `msg_seq` never change) and deletes its outbox rows last. Because a batch holds the locks of all of its requests until its
+//! COMMIT, two writers' batches can still form a cycle; PostgreSQL's
+//! deadlock detector then aborts one statement, whose request alone rolls
+//! back to its savepoint and gets `Unavailable` (retryable), while the rest
+//! of its batch commits.
+//!
+//! # Bounds
+//!
+//! [`writer::WRITE_QUEUE_MAX`], [`writer::WRITE_BATCH_MAX`],
+//! [`READ_CONNECTIONS_MAX`], [`POOL_WAIT_TIMEOUT_MS`],
+//! [`CONNECT_TIMEOUT_MS`], [`STATEMENT_TIMEOUT_MS`] and
+//! [`IDLE_IN_TRANSACTION_TIMEOUT_MS`]; the last two are set on every
+//! connection, so a stuck statement or a leaked transaction cannot hold
+//! locks forever.
+//!
+//! This crate knows no wire format and no server; it takes no TLS (connect
+//! over a trusted network or a local socket).
+
+mod db;
+mod events;
+mod fanout;
+mod lifecycle;
+mod read;
+pub mod schema;
+pub mod writer;
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
+use tidemark_core::cursor::{DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::SyncSeq;
+use tidemark_store::*;
+
+use db::{big, col, exec, query, query_opt, scalar, seq, Conn};
+use read::ReadPool;
+use writer::Writer;
+
+/// Default number of read connections per store.
+pub const READ_CONNECTIONS_MAX: usize = 8;
+/// Longest wait for a pooled connection before a request fails `Unavailable`.
+pub const POOL_WAIT_TIMEOUT_MS: u64 = 5_000;
+/// Longest wait for a new connection to the server.
+pub const CONNECT_TIMEOUT_MS: u64 = 5_000;
+/// Longest run of one statement, lock waits included (`statement_timeout`).
+pub const STATEMENT_TIMEOUT_MS: u64 = 30_000;
+/// Longest idle time inside an open transaction before the server ends the
+/// session (`idle_in_transaction_session_timeout`).
+pub const IDLE_IN_TRANSACTION_TIMEOUT_MS: u64 = 30_000;
+
+/// How to reach the database.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PgConfig {
+    /// A libpq-style URL or key-value string, e.g.
+    /// `postgres://user@127.0.0.1:5432/tidemark`.
+    pub url: String,
+    /// The PostgreSQL schema (namespace) holding the tables, created if
+    /// absent and put first on every connection's `search_path`; `None`
+    /// uses the server's default `search_path` (normally `public`). Plain
+    /// lower-case identifiers only (see [`schema::valid_schema_name`]).
+    pub schema: Option<String>,
+    /// Read connections in the pool.
+    pub read_connections_max: usize,
+}
+
+impl PgConfig {
+    pub fn new(url: impl Into<String>) -> PgConfig {
+        PgConfig { url: url.into(), schema: None, read_connections_max: READ_CONNECTIONS_MAX }
+    }
+}
+
+pub struct PgStore {
+    writer: Writer,
+    readers: ReadPool,
+    schema: Option<String>,
+    /// The writer task ends once `writer` (its queue's only sender) is
+    /// dropped with the store, after answering what was queued.
+    writer_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore").field("schema", &self.schema).finish()
+    }
+}
+
+fn pool(pg: tokio_postgres::Config, size: usize) -> StoreResult<Pool> {
+    let manager =
+        Manager::from_config(pg, tokio_postgres::NoTls, ManagerConfig { recycling_method: RecyclingMethod::Fast });
+    let wait = Some(Duration::from_millis(POOL_WAIT_TIMEOUT_MS));
+    Pool::builder(manager)
+        .max_size(size)
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(wait)
+        .create_timeout(Some(Duration::from_millis(CONNECT_TIMEOUT_MS)))
+        .recycle_timeout(wait)
+        .build()
+        .map_err(|e| StoreError::Internal(format!("postgres pool: {e}")))
+}
+
+impl PgStore {
+    /// Connects, creates the schema if needed (idempotent) and starts the
+    /// writer task. Must be called inside a Tokio runtime.
+    pub async fn open(config: PgConfig) -> StoreResult<Arc<PgStore>> {
+        if let Some(ns) = &config.schema {
+            if !schema::valid_schema_name(ns) {
+                return Err(StoreError::Invalid(format!("schema name {ns:?} is not a plain lower-case identifier")));
+            }
+        }
+        if config.read_connections_max == 0 {
+            return Err(StoreError::Invalid("read_connections_max must be at least 1".into()));
+        }
+        let mut pg: tokio_postgres::Config =
+            config.url.parse().map_err(|e| StoreError::Invalid(format!("postgres url: {e}")))?;
+        let mut options = pg.get_options().map(|o| format!("{o} ")).unwrap_or_default();
+        if let Some(ns) = &config.schema {
+            options.push_str(&format!("-c search_path={ns} "));
+        }
+        options.push_str(&format!(
+            "-c statement_timeout={STATEMENT_TIMEOUT_MS} -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS}"
+        ));
+        pg.options(options);
+        pg.application_name("tidemark");
+        pg.connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS));
+
+        // The writer's pool holds its one connection; the schema is created
+        // on it before the writer starts.
+        let writer_pool = pool(pg.clone(), 1)?;
+        {
+            let conn = writer_pool.get().await.map_err(db::pool_error)?;
+            schema::create(&conn, config.schema.as_deref()).await?;
+        }
+        let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
+        let (writer, task) = Writer::start(writer_pool);
+        Ok(Arc::new(PgStore { writer, readers, schema: config.schema, writer_task: Mutex::new(Some(task)) }))
+    }
+
+    /// The PostgreSQL schema holding this store's tables, if one was named.
+    pub fn schema(&self) -> Option<&str> {
+        self.schema.as_deref()
+    }
+}
+
+impl Drop for PgStore {
+    fn drop(&mut self) {
+        // Nothing to await here: the writer task ends on its own once the
+        // queue closes, right after this (see `writer_task`).
+        let _ = self.writer_task.lock().map(|mut h| h.take());
+    }
+}
+
+fn cursor_from_row(generation: i64, acked: i64, state: &str) -> StoreResult<DeviceCursor> {
+    let state = DeviceState::parse(state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+    Ok(DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state })
+}
+
+const DEVICE_SQL: &str =
+    "SELECT name, sync_generation, acked_sync_seq, state FROM devices WHERE user_id = $1 AND device_id = $2";
+pub(crate) const DEVICE_FOR_UPDATE_SQL: &str = "SELECT name, sync_generation, acked_sync_seq, state FROM devices
+     WHERE user_id = $1 AND device_id = $2 FOR UPDATE";
+
+/// Reads a device; `sql` is [`DEVICE_SQL`] or, inside the writer, the
+/// locking [`DEVICE_FOR_UPDATE_SQL`].
+pub(crate) async fn read_device(c: &Conn, sql: &str, user: &str, device: &str) -> StoreResult<Option<DeviceRecord>> {
+    let Some(r) = query_opt(c, sql, &[&user, &device]).await? else { return Ok(None) };
+    let state: String = col(&r, 3)?;
+    Ok(Some(DeviceRecord {
+        user: user.into(),
+        device: device.into(),
+        name: col(&r, 0)?,
+        cursor: cursor_from_row(col(&r, 1)?, col(&r, 2)?, &state)?,
+    }))
+}
+
+pub(crate) async fn write_cursor(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    cur: DeviceCursor,
+    now_ms: i64,
+) -> StoreResult<()> {
+    let n = exec(
+        c,
+        "UPDATE devices SET sync_generation = $3, acked_sync_seq = $4, state = $5,
+                row_version = row_version + 1, updated_at = $6
+         WHERE user_id = $1 AND device_id = $2",
+        &[&user, &device, &big(cur.generation), &big(cur.acked_sync_seq), &cur.state.as_str(), &now_ms],
+    )
+    .await?;
+    if n != 1 {
+        return Err(StoreError::NotFound(format!("device {device}")));
+    }
+    Ok(())
+}
+
+async fn create_direct_tx(
+    c: &Conn,
+    a: &str,
+    b: &str,
+    conv_id: &str,
+    key: &str,
+    now_ms: i64,
+) -> StoreResult<(String, bool)> {
+    let existing = "SELECT conv_id FROM conversations WHERE direct_key = $1";
+    if let Some(found) = scalar::<String>(c, existing, &[&key]).await? {
+        return Ok((found, false));
+    }
+    for u in [a, b] {
+        if !events::user_exists(c, u).await? {
+            return Err(StoreError::NotFound(format!("user {u}")));
+        }
+    }
+    // Another writer may create the same pair meanwhile: the insert then
+    // waits for it and yields to its row instead of failing.
+    let created = exec(
+        c,
+        "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at)
+         VALUES ($1, $2, $3, 0, 1, NULL, $4) ON CONFLICT (direct_key) DO NOTHING",
+        &[&conv_id, &CONV_DIRECT, &key, &now_ms],
+    )
+    .await?;
+    if created == 0 {
+        let found = scalar::<String>(c, existing, &[&key]).await?;
+        return found.map(|f| (f, false)).ok_or_else(|| StoreError::Internal("direct conversation vanished".into()));
+    }
+    for u in [a, b] {
+        // Both members see the conversation from its first message.
+        exec(
+            c,
+            "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ($1, $2, 1, NULL)",
+            &[&conv_id, &u],
+        )
+        .await?;
+        exec(c, "INSERT INTO user_convs (user_id, conv_id) VALUES ($1, $2) ON CONFLICT DO NOTHING", &[&u, &conv_id])
+            .await?;
+    }
+    Ok((conv_id.to_owned(), true))
+}
+
+/// 32 bytes from the operating system's generator.
+fn rand_secret() -> StoreResult<[u8; 32]> {
+    use rand::TryRngCore;
+    let mut bytes = [0u8; 32];
+    rand::rngs::OsRng.try_fill_bytes(&mut bytes).map_err(|e| StoreError::Unavailable(format!("os rng: {e}")))?;
+    Ok(bytes)
+}
+
+#[async_trait]
+impl Store for PgStore {
+    async fn server_secret(&self) -> StoreResult<Vec<u8>> {
+        const SECRET_SQL: &str = "SELECT value FROM meta WHERE key = 'token_secret'";
+        if let Some(secret) = self.readers.read(|c| Box::pin(scalar::<Vec<u8>>(c, SECRET_SQL, &[]))).await? {
+            return Ok(secret);
+        }
+        let fresh = rand_secret()?.to_vec();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    // The first node to commit wins; every node reads its value.
+                    exec(
+                        c,
+                        "INSERT INTO meta (key, value) VALUES ('token_secret', $1) ON CONFLICT (key) DO NOTHING",
+                        &[&fresh],
+                    )
+                    .await?;
+                    scalar::<Vec<u8>>(c, SECRET_SQL, &[])
+                        .await?
+                        .ok_or_else(|| StoreError::Internal("token secret vanished".into()))
+                })
+            })
+            .await
+    }
+
+    async fn create_user(&self, user: &str, password_hash: &str, now_ms: i64) -> StoreResult<bool> {
+        let (user, hash) = (user.to_owned(), password_hash.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let n = exec(
+                        c,
+                        "INSERT INTO users (user_id, password_hash, created_at) VALUES ($1, $2, $3)
+                         ON CONFLICT (user_id) DO NOTHING",
+                        &[&user, &hash, &now_ms],
+                    )
+                    .await?;
+                    Ok(n == 1)
+                })
+            })
+            .await
+    }
+
+    async fn password_hash(&self, user: &str) -> StoreResult<Option<String>> {
+        let user = user.to_owned();
+        self.readers
+            .read(move |c| {
+                Box::pin(async move { scalar(c, "SELECT password_hash FROM users WHERE user_id = $1", &[&user]).await })
+            })
+            .await
+    }
+
+    async fn login_device(&self, user: &str, device: &str, name: &str, now_ms: i64) -> StoreResult<DeviceRecord> {
+        let (user, device, name) = (user.to_owned(), device.to_owned(), name.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    exec(
+                        c,
+                        "INSERT INTO devices (user_id, device_id, name, sync_generation, acked_sync_seq, state, row_version,
+                                              created_at, updated_at)
+                         VALUES ($1, $2, $3, 1, 0, 'NEW', 1, $4, $4)
+                         ON CONFLICT (user_id, device_id) DO UPDATE SET name = EXCLUDED.name, updated_at = EXCLUDED.updated_at",
+                        &[&user, &device, &name, &now_ms],
+                    )
+                    .await?;
+                    read_device(c, DEVICE_SQL, &user, &device)
+                        .await?
+                        .ok_or_else(|| StoreError::Internal("device vanished".into()))
+                })
+            })
+            .await
+    }
+
+    async fn device(&self, user: &str, device: &str) -> StoreResult<Option<DeviceRecord>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read(move |c| Box::pin(async move { read_device(c, DEVICE_SQL, &user, &device).await })).await
+    }
+
+    async fn revoke_device(&self, user: &str, device: &str, now_ms: i64) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let Some(rec) = read_device(c, DEVICE_FOR_UPDATE_SQL, &user, &device).await? else {
+                        return Err(StoreError::NotFound(format!("device {device}")));
+                    };
+                    exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id = $2", &[&user, &device])
+                        .await?;
+                    if rec.cursor.state == DeviceState::Revoked {
+                        return Ok(false);
+                    }
+                    let revoked = DeviceCursor { state: DeviceState::Revoked, ..rec.cursor };
+                    write_cursor(c, &user, &device, revoked, now_ms).await?;
+                    Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn revoked_devices(&self) -> StoreResult<Vec<(String, String)>> {
+        self.readers
+            .read(|c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT user_id, device_id FROM devices WHERE state = 'REVOKED' ORDER BY user_id, device_id",
+                        &[],
+                    )
+                    .await?;
+                    rows.iter().map(|r| Ok((col(r, 0)?, col(r, 1)?))).collect()
+                })
+            })
+            .await
+    }
+
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()> {
+        let (hash, rec) = (token_hash.to_owned(), rec.clone());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    exec(
+                        c,
+                        "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at) VALUES ($1, $2, $3, $4)",
+                        &[&hash, &rec.user, &rec.device, &rec.expires_at_ms],
+                    )
+                    .await?;
+                    Ok(())
+                })
+            })
+            .await
+    }
+
+    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>> {
+        let hash = token_hash.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let row = query_opt(
+                        c,
+                        "DELETE FROM refresh_tokens WHERE token_hash = $1 RETURNING user_id, device_id, expires_at",
+                        &[&hash],
+                    )
+                    .await?;
+                    row.map(|r| {
+                        Ok(RefreshRecord { user: col(&r, 0)?, device: col(&r, 1)?, expires_at_ms: col(&r, 2)? })
+                    })
+                    .transpose()
+                })
+            })
+            .await
+    }
+
+    async fn create_direct(&self, a: &str, b: &str, conv_id: &str, now_ms: i64) -> StoreResult<(String, bool)> {
+        if a == b {
+            return Err(StoreError::Invalid("a direct conversation needs two distinct users".into()));
+        }
+        let (a, b, conv_id) = (a.to_owned(), b.to_owned(), conv_id.to_owned());
+        let key = tidemark_core::ids::direct_key(&a, &b);
+        self.writer
+            .write(move |c| Box::pin(async move { create_direct_tx(c, &a, &b, &conv_id, &key, now_ms).await }))
+            .await
+    }
+
+    async fn conversation(&self, conv: &str) -> StoreResult<Option<Conversation>> {
+        let conv = conv.to_owned();
+        self.readers.snapshot(move |c| Box::pin(async move { read::conversation(c, &conv).await })).await
+    }
+
+    async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>> {
+        let user = user.to_owned();
+        self.readers.read(move |c| Box::pin(async move { read::list_conversations(c, &user).await })).await
+    }
+
+    async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
+        self.writer.write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members).await })).await
+    }
+
+    async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
+        let target = target.to_owned();
+        self.writer
+            .write(move |c| Box::pin(async move { events::change_membership(c, &cmd, &target, change).await }))
+            .await
+    }
+
+    async fn bump_epoch(&self, conv: &str) -> StoreResult<u64> {
+        let conv = conv.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let row = query_opt(
+                        c,
+                        "UPDATE conversations SET epoch = epoch + 1 WHERE conv_id = $1 RETURNING epoch",
+                        &[&conv],
+                    )
+                    .await?;
+                    match row {
+                        Some(r) => seq(&r, 0),
+                        None => Err(StoreError::NotFound(format!("conversation {conv}"))),
+                    }
+                })
+            })
+            .await
+    }
+
+    async fn recall(&self, cmd: ConvEventCmd, message_id: &str) -> StoreResult<ControlOutcome> {
+        let id = message_id.to_owned();
+        self.writer.write(move |c| Box::pin(async move { events::recall(c, &cmd, &id).await })).await
+    }
+
+    async fn edit(
+        &self,
+        cmd: ConvEventCmd,
+        message_id: &str,
+        content: &str,
+        base_version: u64,
+    ) -> StoreResult<ControlOutcome> {
+        let (id, content) = (message_id.to_owned(), content.to_owned());
+        self.writer
+            .write(move |c| Box::pin(async move { events::edit(c, &cmd, &id, &content, base_version).await }))
+            .await
+    }
+
+    async fn react(
+        &self,
+        cmd: ConvEventCmd,
+        message_id: &str,
+        reaction: &str,
+        add: bool,
+    ) -> StoreResult<ControlOutcome> {
+        let (id, reaction) = (message_id.to_owned(), reaction.to_owned());
+        self.writer.write(move |c| Box::pin(async move { events::react(c, &cmd, &id, &reaction, add).await })).await
+    }
+
+    async fn mark_read(&self, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> StoreResult<ReadOutcome> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.writer
+            .write(move |c| Box::pin(async move { events::mark_read(c, &user, &conv, read_to_seq, now_ms).await }))
+            .await
+    }
+
+    async fn update_settings(
+        &self,
+        user: &str,
+        conv: &str,
+        muted: Option<bool>,
+        pinned: Option<bool>,
+        now_ms: i64,
+    ) -> StoreResult<(ConvState, UserEventOutcome)> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move { events::update_settings(c, &user, &conv, muted, pinned, now_ms).await })
+            })
+            .await
+    }
+
+    async fn delete_for_me(
+        &self,
+        user: &str,
+        conv: &str,
+        message_id: &str,
+        now_ms: i64,
+    ) -> StoreResult<UserEventOutcome> {
+        let (user, conv, id) = (user.to_owned(), conv.to_owned(), message_id.to_owned());
+        let written = self
+            .writer
+            .write(move |c| Box::pin(async move { events::delete_for_me(c, &user, &conv, &id, now_ms).await }))
+            .await?;
+        Ok(UserEventOutcome { written })
+    }
+
+    async fn record_delivery(
+        &self,
+        user: &str,
+        device: &str,
+        message_ids: Vec<String>,
+        now_ms: i64,
+    ) -> StoreResult<u64> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move { events::record_delivery(c, &user, &device, &message_ids, now_ms).await })
+            })
+            .await
+    }
+
+    async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild> {
+        self.writer.write(|c| Box::pin(events::rebuild_unread(c))).await
+    }
+
+    async fn conv_sync(
+        &self,
+        user: &str,
+        conv: &str,
+        after: u64,
+        limit: u32,
+        epoch: Option<u64>,
+    ) -> StoreResult<ConvSyncPage> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers
+            .snapshot(move |c| Box::pin(async move { read::conv_sync(c, &user, &conv, after, limit, epoch).await }))
+            .await
+    }
+
+    async fn history(&self, user: &str, conv: &str, before_seq: Option<u64>, limit: u32) -> StoreResult<HistoryPage> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers
+            .snapshot(move |c| Box::pin(async move { read::history(c, &user, &conv, before_seq, limit).await }))
+            .await
+    }
+
+    async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {
+        self.writer.write(move |c| Box::pin(async move { events::accept_send(c, &cmd).await })).await
+    }
+
+    async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
+        self.readers.read(move |c| Box::pin(read::pending_outbox(c, limit))).await
+    }
+
+    async fn outbox_stats(&self) -> StoreResult<OutboxStats> {
+        self.readers.read(|c| Box::pin(read::outbox_stats(c))).await
+    }
+
+    async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
+        self.writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
+    }
+
+    async fn user_high_watermark(&self, user: &str) -> StoreResult<SyncSeq> {
+        let user = user.to_owned();
+        self.readers.read(move |c| Box::pin(async move { read::user_high_watermark(c, &user).await })).await
+    }
+
+    async fn read_user_events(
+        &self,
+        user: &str,
+        after: SyncSeq,
+        upto: SyncSeq,
+        limit: u32,
+    ) -> StoreResult<Vec<StoredEvent>> {
+        let user = user.to_owned();
+        self.readers
+            .snapshot(move |c| Box::pin(async move { read::user_events(c, &user, after, upto, limit).await }))
+            .await
+    }
+
+    async fn cas_device_cursor(
+        &self,
+        user: &str,
+        device: &str,
+        expected: DeviceCursor,
+        new: DeviceCursor,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let Some(rec) = read_device(c, DEVICE_FOR_UPDATE_SQL, &user, &device).await? else {
+                        return Err(StoreError::NotFound(format!("device {device}")));
+                    };
+                    if rec.cursor != expected {
+                        return Ok((false, rec.cursor));
+                    }
+                    assert!(new.generation >= expected.generation, "a generation never goes back");
+                    write_cursor(c, &user, &device, new, now_ms).await?;
+                    Ok((true, new))
+                })
+            })
+            .await
+    }
+
+    async fn ack(
+        &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        token_session: Option<&str>,
+        seq: SyncSeq,
+        now_ms: i64,
+    ) -> StoreResult<AckResult> {
+        let (user, device, session) = (user.to_owned(), device.to_owned(), token_session.map(str::to_owned));
+        self.writer
+            .write(move |c| {
+                Box::pin(
+                    async move { lifecycle::ack(c, &user, &device, generation, session.as_deref(), seq, now_ms).await },
+                )
+            })
+            .await
+    }
+
+    async fn begin_recovery(
+        &self,
+        user: &str,
+        device: &str,
+        expected: DeviceCursor,
+        session: RecoveryInfo,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move { lifecycle::begin_recovery(c, &user, &device, expected, &session, now_ms).await })
+            })
+            .await
+    }
+
+    async fn recovery_session(&self, user: &str, device: &str) -> StoreResult<Option<RecoveryInfo>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read(move |c| Box::pin(async move { lifecycle::recovery_session(c, &user, &device).await })).await
+    }
+
+    async fn user_log(&self, user: &str) -> StoreResult<UserLog> {
+        let user = user.to_owned();
+        self.readers.read(move |c| Box::pin(async move { lifecycle::user_log(c, &user).await })).await
+    }
+
+    async fn begin_snapshot(
+        &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        snapshot_id: &str,
+        messages_per_conv: u32,
+        expires_at_ms: i64,
+        now_ms: i64,
+    ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)> {
+        let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    lifecycle::begin_snapshot(
+                        c,
+                        &user,
+                        &device,
+                        generation,
+                        &id,
+                        messages_per_conv,
+                        expires_at_ms,
+                        now_ms,
+                    )
+                    .await
+                })
+            })
+            .await
+    }
+
+    async fn finish_snapshot(
+        &self,
+        snapshot_id: &str,
+        manifest_digest: &str,
+        pages: Vec<Vec<String>>,
+    ) -> StoreResult<()> {
+        let (id, digest) = (snapshot_id.to_owned(), manifest_digest.to_owned());
+        self.writer
+            .write(move |c| Box::pin(async move { lifecycle::finish_snapshot(c, &id, &digest, &pages).await }))
+            .await
+    }
+
+    async fn snapshot(&self, snapshot_id: &str) -> StoreResult<Option<SnapshotMeta>> {
+        let id = snapshot_id.to_owned();
+        self.readers.read(move |c| Box::pin(async move { lifecycle::snapshot(c, &id).await })).await
+    }
+
+    async fn snapshot_page(&self, snapshot_id: &str, page: u32) -> StoreResult<Option<Vec<String>>> {
+        let id = snapshot_id.to_owned();
+        self.readers.snapshot(move |c| Box::pin(async move { lifecycle::snapshot_page(c, &id, page).await })).await
+    }
+
+    async fn ack_snapshot(
+        &self,
+        user: &str,
+        device: &str,
+        snapshot_id: &str,
+        now_ms: i64,
+    ) -> StoreResult<(bool, DeviceCursor)> {
+        let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
+        self.writer
+            .write(move |c| Box::pin(async move { lifecycle::ack_snapshot(c, &user, &device, &id, now_ms).await }))
+            .await
+    }
+
+    async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
+        self.writer.write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
+    }
+
+    fn stats(&self) -> StoreStats {
+        let s = &self.writer.stats;
+        StoreStats {
+            commits: s.commits.load(Ordering::Relaxed),
+            writes: s.writes.load(Ordering::Relaxed),
+            checkpoints: 0,
+        }
+    }
+}

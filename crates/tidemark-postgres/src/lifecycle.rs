@@ -1,0 +1,389 @@
+//! Device lifecycle in the store: recovery sessions and the ACK (D4, D6),
+//! snapshots (D7) and user-log retention (L1–L2), with the SQLite backend's
+//! rules. Writer-side functions run inside the writer's transaction.
+//!
+//! A snapshot's view is read in the very transaction that freezes its base,
+//! with the user's head row locked, so no fan-out (from this writer or any
+//! other) can add to the user's log between the base and the view.
+//! Operations that move where a user's log may be trimmed (opening a
+//! recovery session, starting a snapshot) and the trimming itself lock the
+//! user's head row first, so a fence is never computed while another writer
+//! is adding one. This module knows nothing about the queue or the pool.
+
+use tidemark_core::cursor::{decide_ack_with, AckDecision, DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_store::*;
+use tokio_postgres::Row;
+
+use crate::db::{big, col, exec, query, query_opt, seq, Conn};
+use crate::{events, read, read_device, write_cursor, DEVICE_FOR_UPDATE_SQL};
+
+/// Most conversations in one snapshot.
+pub const SNAPSHOT_CONVS_MAX: usize = 10_000;
+
+type R<T> = StoreResult<T>;
+
+/// The device's cursor, locked until COMMIT.
+async fn device_cursor(c: &Conn, user: &str, device: &str) -> R<DeviceCursor> {
+    read_device(c, DEVICE_FOR_UPDATE_SQL, user, device)
+        .await?
+        .map(|d| d.cursor)
+        .ok_or_else(|| StoreError::NotFound(format!("device {device}")))
+}
+
+pub(crate) async fn user_log(c: &Conn, user: &str) -> R<UserLog> {
+    let row = query_opt(c, "SELECT high_watermark, trimmed_upto FROM user_heads WHERE user_id = $1", &[&user]).await?;
+    Ok(match row {
+        Some(r) => UserLog { high_watermark: seq(&r, 0)?, trimmed_upto: seq(&r, 1)? },
+        None => UserLog { high_watermark: 0, trimmed_upto: 0 },
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn begin_snapshot(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    generation: u64,
+    snapshot_id: &str,
+    per_conv: u32,
+    expires_at_ms: i64,
+    now_ms: i64,
+) -> R<(u64, Vec<SnapshotConv>)> {
+    events::lock_user(c, user).await?;
+    let cursor = device_cursor(c, user, device).await?;
+    if cursor.state != DeviceState::Resetting || cursor.generation != generation {
+        return Err(StoreError::Conflict(format!(
+            "device is {} at generation {}, not resetting at {generation}",
+            cursor.state.as_str(),
+            cursor.generation
+        )));
+    }
+    let base = user_log(c, user).await?.high_watermark;
+    exec(
+        c,
+        "INSERT INTO snapshots (snapshot_id, user_id, device_id, generation, base_sync_seq, state, created_at, expires_at)
+         VALUES ($1, $2, $3, $4, $5, 'BUILDING', $6, $7)",
+        &[&snapshot_id, &user, &device, &big(generation), &big(base), &now_ms, &expires_at_ms],
+    )
+    .await?;
+    let convs = read::list_conversations(c, user).await?;
+    if convs.len() > SNAPSHOT_CONVS_MAX {
+        return Err(StoreError::Invalid(format!("more than {SNAPSHOT_CONVS_MAX} conversations")));
+    }
+    // What fan-out delivered to this user up to now, i.e. up to the base:
+    // per conversation, messages up to the projection's last_msg_seq, inside
+    // the user's periods, newest `per_conv`; all conversations in one
+    // statement.
+    let ids: Vec<String> = convs.iter().map(|s| s.conv.clone()).collect();
+    let lasts: Vec<i64> = convs.iter().map(|s| big(s.last_msg_seq)).collect();
+    let sql = format!(
+        "SELECT x.n, {cols} FROM unnest($1::text[], $3::bigint[]) WITH ORDINALITY AS x(conv_id, last, n)
+         CROSS JOIN LATERAL (
+             SELECT m.* FROM messages m
+             WHERE m.conv_id = x.conv_id AND m.msg_seq <= x.last AND {visible}
+             ORDER BY m.msg_seq DESC LIMIT $4) m
+         ORDER BY x.n, m.msg_seq",
+        cols = read::MSG_COLS,
+        visible = read::VISIBLE,
+    );
+    let rows = query(c, &sql, &[&ids, &user, &lasts, &i64::from(per_conv)]).await?;
+    let mut slots = Vec::with_capacity(rows.len());
+    let mut messages = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let n: i64 = col(r, 0)?;
+        slots.push(usize::try_from(n - 1).map_err(|_| StoreError::Internal(format!("bad ordinality {n}")))?);
+        messages.push(read::message_at(r, 1)?);
+    }
+    read::decorate(c, user, &mut messages).await?;
+    let mut view: Vec<SnapshotConv> =
+        convs.into_iter().map(|state| SnapshotConv { state, messages: Vec::new() }).collect();
+    for (slot, (m, _)) in slots.into_iter().zip(messages) {
+        let conv = view.get_mut(slot).ok_or_else(|| StoreError::Internal(format!("bad snapshot slot {slot}")))?;
+        conv.messages.push(m);
+    }
+    Ok((base, view))
+}
+
+pub(crate) async fn finish_snapshot(c: &Conn, snapshot_id: &str, digest: &str, pages: &[Vec<String>]) -> R<()> {
+    let n = exec(
+        c,
+        "UPDATE snapshots SET state = 'READY', manifest_digest = $2, pages = $3
+         WHERE snapshot_id = $1 AND state = 'BUILDING'",
+        &[&snapshot_id, &digest, &(pages.len() as i64)],
+    )
+    .await?;
+    if n != 1 {
+        return Err(StoreError::Conflict(format!("snapshot {snapshot_id} is not building")));
+    }
+    let (mut page_nos, mut idxs, mut items) = (Vec::new(), Vec::new(), Vec::new());
+    for (p, page) in pages.iter().enumerate() {
+        for (i, item) in page.iter().enumerate() {
+            page_nos.push(p as i64);
+            idxs.push(i as i64);
+            items.push(item.as_str());
+        }
+    }
+    if !items.is_empty() {
+        exec(
+            c,
+            "INSERT INTO snapshot_items (snapshot_id, page, idx, item)
+             SELECT $1, p, i, t FROM unnest($2::bigint[], $3::bigint[], $4::text[]) AS x(p, i, t)",
+            &[&snapshot_id, &page_nos, &idxs, &items],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+const SNAPSHOT_COLS: &str = "user_id, device_id, generation, base_sync_seq, state, manifest_digest, pages, expires_at";
+
+fn snapshot_at(snapshot_id: &str, r: &Row) -> R<SnapshotMeta> {
+    let pages: i64 = col(r, 6)?;
+    Ok(SnapshotMeta {
+        snapshot_id: snapshot_id.into(),
+        user: col(r, 0)?,
+        device: col(r, 1)?,
+        generation: seq(r, 2)?,
+        base_sync_seq: seq(r, 3)?,
+        state: col(r, 4)?,
+        manifest_digest: col(r, 5)?,
+        pages: u32::try_from(pages).map_err(|_| StoreError::Internal(format!("bad page count {pages}")))?,
+        expires_at_ms: col(r, 7)?,
+    })
+}
+
+pub(crate) async fn snapshot(c: &Conn, snapshot_id: &str) -> R<Option<SnapshotMeta>> {
+    let sql = format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE snapshot_id = $1");
+    query_opt(c, &sql, &[&snapshot_id]).await?.map(|r| snapshot_at(snapshot_id, &r)).transpose()
+}
+
+/// The snapshot row, locked until COMMIT.
+async fn snapshot_for_update(c: &Conn, snapshot_id: &str) -> R<Option<SnapshotMeta>> {
+    let sql = format!("SELECT {SNAPSHOT_COLS} FROM snapshots WHERE snapshot_id = $1 FOR UPDATE");
+    query_opt(c, &sql, &[&snapshot_id]).await?.map(|r| snapshot_at(snapshot_id, &r)).transpose()
+}
+
+/// One page of a snapshot; the caller runs it in one read snapshot, so the
+/// state and the items agree.
+pub(crate) async fn snapshot_page(c: &Conn, snapshot_id: &str, page: u32) -> R<Option<Vec<String>>> {
+    let Some(meta) = snapshot(c, snapshot_id).await? else { return Ok(None) };
+    if meta.state == SNAPSHOT_BUILDING || page >= meta.pages {
+        return Ok(None);
+    }
+    let rows = query(
+        c,
+        "SELECT item FROM snapshot_items WHERE snapshot_id = $1 AND page = $2 ORDER BY idx",
+        &[&snapshot_id, &i64::from(page)],
+    )
+    .await?;
+    rows.iter().map(|r| col(r, 0)).collect::<R<Vec<String>>>().map(Some)
+}
+
+pub(crate) async fn ack_snapshot(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    snapshot_id: &str,
+    now_ms: i64,
+) -> R<(bool, DeviceCursor)> {
+    let meta = snapshot_for_update(c, snapshot_id)
+        .await?
+        .ok_or_else(|| StoreError::NotFound(format!("snapshot {snapshot_id}")))?;
+    let cursor = device_cursor(c, user, device).await?;
+    if meta.user != user || meta.device != device {
+        return Err(StoreError::NotFound(format!("snapshot {snapshot_id}")));
+    }
+    let installable = meta.state == SNAPSHOT_READY
+        && cursor.state == DeviceState::Resetting
+        && cursor.generation == meta.generation
+        && now_ms < meta.expires_at_ms;
+    if !installable {
+        return Ok((false, cursor));
+    }
+    let new =
+        DeviceCursor { generation: meta.generation, acked_sync_seq: meta.base_sync_seq, state: DeviceState::Active };
+    write_cursor(c, user, device, new, now_ms).await?;
+    exec(c, "UPDATE snapshots SET state = 'INSTALLED' WHERE snapshot_id = $1", &[&snapshot_id]).await?;
+    // Its items are no longer needed by anyone.
+    exec(c, "DELETE FROM snapshot_items WHERE snapshot_id = $1", &[&snapshot_id]).await?;
+    Ok((true, new))
+}
+
+/// One user's fences, read with the user's head row locked: head, trim
+/// point, and the lowest device ACK, recovery start, snapshot base and the
+/// newest event older than the keep window.
+const USER_FENCES: &str = "SELECT h.high_watermark, h.trimmed_upto,
+        (SELECT MIN(acked_sync_seq) FROM devices d
+         WHERE d.user_id = h.user_id AND d.state IN ('ACTIVE','RECOVERING') AND d.updated_at >= $2),
+        (SELECT MIN(resume_from) FROM recovery_sessions r
+         WHERE r.user_id = h.user_id AND r.state = 'ACTIVE' AND r.expires_at > $3),
+        (SELECT MIN(base_sync_seq) FROM snapshots s WHERE s.user_id = h.user_id AND s.state IN ('BUILDING','READY')),
+        (SELECT MAX(sync_seq) FROM user_events e WHERE e.user_id = h.user_id AND e.created_at < $4)
+     FROM user_heads h WHERE h.user_id = $1 FOR UPDATE OF h";
+
+/// One retention pass. Per user, the fence is the lowest of: the ACK of
+/// every device that is `ACTIVE` or `RECOVERING` and moved within the
+/// inactivity window, the `resume_from` of every live recovery session, and
+/// the base of every live (`BUILDING`/`READY`, unexpired) snapshot.
+/// Events above the fence, or younger than the keep window, stay. The
+/// client never reports a position that counts here (L1). Users are visited
+/// in `user_id` order, the order fan-out locks heads in.
+pub(crate) async fn trim_user_logs(c: &Conn, policy: RetentionPolicy, now_ms: i64) -> R<TrimReport> {
+    let snapshots_expired = exec(
+        c,
+        "UPDATE snapshots SET state = 'EXPIRED' WHERE state IN ('BUILDING','READY') AND expires_at <= $1",
+        &[&now_ms],
+    )
+    .await?;
+    let mut report = TrimReport { snapshots_expired, ..TrimReport::default() };
+    exec(
+        c,
+        "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE state = 'EXPIRED')",
+        &[],
+    )
+    .await?;
+    let users = query(c, "SELECT user_id FROM user_heads ORDER BY user_id", &[]).await?;
+    let active_since = now_ms - policy.device_inactive_after_ms;
+    let young = now_ms - policy.keep_events_younger_than_ms;
+    for u in &users {
+        let user: String = col(u, 0)?;
+        let Some(r) = query_opt(c, USER_FENCES, &[&user, &active_since, &now_ms, &young]).await? else { continue };
+        let (hw, trimmed): (i64, i64) = (col(&r, 0)?, col(&r, 1)?);
+        let (device_fence, recovery_fence, snapshot_fence, age_fence): (
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+        ) = (col(&r, 2)?, col(&r, 3)?, col(&r, 4)?, col(&r, 5)?);
+        // Without any valid device the log is kept (nobody fenced it, but a
+        // device may still log in and get a snapshot; trimming would only
+        // save space).
+        let Some(device_fence) = device_fence else { continue };
+        let fence = [Some(device_fence), recovery_fence, snapshot_fence, age_fence.or(Some(0)), Some(hw)]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(0);
+        if fence <= trimmed {
+            continue;
+        }
+        let deleted =
+            exec(c, "DELETE FROM user_events WHERE user_id = $1 AND sync_seq <= $2", &[&user, &fence]).await?;
+        exec(c, "UPDATE user_heads SET trimmed_upto = $2 WHERE user_id = $1", &[&user, &fence]).await?;
+        tracing::info!(user = %user, trimmed_upto = fence, deleted, "user log trimmed");
+        report.users_trimmed += 1;
+        report.events_deleted += deleted;
+    }
+    Ok(report)
+}
+
+pub(crate) async fn recovery_session(c: &Conn, user: &str, device: &str) -> R<Option<RecoveryInfo>> {
+    let row = query_opt(
+        c,
+        "SELECT session_id, resume_from, high_watermark, expires_at FROM recovery_sessions
+         WHERE user_id = $1 AND device_id = $2 AND state = 'ACTIVE'",
+        &[&user, &device],
+    )
+    .await?;
+    row.map(|r| {
+        Ok(RecoveryInfo {
+            session_id: col(&r, 0)?,
+            resume_from: seq(&r, 1)?,
+            high_watermark: seq(&r, 2)?,
+            expires_at_ms: col(&r, 3)?,
+        })
+    })
+    .transpose()
+}
+
+pub(crate) async fn begin_recovery(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    expected: DeviceCursor,
+    session: &RecoveryInfo,
+    now_ms: i64,
+) -> R<(bool, DeviceCursor)> {
+    events::lock_user(c, user).await?;
+    let cursor = device_cursor(c, user, device).await?;
+    if cursor != expected {
+        return Ok((false, cursor));
+    }
+    let new = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Recovering, ..cursor };
+    write_cursor(c, user, device, new, now_ms).await?;
+    // Any older session of this device is over: the generation moved.
+    exec(
+        c,
+        "UPDATE recovery_sessions SET state = 'EXPIRED' WHERE user_id = $1 AND device_id = $2 AND state = 'ACTIVE'",
+        &[&user, &device],
+    )
+    .await?;
+    exec(
+        c,
+        "INSERT INTO recovery_sessions (user_id, session_id, device_id, generation, resume_from, high_watermark, state,
+                                        created_at, expires_at)
+         VALUES ($1, $2, $3, $4, $5, $6, 'ACTIVE', $7, $8)",
+        &[
+            &user,
+            &session.session_id,
+            &device,
+            &big(new.generation),
+            &big(session.resume_from),
+            &big(session.high_watermark),
+            &now_ms,
+            &session.expires_at_ms,
+        ],
+    )
+    .await?;
+    Ok((true, new))
+}
+
+/// A cumulative ACK: `decide_ack_with` on the locked device row and its
+/// open recovery session, then the write it decided (D4, D6).
+pub(crate) async fn ack(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    generation: u64,
+    token_session: Option<&str>,
+    at: u64,
+    now_ms: i64,
+) -> R<AckResult> {
+    let mut cursor = device_cursor(c, user, device).await?;
+    let session = recovery_session(c, user, device).await?;
+    let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), at, now_ms);
+    match decision {
+        AckDecision::Advance { to } => {
+            assert!(to > cursor.acked_sync_seq, "an ACK only moves forward");
+            cursor.acked_sync_seq = to;
+            write_cursor(c, user, device, cursor, now_ms).await?;
+        }
+        AckDecision::CompleteRecovery { to } => {
+            // The session's own CAS: only the live session of this
+            // generation completes, and only here.
+            let s = session.as_ref().ok_or_else(|| StoreError::Internal("a completion without a session".into()))?;
+            let n = exec(
+                c,
+                "UPDATE recovery_sessions SET state = 'COMPLETED'
+                 WHERE user_id = $1 AND session_id = $2 AND state = 'ACTIVE'",
+                &[&user, &s.session_id],
+            )
+            .await?;
+            assert_eq!(n, 1, "the live session completes once");
+            cursor = DeviceCursor { acked_sync_seq: to, state: DeviceState::Active, ..cursor };
+            write_cursor(c, user, device, cursor, now_ms).await?;
+        }
+        AckDecision::RecoveryExpired { .. } => {
+            exec(
+                c,
+                "UPDATE recovery_sessions SET state = 'EXPIRED' WHERE user_id = $1 AND device_id = $2 AND state = 'ACTIVE'",
+                &[&user, &device],
+            )
+            .await?;
+            cursor = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
+            write_cursor(c, user, device, cursor, now_ms).await?;
+        }
+        _ => {}
+    }
+    Ok(AckResult { decision, cursor })
+}

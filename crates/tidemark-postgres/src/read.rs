@@ -1,0 +1,360 @@
+//! Reads: a pool of connections used for every read path, and the read
+//! paths themselves.
+//!
+//! A read that takes more than one statement (`conv.sync`, `history`, a
+//! user-log page with its messages, a conversation with its members) runs
+//! in one `REPEATABLE READ READ ONLY` transaction, so every statement sees
+//! the same snapshot (C1); a single-statement read needs none. Readers
+//! never take locks and never wait for the writer. Messages are rendered
+//! per reader (deleted-for-me, quote state, reactions) in three set-based
+//! statements per page rather than three per message. This module never
+//! writes.
+
+use std::collections::{HashMap, HashSet};
+
+use deadpool_postgres::{Object, Pool};
+use tidemark_core::convsync::{ConvSnapshot, ConvSyncRefusal};
+use tidemark_store::*;
+use tokio_postgres::Row;
+
+use crate::db::{self, big, col, query, query_opt, scalar, seq, seq_opt, Conn};
+use crate::writer::BoxFut;
+
+type R<T> = StoreResult<T>;
+
+/// Starts a snapshot transaction.
+const BEGIN_SNAPSHOT: &str = "START TRANSACTION ISOLATION LEVEL REPEATABLE READ, READ ONLY";
+
+pub(crate) struct ReadPool {
+    pub(crate) pool: Pool,
+}
+
+/// A pooled connection inside a snapshot transaction. If it is dropped
+/// before the transaction ended (the caller's future was cancelled, or a
+/// read panicked), the connection is detached from the pool and closed, so
+/// no one ever gets a connection with a transaction left open.
+struct Snapshot {
+    conn: Option<Object>,
+}
+
+impl Drop for Snapshot {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            drop(Object::take(conn));
+        }
+    }
+}
+
+impl ReadPool {
+    async fn get(&self) -> R<Object> {
+        self.pool.get().await.map_err(db::pool_error)
+    }
+
+    /// Runs one statement-level read (its own snapshot).
+    pub(crate) async fn read<T, F>(&self, f: F) -> R<T>
+    where
+        F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, R<T>>,
+    {
+        let conn = self.get().await?;
+        f(&conn).await
+    }
+
+    /// Runs `f` in one `REPEATABLE READ READ ONLY` transaction.
+    pub(crate) async fn snapshot<T, F>(&self, f: F) -> R<T>
+    where
+        F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, R<T>>,
+    {
+        let mut guard = Snapshot { conn: Some(self.get().await?) };
+        let conn = guard.conn.as_ref().ok_or_else(|| StoreError::Internal("snapshot without connection".into()))?;
+        conn.batch_execute(BEGIN_SNAPSHOT).await.map_err(db::error)?;
+        let result = f(conn).await;
+        // A read-only transaction has nothing to keep: end it either way.
+        conn.batch_execute("ROLLBACK").await.map_err(db::error)?;
+        // The transaction is over: hand the connection back to the pool.
+        drop(guard.conn.take());
+        result
+    }
+}
+
+pub(crate) async fn conversation(c: &Conn, conv: &str) -> R<Option<Conversation>> {
+    let Some(row) = query_opt(c, "SELECT kind, head FROM conversations WHERE conv_id = $1", &[&conv]).await? else {
+        return Ok(None);
+    };
+    let (kind, head) = (col(&row, 0)?, seq(&row, 1)?);
+    let rows = query(
+        c,
+        "SELECT user_id FROM membership_periods WHERE conv_id = $1 AND leave_seq IS NULL ORDER BY user_id",
+        &[&conv],
+    )
+    .await?;
+    let members = rows.iter().map(|r| col(r, 0)).collect::<R<Vec<String>>>()?;
+    Ok(Some(Conversation { conv: conv.into(), kind, members, head }))
+}
+
+/// A `ConvState` from the columns `conv_id, kind, last_msg_seq, read_seq,
+/// unread, muted, pinned, active`.
+pub(crate) fn conv_state_at(r: &Row) -> R<ConvState> {
+    Ok(ConvState {
+        conv: col(r, 0)?,
+        kind: col(r, 1)?,
+        last_msg_seq: seq(r, 2)?,
+        read_seq: seq(r, 3)?,
+        unread: seq(r, 4)?,
+        muted: col(r, 5)?,
+        pinned: col(r, 6)?,
+        active: col(r, 7)?,
+    })
+}
+
+pub(crate) async fn list_conversations(c: &Conn, user: &str) -> R<Vec<ConvState>> {
+    let rows = query(
+        c,
+        "SELECT uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread, uc.muted, uc.pinned, uc.active
+         FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
+         WHERE uc.user_id = $1 ORDER BY uc.pinned DESC, uc.last_msg_seq DESC, uc.conv_id",
+        &[&user],
+    )
+    .await?;
+    rows.iter().map(conv_state_at).collect()
+}
+
+pub(crate) async fn pending_outbox(c: &Conn, limit: u32) -> R<Vec<OutboxItem>> {
+    let rows = query(
+        c,
+        "SELECT outbox_id, kind, source_event_id, conv_id, msg_seq, actor, created_at
+         FROM outbox ORDER BY outbox_id LIMIT $1",
+        &[&i64::from(limit)],
+    )
+    .await?;
+    rows.iter()
+        .map(|r| {
+            Ok(OutboxItem {
+                outbox_id: col(r, 0)?,
+                kind: col(r, 1)?,
+                source_event_id: col(r, 2)?,
+                conv: col(r, 3)?,
+                msg_seq: seq(r, 4)?,
+                actor: col(r, 5)?,
+                created_at_ms: col(r, 6)?,
+            })
+        })
+        .collect()
+}
+
+pub(crate) async fn outbox_stats(c: &Conn) -> R<OutboxStats> {
+    let row = db::query_one(c, "SELECT COUNT(*), MIN(created_at) FROM outbox", &[]).await?;
+    Ok(OutboxStats { backlog: seq(&row, 0)?, oldest_created_at_ms: col(&row, 1)? })
+}
+
+pub(crate) async fn user_high_watermark(c: &Conn, user: &str) -> R<u64> {
+    let hw: Option<i64> = scalar(c, "SELECT high_watermark FROM user_heads WHERE user_id = $1", &[&user]).await?;
+    Ok(hw.unwrap_or(0) as u64)
+}
+
+/// Columns of a message row, in the order [`message_at`] reads them.
+pub(crate) const MSG_COLS: &str =
+    "m.message_id, m.conv_id, m.msg_seq, m.kind, m.state, m.sender, m.content, m.created_at, m.version, m.quote_id";
+
+/// Reads a message from `MSG_COLS` starting at column `at`; the quote id
+/// comes back beside it for [`decorate`].
+pub(crate) fn message_at(r: &Row, at: usize) -> R<(StoredMessage, Option<String>)> {
+    Ok((
+        StoredMessage {
+            message_id: col(r, at)?,
+            conv: col(r, at + 1)?,
+            msg_seq: seq(r, at + 2)?,
+            kind: col(r, at + 3)?,
+            state: col(r, at + 4)?,
+            sender: col(r, at + 5)?,
+            content: col(r, at + 6)?,
+            created_at_ms: col(r, at + 7)?,
+            version: seq(r, at + 8)?,
+            quote: None,
+            reactions: Vec::new(),
+        },
+        col(r, at + 9)?,
+    ))
+}
+
+/// Renders messages for one reader: deleted-for-me becomes a placeholder,
+/// a quote says whether its target was recalled, reactions are attached.
+/// Recalled content is already wiped in storage.
+pub(crate) async fn decorate(c: &Conn, reader: &str, msgs: &mut [(StoredMessage, Option<String>)]) -> R<()> {
+    if msgs.is_empty() {
+        return Ok(());
+    }
+    let ids: Vec<String> = msgs.iter().map(|(m, _)| m.message_id.clone()).collect();
+    let rows =
+        query(c, "SELECT message_id FROM user_deleted WHERE user_id = $1 AND message_id = ANY($2)", &[&reader, &ids])
+            .await?;
+    let deleted = rows.iter().map(|r| col::<String>(r, 0)).collect::<R<HashSet<String>>>()?;
+
+    let quoted: Vec<String> = msgs.iter().filter_map(|(_, q)| q.clone()).collect();
+    let mut quote_states: HashMap<String, String> = HashMap::new();
+    if !quoted.is_empty() {
+        let rows = query(c, "SELECT message_id, state FROM messages WHERE message_id = ANY($1)", &[&quoted]).await?;
+        for r in &rows {
+            quote_states.insert(col(r, 0)?, col(r, 1)?);
+        }
+    }
+
+    let convs: Vec<String> = msgs.iter().map(|(m, _)| m.conv.clone()).collect();
+    let rows = query(
+        c,
+        "SELECT message_id, reaction, user_id FROM reactions
+         WHERE (conv_id, message_id) IN (SELECT * FROM unnest($1::text[], $2::text[]))
+         ORDER BY message_id, reaction, user_id",
+        &[&convs, &ids],
+    )
+    .await?;
+    let mut reactions: HashMap<String, Vec<(String, Vec<String>)>> = HashMap::new();
+    for r in &rows {
+        let (id, reaction, user): (String, String, String) = (col(r, 0)?, col(r, 1)?, col(r, 2)?);
+        let list = reactions.entry(id).or_default();
+        match list.last_mut() {
+            Some((last, users)) if *last == reaction => users.push(user),
+            _ => list.push((reaction, vec![user])),
+        }
+    }
+
+    for (m, quote_id) in msgs.iter_mut() {
+        if deleted.contains(&m.message_id) {
+            m.state = STATE_DELETED.into();
+            m.content = "{}".into();
+        }
+        // A wiped message (recalled, or deleted for this reader) shows
+        // neither its quote nor its reactions.
+        let wiped = m.state == STATE_DELETED || m.state == STATE_RECALLED;
+        if let Some(q) = quote_id.take().filter(|_| !wiped) {
+            let recalled = quote_states.get(&q).map(String::as_str) == Some(STATE_RECALLED);
+            m.quote = Some((q, recalled));
+        }
+        if !wiped {
+            m.reactions = reactions.remove(&m.message_id).unwrap_or_default();
+        }
+    }
+    Ok(())
+}
+
+pub(crate) async fn user_events(c: &Conn, user: &str, after: u64, upto: u64, limit: u32) -> R<Vec<StoredEvent>> {
+    let sql = format!(
+        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}
+         FROM user_events e LEFT JOIN messages m ON m.conv_id = e.conv_id AND m.message_id = e.message_id
+         WHERE e.user_id = $1 AND e.sync_seq > $2 AND e.sync_seq <= $3
+         ORDER BY e.sync_seq LIMIT $4"
+    );
+    let rows = query(c, &sql, &[&user, &big(after), &big(upto), &i64::from(limit)]).await?;
+    let mut events = Vec::with_capacity(rows.len());
+    let mut messages = Vec::new();
+    for r in &rows {
+        let event = StoredEvent {
+            sync_seq: seq(r, 0)?,
+            kind: col(r, 1)?,
+            conv: col(r, 2)?,
+            msg_seq: seq_opt(r, 3)?,
+            message: None,
+            data: col(r, 4)?,
+        };
+        if col::<Option<String>>(r, 5)?.is_some() {
+            messages.push((events.len(), message_at(r, 5)?));
+        }
+        events.push(event);
+    }
+    let (slots, mut rendered): (Vec<usize>, Vec<_>) = messages.into_iter().unzip();
+    decorate(c, user, &mut rendered).await?;
+    for (slot, (m, _)) in slots.into_iter().zip(rendered) {
+        events[slot].message = Some(m);
+    }
+    // Assert on our side of the storage boundary: a page is ascending and
+    // inside the requested range.
+    let mut prev = after;
+    for e in &events {
+        assert!(e.sync_seq > prev && e.sync_seq <= upto, "user log page out of order or range");
+        prev = e.sync_seq;
+    }
+    Ok(events)
+}
+
+/// The reader's membership periods cover `m.msg_seq` (G1). A control event
+/// is visible only to who could see its target too, so a newcomer never
+/// reads an edit of a message from before its join.
+pub(crate) const VISIBLE: &str =
+    "EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = $2
+     AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
+     AND (m.target_id IS NULL OR EXISTS (SELECT 1 FROM messages t JOIN membership_periods p2
+          ON p2.conv_id = t.conv_id AND p2.user_id = $2 AND p2.join_seq <= t.msg_seq
+             AND (p2.leave_seq IS NULL OR t.msg_seq <= p2.leave_seq)
+          WHERE t.conv_id = m.conv_id AND t.message_id = m.target_id))";
+
+async fn conv_snapshot(c: &Conn, conv: &str, user: &str) -> R<ConvSnapshot> {
+    let row = query_opt(c, "SELECT head, min_seq, epoch FROM conversations WHERE conv_id = $1", &[&conv]).await?;
+    let Some(row) = row else {
+        return Err(StoreError::NotFound(format!("conversation {conv}")));
+    };
+    let ever: Option<i32> =
+        scalar(c, "SELECT 1 FROM membership_periods WHERE conv_id = $1 AND user_id = $2 LIMIT 1", &[&conv, &user])
+            .await?;
+    if ever.is_none() {
+        return Err(StoreError::NotMember);
+    }
+    Ok(ConvSnapshot { head: seq(&row, 0)?, min_seq: seq(&row, 1)?, epoch: seq(&row, 2)? })
+}
+
+/// `conv.sync` (C1–C2): the caller runs it in one snapshot, so head,
+/// min_seq, epoch, periods and events agree.
+pub(crate) async fn conv_sync(
+    c: &Conn,
+    user: &str,
+    conv: &str,
+    after: u64,
+    limit: u32,
+    epoch: Option<u64>,
+) -> R<ConvSyncPage> {
+    let snap = conv_snapshot(c, conv, user).await?;
+    let trimmed = tidemark_core::convsync::check(snap, after, epoch).map_err(|r| match r {
+        ConvSyncRefusal::CursorAhead { head } => StoreError::CursorAhead(head),
+        ConvSyncRefusal::EpochChanged { epoch } => StoreError::EpochChanged(epoch),
+    })?;
+    let from = after.max(snap.min_seq.saturating_sub(1));
+    let sql = format!(
+        "SELECT {MSG_COLS} FROM messages m
+         WHERE m.conv_id = $1 AND m.msg_seq > $3 AND m.msg_seq <= $4 AND {VISIBLE}
+         ORDER BY m.msg_seq LIMIT $5"
+    );
+    let rows = query(c, &sql, &[&conv, &user, &big(from), &big(snap.head), &(i64::from(limit) + 1)]).await?;
+    let mut page = rows.iter().map(|r| message_at(r, 0)).collect::<R<Vec<_>>>()?;
+    let has_more = page.len() > limit as usize;
+    page.truncate(limit as usize);
+    decorate(c, user, &mut page).await?;
+    let last = page.last().map(|(m, _)| m.msg_seq);
+    let next_after = tidemark_core::convsync::next_after(after, snap.head, has_more, last);
+    Ok(ConvSyncPage {
+        epoch: snap.epoch,
+        min_seq: snap.min_seq,
+        head: snap.head,
+        next_after,
+        has_more,
+        trimmed,
+        events: page.into_iter().map(|(m, _)| m).collect(),
+    })
+}
+
+/// `history` (C3): newest first below `before_seq`, inside the reader's
+/// periods, so a forged cursor reaches neither before a join nor after a
+/// leave. The caller runs it in one snapshot.
+pub(crate) async fn history(c: &Conn, user: &str, conv: &str, before: Option<u64>, limit: u32) -> R<HistoryPage> {
+    let snap = conv_snapshot(c, conv, user).await?;
+    let below = before.unwrap_or(snap.head + 1);
+    let sql = format!(
+        "SELECT {MSG_COLS} FROM messages m
+         WHERE m.conv_id = $1 AND m.msg_seq < $3 AND m.msg_seq >= $4 AND {VISIBLE}
+         ORDER BY m.msg_seq DESC LIMIT $5"
+    );
+    let rows = query(c, &sql, &[&conv, &user, &big(below), &big(snap.min_seq), &(i64::from(limit) + 1)]).await?;
+    let mut page = rows.iter().map(|r| message_at(r, 0)).collect::<R<Vec<_>>>()?;
+    let has_more = page.len() > limit as usize;
+    page.truncate(limit as usize);
+    decorate(c, user, &mut page).await?;
+    let next_cursor = if has_more { page.last().map(|(m, _)| m.msg_seq) } else { None };
+    Ok(HistoryPage { messages: page.into_iter().map(|(m, _)| m).collect(), next_cursor, has_more })
+}

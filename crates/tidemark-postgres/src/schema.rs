@@ -1,0 +1,348 @@
+//! The PostgreSQL schema and its idempotent creation at open.
+//!
+//! The tables and constraints mirror the SQLite backend's (`tidemark-sqlite`
+//! `schema.rs`) one for one, so both backends enforce the same invariants
+//! with the same keys. What differs is the key *order*, chosen so the schema
+//! can be sharded later without a redesign (X2):
+//!
+//! - conversation-owned rows (`conversations`, `membership_periods`,
+//!   `messages`, `reactions`, `outbox`) lead their primary key with
+//!   `conv_id`;
+//! - user-owned rows (`devices`, `user_heads`, `user_events`, `user_convs`,
+//!   `user_deleted`, `deliveries`, `fanout_quarantine`,
+//!   `recovery_sessions`) lead with `user_id`;
+//! - the only transaction that reads one side and writes the other is the
+//!   fan-out, which consumes the outbox (the hand-over point between them).
+//!
+//! A few constraints are global today and would become lookup tables keyed
+//! by their own column on a sharded cluster (in Citus terms: reference or
+//! separately distributed tables): `messages.message_id` (unique across
+//! conversations), `messages (sender, client_msg_id)` (the send idempotency
+//! key, S1), `conversations.direct_key` (one conversation per pair, G1),
+//! `refresh_tokens.token_hash`, `users.user_id`, and `snapshots` /
+//! `snapshot_items`, which the store API finds by `snapshot_id` alone (a
+//! sharded layout would encode the user in the id or keep a lookup).
+//!
+//! This module knows the SQL of the tables only; the transactions that use
+//! them live in `events`, `read` and the crate root.
+
+use deadpool_postgres::ClientWrapper;
+use tidemark_store::{StoreError, StoreResult};
+
+use crate::db;
+
+/// Bumped when the schema changes; stored in `meta` under `schema_version`.
+/// This backend numbers its own schema, independently of SQLite's.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// Every statement is `IF NOT EXISTS`, so running it on an existing database
+/// changes nothing. Numbers are `BIGINT` (Rust `i64`; sequences are `u64`
+/// on the Rust side and never exceed `i64::MAX`), flags are `BOOLEAN`, ids
+/// and JSON payloads are `TEXT COLLATE "C"`: ids compare and sort bytewise,
+/// as in SQLite and in Rust, whatever the database's default collation.
+pub const SCHEMA: &str = r#"
+-- Server-wide values: the token secret, the schema version.
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT COLLATE "C" PRIMARY KEY,
+    value BYTEA NOT NULL
+);
+
+-- Accounts. Passwords are argon2 PHC strings, never plain text.
+CREATE TABLE IF NOT EXISTS users (
+    user_id       TEXT COLLATE "C" PRIMARY KEY,
+    password_hash TEXT COLLATE "C" NOT NULL,
+    created_at    BIGINT NOT NULL
+);
+
+-- One row per (user, device): the device's identity and its sync cursor
+-- (D1). The cursor moves only by compare-and-set on the row locked with
+-- SELECT ... FOR UPDATE: ACKs only forward within a generation, a reset
+-- bumps sync_generation first (D4, D5).
+CREATE TABLE IF NOT EXISTS devices (
+    user_id          TEXT COLLATE "C" NOT NULL,
+    device_id        TEXT COLLATE "C" NOT NULL,
+    name             TEXT COLLATE "C" NOT NULL,
+    sync_generation  BIGINT NOT NULL,
+    acked_sync_seq   BIGINT NOT NULL,
+    state            TEXT COLLATE "C" NOT NULL CHECK (state IN ('NEW','ACTIVE','RESETTING','RECOVERING','REVOKED')),
+    row_version      BIGINT NOT NULL,
+    created_at       BIGINT NOT NULL,
+    updated_at       BIGINT NOT NULL,
+    PRIMARY KEY (user_id, device_id)
+);
+
+-- Refresh tokens by SHA-256 of their secret; used once (rotation).
+CREATE TABLE IF NOT EXISTS refresh_tokens (
+    token_hash  TEXT COLLATE "C" PRIMARY KEY,
+    user_id     TEXT COLLATE "C" NOT NULL,
+    device_id   TEXT COLLATE "C" NOT NULL,
+    expires_at  BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS refresh_tokens_by_device ON refresh_tokens (user_id, device_id);
+
+-- Conversations. `head` is the highest committed msg_seq. It is advanced by
+-- `UPDATE ... SET head = head + 1 RETURNING head` in the transaction that
+-- inserts the event; the row lock that UPDATE takes is held until COMMIT,
+-- so whoever assigns n+1 waits until n is committed or rolled back, and a
+-- visible n+1 implies a visible n (S2), across writers and nodes. The same
+-- row lock is the conversation's linearisation point for membership checks
+-- (G1). A direct pair has one row, found by its `direct_key`.
+CREATE TABLE IF NOT EXISTS conversations (
+    conv_id     TEXT COLLATE "C" PRIMARY KEY,
+    kind        TEXT COLLATE "C" NOT NULL,
+    direct_key  TEXT COLLATE "C" UNIQUE,
+    head        BIGINT NOT NULL DEFAULT 0,
+    -- The lowest msg_seq still retained (C2 `trimmed`); 1 until trimming.
+    min_seq     BIGINT NOT NULL DEFAULT 1,
+    -- Bumped by any operation that rewrites the log (C2 EPOCH_CHANGED).
+    epoch       BIGINT NOT NULL DEFAULT 1,
+    -- Group owner (may remove members); NULL for direct conversations.
+    owner       TEXT COLLATE "C",
+    created_at  BIGINT NOT NULL
+);
+
+-- Membership periods [join_seq, leave_seq] (closed; leave_seq NULL while
+-- active), a new period_id per join (G1). Fan-out reads the periods that
+-- cover a message's msg_seq, never the current member list (F4). Period
+-- ids start at 1: 0 is USER_SCOPE_PERIOD, the scope of per-user events.
+CREATE TABLE IF NOT EXISTS membership_periods (
+    conv_id    TEXT COLLATE "C" NOT NULL,
+    period_id  BIGINT GENERATED ALWAYS AS IDENTITY (START WITH 1),
+    user_id    TEXT COLLATE "C" NOT NULL,
+    join_seq   BIGINT NOT NULL,
+    leave_seq  BIGINT,
+    PRIMARY KEY (conv_id, period_id),
+    UNIQUE (conv_id, user_id, join_seq)
+);
+CREATE INDEX IF NOT EXISTS membership_by_user ON membership_periods (user_id, conv_id);
+
+-- Conversation events, keyed by conversation order: user messages and the
+-- control events that take a msg_seq too (conv.created, member.join,
+-- member.leave, recall, edit, reaction). UNIQUE(sender, client_msg_id) is the
+-- idempotency key of every one of them (S1). A recall wipes the target's
+-- content for good and records the recall's seq (E1); edits and reactions
+-- bump `version` (E2).
+CREATE TABLE IF NOT EXISTS messages (
+    conv_id        TEXT COLLATE "C" NOT NULL,
+    msg_seq        BIGINT NOT NULL,
+    message_id     TEXT COLLATE "C" NOT NULL UNIQUE,
+    sender         TEXT COLLATE "C" NOT NULL,
+    sender_device  TEXT COLLATE "C" NOT NULL,
+    client_msg_id  TEXT COLLATE "C" NOT NULL,
+    kind           TEXT COLLATE "C" NOT NULL,
+    content        TEXT COLLATE "C" NOT NULL,
+    state          TEXT COLLATE "C" NOT NULL,
+    version        BIGINT NOT NULL DEFAULT 1,
+    -- The message a control event acts on.
+    target_id      TEXT COLLATE "C",
+    -- The message this one quotes (same conversation).
+    quote_id       TEXT COLLATE "C",
+    -- msg_seq of the recall event, once recalled.
+    recall_seq     BIGINT,
+    created_at     BIGINT NOT NULL,
+    PRIMARY KEY (conv_id, msg_seq),
+    UNIQUE (sender, client_msg_id)
+);
+
+-- Reactions by user (E2); the message's version moves with each change.
+-- Led by conv_id so they live beside their message.
+CREATE TABLE IF NOT EXISTS reactions (
+    conv_id     TEXT COLLATE "C" NOT NULL,
+    message_id  TEXT COLLATE "C" NOT NULL,
+    user_id     TEXT COLLATE "C" NOT NULL,
+    reaction    TEXT COLLATE "C" NOT NULL,
+    event_seq   BIGINT NOT NULL,
+    PRIMARY KEY (conv_id, message_id, user_id, reaction)
+);
+
+-- Messages a user deleted for themselves only (E3).
+CREATE TABLE IF NOT EXISTS user_deleted (
+    user_id     TEXT COLLATE "C" NOT NULL,
+    message_id  TEXT COLLATE "C" NOT NULL,
+    PRIMARY KEY (user_id, message_id)
+);
+
+-- Per-device delivery (R1): distinct from the sync ACK and from read.
+-- Recorded by the user's own device, so it is user data.
+CREATE TABLE IF NOT EXISTS deliveries (
+    user_id       TEXT COLLATE "C" NOT NULL,
+    message_id    TEXT COLLATE "C" NOT NULL,
+    device_id     TEXT COLLATE "C" NOT NULL,
+    delivered_at  BIGINT NOT NULL,
+    PRIMARY KEY (user_id, message_id, device_id)
+);
+
+-- The transactional outbox: written with the fact it announces (S3), removed
+-- by the fan-out transaction that consumed it (F1). Survives restarts.
+-- `outbox_id` orders items; with one writer per database it is also commit
+-- order.
+CREATE TABLE IF NOT EXISTS outbox (
+    conv_id          TEXT COLLATE "C" NOT NULL,
+    outbox_id        BIGINT GENERATED ALWAYS AS IDENTITY,
+    kind             TEXT COLLATE "C" NOT NULL,
+    source_event_id  TEXT COLLATE "C" NOT NULL,
+    msg_seq          BIGINT NOT NULL,
+    actor            TEXT COLLATE "C" NOT NULL,
+    created_at       BIGINT NOT NULL,
+    PRIMARY KEY (conv_id, outbox_id)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS outbox_in_order ON outbox (outbox_id);
+
+-- Per-user sync head. Advanced with `... high_watermark + 1 RETURNING` in
+-- the same transaction as the events it numbers; the row lock serialises
+-- concurrent fan-outs to one user, so the head is also the committed high
+-- watermark and no two writers share a sync_seq (F2).
+CREATE TABLE IF NOT EXISTS user_heads (
+    user_id         TEXT COLLATE "C" PRIMARY KEY,
+    high_watermark  BIGINT NOT NULL,
+    -- Events at or below this were trimmed (L1); only snapshots reach them.
+    trimmed_upto    BIGINT NOT NULL DEFAULT 0
+);
+
+-- Recovery sessions (D6): a frozen (resume_from, high_watermark] replay for
+-- a device whose local store fell a little behind its ACK. At most one
+-- ACTIVE per device; it fences retention from resume_from until it
+-- completes (by its own CAS on the final ACK) or expires.
+CREATE TABLE IF NOT EXISTS recovery_sessions (
+    user_id         TEXT COLLATE "C" NOT NULL,
+    session_id      TEXT COLLATE "C" NOT NULL,
+    device_id       TEXT COLLATE "C" NOT NULL,
+    generation      BIGINT NOT NULL,
+    resume_from     BIGINT NOT NULL,
+    high_watermark  BIGINT NOT NULL,
+    state           TEXT COLLATE "C" NOT NULL CHECK (state IN ('ACTIVE','COMPLETED','EXPIRED')),
+    created_at      BIGINT NOT NULL,
+    expires_at      BIGINT NOT NULL,
+    PRIMARY KEY (user_id, session_id)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS recovery_one_active ON recovery_sessions (user_id, device_id) WHERE state = 'ACTIVE';
+
+-- Snapshots (D7): a frozen base, BUILDING until its pages are stored, then
+-- READY and immutable, INSTALLED once the device acknowledged it. BUILDING
+-- and READY bases fence retention until they expire. The store API finds a
+-- snapshot by its id alone, so the id is the key (see the module docs).
+CREATE TABLE IF NOT EXISTS snapshots (
+    snapshot_id      TEXT COLLATE "C" PRIMARY KEY,
+    user_id          TEXT COLLATE "C" NOT NULL,
+    device_id        TEXT COLLATE "C" NOT NULL,
+    generation       BIGINT NOT NULL,
+    base_sync_seq    BIGINT NOT NULL,
+    state            TEXT COLLATE "C" NOT NULL CHECK (state IN ('BUILDING','READY','INSTALLED','EXPIRED')),
+    manifest_digest  TEXT COLLATE "C" NOT NULL DEFAULT '',
+    pages            BIGINT NOT NULL DEFAULT 0,
+    created_at       BIGINT NOT NULL,
+    expires_at       BIGINT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS snapshots_by_user ON snapshots (user_id, state);
+
+CREATE TABLE IF NOT EXISTS snapshot_items (
+    snapshot_id  TEXT COLLATE "C" NOT NULL,
+    page         BIGINT NOT NULL,
+    idx          BIGINT NOT NULL,
+    item         TEXT COLLATE "C" NOT NULL,
+    PRIMARY KEY (snapshot_id, page, idx)
+);
+
+-- The user sync log, keyed (user_id, sync_seq) for range reads (D2);
+-- UNIQUE(user_id, source_event_id, period_id) makes fan-out idempotent (F3).
+CREATE TABLE IF NOT EXISTS user_events (
+    user_id          TEXT COLLATE "C" NOT NULL,
+    sync_seq         BIGINT NOT NULL,
+    kind             TEXT COLLATE "C" NOT NULL,
+    conv_id          TEXT COLLATE "C" NOT NULL,
+    msg_seq          BIGINT,
+    message_id       TEXT COLLATE "C",
+    source_event_id  TEXT COLLATE "C" NOT NULL,
+    -- The membership period that admitted it; 0 for per-user events.
+    period_id        BIGINT NOT NULL,
+    -- Payload of per-user events (read, settings, delete), JSON.
+    data             TEXT COLLATE "C",
+    created_at       BIGINT NOT NULL,
+    PRIMARY KEY (user_id, sync_seq),
+    UNIQUE (user_id, source_event_id, period_id)
+);
+CREATE INDEX IF NOT EXISTS user_events_by_conv ON user_events (user_id, conv_id, msg_seq);
+CREATE INDEX IF NOT EXISTS user_events_by_message ON user_events (user_id, message_id);
+
+-- Per-user conversation projection (list, unread), moved only inside the
+-- fan-out transaction that wrote the user event (R3).
+CREATE TABLE IF NOT EXISTS user_convs (
+    user_id           TEXT COLLATE "C" NOT NULL,
+    conv_id           TEXT COLLATE "C" NOT NULL,
+    last_msg_seq      BIGINT NOT NULL DEFAULT 0,
+    read_seq          BIGINT NOT NULL DEFAULT 0,
+    unread            BIGINT NOT NULL DEFAULT 0,
+    muted             BOOLEAN NOT NULL DEFAULT FALSE,
+    pinned            BOOLEAN NOT NULL DEFAULT FALSE,
+    settings_version  BIGINT NOT NULL DEFAULT 0,
+    -- FALSE once the user left or was removed.
+    active            BOOLEAN NOT NULL DEFAULT TRUE,
+    PRIMARY KEY (user_id, conv_id)
+);
+
+-- Fan-out items that hit two membership periods of one user (F4): never
+-- delivered, kept for repair and reported as an integrity error.
+CREATE TABLE IF NOT EXISTS fanout_quarantine (
+    user_id          TEXT COLLATE "C" NOT NULL,
+    source_event_id  TEXT COLLATE "C" NOT NULL,
+    conv_id          TEXT COLLATE "C" NOT NULL,
+    msg_seq          BIGINT NOT NULL,
+    reason           TEXT COLLATE "C" NOT NULL,
+    created_at       BIGINT NOT NULL,
+    PRIMARY KEY (user_id, source_event_id)
+);
+"#;
+
+/// Longest schema name accepted (PostgreSQL truncates identifiers at 63).
+pub const SCHEMA_NAME_MAX: usize = 63;
+
+/// A schema name is used unquoted in `search_path` and DDL, so only plain
+/// lower-case identifiers are accepted.
+pub fn valid_schema_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    let first_ok = chars.next().is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    first_ok
+        && name.len() <= SCHEMA_NAME_MAX
+        && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+}
+
+/// Creates the schema (and the PostgreSQL schema `namespace`, if one is
+/// named) unless it exists, records its version, and refuses a database
+/// written by a newer build. Runs in one transaction under an advisory lock,
+/// so nodes opening the same database at once do not race on the catalog.
+pub(crate) async fn create(c: &ClientWrapper, namespace: Option<&str>) -> StoreResult<()> {
+    let lock_key = format!("tidemark.schema.{}", namespace.unwrap_or("public"));
+    c.batch_execute("BEGIN").await.map_err(db::error)?;
+    let result = async {
+        db::exec(c, "SELECT pg_advisory_xact_lock(hashtext($1))", &[&lock_key]).await?;
+        if let Some(ns) = namespace {
+            assert!(valid_schema_name(ns), "schema name checked at open");
+            c.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {ns}")).await.map_err(db::error)?;
+        }
+        c.batch_execute(SCHEMA).await.map_err(db::error)?;
+        db::exec(
+            c,
+            "INSERT INTO meta (key, value) VALUES ('schema_version', convert_to($1::text, 'UTF8'))
+             ON CONFLICT (key) DO NOTHING",
+            &[&SCHEMA_VERSION.to_string()],
+        )
+        .await?;
+        let row =
+            db::query_one(c, "SELECT convert_from(value, 'UTF8') FROM meta WHERE key = 'schema_version'", &[]).await?;
+        let stored: String = db::col(&row, 0)?;
+        match stored.parse::<i64>() {
+            Ok(v) if v <= SCHEMA_VERSION => Ok(()),
+            _ => Err(StoreError::Internal(format!(
+                "database schema version {stored} is not one this build ({SCHEMA_VERSION}) can use"
+            ))),
+        }
+    }
+    .await;
+    match result {
+        Ok(()) => c.batch_execute("COMMIT").await.map_err(db::error),
+        Err(e) => {
+            let _ = c.batch_execute("ROLLBACK").await;
+            Err(e)
+        }
+    }
+}

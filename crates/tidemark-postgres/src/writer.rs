@@ -1,0 +1,222 @@
+//! The group-committing writer: one task owns the store's only read-write
+//! connection and runs every write request that queued up while the
+//! previous transaction was committing in one transaction (many requests,
+//! one COMMIT, one WAL flush).
+//!
+//! Each request runs inside its own SAVEPOINT, so a request that fails (a
+//! send to a conversation the sender left, a deadlock victim) rolls back
+//! alone and the rest of the batch commits. Replies are sent only after
+//! COMMIT returned: a caller never hears "ok" for something that is not
+//! durable.
+//!
+//! One writer per store is the design, as in the SQLite backend: requests
+//! run in queue order and never wait on each other's locks. The SQL the
+//! requests run is still safe with several writers on one database (other
+//! nodes): sequences are assigned under row locks held until COMMIT (see
+//! the crate docs for the lock order). This module knows nothing about the
+//! requests themselves.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::Pool;
+use tidemark_store::{StoreError, StoreResult};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::db::{self, Conn};
+
+/// Most requests in one transaction. A request costs a few round trips to
+/// the server, so the bound also caps how long the first request of a
+/// batch waits for its reply (and how long the batch holds its row locks).
+pub const WRITE_BATCH_MAX: usize = 256;
+/// Most requests waiting for the writer; callers wait (backpressure) beyond.
+pub const WRITE_QUEUE_MAX: usize = 8192;
+/// Pause after the writer could not get a connection or begin a transaction,
+/// so a database outage does not turn into a busy loop.
+pub const WRITER_RETRY_PAUSE_MS: u64 = 50;
+
+/// A boxed future borrowing the connection.
+pub(crate) type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
+
+/// Completes one request once the batch's commit outcome is known.
+type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
+
+/// One queued write request.
+trait Job: Send {
+    /// Runs the request inside the open transaction, in its own savepoint.
+    /// Returns how to complete it after COMMIT, and whether the transaction
+    /// is still usable (false if the savepoint itself could not be handled).
+    fn run<'c>(self: Box<Self>, c: &'c Conn) -> BoxFut<'c, (Completer, bool)>;
+    /// Answers the request without running it.
+    fn fail(self: Box<Self>, e: StoreError);
+}
+
+struct Request<T, F> {
+    f: F,
+    reply: oneshot::Sender<StoreResult<T>>,
+}
+
+impl<T, F> Job for Request<T, F>
+where
+    T: Send + 'static,
+    F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Send + 'static,
+{
+    fn run<'c>(self: Box<Self>, c: &'c Conn) -> BoxFut<'c, (Completer, bool)> {
+        Box::pin(async move {
+            let Request { f, reply } = *self;
+            let (result, healthy) = in_savepoint(c, f).await;
+            let complete: Completer = Box::new(move |commit_error: Option<StoreError>| {
+                let _ = reply.send(match commit_error {
+                    Some(e) => Err(e),
+                    None => result,
+                });
+            });
+            (complete, healthy)
+        })
+    }
+
+    fn fail(self: Box<Self>, e: StoreError) {
+        let _ = self.reply.send(Err(e));
+    }
+}
+
+/// Counters of the writer's durability work.
+#[derive(Debug, Default)]
+pub struct WriterStats {
+    pub commits: AtomicU64,
+    pub writes: AtomicU64,
+}
+
+#[derive(Clone)]
+pub(crate) struct Writer {
+    jobs: mpsc::Sender<Box<dyn Job>>,
+    pub(crate) stats: Arc<WriterStats>,
+}
+
+impl Writer {
+    /// Starts the writer task on `pool` (a pool of one connection). The task
+    /// ends once every `Writer` clone is gone and the queue is drained.
+    pub(crate) fn start(pool: Pool) -> (Writer, tokio::task::JoinHandle<()>) {
+        let (tx, rx) = mpsc::channel::<Box<dyn Job>>(WRITE_QUEUE_MAX);
+        let stats = Arc::new(WriterStats::default());
+        let handle = tokio::spawn(run(pool, rx, stats.clone()));
+        (Writer { jobs: tx, stats }, handle)
+    }
+
+    /// Runs `f` inside the next group-committed transaction and returns its
+    /// result once that transaction is durable.
+    pub(crate) async fn write<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Send + 'static,
+    {
+        let (reply, rx) = oneshot::channel::<StoreResult<T>>();
+        let job: Box<dyn Job> = Box::new(Request { f, reply });
+        self.jobs.send(job).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
+        rx.await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?
+    }
+}
+
+/// Runs one request in a savepoint; an `Err` rolls back what it wrote.
+async fn in_savepoint<T, F>(c: &Conn, f: F) -> (StoreResult<T>, bool)
+where
+    F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>>,
+{
+    if let Err(e) = c.batch_execute("SAVEPOINT job").await {
+        return (Err(db::error(e)), false);
+    }
+    let result = f(c).await;
+    let end =
+        if result.is_err() { "ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job" } else { "RELEASE SAVEPOINT job" };
+    match c.batch_execute(end).await {
+        Ok(()) => (result, true),
+        Err(e) => (Err(db::error(e)), false),
+    }
+}
+
+/// Commits the open transaction. The `SELECT 1` first is a guard: PostgreSQL
+/// answers COMMIT on a transaction in the aborted state with a rollback and
+/// no error, so a failed statement that slipped through would otherwise be
+/// reported as committed. In the aborted state `SELECT 1` fails and the rest
+/// of the string is skipped.
+const COMMIT_SQL: &str = "SELECT 1; COMMIT";
+
+async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<WriterStats>) {
+    let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(WRITE_BATCH_MAX);
+    let pause = Duration::from_millis(WRITER_RETRY_PAUSE_MS);
+    while let Some(first) = rx.recv().await {
+        batch.push(first);
+        while batch.len() < WRITE_BATCH_MAX {
+            match rx.try_recv() {
+                Ok(job) => batch.push(job),
+                Err(_) => break,
+            }
+        }
+        let size = batch.len() as u64;
+        // The pool holds the single writer connection; it hands back a fresh
+        // one if the previous one died.
+        let conn = match pool.get().await {
+            Ok(conn) => conn,
+            Err(e) => {
+                tracing::error!(error = %e, "store writer has no connection");
+                fail_all(&mut batch, db::pool_error(e));
+                tokio::time::sleep(pause).await;
+                continue;
+            }
+        };
+        if let Err(e) = conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await {
+            tracing::error!(error = %e, "store writer could not begin a transaction");
+            fail_all(&mut batch, db::error(e));
+            drop(conn);
+            tokio::time::sleep(pause).await;
+            continue;
+        }
+        let mut completers: Vec<Completer> = Vec::with_capacity(batch.len());
+        let mut broken: Option<StoreError> = None;
+        for job in batch.drain(..) {
+            if let Some(e) = &broken {
+                job.fail(e.clone());
+                continue;
+            }
+            let (complete, healthy) = job.run(&conn).await;
+            completers.push(complete);
+            if !healthy {
+                broken = Some(StoreError::Unavailable("store transaction broken; batch rolled back".into()));
+            }
+        }
+        let commit_error = match broken {
+            Some(e) => {
+                let _ = conn.batch_execute("ROLLBACK").await;
+                tracing::error!(error = %e, "store batch rolled back");
+                Some(e)
+            }
+            None => match conn.batch_execute(COMMIT_SQL).await {
+                Ok(()) => None,
+                Err(e) => {
+                    let _ = conn.batch_execute("ROLLBACK").await;
+                    tracing::error!(error = %e, "store commit failed; batch rolled back");
+                    Some(StoreError::Unavailable(format!("commit: {e}")))
+                }
+            },
+        };
+        drop(conn);
+        if commit_error.is_none() {
+            stats.commits.fetch_add(1, Ordering::Relaxed);
+            stats.writes.fetch_add(size, Ordering::Relaxed);
+            metrics::counter!("tidemark_store_commits_total").increment(1);
+            metrics::histogram!("tidemark_store_commit_batch_size").record(size as f64);
+        }
+        for complete in completers {
+            complete(commit_error.clone());
+        }
+    }
+}
+
+fn fail_all(batch: &mut Vec<Box<dyn Job>>, e: StoreError) {
+    for job in batch.drain(..) {
+        job.fail(e.clone());
+    }
+}

@@ -1,0 +1,595 @@
+//! The store conformance suite against the PostgreSQL backend, the checks
+//! the SQLite backend runs beside it (reopen, group commit, quarantine),
+//! two checks that only make sense with several writers on one database,
+//! and a differential run: one scripted scenario over every store operation
+//! against both backends, every result compared.
+//!
+//! The database comes from `TIDEMARK_TEST_PG_URL`; each store gets its own
+//! PostgreSQL schema (`t_<pid>_<n>_<nanos>`), dropped when the test ends,
+//! pass or fail. Without the variable each test says so and returns.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use tidemark_core::cursor::{DeviceCursor, DeviceState, RecoveryInfo};
+use tidemark_postgres::{PgConfig, PgStore};
+use tidemark_sqlite::SqliteStore;
+use tidemark_store::*;
+
+const URL_VAR: &str = "TIDEMARK_TEST_PG_URL";
+
+/// The database URL, or `None` (with the reason on stderr) when unset.
+fn pg_url(test: &str) -> Option<String> {
+    match std::env::var(URL_VAR) {
+        Ok(url) => {
+            assert!(!url.is_empty(), "{URL_VAR} is set but empty");
+            Some(url)
+        }
+        Err(std::env::VarError::NotPresent) => {
+            eprintln!("skipping {test}: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
+            None
+        }
+        Err(e) => panic!("{URL_VAR}: {e}"),
+    }
+}
+
+/// Schemas created by one test; dropped when it ends, even by a panic.
+struct Schemas {
+    url: String,
+    names: Mutex<Vec<String>>,
+}
+
+static SCHEMA_COUNTER: AtomicU64 = AtomicU64::new(0);
+
+impl Schemas {
+    fn new(url: String) -> Schemas {
+        Schemas { url, names: Mutex::new(Vec::new()) }
+    }
+
+    fn fresh_name(&self) -> String {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let n = SCHEMA_COUNTER.fetch_add(1, Ordering::Relaxed);
+        let name = format!("t_{}_{n}_{nanos}", std::process::id());
+        self.names.lock().unwrap().push(name.clone());
+        name
+    }
+
+    fn config(&self, schema: &str) -> PgConfig {
+        PgConfig { schema: Some(schema.to_owned()), ..PgConfig::new(self.url.clone()) }
+    }
+
+    /// A store on a new, empty schema.
+    async fn fresh(&self) -> Arc<PgStore> {
+        let name = self.fresh_name();
+        PgStore::open(self.config(&name)).await.unwrap()
+    }
+
+    /// A plain connection with `search_path` on `schema`, for inspecting or
+    /// corrupting what a store wrote.
+    async fn raw(&self, schema: &str) -> tokio_postgres::Client {
+        let mut cfg: tokio_postgres::Config = self.url.parse().unwrap();
+        cfg.options(format!("-c search_path={schema}"));
+        let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client
+    }
+}
+
+impl Drop for Schemas {
+    fn drop(&mut self) {
+        let names = std::mem::take(&mut *self.names.lock().unwrap_or_else(|e| e.into_inner()));
+        if names.is_empty() {
+            return;
+        }
+        let url = self.url.clone();
+        // Drop runs inside (or after) the test's runtime: use a thread with
+        // its own runtime so this works from async code and while unwinding.
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await.unwrap();
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+                for name in names {
+                    if let Err(e) = client.batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE")).await {
+                        eprintln!("could not drop schema {name}: {e}");
+                    }
+                }
+            })
+        })
+        .join();
+        if dropped.is_err() {
+            eprintln!("could not drop the test schemas");
+        }
+    }
+}
+
+fn send_cmd(sender: &str, conv: &str, cmid: &str) -> SendCmd {
+    SendCmd {
+        sender: sender.into(),
+        sender_device: "d".into(),
+        conv: conv.into(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: format!("{{\"text\":\"{cmid}\"}}"),
+        message_id: format!("m-{sender}-{cmid}"),
+        quote_id: None,
+        now_ms: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_passes_the_conformance_suite() {
+    let Some(url) = pg_url("postgres_passes_the_conformance_suite") else { return };
+    let schemas = Schemas::new(url);
+    conformance::run_all(|| async { schemas.fresh().await as Arc<dyn Store> }).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_sends_and_outbox_survive_reopen() {
+    let Some(url) = pg_url("accepted_sends_and_outbox_survive_reopen") else { return };
+    let schemas = Schemas::new(url);
+    let name = schemas.fresh_name();
+    let secret = {
+        let store = PgStore::open(schemas.config(&name)).await.unwrap();
+        store.create_user("a", "x", 0).await.unwrap();
+        store.create_user("b", "x", 0).await.unwrap();
+        let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
+        for i in 0..5 {
+            store.accept_send(send_cmd("a", &conv, &format!("{i}"))).await.unwrap();
+        }
+        store.server_secret().await.unwrap()
+    };
+    // Opening again runs the schema creation again: it must change nothing.
+    let store = PgStore::open(schemas.config(&name)).await.unwrap();
+    let pending = store.pending_outbox(100).await.unwrap();
+    assert_eq!(pending.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+    assert_eq!(store.server_secret().await.unwrap(), secret, "the secret is created once and kept");
+    assert_eq!(secret.len(), 32);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_commit_batches_concurrent_writes() {
+    let Some(url) = pg_url("group_commit_batches_concurrent_writes") else { return };
+    let schemas = Schemas::new(url);
+    let store = schemas.fresh().await;
+    store.create_user("a", "x", 0).await.unwrap();
+    store.create_user("b", "x", 0).await.unwrap();
+    let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
+    let before = store.stats();
+    let n = 400;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (store, conv) = (store.clone(), conv.clone());
+        tasks.spawn(async move { store.accept_send(send_cmd("a", &conv, &format!("{i}"))).await.unwrap().msg_seq });
+    }
+    let mut seqs = tasks.join_all().await;
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=n).collect::<Vec<_>>());
+    let after = store.stats();
+    let commits = after.commits - before.commits;
+    assert_eq!(after.writes - before.writes, n);
+    assert_eq!(after.checkpoints, 0);
+    // 400 concurrent requests must share transactions; one per request would
+    // mean group commit is not working.
+    assert!(commits < n / 2, "{commits} commits for {n} concurrent sends");
+}
+
+/// F4: a message that hits two membership periods of one user is an
+/// integrity error: quarantined, counted, never delivered; the other
+/// members still get it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlapping_periods_are_quarantined() {
+    let Some(url) = pg_url("overlapping_periods_are_quarantined") else { return };
+    let schemas = Schemas::new(url);
+    let store = schemas.fresh().await;
+    for u in ["a", "b", "c"] {
+        store.create_user(u, "x", 0).await.unwrap();
+    }
+    let cmd = ConvEventCmd {
+        conv: "g1".into(),
+        actor: "a".into(),
+        actor_device: "d".into(),
+        event_id: "e1".into(),
+        client_msg_id: "e1".into(),
+        now_ms: 0,
+    };
+    store.create_group(cmd, vec!["b".into(), "c".into()]).await.unwrap();
+    // Corrupt the membership history: a second open period for b.
+    let raw = schemas.raw(store.schema().unwrap()).await;
+    raw.batch_execute(
+        "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g1', 'b', 0, NULL)",
+    )
+    .await
+    .unwrap();
+    let mut send = send_cmd("a", "g1", "m");
+    send.message_id = "m1".into();
+    store.accept_send(send).await.unwrap();
+    let report = store.fan_out(store.pending_outbox(10).await.unwrap(), 0).await.unwrap();
+    assert_eq!(report.quarantined, 2, "b is quarantined for both events (created, m1)");
+    let row = raw.query_one("SELECT COUNT(*) FROM fanout_quarantine WHERE user_id = 'b'", &[]).await.unwrap();
+    assert_eq!(row.get::<_, i64>(0), 2);
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), 0, "nothing delivered to b");
+    assert_eq!(store.user_high_watermark("c").await.unwrap(), 2, "c gets both");
+}
+
+/// S2 across writers: two stores on one database (two nodes) sending to the
+/// same conversation at once still get `1..=n`, each seq once; then both
+/// fan out the same items at once and every event exists once (F2, F3).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_writers_on_one_database_keep_sequences_contiguous() {
+    let Some(url) = pg_url("two_writers_on_one_database_keep_sequences_contiguous") else { return };
+    let schemas = Schemas::new(url);
+    let name = schemas.fresh_name();
+    let one = PgStore::open(schemas.config(&name)).await.unwrap();
+    let two = PgStore::open(schemas.config(&name)).await.unwrap();
+    for u in ["a", "b"] {
+        one.create_user(u, "x", 0).await.unwrap();
+    }
+    let (conv, _) = one.create_direct("a", "b", "c1", 0).await.unwrap();
+    let n = 200u64;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let store = if i % 2 == 0 { one.clone() } else { two.clone() };
+        let conv = conv.clone();
+        tasks.spawn(async move { store.accept_send(send_cmd("a", &conv, &format!("k{i}"))).await.unwrap().msg_seq });
+    }
+    let mut seqs = tasks.join_all().await;
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=n).collect::<Vec<_>>(), "S2: contiguous msg_seq across writers");
+
+    let items = one.pending_outbox(1000).await.unwrap();
+    assert_eq!(items.len() as u64, n);
+    let (r1, r2) = tokio::join!(one.fan_out(items.clone(), 0), two.fan_out(items, 0));
+    let (r1, r2) = (r1.unwrap(), r2.unwrap());
+    assert_eq!(r1.events_written + r2.events_written, 2 * n, "F3: each event written once");
+    assert_eq!(r1.duplicates_skipped + r2.duplicates_skipped, 2 * n);
+    for user in ["a", "b"] {
+        assert_eq!(two.user_high_watermark(user).await.unwrap(), n);
+        let seqs: Vec<u64> =
+            two.read_user_events(user, 0, n, 1000).await.unwrap().iter().map(|e| e.msg_seq.unwrap()).collect();
+        assert_eq!(seqs, (1..=n).collect::<Vec<_>>(), "F2: one event per message, in order");
+    }
+}
+
+/// A send refused at its savepoint rolls back alone: the rest of its batch
+/// commits, and no msg_seq is lost (S2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_request_rolls_back_alone_inside_a_batch() {
+    let Some(url) = pg_url("a_refused_request_rolls_back_alone_inside_a_batch") else { return };
+    let schemas = Schemas::new(url);
+    let store = schemas.fresh().await;
+    for u in ["a", "b", "c"] {
+        store.create_user(u, "x", 0).await.unwrap();
+    }
+    let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..100 {
+        let (store, conv) = (store.clone(), conv.clone());
+        // Every third send is by a non-member and must be refused.
+        let sender = if i % 3 == 0 { "c" } else { "a" };
+        tasks.spawn(async move { (sender, store.accept_send(send_cmd(sender, &conv, &format!("k{i}"))).await) });
+    }
+    let mut seqs = Vec::new();
+    for (sender, result) in tasks.join_all().await {
+        match sender {
+            "c" => assert_eq!(result, Err(StoreError::NotMember)),
+            _ => seqs.push(result.unwrap().msg_seq),
+        }
+    }
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    assert_eq!(store.conversation(&conv).await.unwrap().unwrap().head, seqs.len() as u64);
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, seqs.len() as u64);
+}
+
+// ------------------------------------------------------------ differential
+
+/// Errors whose message names the backend compare by kind only.
+fn norm<T: std::fmt::Debug>(r: &StoreResult<T>) -> String {
+    match r {
+        Err(StoreError::Internal(_)) => "Err(Internal)".into(),
+        Err(StoreError::Unavailable(_)) => "Err(Unavailable)".into(),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Runs `$call` with `$s` bound to each backend, asserts both results are
+/// the same, and returns SQLite's.
+macro_rules! same {
+    ($sq:expr, $pg:expr, $label:expr, |$s:ident| $call:expr) => {{
+        let a = {
+            let $s: &dyn Store = &*$sq;
+            $call.await
+        };
+        let b = {
+            let $s: &dyn Store = &*$pg;
+            $call.await
+        };
+        assert_eq!(norm(&a), norm(&b), "{}: sqlite (left) vs postgres (right)", $label);
+        a
+    }};
+}
+
+/// [`same!`] for a step whose result the scenario does not use.
+macro_rules! check {
+    ($($t:tt)*) => {{
+        let _ = same!($($t)*);
+    }};
+}
+
+fn ev(conv: &str, actor: &str, id: &str) -> ConvEventCmd {
+    ConvEventCmd {
+        conv: conv.into(),
+        actor: actor.into(),
+        actor_device: "d".into(),
+        event_id: id.into(),
+        client_msg_id: id.into(),
+        now_ms: 10,
+    }
+}
+
+/// Every store operation, through one scenario, on both backends: same
+/// results, same errors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_matches_sqlite_operation_by_operation() {
+    let Some(url) = pg_url("postgres_matches_sqlite_operation_by_operation") else { return };
+    let schemas = Schemas::new(url);
+    let pg = schemas.fresh().await;
+    let dir = tempfile::tempdir().unwrap();
+    let sq = SqliteStore::open(dir.path()).unwrap();
+
+    // Accounts and devices.
+    for u in ["a", "b", "c", "d", "e"] {
+        check!(sq, pg, "create_user", |s| s.create_user(u, "hash", 1));
+    }
+    check!(sq, pg, "create_user again", |s| s.create_user("a", "other", 1));
+    check!(sq, pg, "password_hash", |s| s.password_hash("a"));
+    check!(sq, pg, "password_hash unknown", |s| s.password_hash("zz"));
+    for u in ["a", "b", "c", "d", "e"] {
+        check!(sq, pg, "login_device", |s| s.login_device(u, "phone", "Phone", 2));
+    }
+    check!(sq, pg, "login_device rename", |s| s.login_device("a", "phone", "Phone 2", 3));
+    check!(sq, pg, "device", |s| s.device("a", "phone"));
+    check!(sq, pg, "device unknown", |s| s.device("a", "none"));
+    let rec = RefreshRecord { user: "a".into(), device: "phone".into(), expires_at_ms: 99 };
+    check!(sq, pg, "put_refresh_token", |s| s.put_refresh_token("h1", &rec));
+    check!(sq, pg, "take_refresh_token", |s| s.take_refresh_token("h1"));
+    check!(sq, pg, "take_refresh_token twice", |s| s.take_refresh_token("h1"));
+    check!(sq, pg, "revoke unknown", |s| s.revoke_device("a", "none", 4));
+
+    // Direct conversations.
+    check!(sq, pg, "create_direct", |s| s.create_direct("a", "b", "dab", 5));
+    check!(sq, pg, "create_direct reversed", |s| s.create_direct("b", "a", "dba", 5));
+    check!(sq, pg, "create_direct self", |s| s.create_direct("a", "a", "daa", 5));
+    check!(sq, pg, "create_direct unknown", |s| s.create_direct("a", "zz", "daz", 5));
+    check!(sq, pg, "conversation", |s| s.conversation("dab"));
+    check!(sq, pg, "conversation unknown", |s| s.conversation("nope"));
+
+    // Groups and membership.
+    check!(sq, pg, "create_group", |s| s.create_group(ev("g1", "a", "g1-create"), vec!["c".into(), "b".into()]));
+    check!(sq, pg, "create_group retry", |s| s.create_group(ev("g1", "a", "g1-create"), vec![]));
+    check!(sq, pg, "create_group unknown member", |s| s.create_group(ev("g2", "a", "g2-create"), vec!["zz".into()]));
+    check!(sq, pg, "create_group", |s| s.create_group(ev("g3", "b", "g3-create"), vec!["c".into()]));
+
+    // Sends.
+    for i in 0..4 {
+        check!(sq, pg, "send a", |s| s.accept_send(send_cmd("a", "g1", &format!("a{i}"))));
+    }
+    check!(sq, pg, "send b", |s| s.accept_send(send_cmd("b", "g1", "b0")));
+    check!(sq, pg, "send retry", |s| s.accept_send(send_cmd("b", "g1", "b0")));
+    check!(sq, pg, "send key reused elsewhere", |s| s.accept_send(send_cmd("b", "dab", "b0")));
+    check!(sq, pg, "send not member", |s| s.accept_send(send_cmd("d", "g1", "d0")));
+    check!(sq, pg, "send unknown conv", |s| s.accept_send(send_cmd("a", "nope", "a9")));
+    let mut control = send_cmd("a", "g1", "ctl");
+    control.kind = KIND_RECALL.into();
+    check!(sq, pg, "send control kind", |s| s.accept_send(control.clone()));
+    let mut quoting = send_cmd("c", "g1", "c0");
+    quoting.quote_id = Some("m-a-a1".into());
+    check!(sq, pg, "send quoting", |s| s.accept_send(quoting.clone()));
+    let mut bad_quote = send_cmd("c", "g1", "c1");
+    bad_quote.quote_id = Some("m-a-zz".into());
+    check!(sq, pg, "send bad quote", |s| s.accept_send(bad_quote.clone()));
+    for i in 0..3 {
+        check!(sq, pg, "send direct", |s| s.accept_send(send_cmd("b", "dab", &format!("db{i}"))));
+    }
+
+    check!(sq, pg, "add d", |s| s.change_membership(ev("g1", "a", "add-d"), "d", MembershipChange::Add));
+    check!(sq, pg, "add d retry", |s| s.change_membership(ev("g1", "a", "add-d"), "d", MembershipChange::Add));
+    check!(sq, pg, "add d again", |s| s.change_membership(ev("g1", "a", "add-d2"), "d", MembershipChange::Add));
+    check!(sq, pg, "add unknown", |s| s.change_membership(ev("g1", "a", "add-zz"), "zz", MembershipChange::Add));
+    check!(sq, pg, "add by non-member", |s| s.change_membership(ev("g1", "e", "add-x"), "e", MembershipChange::Add));
+    check!(sq, pg, "add in direct", |s| s.change_membership(ev("dab", "a", "add-dab"), "c", MembershipChange::Add));
+    check!(sq, pg, "remove by non-owner", |s| s.change_membership(
+        ev("g1", "b", "rm-c"),
+        "c",
+        MembershipChange::Remove
+    ));
+    check!(sq, pg, "leave for another", |s| s.change_membership(ev("g1", "b", "lv-c"), "c", MembershipChange::Leave));
+    check!(sq, pg, "send after join", |s| s.accept_send(send_cmd("d", "g1", "d1")));
+    check!(sq, pg, "remove c", |s| s.change_membership(ev("g1", "a", "rm-c2"), "c", MembershipChange::Remove));
+    check!(sq, pg, "remove c again", |s| s.change_membership(ev("g1", "a", "rm-c3"), "c", MembershipChange::Remove));
+    check!(sq, pg, "send after removal", |s| s.accept_send(send_cmd("c", "g1", "c2")));
+    check!(sq, pg, "send a", |s| s.accept_send(send_cmd("a", "g1", "a4")));
+    check!(sq, pg, "unknown conv membership", |s| s.change_membership(
+        ev("nope", "a", "x1"),
+        "b",
+        MembershipChange::Add
+    ));
+
+    // Fan-out of everything so far.
+    let items = same!(sq, pg, "pending_outbox", |s| s.pending_outbox(1000)).unwrap();
+    check!(sq, pg, "outbox_stats", |s| s.outbox_stats());
+    // Outbox ids are backend-assigned; fan each backend its own items.
+    let pg_items = pg.pending_outbox(1000).await.unwrap();
+    let a = sq.fan_out(items.clone(), 20).await;
+    let b = pg.fan_out(pg_items.clone(), 20).await;
+    assert_eq!(norm(&a), norm(&b), "fan_out");
+    let a = sq.fan_out(items, 20).await;
+    let b = pg.fan_out(pg_items, 20).await;
+    assert_eq!(norm(&a), norm(&b), "fan_out again");
+
+    // Edits, reactions, recall.
+    check!(sq, pg, "edit", |s| s.edit(ev("g1", "a", "ed1"), "m-a-a1", "{\"text\":\"new\"}", 1));
+    check!(sq, pg, "edit retry", |s| s.edit(ev("g1", "a", "ed1"), "m-a-a1", "{\"text\":\"new\"}", 1));
+    check!(sq, pg, "edit stale", |s| s.edit(ev("g1", "a", "ed2"), "m-a-a1", "{\"text\":\"x\"}", 1));
+    check!(sq, pg, "edit by other", |s| s.edit(ev("g1", "b", "ed3"), "m-a-a1", "{\"text\":\"x\"}", 2));
+    check!(sq, pg, "edit unknown", |s| s.edit(ev("g1", "a", "ed4"), "m-a-zz", "{\"text\":\"x\"}", 1));
+    check!(sq, pg, "edit control event", |s| s.edit(ev("g1", "a", "ed5"), "g1-create", "{}", 1));
+    check!(sq, pg, "react", |s| s.react(ev("g1", "b", "r1"), "m-a-a1", "+1", true));
+    check!(sq, pg, "react other", |s| s.react(ev("g1", "a", "r2"), "m-a-a1", "+1", true));
+    check!(sq, pg, "react again", |s| s.react(ev("g1", "b", "r3"), "m-a-a1", "+1", true));
+    check!(sq, pg, "react remove missing", |s| s.react(ev("g1", "b", "r4"), "m-a-a1", "heart", false));
+    check!(sq, pg, "react by newcomer on older", |s| s.react(ev("g1", "d", "r5"), "m-a-a1", "+1", true));
+    check!(sq, pg, "react by newcomer", |s| s.react(ev("g1", "d", "r6"), "m-a-a4", "ok", true));
+    check!(sq, pg, "react remove", |s| s.react(ev("g1", "a", "r7"), "m-a-a1", "+1", false));
+    check!(sq, pg, "key reused for another kind", |s| s.react(ev("g1", "a", "ed1"), "m-a-a1", "+1", true));
+    check!(sq, pg, "recall by other", |s| s.recall(ev("g1", "b", "rc0"), "m-a-a1"));
+    let recalled = same!(sq, pg, "recall", |s| s.recall(ev("g1", "a", "rc1"), "m-a-a1")).unwrap();
+    assert!(recalled.changed, "the scenario recalls a message");
+    check!(sq, pg, "recall retry", |s| s.recall(ev("g1", "a", "rc1"), "m-a-a1"));
+    check!(sq, pg, "recall again", |s| s.recall(ev("g1", "a", "rc2"), "m-a-a1"));
+    check!(sq, pg, "edit recalled", |s| s.edit(ev("g1", "a", "ed6"), "m-a-a1", "{}", 3));
+    check!(sq, pg, "react recalled", |s| s.react(ev("g1", "b", "r8"), "m-a-a1", "x", true));
+    check!(sq, pg, "recall by leaver", |s| s.recall(ev("g1", "c", "rc3"), "m-c-c0"));
+    check!(sq, pg, "bump_epoch", |s| s.bump_epoch("dab"));
+    check!(sq, pg, "bump_epoch unknown", |s| s.bump_epoch("nope"));
+
+    let items = sq.pending_outbox(1000).await.unwrap();
+    let pg_items = pg.pending_outbox(1000).await.unwrap();
+    assert_eq!(norm(&sq.fan_out(items, 30).await), norm(&pg.fan_out(pg_items, 30).await), "fan_out control events");
+
+    // Per-user events.
+    check!(sq, pg, "mark_read", |s| s.mark_read("b", "g1", 4, 40));
+    check!(sq, pg, "mark_read back", |s| s.mark_read("b", "g1", 2, 40));
+    check!(sq, pg, "mark_read past head", |s| s.mark_read("d", "g1", 1000, 40));
+    check!(sq, pg, "mark_read unknown conv", |s| s.mark_read("b", "nope", 1, 40));
+    check!(sq, pg, "mark_read not member", |s| s.mark_read("e", "g1", 1, 40));
+    check!(sq, pg, "settings", |s| s.update_settings("b", "g1", Some(true), None, 41));
+    check!(sq, pg, "settings same", |s| s.update_settings("b", "g1", Some(true), Some(false), 41));
+    check!(sq, pg, "settings pin", |s| s.update_settings("b", "dab", None, Some(true), 41));
+    check!(sq, pg, "settings unknown", |s| s.update_settings("b", "nope", None, Some(true), 41));
+    check!(sq, pg, "settings not member", |s| s.update_settings("e", "g1", None, Some(true), 41));
+    check!(sq, pg, "delete_for_me", |s| s.delete_for_me("b", "g1", "m-a-a2", 42));
+    check!(sq, pg, "delete_for_me again", |s| s.delete_for_me("b", "g1", "m-a-a2", 42));
+    check!(sq, pg, "delete_for_me unseen", |s| s.delete_for_me("d", "g1", "m-a-a0", 42));
+    check!(sq, pg, "delete_for_me unknown", |s| s.delete_for_me("b", "g1", "m-a-zz", 42));
+    check!(sq, pg, "delivery", |s| s.record_delivery("b", "phone", vec!["m-a-a0".into(), "m-a-a0".into()], 43));
+    check!(sq, pg, "delivery again", |s| s.record_delivery("b", "phone", vec!["m-a-a0".into(), "m-a-a3".into()], 43));
+    check!(sq, pg, "delivery unknown", |s| s.record_delivery("b", "phone", vec!["m-a-a3".into(), "zz".into()], 43));
+    let too_many: Vec<String> = (0..501).map(|i| format!("x{i}")).collect();
+    check!(sq, pg, "delivery too many", |s| s.record_delivery("b", "phone", too_many.clone(), 43));
+    let rebuilt = same!(sq, pg, "rebuild_unread", |s| s.rebuild_unread()).unwrap();
+    assert!(rebuilt.rows_checked >= 8);
+    let items = sq.pending_outbox(1000).await.unwrap();
+    let pg_items = pg.pending_outbox(1000).await.unwrap();
+    assert_eq!(norm(&sq.fan_out(items, 50).await), norm(&pg.fan_out(pg_items, 50).await), "fan_out after reads");
+    check!(sq, pg, "send after delete", |s| s.accept_send(send_cmd("a", "g1", "a5")));
+    let items = sq.pending_outbox(1000).await.unwrap();
+    let pg_items = pg.pending_outbox(1000).await.unwrap();
+    assert_eq!(norm(&sq.fan_out(items, 51).await), norm(&pg.fan_out(pg_items, 51).await), "fan_out last");
+
+    // Reads, for every user.
+    for u in ["a", "b", "c", "d", "e"] {
+        check!(sq, pg, "list_conversations", |s| s.list_conversations(u));
+        check!(sq, pg, "user_high_watermark", |s| s.user_high_watermark(u));
+        check!(sq, pg, "user_log", |s| s.user_log(u));
+        check!(sq, pg, "read_user_events", |s| s.read_user_events(u, 0, 1000, 1000));
+        check!(sq, pg, "read_user_events page", |s| s.read_user_events(u, 2, 7, 3));
+        for conv in ["g1", "g3", "dab", "nope"] {
+            check!(sq, pg, "conv_sync", |s| s.conv_sync(u, conv, 0, 100, None));
+            check!(sq, pg, "conv_sync paged", |s| s.conv_sync(u, conv, 2, 3, Some(1)));
+            check!(sq, pg, "conv_sync ahead", |s| s.conv_sync(u, conv, 500, 3, None));
+            check!(sq, pg, "conv_sync epoch", |s| s.conv_sync(u, conv, 0, 3, Some(7)));
+            check!(sq, pg, "history", |s| s.history(u, conv, None, 100));
+            check!(sq, pg, "history paged", |s| s.history(u, conv, Some(9), 2));
+            check!(sq, pg, "history huge cursor", |s| s.history(u, conv, Some(1 << 40), 2));
+        }
+    }
+    check!(sq, pg, "conversation g1", |s| s.conversation("g1"));
+    // The scenario reached the states it is about: an edited and recalled
+    // message, reactions, a quote, a deletion, unread counts.
+    let page = sq.conv_sync("b", "g1", 0, 100, None).await.unwrap();
+    let states: Vec<&str> = page.events.iter().map(|m| m.state.as_str()).collect();
+    assert!(states.contains(&STATE_RECALLED) && states.contains(&STATE_DELETED), "{states:?}");
+    assert!(page.events.iter().any(|m| m.quote.is_some()));
+    assert!(page.events.iter().any(|m| !m.reactions.is_empty()));
+    assert!(page.events.iter().any(|m| m.kind == KIND_EDIT && m.content.contains("\"recalled\":true")));
+    assert!(sq.list_conversations("c").await.unwrap().iter().any(|s| s.unread > 0));
+
+    // Device cursors, ACKs and recovery sessions.
+    let new = sq.device("b", "phone").await.unwrap().unwrap().cursor;
+    let active = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::Active };
+    check!(sq, pg, "cas", |s| s.cas_device_cursor("b", "phone", new, active, 60));
+    check!(sq, pg, "cas stale", |s| s.cas_device_cursor("b", "phone", new, active, 60));
+    check!(sq, pg, "cas unknown", |s| s.cas_device_cursor("b", "none", new, active, 60));
+    check!(sq, pg, "ack", |s| s.ack("b", "phone", 1, None, 5, 61));
+    check!(sq, pg, "ack back", |s| s.ack("b", "phone", 1, None, 3, 61));
+    check!(sq, pg, "ack stale gen", |s| s.ack("b", "phone", 0, None, 9, 61));
+    check!(sq, pg, "ack unknown", |s| s.ack("b", "none", 1, None, 9, 61));
+    let expected = DeviceCursor { generation: 1, acked_sync_seq: 5, state: DeviceState::Active };
+    let session = RecoveryInfo { session_id: "rs1".into(), resume_from: 2, high_watermark: 8, expires_at_ms: 1_000 };
+    check!(sq, pg, "begin_recovery", |s| s.begin_recovery("b", "phone", expected, session.clone(), 62));
+    check!(sq, pg, "begin_recovery stale", |s| s.begin_recovery("b", "phone", expected, session.clone(), 62));
+    check!(sq, pg, "recovery_session", |s| s.recovery_session("b", "phone"));
+    check!(sq, pg, "ack during recovery", |s| s.ack("b", "phone", 2, Some("rs1"), 7, 63));
+    check!(sq, pg, "ack wrong session", |s| s.ack("b", "phone", 2, Some("rs0"), 8, 63));
+    check!(sq, pg, "ack completes recovery", |s| s.ack("b", "phone", 2, Some("rs1"), 8, 63));
+    check!(sq, pg, "recovery_session after", |s| s.recovery_session("b", "phone"));
+    let expected = DeviceCursor { generation: 2, acked_sync_seq: 8, state: DeviceState::Active };
+    let session = RecoveryInfo { session_id: "rs2".into(), resume_from: 6, high_watermark: 9, expires_at_ms: 100 };
+    check!(sq, pg, "begin_recovery 2", |s| s.begin_recovery("b", "phone", expected, session.clone(), 64));
+    check!(sq, pg, "ack expired recovery", |s| s.ack("b", "phone", 3, Some("rs2"), 9, 100));
+    let r = same!(sq, pg, "device after expiry", |s| s.device("b", "phone")).unwrap().unwrap();
+    assert_eq!(r.cursor.state, DeviceState::Resetting);
+
+    // Snapshots.
+    let g = r.cursor.generation;
+    check!(sq, pg, "begin_snapshot wrong gen", |s| s.begin_snapshot("b", "phone", g + 1, "s0", 3, 500, 70));
+    let view = same!(sq, pg, "begin_snapshot", |s| s.begin_snapshot("b", "phone", g, "s1", 3, 500, 70)).unwrap();
+    assert!(!view.1.is_empty());
+    check!(sq, pg, "snapshot building", |s| s.snapshot("s1"));
+    check!(sq, pg, "snapshot_page building", |s| s.snapshot_page("s1", 0));
+    let pages = vec![vec!["i0".to_string(), "i1".to_string()], vec!["i2".to_string()], vec![]];
+    check!(sq, pg, "finish_snapshot", |s| s.finish_snapshot("s1", "digest", pages.clone()));
+    check!(sq, pg, "finish_snapshot twice", |s| s.finish_snapshot("s1", "digest", pages.clone()));
+    check!(sq, pg, "snapshot ready", |s| s.snapshot("s1"));
+    for p in 0..4 {
+        check!(sq, pg, "snapshot_page", |s| s.snapshot_page("s1", p));
+    }
+    check!(sq, pg, "ack_snapshot other device", |s| s.ack_snapshot("c", "phone", "s1", 71));
+    check!(sq, pg, "ack_snapshot unknown", |s| s.ack_snapshot("b", "phone", "s9", 71));
+    check!(sq, pg, "ack_snapshot", |s| s.ack_snapshot("b", "phone", "s1", 71));
+    check!(sq, pg, "ack_snapshot twice", |s| s.ack_snapshot("b", "phone", "s1", 71));
+    check!(sq, pg, "snapshot installed", |s| s.snapshot("s1"));
+    check!(sq, pg, "snapshot_page installed", |s| s.snapshot_page("s1", 0));
+
+    // Retention.
+    for u in ["a", "c", "d"] {
+        let cur = sq.device(u, "phone").await.unwrap().unwrap().cursor;
+        let hw = sq.user_high_watermark(u).await.unwrap();
+        let to = DeviceCursor { generation: 1, acked_sync_seq: hw / 2, state: DeviceState::Active };
+        check!(sq, pg, "cas for trim", |s| s.cas_device_cursor(u, "phone", cur, to, 80));
+    }
+    let policy = RetentionPolicy { keep_events_younger_than_ms: 5, device_inactive_after_ms: 1_000 };
+    let trim = same!(sq, pg, "trim", |s| s.trim_user_logs(policy, 90)).unwrap();
+    assert!(trim.users_trimmed > 0 && trim.events_deleted > 0, "the scenario trims: {trim:?}");
+    check!(sq, pg, "trim again", |s| s.trim_user_logs(policy, 90));
+    for u in ["a", "b", "c", "d", "e"] {
+        check!(sq, pg, "user_log after trim", |s| s.user_log(u));
+        check!(sq, pg, "read_user_events after trim", |s| s.read_user_events(u, 0, 1000, 1000));
+    }
+
+    // Revocation last: it ends the device.
+    check!(sq, pg, "revoke", |s| s.revoke_device("a", "phone", 95));
+    check!(sq, pg, "revoke again", |s| s.revoke_device("a", "phone", 95));
+    check!(sq, pg, "revoked_devices", |s| s.revoked_devices());
+    check!(sq, pg, "ack revoked", |s| s.ack("a", "phone", 1, None, 1, 96));
+    check!(sq, pg, "outbox_stats end", |s| s.outbox_stats());
+    let (a, b) = (sq.stats(), pg.stats());
+    assert_eq!(b.checkpoints, 0);
+    assert!(a.writes > 0 && b.writes > 0);
+}
