@@ -624,10 +624,17 @@ pub(crate) async fn append_user_event(
 /// the read cursor, from others, neither recalled nor deleted for the user
 /// (R3). Only what fan-out already delivered counts, so a message racing a
 /// clear is counted exactly once, by whichever comes second.
-pub(crate) const COUNT_UNREAD: &str = "SELECT COUNT(*) FROM user_events e
-     JOIN messages m ON m.conv_id = e.conv_id AND m.message_id = e.message_id
-     WHERE e.user_id = $1 AND e.conv_id = $2 AND e.kind = 'message' AND e.msg_seq > $3
+/// Unread from the facts (R3): user messages above the read cursor and at
+/// or below what fan-out delivered (`last_msg_seq`), inside the user's
+/// periods, from others, neither recalled nor deleted for the user. Only
+/// conversation facts count, never the user log, which retention trims.
+pub(crate) const COUNT_UNREAD: &str = "SELECT COUNT(*) FROM messages m JOIN user_convs uc
+       ON uc.user_id = $1 AND uc.conv_id = m.conv_id
+     WHERE m.conv_id = $2 AND m.msg_seq > $3 AND m.msg_seq <= uc.last_msg_seq
        AND m.sender <> $1 AND m.state <> 'recalled'
+       AND m.kind NOT IN ('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction')
+       AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = $1
+                   AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
        AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = m.message_id)";
 
 pub(crate) async fn count_unread(c: &Conn, user: &str, conv: &str, read_seq: u64) -> R<u64> {
@@ -749,7 +756,10 @@ pub(crate) async fn record_delivery(c: &Conn, user: &str, device: &str, ids: &[S
     // unknown id (in request order) refuses the whole request.
     let rows = query(
         c,
-        "SELECT DISTINCT message_id FROM user_events WHERE user_id = $1 AND message_id = ANY($2)",
+        "SELECT m.message_id FROM messages m JOIN user_convs uc ON uc.user_id = $1 AND uc.conv_id = m.conv_id
+         WHERE m.message_id = ANY($2) AND m.msg_seq <= uc.last_msg_seq
+           AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = $1
+                       AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))",
         &[&user, &ids],
     )
     .await?;
@@ -771,10 +781,12 @@ pub(crate) async fn rebuild_unread(c: &Conn) -> R<UnreadRebuild> {
     let rows = query(
         c,
         "SELECT uc.user_id, uc.conv_id, uc.unread,
-                (SELECT COUNT(*) FROM user_events e
-                 JOIN messages m ON m.conv_id = e.conv_id AND m.message_id = e.message_id
-                 WHERE e.user_id = uc.user_id AND e.conv_id = uc.conv_id AND e.kind = 'message'
-                   AND e.msg_seq > uc.read_seq AND m.sender <> uc.user_id AND m.state <> 'recalled'
+                (SELECT COUNT(*) FROM messages m
+                 WHERE m.conv_id = uc.conv_id AND m.msg_seq > uc.read_seq AND m.msg_seq <= uc.last_msg_seq
+                   AND m.sender <> uc.user_id AND m.state <> 'recalled'
+                   AND m.kind NOT IN ('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction')
+                   AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = uc.user_id
+                               AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
                    AND NOT EXISTS (SELECT 1 FROM user_deleted d
                                    WHERE d.user_id = uc.user_id AND d.message_id = m.message_id))
          FROM user_convs uc ORDER BY uc.user_id, uc.conv_id",

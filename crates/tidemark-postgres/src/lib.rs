@@ -671,6 +671,17 @@ impl Store for PgStore {
                     }
                     assert!(new.generation >= expected.generation, "a generation never goes back");
                     write_cursor(c, &user, &device, new, now_ms).await?;
+                    if new.generation != expected.generation {
+                        // A new generation ends any recovery session of the
+                        // old one: it no longer fences retention.
+                        crate::db::exec(
+                            c,
+                            "UPDATE recovery_sessions SET state = 'EXPIRED'
+                             WHERE user_id = $1 AND device_id = $2 AND state = 'ACTIVE'",
+                            &[&user, &device],
+                        )
+                        .await?;
+                    }
                     Ok((true, new))
                 })
             })

@@ -167,7 +167,8 @@ async fn snapshot_for_update(c: &Conn, snapshot_id: &str) -> R<Option<SnapshotMe
 /// state and the items agree.
 pub(crate) async fn snapshot_page(c: &Conn, snapshot_id: &str, page: u32) -> R<Option<Vec<String>>> {
     let Some(meta) = snapshot(c, snapshot_id).await? else { return Ok(None) };
-    if meta.state == SNAPSHOT_BUILDING || page >= meta.pages {
+    // Only a READY snapshot serves pages: an installed one has no items left.
+    if meta.state != SNAPSHOT_READY || page >= meta.pages {
         return Ok(None);
     }
     let rows = query(

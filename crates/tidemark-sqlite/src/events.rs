@@ -487,20 +487,23 @@ pub(crate) fn append_user_event(
     Ok(Some(seq as u64))
 }
 
-/// Unread from the facts: user-content events in the user's own log above
-/// the read cursor, from others, neither recalled nor deleted for the user
-/// (R3). Only what fan-out already delivered counts, so a message racing a
-/// clear is counted exactly once, by whichever comes second.
+/// Unread from the facts (R3): user messages of the conversation above the
+/// read cursor and at or below what fan-out delivered to the user
+/// (`last_msg_seq`; fan-out runs in commit order), inside the user's
+/// periods, from others, neither recalled nor deleted for the user. Only
+/// conversation facts count, never the user log, which retention trims; so
+/// a message racing a clear is counted once, by whichever comes second.
+pub(crate) const COUNT_UNREAD: &str = "SELECT COUNT(*) FROM messages m JOIN user_convs uc
+       ON uc.user_id = ?1 AND uc.conv_id = m.conv_id
+     WHERE m.conv_id = ?2 AND m.msg_seq > ?3 AND m.msg_seq <= uc.last_msg_seq
+       AND m.sender != ?1 AND m.state != 'recalled'
+       AND m.kind NOT IN ('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction')
+       AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?1
+                   AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
+       AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = m.message_id)";
+
 pub(crate) fn count_unread(c: &Connection, user: &str, conv: &str, read_seq: u64) -> R<u64> {
-    let n: i64 = q(
-        c,
-        "SELECT COUNT(*) FROM user_events e JOIN messages m ON m.message_id = e.message_id
-         WHERE e.user_id = ?1 AND e.conv_id = ?2 AND e.kind = 'message' AND e.msg_seq > ?3
-           AND m.sender != ?1 AND m.state != 'recalled'
-           AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = m.message_id)",
-        params![user, conv, read_seq as i64],
-    )?
-    .unwrap_or(0);
+    let n: i64 = q(c, COUNT_UNREAD, params![user, conv, read_seq as i64])?.unwrap_or(0);
     Ok(n as u64)
 }
 
@@ -601,9 +604,17 @@ pub(crate) fn record_delivery(c: &Connection, user: &str, device: &str, ids: &[S
     }
     let mut added = 0;
     for id in ids {
-        // Only messages the user's log actually delivered count.
-        let delivered: Option<i64> =
-            q(c, "SELECT 1 FROM user_events WHERE user_id = ?1 AND message_id = ?2 LIMIT 1", params![user, id])?;
+        // Only messages fan-out delivered to the user count: inside the
+        // user's periods and at or below its last_msg_seq (conversation
+        // facts, not the user log, which retention trims).
+        let delivered: Option<i64> = q(
+            c,
+            "SELECT 1 FROM messages m JOIN user_convs uc ON uc.user_id = ?1 AND uc.conv_id = m.conv_id
+             WHERE m.message_id = ?2 AND m.msg_seq <= uc.last_msg_seq
+               AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?1
+                           AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))",
+            params![user, id],
+        )?;
         if delivered.is_none() {
             return Err(StoreError::NotFound(format!("message {id}")));
         }

@@ -791,6 +791,15 @@ impl Store for SqliteStore {
                 }
                 assert!(new.generation >= expected.generation, "a generation never goes back");
                 write_cursor(c, &user, &device, new, now_ms)?;
+                if new.generation != expected.generation {
+                    // A new generation ends any recovery session of the old
+                    // one: it no longer fences retention.
+                    c.execute(
+                        "UPDATE recovery_sessions SET state = 'EXPIRED' WHERE user_id = ?1 AND device_id = ?2 AND state = 'ACTIVE'",
+                        params![user, device],
+                    )
+                    .map_err(internal)?;
+                }
                 Ok((true, new))
             })
             .await

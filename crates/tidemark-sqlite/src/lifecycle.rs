@@ -138,7 +138,8 @@ pub(crate) fn snapshot(c: &Connection, snapshot_id: &str) -> R<Option<SnapshotMe
 
 pub(crate) fn snapshot_page(c: &Connection, snapshot_id: &str, page: u32) -> R<Option<Vec<String>>> {
     let Some(meta) = snapshot(c, snapshot_id)? else { return Ok(None) };
-    if meta.state == SNAPSHOT_BUILDING || page >= meta.pages {
+    // Only a READY snapshot serves pages: an installed one has no items left.
+    if meta.state != SNAPSHOT_READY || page >= meta.pages {
         return Ok(None);
     }
     let mut stmt = c

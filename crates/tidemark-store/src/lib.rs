@@ -574,7 +574,8 @@ pub trait Store: Send + Sync + 'static {
 
     async fn snapshot(&self, snapshot_id: &str) -> StoreResult<Option<SnapshotMeta>>;
 
-    /// The items of one page of a `READY` or `INSTALLED` snapshot.
+    /// The items of one page of a `READY` snapshot (`None` otherwise, or
+    /// past its last page).
     async fn snapshot_page(&self, snapshot_id: &str, page: u32) -> StoreResult<Option<Vec<String>>>;
 
     /// Installs: if the device is still `RESETTING` at the snapshot's

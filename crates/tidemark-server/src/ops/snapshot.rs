@@ -165,16 +165,14 @@ pub async fn ack(state: &AppState, ctx: &AuthCtx, req: SnapshotAckReq) -> ApiRes
         state.hub.on_ack(&ctx.user, &ctx.device, cursor.acked_sync_seq);
         return Ok(SnapshotAckOk { acked_sync_seq: cursor.acked_sync_seq, sync_generation: cursor.generation });
     }
-    match cursor.state {
-        // A retried ACK of the snapshot that was installed: the same answer.
-        DeviceState::Active
-            if cursor.generation == claims.generation && cursor.acked_sync_seq >= claims.base_sync_seq =>
-        {
-            Ok(SnapshotAckOk { acked_sync_seq: cursor.acked_sync_seq, sync_generation: cursor.generation })
-        }
-        _ => Err(ApiError::new(
-            ErrorCode::TokenInvalid,
-            "the snapshot is no longer installable (expired or superseded); begin a new one",
-        )),
+    // A retried ACK of this very snapshot, already installed: the same answer.
+    let meta = state.store.snapshot(&claims.snapshot_id).await?;
+    let installed_here = meta.is_some_and(|m| m.state == tidemark_store::SNAPSHOT_INSTALLED);
+    if installed_here && cursor.generation == claims.generation && cursor.state == DeviceState::Active {
+        return Ok(SnapshotAckOk { acked_sync_seq: claims.base_sync_seq, sync_generation: cursor.generation });
     }
+    Err(ApiError::new(
+        ErrorCode::TokenInvalid,
+        "the snapshot is no longer installable (expired or superseded); begin a new one",
+    ))
 }

@@ -205,7 +205,13 @@ async fn next_page(
     if position < log.trimmed_upto || session_over {
         let bumped =
             DeviceCursor { generation: device.cursor.generation + 1, state: DeviceState::Resetting, ..device.cursor };
-        let (_, cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, device.cursor, bumped, now).await?;
+        let (won, cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, device.cursor, bumped, now).await?;
+        if !won {
+            // The cursor moved meanwhile (say the final ACK of the recovery
+            // landed): let the client start a new batch.
+            return Err(ApiError::new(ErrorCode::TokenInvalid, "the batch ended; start a new one")
+                .with_generation(cursor.generation));
+        }
         metrics::counter!(m::GENERATION_BUMPS).increment(1);
         return Err(reset_required(cursor.generation));
     }
