@@ -26,11 +26,17 @@ use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
 
+mod depth;
+
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
     /// Durable ingest: closed-loop WebSocket senders against an in-process
     /// server, next to a plain-SQLite baseline measured in the same run.
     Ingest(IngestArgs),
+    /// Sync page latency with a short and a long user log (D2 reads by
+    /// index range, so depth must not matter): the short log is the
+    /// baseline of the same run.
+    Depth(depth::DepthArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -61,6 +67,7 @@ pub struct IngestArgs {
 pub async fn run(command: BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Ingest(args) => ingest(args).await,
+        BenchCommand::Depth(args) => depth::run(args).await,
     }
 }
 
