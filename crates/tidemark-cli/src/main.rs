@@ -1,6 +1,7 @@
 //! The `tidemark` command: `serve`, `user add` and `bench`.
 
 mod bench;
+mod demo;
 
 use std::io::BufRead;
 use std::path::PathBuf;
@@ -60,6 +61,8 @@ enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
+    /// Play the multi-device sync story on an in-process server and check it.
+    Demo,
 }
 
 #[derive(Subcommand)]
@@ -143,5 +146,6 @@ async fn main() -> Result<()> {
             }
         }
         Command::Bench { command } => bench::run(command).await,
+        Command::Demo => demo::run().await,
     }
 }

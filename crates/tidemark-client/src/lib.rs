@@ -1,21 +1,106 @@
-//! A Tidemark client connection: HTTP for accounts and single calls, and a
-//! WebSocket that multiplexes requests by `rid` and surfaces the server's
-//! `hint` and `kicked` frames.
+//! The Tidemark client: a transport ([`WsConn`], [`Http`]) and, on top of
+//! it, the SDK an app holds per device ([`Client`]).
 //!
-//! This is the transport layer only. It keeps no local state and makes no
-//! sync decisions: it will not ACK, retry or resync by itself. The local
-//! store and the sync state machine build on it.
+//! The SDK keeps a local SQLite store (K1), a persistent outbox for sends,
+//! recalls and reads (K3) and a contiguous cursor per conversation (K2);
+//! it applies control events by version and recalls as placeholders (E1,
+//! E2) and follows the user's read position across devices (R2). It runs
+//! one engine task per client: a connection state machine with backoff and
+//! jitter that syncs on connect, on hints and periodically, one sync at a
+//! time (K4).
+//! Every sync page is applied in one local transaction, and the ACK is sent
+//! only after it commits; a lost ACK is repaired by the next sync, which
+//! replays from the server's ACK and skips what is already applied.
+//!
+//! Module map:
+//! - [`client`]: the app-facing API (open, start, send, recall, mark read,
+//!   read the local store, subscribe to changes);
+//! - `engine`: the state machine, sync rounds and the outbox pump;
+//! - [`store`]: the local SQLite schema and its transactions;
+//! - [`cursor`]: the pure contiguous cursor with its pending buffer;
+//! - [`policy`]: pure decisions (backoff, sync gate, refusal → action);
+//! - `http`, `ws`: the transport. It keeps no state and makes no sync
+//!   decision: it never ACKs, retries or resyncs by itself.
+//!
+//! # Example
+//!
+//! Two users on a real server (started in-process here), one device each:
+//!
+//! ```
+//! # use std::time::Duration;
+//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let dir = tempfile::tempdir()?;
+//! # let store = tidemark_sqlite::SqliteStore::open(&dir.path().join("server"))?;
+//! # let config = tidemark_server::ServerConfig { admin_token: Some("admin".into()), ..Default::default() };
+//! # let server = tidemark_server::Server::start("127.0.0.1:0", store, config).await?;
+//! # let url = server.url();
+//! # let admin = tidemark_client::Http::new(&url);
+//! # admin.create_user("admin", "alice", "pw-a").await?;
+//! # admin.create_user("admin", "bob", "pw-b").await?;
+//! use tidemark_client::{Client, ClientConfig, ConnState};
+//!
+//! // One client per device, each with its own local database.
+//! let alice = Client::open(
+//!     ClientConfig::new(&url, "alice", "alice-phone", dir.path().join("alice.db")).with_password("pw-a"),
+//! )?;
+//! let bob = Client::open(
+//!     ClientConfig::new(&url, "bob", "bob-laptop", dir.path().join("bob.db")).with_password("pw-b"),
+//! )?;
+//! alice.start().await?;
+//! bob.start().await?;
+//! alice.wait_state(ConnState::Ready, Duration::from_secs(10)).await?;
+//!
+//! let conv = alice.create_direct("bob").await?;
+//! // Durable in Alice's outbox when this returns; sent in order.
+//! alice.send(&conv, serde_json::json!({"text": "hello bob"})).await?;
+//!
+//! // Bob's device syncs on the hint, commits the page, then ACKs.
+//! let mut changes = bob.subscribe();
+//! bob.wait_for(Duration::from_secs(10), || async { Ok(bob.messages(&conv).await?.len() == 1) }).await?;
+//! let list = bob.conversations().await?;
+//! assert_eq!(list[0].unread, 1);
+//! assert_eq!(list[0].last_message.as_ref().unwrap().content["text"], "hello bob");
+//! while let Some(change) = changes.try_recv() {
+//!     println!("{change:?}"); // pages applied, cursors moved, ACKs…
+//! }
+//!
+//! // A recall leaves a placeholder in place on every device (E1); a read is
+//! // the user's, not the device's (R2). Both go through the outbox too.
+//! let sent = alice.messages(&conv).await?.remove(0);
+//! alice.recall(&conv, &sent.message_id).await?;
+//! bob.wait_for(Duration::from_secs(10), || async {
+//!     Ok(bob.messages(&conv).await?[0].state == "recalled")
+//! })
+//! .await?;
+//! bob.mark_read(&conv, 2).await?;
+//! # alice.stop().await;
+//! # bob.stop().await;
+//! # server.stop().await;
+//! # Ok(())
+//! # }
+//! ```
 
+pub mod client;
+pub mod cursor;
+mod engine;
 mod http;
+pub mod policy;
+pub mod store;
 mod ws;
 
+pub use client::{Change, Changes, Client, ClientConfig, ConnState, Exit, FaultHook, SdkError};
 pub use http::Http;
+pub use store::{
+    Conversation, CursorMove, FaultAction, FaultPoint, Gap, Message, OutboxEntry, OutboxOp, OutboxState, PageReport,
+    StoreError, SyncPosition,
+};
 pub use tidemark_proto as proto;
 pub use ws::{ServerEvent, WsConn};
 
 use tidemark_proto::{ErrorCode, ErrorFrame};
 
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum ClientError {
     /// The server refused the request with a contract error code.
     #[error("server refused: {} ({})", .0.code, .0.message)]

@@ -1,4 +1,8 @@
 //! A WebSocket connection with request multiplexing by `rid`.
+//!
+//! It owns the socket's two tasks (reader and writer) and the table of
+//! requests waiting for their reply; it knows nothing of what the requests
+//! mean, and never retries, ACKs or resyncs by itself.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -8,8 +12,11 @@ use futures_util::{SinkExt, StreamExt};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
-use tidemark_proto::{op, AckOk, AckReq, ConvCreateOk, ConvCreateReq, SendOk, SendReq, SyncOk, SyncReq};
+use tidemark_proto::{
+    op, AckOk, AckReq, ConvCreateOk, ConvCreateReq, ConvListOk, ErrorCode, ErrorFrame, SendOk, SendReq, SyncOk, SyncReq,
+};
 use tokio::sync::{mpsc, oneshot};
+use tokio::task::AbortHandle;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::Message;
 
@@ -42,6 +49,27 @@ pub struct WsConn {
     out: mpsc::Sender<Message>,
     pending: Pending,
     next_rid: Arc<AtomicU64>,
+    tasks: Arc<[AbortHandle; 2]>,
+}
+
+/// A refused upgrade carries the error object (docs/protocol.md §1.1):
+/// surface it as the server's refusal so the caller can tell a bad token
+/// (401) or a revoked device (403) from a network failure.
+fn upgrade_error(e: tokio_tungstenite::tungstenite::Error) -> ClientError {
+    use tokio_tungstenite::tungstenite::Error;
+    let Error::Http(resp) = e else {
+        return ClientError::Transport(e.to_string());
+    };
+    let status = resp.status().as_u16();
+    if let Some(frame) = resp.body().as_deref().and_then(|b| serde_json::from_slice::<ErrorFrame>(b).ok()) {
+        return ClientError::Server(frame);
+    }
+    let code = match status {
+        401 => ErrorCode::Unauthenticated,
+        403 => ErrorCode::DeviceRevoked,
+        _ => return ClientError::Transport(format!("upgrade refused with HTTP {status}")),
+    };
+    ClientError::Server(ErrorFrame::new(code, format!("upgrade refused with HTTP {status}")))
 }
 
 impl WsConn {
@@ -52,14 +80,13 @@ impl WsConn {
         let value = format!("Bearer {access_token}").parse().map_err(|_| ClientError::Transport("bad token".into()))?;
         request.headers_mut().insert("authorization", value);
         // Nagle off: requests are small frames that must leave at once.
-        let (socket, _) = tokio_tungstenite::connect_async_with_config(request, None, true)
-            .await
-            .map_err(|e| ClientError::Transport(e.to_string()))?;
+        let (socket, _) =
+            tokio_tungstenite::connect_async_with_config(request, None, true).await.map_err(upgrade_error)?;
         let (mut sink, mut stream) = socket.split();
         let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTGOING_MAX);
         let (ev_tx, ev_rx) = mpsc::channel::<ServerEvent>(EVENTS_MAX);
         let pending: Pending = Arc::default();
-        tokio::spawn(async move {
+        let writer = tokio::spawn(async move {
             while let Some(msg) = out_rx.recv().await {
                 if sink.send(msg).await.is_err() {
                     break;
@@ -69,7 +96,7 @@ impl WsConn {
         });
         let reader_pending = pending.clone();
         let pong = out_tx.clone();
-        tokio::spawn(async move {
+        let reader = tokio::spawn(async move {
             while let Some(Ok(msg)) = stream.next().await {
                 let text = match msg {
                     Message::Text(t) => t,
@@ -106,7 +133,24 @@ impl WsConn {
             reader_pending.lock().expect("pending lock").clear();
             let _ = ev_tx.send(ServerEvent::Closed).await;
         });
-        Ok((WsConn { out: out_tx, pending, next_rid: Arc::new(AtomicU64::new(1)) }, ev_rx))
+        let tasks = Arc::new([writer.abort_handle(), reader.abort_handle()]);
+        Ok((WsConn { out: out_tx, pending, next_rid: Arc::new(AtomicU64::new(1)), tasks }, ev_rx))
+    }
+
+    /// Starts a clean close: queues a Close frame; the server answers it and
+    /// the connection ends (the event stream then yields `Closed`).
+    pub async fn close(&self) {
+        let _ = self.out.send(Message::Close(None)).await;
+    }
+
+    /// Drops the socket at once, without a Close frame, as a killed process
+    /// would; requests still waiting fail with `Closed`. The event stream
+    /// ends without a `Closed` event.
+    pub fn abort(&self) {
+        for task in self.tasks.iter() {
+            task.abort();
+        }
+        self.pending.lock().expect("pending lock").clear();
     }
 
     /// Sends a raw text frame (for tests of malformed input).
@@ -151,7 +195,14 @@ impl WsConn {
     }
 
     pub async fn conv_create_direct(&self, peer: &str) -> ClientResult<ConvCreateOk> {
-        self.request(op::CONV_CREATE, &ConvCreateReq { kind: "direct".into(), members: vec![peer.into()], client_msg_id: None })
-            .await
+        self.request(
+            op::CONV_CREATE,
+            &ConvCreateReq { kind: "direct".into(), members: vec![peer.into()], client_msg_id: None },
+        )
+        .await
+    }
+
+    pub async fn conv_list(&self) -> ClientResult<ConvListOk> {
+        self.request(op::CONV_LIST, &serde_json::json!({})).await
     }
 }

@@ -1,0 +1,815 @@
+//! The connection state machine (K4) and the two loops that run on a
+//! connection: sync rounds (K1, K2) and the outbox pump (K3).
+//!
+//! One engine task per [`crate::Client`] owns the connection. It walks
+//! `offline → connecting → syncing → ready`, reconnecting with exponential
+//! backoff and full jitter. On a connection it syncs at once, then on every
+//! hint, on a periodic timer and when a gap shows; [`SyncGate`] keeps at
+//! most one sync in flight and turns any number of requests during it into
+//! one more round. The outbox pump sends pending entries (sends, recalls,
+//! reads) one at a time in their original order, each after the previous
+//! reply, so after a reconnect the old entries leave before any new one.
+//!
+//! A sync round applies each page in one local transaction and ACKs only
+//! after the commit; a lost ACK is repaired by the next round, whose batch
+//! restarts at the server's ACK and is skipped locally. Every refusal goes
+//! through [`crate::policy::action_for`].
+//!
+//! This module knows the protocol's order of operations and nothing of the
+//! SQL (that is [`crate::store`]) or of how an app presents anything.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tidemark_proto::{op, ConvSummary, ReadOk, ReadReq, RecallOk, RecallReq, SendReq, SyncReq};
+use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
+use tokio::time::{Instant, MissedTickBehavior, Sleep};
+
+use crate::client::{Change, ClientConfig, ConnState, Exit, SdkError};
+use crate::policy::{action_for, action_for_kick, Action, Op, SyncGate};
+use crate::store::{
+    ApplyError, FaultAction, FaultPoint, LocalStore, OutboxEntry, OutboxOp, OutboxRecord, PageReport, StoreError,
+    StoreResult,
+};
+use crate::{ClientError, ClientResult, Http, ServerEvent, WsConn};
+
+/// Commands from the app to the engine waiting to be served.
+pub(crate) const COMMANDS_MAX: usize = 64;
+/// Change notifications buffered per subscriber before it lags.
+pub(crate) const CHANGES_MAX: usize = 1024;
+/// Batches one sync round may start over (after `STALE_GENERATION`,
+/// `TOKEN_INVALID`, `RESET_REQUIRED` or a page refused locally) before it
+/// backs off instead.
+const BATCH_RESTARTS_MAX: u32 = 4;
+/// An access token this close to its expiry is refreshed before connecting.
+const TOKEN_REFRESH_MARGIN: Duration = Duration::from_secs(30);
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// What an app asks of the engine's connection.
+pub(crate) enum Command {
+    CreateDirect { peer: String, reply: oneshot::Sender<Result<String, SdkError>> },
+    ServerConversations { reply: oneshot::Sender<Result<Vec<ConvSummary>, SdkError>> },
+}
+
+/// State shared by the app handle and the engine task.
+pub(crate) struct Inner {
+    pub config: ClientConfig,
+    pub store: Mutex<LocalStore>,
+    pub changes: broadcast::Sender<Change>,
+    pub state: watch::Sender<ConnState>,
+    /// Bumped after every local commit, so waiters re-read the store.
+    pub version: watch::Sender<u64>,
+    /// A new outbox entry (a hint: the outbox table is the truth).
+    pub outbox_wake: Notify,
+    /// A reason to sync from outside the engine (app, own-send gap).
+    pub sync_wake: Notify,
+    /// Set when the fault hook aborted: no further local write happens.
+    pub aborted: Mutex<Option<FaultPoint>>,
+    pub http: Http,
+    pub ws_url: String,
+}
+
+impl Inner {
+    /// Runs `f` on the local store in a blocking thread. Refused once the
+    /// fault hook aborted the client: a killed process writes nothing more.
+    pub async fn db<R, F>(self: &Arc<Self>, f: F) -> StoreResult<R>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut LocalStore, &Inner) -> StoreResult<R> + Send + 'static,
+    {
+        let inner = self.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut store = inner.store.lock().map_err(|_| StoreError::Sqlite("local store lock poisoned".into()))?;
+            if let Some(point) = inner.aborted.lock().map_err(|_| StoreError::Sqlite("poisoned".into()))?.clone() {
+                return Err(StoreError::Aborted(point));
+            }
+            f(&mut store, &inner)
+        })
+        .await
+        .map_err(|e| StoreError::Sqlite(format!("local store task: {e}")))?
+    }
+
+    /// Asks the fault hook about `point`; an abort is remembered so nothing
+    /// else is written.
+    pub fn fault(&self, point: &FaultPoint) -> FaultAction {
+        let Some(hook) = &self.config.fault else {
+            return FaultAction::Continue;
+        };
+        let action = hook(point);
+        if action == FaultAction::Abort {
+            if let Ok(mut aborted) = self.aborted.lock() {
+                *aborted = Some(point.clone());
+            }
+        }
+        action
+    }
+
+    /// Notifications are hints to the app (the store is the truth), so a
+    /// send with no subscriber is not an error.
+    pub fn emit(&self, change: Change) {
+        let _ = self.changes.send(change);
+    }
+
+    pub fn committed(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    pub fn set_state(&self, state: ConnState) {
+        if self.state.send_if_modified(|s| std::mem::replace(s, state) != state) {
+            self.emit(Change::State(state));
+        }
+    }
+
+    async fn call<T>(&self, request: impl Future<Output = ClientResult<T>>) -> ClientResult<T> {
+        match tokio::time::timeout(self.config.request_timeout, request).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Transport("request timed out".into())),
+        }
+    }
+}
+
+/// How a connection (or an attempt at one) ended.
+#[derive(Debug)]
+enum End {
+    Exit(Exit),
+    Reconnect { at_least: Duration },
+    Reauthenticate,
+}
+
+impl End {
+    fn reconnect() -> End {
+        End::Reconnect { at_least: Duration::ZERO }
+    }
+
+    fn of(action: Action) -> End {
+        match action {
+            Action::Revoked => End::Exit(Exit::Revoked),
+            Action::Superseded => End::Exit(Exit::Superseded),
+            Action::Reauthenticate => End::Reauthenticate,
+            Action::Retry { retry_after } => End::Reconnect { at_least: retry_after.unwrap_or_default() },
+            Action::Reset { .. } | Action::RestartBatch | Action::Reconnect | Action::Reject => End::reconnect(),
+        }
+    }
+
+    fn store(e: StoreError) -> End {
+        match e {
+            StoreError::Aborted(point) => End::Exit(Exit::Aborted(point)),
+            other => End::Exit(Exit::Failed(other.to_string())),
+        }
+    }
+}
+
+/// Runs the engine until it stops; hands the command queue back so the
+/// client can be started again.
+pub(crate) async fn run(
+    inner: Arc<Inner>,
+    mut cmds: mpsc::Receiver<Command>,
+    mut shutdown: watch::Receiver<bool>,
+) -> (Exit, mpsc::Receiver<Command>) {
+    let exit = drive(&inner, &mut cmds, &mut shutdown).await;
+    inner.set_state(ConnState::Offline);
+    if exit == Exit::Revoked {
+        // docs/protocol.md §4.2: stop; delete the tokens and local data.
+        if inner.db(|s, _| s.wipe()).await.is_ok() {
+            inner.committed();
+        }
+    }
+    inner.emit(Change::Exited(exit.clone()));
+    (exit, cmds)
+}
+
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    loop {
+        if *shutdown.borrow_and_update() {
+            return;
+        }
+        if shutdown.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+#[derive(Default)]
+struct Auth {
+    access: Option<(String, Instant)>,
+}
+
+async fn drive(inner: &Arc<Inner>, cmds: &mut mpsc::Receiver<Command>, shutdown: &mut watch::Receiver<bool>) -> Exit {
+    let mut auth = Auth::default();
+    // Consecutive failed attempts; reset once a connection reaches ready.
+    let mut attempt: u32 = 0;
+    loop {
+        if *shutdown.borrow() {
+            return Exit::Stopped;
+        }
+        inner.set_state(ConnState::Connecting);
+        let connected = tokio::select! {
+            connected = connect(inner, &mut auth) => connected,
+            _ = stopped(shutdown) => return Exit::Stopped,
+        };
+        let end = match connected {
+            Ok((ws, events)) => session(inner, ws, events, cmds, shutdown, &mut attempt).await,
+            Err(end) => end,
+        };
+        let at_least = match end {
+            End::Exit(exit) => return exit,
+            End::Reconnect { at_least } => at_least,
+            End::Reauthenticate => {
+                auth.access = None;
+                Duration::ZERO
+            }
+        };
+        inner.set_state(ConnState::Offline);
+        let delay = inner.config.backoff.delay_after(Some(at_least), attempt, rand::random());
+        attempt = attempt.saturating_add(1);
+        tracing::debug!(user = %inner.config.user, device = %inner.config.device_id, ?delay, attempt, "reconnecting");
+        let deadline = tokio::time::sleep(delay);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                _ = &mut deadline => break,
+                _ = stopped(shutdown) => return Exit::Stopped,
+                cmd = cmds.recv() => match cmd {
+                    Some(cmd) => refuse_offline(cmd),
+                    None => return Exit::Stopped,
+                },
+            }
+        }
+    }
+}
+
+fn refuse_offline(cmd: Command) {
+    match cmd {
+        Command::CreateDirect { reply, .. } => {
+            let _ = reply.send(Err(SdkError::Offline));
+        }
+        Command::ServerConversations { reply } => {
+            let _ = reply.send(Err(SdkError::Offline));
+        }
+    }
+}
+
+/// An access token (refreshing or logging in as needed) and a WebSocket.
+async fn connect(inner: &Arc<Inner>, auth: &mut Auth) -> Result<(WsConn, mpsc::Receiver<ServerEvent>), End> {
+    let token = access_token(inner, auth).await?;
+    match inner.call(WsConn::connect(&inner.ws_url, &token)).await {
+        Ok(conn) => Ok(conn),
+        Err(e) => {
+            tracing::debug!(error = %e, "connect failed");
+            Err(End::of(action_for(Op::Connect, &e)))
+        }
+    }
+}
+
+async fn access_token(inner: &Arc<Inner>, auth: &mut Auth) -> Result<String, End> {
+    if let Some((token, expires)) = &auth.access {
+        if Instant::now() + TOKEN_REFRESH_MARGIN < *expires {
+            return Ok(token.clone());
+        }
+    }
+    auth.access = None;
+    let refresh = inner.db(|s, _| s.refresh_token()).await.map_err(End::store)?;
+    if let Some(refresh) = refresh {
+        match inner.call(inner.http.refresh(&refresh)).await {
+            Ok(login) => return adopt(inner, auth, login).await,
+            Err(e) => match action_for(Op::Connect, &e) {
+                Action::Revoked => return Err(End::Exit(Exit::Revoked)),
+                // Used, expired or unknown: it is gone; log in again.
+                Action::Reauthenticate | Action::Reject => {
+                    inner.db(|s, _| s.set_refresh_token(None)).await.map_err(End::store)?;
+                }
+                other => return Err(End::of(other)),
+            },
+        }
+    }
+    let Some(password) = inner.config.password.clone() else {
+        return Err(End::Exit(Exit::LoggedOut("no password and no usable refresh token".into())));
+    };
+    let c = &inner.config;
+    match inner.call(inner.http.login(&c.user, &password, &c.device_id)).await {
+        Ok(login) => adopt(inner, auth, login).await,
+        Err(e) => match action_for(Op::Connect, &e) {
+            Action::Revoked => Err(End::Exit(Exit::Revoked)),
+            Action::Reauthenticate | Action::Reject => Err(End::Exit(Exit::LoggedOut(e.to_string()))),
+            other => Err(End::of(other)),
+        },
+    }
+}
+
+/// Persists the new refresh token before the access token is used (each
+/// refresh token works once).
+async fn adopt(inner: &Arc<Inner>, auth: &mut Auth, login: tidemark_proto::LoginOk) -> Result<String, End> {
+    let refresh = login.refresh_token.clone();
+    inner.db(move |s, _| s.set_refresh_token(Some(&refresh))).await.map_err(End::store)?;
+    auth.access = Some((login.access_token.clone(), Instant::now() + Duration::from_secs(login.expires_in)));
+    Ok(login.access_token)
+}
+
+/// Aborts the socket unless the session closed it cleanly.
+struct ConnGuard {
+    ws: WsConn,
+    armed: bool,
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.ws.abort();
+        }
+    }
+}
+
+async fn opt<T>(f: &mut Option<BoxFuture<T>>) -> T {
+    match f {
+        Some(f) => f.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn opt_sleep(s: &mut Option<Pin<Box<Sleep>>>) {
+    match s {
+        Some(s) => s.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// One connection: sync on connect, on hints, on the timer and on gaps;
+/// pump the outbox; serve app commands. Returns how it ended.
+async fn session(
+    inner: &Arc<Inner>,
+    ws: WsConn,
+    mut events: mpsc::Receiver<ServerEvent>,
+    cmds: &mut mpsc::Receiver<Command>,
+    shutdown: &mut watch::Receiver<bool>,
+    attempt: &mut u32,
+) -> End {
+    let mut guard = ConnGuard { ws: ws.clone(), armed: true };
+    let backoff = inner.config.backoff;
+    let start_sync = || -> BoxFuture<RoundEnd> { Box::pin(sync_round(inner.clone(), ws.clone())) };
+    let start_pump = || -> BoxFuture<PumpEnd> { Box::pin(pump(inner.clone(), ws.clone())) };
+    let mut sync_gate = SyncGate::default();
+    let mut pump_gate = SyncGate::default();
+    let mut retries = (0u32, 0u32);
+    let mut sync_retry: Option<Pin<Box<Sleep>>> = None;
+    let mut pump_retry: Option<Pin<Box<Sleep>>> = None;
+    let period = inner.config.periodic_sync;
+    let mut periodic = tokio::time::interval_at(Instant::now() + period, period);
+    periodic.set_missed_tick_behavior(MissedTickBehavior::Delay);
+
+    inner.set_state(ConnState::Syncing);
+    sync_gate.request();
+    let mut sync: Option<BoxFuture<RoundEnd>> = Some(start_sync());
+    // Pending sends from before this connection go first, in order.
+    pump_gate.request();
+    let mut pumping: Option<BoxFuture<PumpEnd>> = Some(start_pump());
+    loop {
+        let mut want_sync = false;
+        let mut want_pump = false;
+        tokio::select! {
+            biased;
+            _ = stopped(shutdown) => {
+                ws.close().await;
+                guard.armed = false;
+                return End::Exit(Exit::Stopped);
+            }
+            ev = events.recv() => match ev {
+                Some(ServerEvent::Hint { high_watermark, reason }) => {
+                    inner.emit(Change::Hint { high_watermark, reason });
+                    want_sync = true;
+                }
+                Some(ServerEvent::Kicked { reason }) => {
+                    let end = End::of(action_for_kick(&reason));
+                    inner.emit(Change::Kicked { reason });
+                    return end;
+                }
+                Some(ServerEvent::Closed) | None => return End::reconnect(),
+            },
+            r = opt(&mut sync), if sync.is_some() => {
+                sync = None;
+                match r {
+                    RoundEnd::Done { applied, gaps_left } => {
+                        retries.0 = 0;
+                        // A gap that the round's new events did not close
+                        // gets one more round (the log may have caught up).
+                        if sync_gate.finish() || (applied > 0 && gaps_left && sync_gate.request()) {
+                            sync = Some(start_sync());
+                        } else {
+                            inner.set_state(ConnState::Ready);
+                            *attempt = 0;
+                        }
+                    }
+                    RoundEnd::Retry(retry_after) => {
+                        sync_gate.abandon();
+                        let delay = backoff.delay_after(retry_after, retries.0, rand::random());
+                        retries.0 = retries.0.saturating_add(1);
+                        sync_retry = Some(Box::pin(tokio::time::sleep(delay)));
+                    }
+                    RoundEnd::End(end) => return end,
+                }
+            }
+            r = opt(&mut pumping), if pumping.is_some() => {
+                pumping = None;
+                match r {
+                    PumpEnd::Drained => {
+                        retries.1 = 0;
+                        if pump_gate.finish() {
+                            pumping = Some(start_pump());
+                        }
+                    }
+                    PumpEnd::Retry(retry_after) => {
+                        pump_gate.abandon();
+                        let delay = backoff.delay_after(retry_after, retries.1, rand::random());
+                        retries.1 = retries.1.saturating_add(1);
+                        pump_retry = Some(Box::pin(tokio::time::sleep(delay)));
+                    }
+                    PumpEnd::End(end) => return end,
+                }
+            }
+            _ = opt_sleep(&mut sync_retry), if sync_retry.is_some() => {
+                sync_retry = None;
+                want_sync = true;
+            }
+            _ = opt_sleep(&mut pump_retry), if pump_retry.is_some() => {
+                pump_retry = None;
+                want_pump = true;
+            }
+            _ = inner.outbox_wake.notified() => want_pump = true,
+            _ = inner.sync_wake.notified() => want_sync = true,
+            _ = periodic.tick() => want_sync = true,
+            cmd = cmds.recv() => match cmd {
+                Some(cmd) => serve(inner, &ws, cmd).await,
+                None => return End::Exit(Exit::Stopped),
+            },
+        }
+        // While a retry waits, its timer is the next round: a hint then
+        // changes nothing (the round reads up to the head anyway).
+        if want_sync && sync_retry.is_none() && sync_gate.request() {
+            inner.set_state(ConnState::Syncing);
+            sync = Some(start_sync());
+        }
+        if want_pump && pump_retry.is_none() && pump_gate.request() {
+            pumping = Some(start_pump());
+        }
+    }
+}
+
+async fn serve(inner: &Arc<Inner>, ws: &WsConn, cmd: Command) {
+    match cmd {
+        Command::CreateDirect { peer, reply } => {
+            let result = match inner.call(ws.conv_create_direct(&peer)).await {
+                Ok(ok) => {
+                    let (conv, kind) = (ok.conv.clone(), ok.kind.clone());
+                    match inner.db(move |s, _| s.ensure_conversation(&conv, &kind)).await {
+                        Ok(()) => {
+                            inner.committed();
+                            Ok(ok.conv)
+                        }
+                        Err(e) => Err(SdkError::Store(e)),
+                    }
+                }
+                Err(e) => Err(SdkError::Refused(e)),
+            };
+            let _ = reply.send(result);
+        }
+        Command::ServerConversations { reply } => {
+            let result = inner.call(ws.conv_list()).await.map(|ok| ok.conversations).map_err(SdkError::Refused);
+            let _ = reply.send(result);
+        }
+    }
+}
+
+/// How one sync round ended.
+enum RoundEnd {
+    /// Caught up to the batch's watermark.
+    Done {
+        applied: usize,
+        gaps_left: bool,
+    },
+    /// Transient refusal: retry after at least this long.
+    Retry(Option<Duration>),
+    End(End),
+}
+
+/// What a failed request inside a round leads to.
+enum Flow {
+    RestartBatch,
+    Stop(RoundEnd),
+}
+
+async fn on_round_error(inner: &Arc<Inner>, op: Op, e: &ClientError) -> Flow {
+    tracing::debug!(error = %e, ?op, "sync request refused");
+    match action_for(op, e) {
+        Action::Reset { generation } => {
+            // Wipe in one transaction, then a first page with the new
+            // generation and local_applied_sync_seq 0.
+            match inner.db(move |s, _| s.reset(generation)).await {
+                Ok(()) => {
+                    inner.emit(Change::Reset { generation });
+                    inner.committed();
+                    Flow::RestartBatch
+                }
+                Err(e) => Flow::Stop(RoundEnd::End(End::store(e))),
+            }
+        }
+        Action::RestartBatch => Flow::RestartBatch,
+        Action::Retry { retry_after } => Flow::Stop(RoundEnd::Retry(retry_after)),
+        other => Flow::Stop(RoundEnd::End(End::of(other))),
+    }
+}
+
+/// True when `e` is `RESET_REQUIRED` for the generation we already wiped
+/// into (`local_applied_sync_seq` 0): replaying cannot rebuild us.
+fn wiped_and_still_resetting(sent: &crate::store::SyncPosition, e: &ClientError) -> bool {
+    let ClientError::Server(frame) = e else {
+        return false;
+    };
+    frame.code == tidemark_proto::ErrorCode::ResetRequired
+        && sent.applied_sync_seq == 0
+        && sent.generation.is_some()
+        && frame.sync_generation == sent.generation
+}
+
+/// One sync round: one batch from a first page to `has_more: false`, each
+/// page applied in one local transaction and ACKed after its commit.
+async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
+    let limit = inner.config.sync_page_limit;
+    let mut applied_total = 0usize;
+    let mut restarts = 0u32;
+    'batch: loop {
+        if restarts > BATCH_RESTARTS_MAX {
+            tracing::warn!(restarts, "sync batch keeps restarting; backing off");
+            return RoundEnd::Retry(None);
+        }
+        let position = match inner.db(|s, _| s.position()).await {
+            Ok(p) => p,
+            Err(e) => return RoundEnd::End(End::store(e)),
+        };
+        let first = SyncReq {
+            sync_generation: position.generation,
+            local_applied_sync_seq: Some(position.applied_sync_seq),
+            limit: Some(limit),
+            ..SyncReq::default()
+        };
+        let mut page = match inner.call(ws.sync(&first)).await {
+            Ok(page) => page,
+            Err(e) if wiped_and_still_resetting(&position, &e) => {
+                // We wiped and asked to rebuild under this generation, and
+                // the server still refuses: its log no longer starts at 1,
+                // so only a snapshot install (D7) can rebuild this device.
+                return RoundEnd::End(End::Exit(Exit::Unsupported(
+                    "the server needs a snapshot rebuild (D7, snapshot.*), which docs/protocol.md does not \
+                     describe yet and this client does not implement"
+                        .into(),
+                )));
+            }
+            Err(e) => match on_round_error(&inner, Op::Sync, &e).await {
+                Flow::RestartBatch => {
+                    restarts += 1;
+                    continue 'batch;
+                }
+                Flow::Stop(end) => return end,
+            },
+        };
+        let token = page.batch_token.clone();
+        // What this batch has ACKed so far. It starts at the batch's start,
+        // not at the server's ACK: a recovery batch (D6) starts below the
+        // server's ACK and completes only by its own final ACK.
+        let mut acked = page.resume_from;
+        loop {
+            let report = {
+                let page = page.clone();
+                inner.db(move |s, inner| Ok(s.apply_page(&page, &|p| inner.fault(p)))).await
+            };
+            let report = match report {
+                Ok(Ok(report)) => report,
+                Ok(Err(ApplyError::Store(e))) | Err(e) => return RoundEnd::End(End::store(e)),
+                Ok(Err(e)) => {
+                    // Nothing of the page was committed; the cursor did not
+                    // move. A new batch starts from the server's ACK.
+                    tracing::warn!(error = %e, "sync page refused locally; starting a new batch");
+                    restarts += 1;
+                    continue 'batch;
+                }
+            };
+            applied_total += report.applied;
+            let (page_applied, applied_sync_seq) = (report.applied, report.applied_sync_seq);
+            if report.applied > 0 || report.skipped > 0 {
+                announce_page(&inner, report);
+            }
+            if page_applied > 0 {
+                let point = FaultPoint::AfterCommit { applied_sync_seq };
+                if inner.fault(&point) == FaultAction::Abort {
+                    return RoundEnd::End(End::Exit(Exit::Aborted(point)));
+                }
+            }
+            // K1: the ACK follows the commit, and covers what is applied.
+            let ack_to = applied_sync_seq.min(page.batch_high_watermark);
+            if ack_to > acked {
+                match inner.call(ws.ack(&token, ack_to)).await {
+                    Ok(ok) => {
+                        acked = acked.max(ack_to);
+                        let (generation, value) = (ok.sync_generation, ok.acked_sync_seq);
+                        if let Err(e) = inner.db(move |s, _| s.record_ack(generation, value)).await {
+                            return RoundEnd::End(End::store(e));
+                        }
+                        inner.emit(Change::Acked { sync_seq: ack_to, acked_sync_seq: value, generation });
+                        inner.committed();
+                    }
+                    Err(e) => match on_round_error(&inner, Op::Ack, &e).await {
+                        Flow::RestartBatch => {
+                            restarts += 1;
+                            continue 'batch;
+                        }
+                        Flow::Stop(end) => return end,
+                    },
+                }
+            }
+            if !page.has_more {
+                let gaps_left = match inner.db(|s, _| s.conversations_with_gap()).await {
+                    Ok(convs) => !convs.is_empty(),
+                    Err(e) => return RoundEnd::End(End::store(e)),
+                };
+                return RoundEnd::Done { applied: applied_total, gaps_left };
+            }
+            let next = SyncReq {
+                batch_token: Some(token.clone()),
+                cursor: page.next_cursor.clone(),
+                limit: Some(limit),
+                ..SyncReq::default()
+            };
+            page = match inner.call(ws.sync(&next)).await {
+                Ok(page) => page,
+                Err(e) => match on_round_error(&inner, Op::Sync, &e).await {
+                    Flow::RestartBatch => {
+                        restarts += 1;
+                        continue 'batch;
+                    }
+                    Flow::Stop(end) => return end,
+                },
+            };
+        }
+    }
+}
+
+/// Notifies first, then bumps the version: whoever wakes on the version
+/// finds the notifications already sent.
+fn announce_page(inner: &Inner, report: PageReport) {
+    let applied = report.applied;
+    let (cursors, gaps) = (report.cursors.clone(), report.gaps.clone());
+    let (recalled, reads) = (report.recalled.clone(), report.reads.clone());
+    inner.emit(Change::PageApplied(report));
+    for m in cursors {
+        inner.emit(Change::CursorMoved(m));
+    }
+    for g in gaps {
+        inner.emit(Change::Gap(g));
+    }
+    for (conv, msg_seq) in recalled {
+        inner.emit(Change::Recalled { conv, msg_seq });
+    }
+    for (conv, read_seq) in reads {
+        inner.emit(Change::ReadMoved { conv, read_seq });
+    }
+    if applied > 0 {
+        inner.committed();
+    }
+}
+
+/// How the outbox pump ended.
+enum PumpEnd {
+    Drained,
+    Retry(Option<Duration>),
+    End(End),
+}
+
+/// Sends pending outbox entries oldest first, one at a time, each after
+/// the previous reply (docs/protocol.md §1.2: the order of two writes holds
+/// only if the second waits for the first).
+async fn pump(inner: Arc<Inner>, ws: WsConn) -> PumpEnd {
+    loop {
+        let entry = match inner.db(|s, _| s.next_pending()).await {
+            Ok(Some(entry)) => entry,
+            Ok(None) => return PumpEnd::Drained,
+            Err(e) => return PumpEnd::End(End::store(e)),
+        };
+        let point = FaultPoint::BeforeSend { client_msg_id: entry.client_msg_id.clone() };
+        if inner.fault(&point) == FaultAction::Abort {
+            return PumpEnd::End(End::Exit(Exit::Aborted(point)));
+        }
+        let sent = match entry.op {
+            OutboxOp::Send => send_entry(&inner, &ws, &entry).await,
+            OutboxOp::Recall => recall_entry(&inner, &ws, &entry).await,
+            OutboxOp::Read => read_entry(&inner, &ws, &entry).await,
+        };
+        let record = match sent {
+            Ok(Ok(record)) => record,
+            Ok(Err(end)) => return end,
+            Err(e) => match action_for(Op::Send, &e) {
+                Action::Reject => {
+                    let (id, why) = (entry.id, e.to_string());
+                    if let Err(e) = inner.db(move |s, _| s.record_failed(id, &why)).await {
+                        return PumpEnd::End(End::store(e));
+                    }
+                    inner.emit(Change::OutboxFailed {
+                        op: entry.op,
+                        client_msg_id: entry.client_msg_id.clone(),
+                        conv: entry.conv.clone(),
+                        error: e.to_string(),
+                    });
+                    inner.committed();
+                    continue;
+                }
+                Action::Retry { retry_after } => return PumpEnd::Retry(retry_after),
+                other => return PumpEnd::End(End::of(other)),
+            },
+        };
+        announce_record(&inner, record);
+    }
+}
+
+/// A reply arrived: the fault hook may kill the client before it is
+/// recorded (the reply is then lost, as in a crash).
+fn after_reply(inner: &Inner, entry: &OutboxEntry, msg_seq: u64) -> Result<(), PumpEnd> {
+    let point = FaultPoint::AfterSendOk { client_msg_id: entry.client_msg_id.clone(), msg_seq };
+    if inner.fault(&point) == FaultAction::Abort {
+        return Err(PumpEnd::End(End::Exit(Exit::Aborted(point))));
+    }
+    Ok(())
+}
+
+type Sent = ClientResult<Result<OutboxRecord, PumpEnd>>;
+
+async fn send_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sent {
+    let req = SendReq {
+        conv: entry.conv.clone(),
+        client_msg_id: entry.client_msg_id.clone(),
+        kind: entry.kind.clone(),
+        content: entry.content.clone(),
+    };
+    let ok = inner.call(ws.send(&req)).await?;
+    if let Err(end) = after_reply(inner, entry, ok.msg_seq) {
+        return Ok(Err(end));
+    }
+    let id = entry.id;
+    Ok(inner.db(move |s, _| s.record_send_ok(id, &ok)).await.map_err(|e| PumpEnd::End(End::store(e))))
+}
+
+async fn recall_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sent {
+    let req = RecallReq {
+        conv: entry.conv.clone(),
+        message_id: entry.content["message_id"].as_str().unwrap_or_default().to_owned(),
+        // The same key on every attempt: a retry returns the same event.
+        client_msg_id: Some(entry.client_msg_id.clone()),
+    };
+    let ok: RecallOk = inner.call(ws.request(op::RECALL, &req)).await?;
+    if let Err(end) = after_reply(inner, entry, ok.msg_seq) {
+        return Ok(Err(end));
+    }
+    let id = entry.id;
+    Ok(inner.db(move |s, _| s.record_recall_ok(id, &ok)).await.map_err(|e| PumpEnd::End(End::store(e))))
+}
+
+async fn read_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sent {
+    // `read` is idempotent by itself (the position never moves back).
+    let req = ReadReq { conv: entry.conv.clone(), read_to_seq: entry.content["read_to_seq"].as_u64().unwrap_or(0) };
+    let ok: ReadOk = inner.call(ws.request(op::READ, &req)).await?;
+    if let Err(end) = after_reply(inner, entry, ok.read_seq) {
+        return Ok(Err(end));
+    }
+    let id = entry.id;
+    Ok(inner.db(move |s, _| s.record_read_ok(id, &ok)).await.map_err(|e| PumpEnd::End(End::store(e))))
+}
+
+/// Notifies what an accepted entry changed, then bumps the version.
+fn announce_record(inner: &Inner, record: OutboxRecord) {
+    let e = &record.entry;
+    inner.emit(Change::OutboxAccepted {
+        op: e.op,
+        client_msg_id: e.client_msg_id.clone(),
+        conv: e.conv.clone(),
+        msg_seq: e.msg_seq.unwrap_or_default(),
+        message_id: e.message_id.clone(),
+        duplicate: e.duplicate,
+    });
+    if let Some(m) = record.cursor {
+        inner.emit(Change::CursorMoved(m));
+    }
+    if let Some((conv, msg_seq)) = record.recalled {
+        inner.emit(Change::Recalled { conv, msg_seq });
+    }
+    if let Some((read_seq, _)) = record.read {
+        inner.emit(Change::ReadMoved { conv: e.conv.clone(), read_seq });
+    }
+    let gap = record.gap.is_some();
+    if let Some(g) = record.gap {
+        // Our message landed above events we do not hold yet.
+        inner.emit(Change::Gap(g));
+    }
+    inner.committed();
+    if gap {
+        inner.sync_wake.notify_one();
+    }
+}
