@@ -9,6 +9,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use tidemark_server::bus::HintBusConfig;
 use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
@@ -25,9 +26,14 @@ struct StoreArgs {
     /// Data directory of the embedded SQLite store.
     #[arg(long, default_value = "./data")]
     data: PathBuf,
-    /// PostgreSQL URL (cluster mode); not available in this build yet.
-    #[arg(long)]
+    /// PostgreSQL URL (cluster mode), e.g. postgres://user@host:5432/db;
+    /// replaces --data. Every node of a cluster names the same database.
+    #[arg(long, env = "TIDEMARK_DATABASE", hide_env_values = true)]
     database: Option<String>,
+    /// PostgreSQL schema holding the tables (created if absent); default:
+    /// the server's search_path (normally `public`).
+    #[arg(long, requires = "database")]
+    database_schema: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -38,9 +44,14 @@ enum Command {
         listen: String,
         #[command(flatten)]
         store: StoreArgs,
-        /// NATS URL for cross-node hints (cluster mode); not available yet.
+        /// NATS URL for cross-node hints (cluster mode), e.g.
+        /// nats://127.0.0.1:4222; without it hints stay in this process.
         #[arg(long)]
         nats: Option<String>,
+        /// NATS subject prefix shared by the nodes of one cluster; a hint
+        /// for user U goes to `<prefix>.U`.
+        #[arg(long, default_value = tidemark_server::bus::HINT_SUBJECT_PREFIX_DEFAULT, requires = "nats")]
+        nats_prefix: String,
         /// Enables the admin endpoints.
         #[arg(long, env = "TIDEMARK_ADMIN_TOKEN", hide_env_values = true)]
         admin_token: Option<String>,
@@ -75,12 +86,22 @@ enum UserCommand {
     },
 }
 
-fn open_store(args: &StoreArgs) -> Result<Arc<SqliteStore>> {
-    if let Some(url) = &args.database {
-        let scheme = url.split(':').next().unwrap_or("");
-        bail!("--database {scheme}:… is not supported by this build yet; only the embedded SQLite store (--data) is");
+async fn open_store(args: &StoreArgs) -> Result<Arc<dyn Store>> {
+    let Some(url) = &args.database else {
+        let store = SqliteStore::open(&args.data).with_context(|| format!("open store in {}", args.data.display()))?;
+        return Ok(store);
+    };
+    let scheme = url.split(':').next().unwrap_or("");
+    if !matches!(scheme, "postgres" | "postgresql") {
+        bail!("--database {scheme}:… is not supported; use a postgres:// URL or the embedded store (--data)");
     }
-    SqliteStore::open(&args.data).with_context(|| format!("open store in {}", args.data.display()))
+    let config = tidemark_postgres::PgConfig {
+        schema: args.database_schema.clone(),
+        ..tidemark_postgres::PgConfig::new(url.clone())
+    };
+    // The URL may carry a password: the error context does not repeat it.
+    let store = tidemark_postgres::PgStore::open(config).await.context("open the PostgreSQL store")?;
+    Ok(store)
 }
 
 fn init_logs() {
@@ -107,19 +128,24 @@ async fn wait_for_signal() {
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { listen, store, nats, admin_token, access_ttl_secs, hold_fanout } => {
+        Command::Serve { listen, store, nats, nats_prefix, admin_token, access_ttl_secs, hold_fanout } => {
             init_logs();
-            if nats.is_some() {
-                bail!("--nats is not supported by this build yet (cluster mode needs the PostgreSQL store)");
+            if nats.is_some() && store.database.is_none() {
+                bail!("--nats joins a cluster, which needs the shared PostgreSQL store (--database)");
             }
-            let store = open_store(&store)?;
+            let store = open_store(&store).await?;
+            let hint_bus = match nats {
+                Some(url) => HintBusConfig::Nats { url, subject_prefix: nats_prefix },
+                None => HintBusConfig::Local,
+            };
             let config = ServerConfig {
                 admin_token: admin_token.filter(|t| !t.is_empty()),
                 access_token_ttl: std::time::Duration::from_secs(access_ttl_secs),
                 hold_fanout,
+                hint_bus,
                 ..ServerConfig::default()
             };
-            let server = Server::start(&listen, store as Arc<dyn Store>, config).await?;
+            let server = Server::start(&listen, store, config).await?;
             // Scripts read this line to learn the bound address.
             println!("tidemark listening on {}", server.addr);
             wait_for_signal().await;
@@ -136,7 +162,7 @@ async fn main() -> Result<()> {
                 bail!("empty password: write it to stdin");
             }
             let hash = tidemark_server::gateway::auth::hash_password(password).map_err(anyhow::Error::msg)?;
-            let store = open_store(&store)?;
+            let store = open_store(&store).await?;
             let now = tidemark_server::util::now_ms();
             if store.create_user(&name, &hash, now).await? {
                 println!("created user {name}");

@@ -123,6 +123,36 @@ const DELIVER: &str = "WITH h AS (
                  THEN 1 ELSE 0 END)
      SELECT sync_seq FROM e";
 
+/// Claims up to `limit` pending outbox items for this transaction, oldest
+/// first, skipping what another transaction (another node's relay) holds.
+///
+/// Two locks, both held until COMMIT and released by a rollback or a dead
+/// session, so a node killed mid-fan-out leaves its items to the next claim:
+///
+/// - the item rows, `FOR UPDATE SKIP LOCKED`: no two claims take one item;
+/// - a transaction-scoped advisory lock per conversation (keyed by the
+///   schema and the conversation id), taken in the `WHERE` clause so a
+///   conversation another claim is working on is skipped whole. Without it,
+///   a second node could take a conversation's newer items while the first
+///   still fans out its older ones, and a user's log could hold them out of
+///   `msg_seq` order. A hash collision only serialises two conversations.
+///
+/// The scan walks `outbox_in_order` and stops at `limit`, so only the
+/// conversations of the rows it returns (and of rows skipped as locked)
+/// stay locked.
+pub(crate) async fn claim(c: &Conn, limit: u32) -> R<Vec<OutboxItem>> {
+    let rows = query(
+        c,
+        "SELECT outbox_id, kind, source_event_id, conv_id, msg_seq, actor, created_at FROM outbox
+         WHERE pg_try_advisory_xact_lock(hashtext(current_schema()), hashtext(conv_id))
+         ORDER BY outbox_id LIMIT $1
+         FOR UPDATE SKIP LOCKED",
+        &[&i64::from(limit)],
+    )
+    .await?;
+    rows.iter().map(crate::read::outbox_item).collect()
+}
+
 pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<FanoutReport> {
     let mut plans = Vec::with_capacity(items.len());
     for item in items {

@@ -54,6 +54,11 @@
 //!    expires stale snapshots before it visits the heads: no request waits
 //!    for an existing snapshot row while holding a head.
 //!
+//! The relay's claim (`fanout::claim`, in [`Store::fan_out_next`]) takes its
+//! outbox rows `FOR UPDATE SKIP LOCKED` and a per-conversation advisory lock
+//! with `pg_try_advisory_xact_lock`: it never waits, so it adds no edge to
+//! a lock cycle; both locks last until the claim's COMMIT or rollback.
+//!
 //! Fan-out reads the conversation side without locks (the periods covering
 //! a committed `msg_seq` never change) and deletes its outbox rows last. Because a batch holds the locks of all of its requests until its
 //! COMMIT, two writers' batches can still form a cycle; PostgreSQL's
@@ -631,6 +636,21 @@ impl Store for PgStore {
 
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
         self.writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
+    }
+
+    async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let items = fanout::claim(c, limit).await?;
+                    if items.is_empty() {
+                        return Ok(ClaimedFanout::default());
+                    }
+                    let report = fanout::fan_out(c, &items, now_ms).await?;
+                    Ok(ClaimedFanout { items, report })
+                })
+            })
+            .await
     }
 
     async fn user_high_watermark(&self, user: &str) -> StoreResult<SyncSeq> {

@@ -126,19 +126,21 @@ pub(crate) async fn pending_outbox(c: &Conn, limit: u32) -> R<Vec<OutboxItem>> {
         &[&i64::from(limit)],
     )
     .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(OutboxItem {
-                outbox_id: col(r, 0)?,
-                kind: col(r, 1)?,
-                source_event_id: col(r, 2)?,
-                conv: col(r, 3)?,
-                msg_seq: seq(r, 4)?,
-                actor: col(r, 5)?,
-                created_at_ms: col(r, 6)?,
-            })
-        })
-        .collect()
+    rows.iter().map(outbox_item).collect()
+}
+
+/// One outbox row selected as `outbox_id, kind, source_event_id, conv_id,
+/// msg_seq, actor, created_at`.
+pub(crate) fn outbox_item(r: &Row) -> R<OutboxItem> {
+    Ok(OutboxItem {
+        outbox_id: col(r, 0)?,
+        kind: col(r, 1)?,
+        source_event_id: col(r, 2)?,
+        conv: col(r, 3)?,
+        msg_seq: seq(r, 4)?,
+        actor: col(r, 5)?,
+        created_at_ms: col(r, 6)?,
+    })
 }
 
 pub(crate) async fn outbox_stats(c: &Conn) -> R<OutboxStats> {

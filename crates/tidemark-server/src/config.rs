@@ -45,6 +45,8 @@ pub struct ServerConfig {
     /// Test hook: accept sends but never fan out (the outbox keeps them).
     /// Used to prove that a crash before fan-out loses nothing.
     pub hold_fanout: bool,
+    /// How hints reach the other nodes: in-process only (one node), or NATS.
+    pub hint_bus: crate::bus::HintBusConfig,
 }
 
 impl Default for ServerConfig {
@@ -72,6 +74,7 @@ impl Default for ServerConfig {
             }),
             retention_every: Duration::from_secs(60),
             hold_fanout: false,
+            hint_bus: crate::bus::HintBusConfig::Local,
         }
     }
 }

@@ -8,11 +8,14 @@
 //! - [`relay`]: the outbox relay: reloads the outbox at start-up and fans
 //!   out committed events, then hints the recipients' connected devices.
 //! - [`hub`]: live connections per user, coalesced hints, kicks, re-hints.
+//! - [`bus`]: the hint bus carrying hints to the other nodes (NATS), or
+//!   nowhere when the node runs alone.
 //!
 //! The server holds no message state of its own: every fact is in the
 //! store, hints are only hints (D8), and two servers can run in one process
 //! because every dependency is passed in explicitly.
 
+pub mod bus;
 pub mod config;
 pub mod error;
 pub mod gateway;

@@ -1,10 +1,16 @@
 //! The outbox relay (F1) and the re-hint sweep (D8).
 //!
-//! The relay reads the outbox in commit order and hands batches to the
-//! store's fan-out transaction; only after that commits does it hint the
-//! recipients. It starts by draining whatever a previous process left in the
-//! outbox, so a crash between accepting a message and fanning it out loses
-//! nothing. Redelivery is harmless: fan-out is idempotent (F3).
+//! The relay claims batches of the outbox, oldest first, and fans each out
+//! in the claim's own transaction ([`Store::fan_out_next`]); only after that
+//! commits does it hint the recipients, here and (through the hint bus) on
+//! the other nodes. It starts by draining whatever a previous process left
+//! in the outbox, so a crash between accepting a message and fanning it out
+//! loses nothing. With several nodes on one database each relay claims what
+//! the others do not hold, so they split the work; a node killed mid-claim
+//! rolls back and its items are claimed again. Redelivery would still be
+//! harmless: fan-out is idempotent (F3).
+//!
+//! [`Store::fan_out_next`]: tidemark_store::Store::fan_out_next
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,22 +50,20 @@ pub async fn run(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
 /// Fans out everything in the outbox, batch by batch.
 async fn drain(state: &AppState) -> Result<(), tidemark_store::StoreError> {
     loop {
-        let items = state.store.pending_outbox(state.config.relay_batch_max).await?;
-        if items.is_empty() {
+        let claimed = state.store.fan_out_next(state.config.relay_batch_max, now_ms()).await?;
+        if claimed.items.is_empty() {
             return Ok(());
         }
-        let now = now_ms();
-        let created: Vec<i64> = items.iter().map(|i| i.created_at_ms).collect();
-        let report = state.store.fan_out(items, now).await?;
+        let report = claimed.report;
         let committed = now_ms();
-        for c in created {
-            metrics::histogram!(m::FANOUT_LAG).record((committed - c).max(0) as f64 / 1000.0);
+        for item in &claimed.items {
+            metrics::histogram!(m::FANOUT_LAG).record((committed - item.created_at_ms).max(0) as f64 / 1000.0);
         }
         metrics::counter!(m::FANOUT_EVENTS).increment(report.events_written);
         metrics::counter!(m::FANOUT_DUPLICATES).increment(report.duplicates_skipped);
         metrics::counter!(m::FANOUT_QUARANTINED).increment(report.quarantined);
         for (user, hw) in &report.users {
-            state.hub.notify_user(user, *hw);
+            state.hint_user(user, *hw);
         }
     }
 }

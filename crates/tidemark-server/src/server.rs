@@ -12,6 +12,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
+use crate::bus::HintBus;
 use crate::config::ServerConfig;
 use crate::hub::Hub;
 
@@ -21,6 +22,8 @@ pub struct AppState {
     pub keys: TokenKeys,
     pub config: ServerConfig,
     pub hub: Hub,
+    /// Carries this node's hints to the other nodes' hubs.
+    pub bus: HintBus,
     /// Wakes the outbox relay after a send commits (a hint: it also polls).
     pub relay_wake: Notify,
     /// Revoked devices, fenced in memory so no request of theirs runs.
@@ -30,6 +33,13 @@ pub struct AppState {
 }
 
 impl AppState {
+    /// A user's log now reaches `hw`: hints this node's connections and
+    /// the other nodes' (through the bus).
+    pub fn hint_user(&self, user: &str, hw: u64) {
+        self.hub.notify_user(user, hw);
+        self.bus.publish(user, hw);
+    }
+
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {
         self.revoked.read().expect("revoked lock").contains(&(user.to_owned(), device.to_owned()))
     }
@@ -51,12 +61,14 @@ impl Server {
         let io = |e: tidemark_store::StoreError| std::io::Error::other(e.to_string());
         let secret = store.server_secret().await.map_err(io)?;
         let revoked: HashSet<(String, String)> = store.revoked_devices().await.map_err(io)?.into_iter().collect();
+        let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
             config,
             hub: Hub::default(),
+            bus,
             relay_wake: Notify::new(),
             revoked: RwLock::new(revoked),
             metrics: crate::metrics::install(),
@@ -82,9 +94,13 @@ impl Server {
         });
         let relay = tokio::spawn(crate::relay::run(state.clone(), shutdown_rx.clone()));
         let rehint = tokio::spawn(crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
-        let retention = tokio::spawn(crate::relay::run_retention(state.clone(), shutdown_rx));
+        let retention = tokio::spawn(crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention];
+        if let Some(pending) = bus_pending {
+            tasks.extend(pending.spawn(state.clone(), shutdown_rx));
+        }
         tracing::info!(%addr, "tidemark listening");
-        Ok(RunningServer { addr, state, shutdown: shutdown_tx, tasks: vec![http, relay, rehint, retention] })
+        Ok(RunningServer { addr, state, shutdown: shutdown_tx, tasks })
     }
 }
 

@@ -453,6 +453,7 @@ pub(crate) fn react(
 // ------------------------------------------------------- per-user events
 
 /// Appends a per-user event to `user`'s log, idempotent on its source id.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn append_user_event(
     c: &Connection,
     user: &str,

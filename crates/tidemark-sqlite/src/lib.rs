@@ -748,6 +748,21 @@ impl Store for SqliteStore {
         self.writer.write(move |c| fan_out_tx(c, &items, now_ms)).await
     }
 
+    async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
+        // One writer per database: reading the outbox inside the writer's
+        // transaction is the whole claim.
+        self.writer
+            .write(move |c| {
+                let items = read::pending_outbox(c, limit)?;
+                if items.is_empty() {
+                    return Ok(ClaimedFanout::default());
+                }
+                let report = fan_out_tx(c, &items, now_ms)?;
+                Ok(ClaimedFanout { items, report })
+            })
+            .await
+    }
+
     async fn user_high_watermark(&self, user: &str) -> StoreResult<SyncSeq> {
         let user = user.to_owned();
         self.readers

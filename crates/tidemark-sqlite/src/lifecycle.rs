@@ -189,13 +189,13 @@ pub(crate) fn ack_snapshot(
 /// Events above the fence, or younger than the keep window, stay. The
 /// client never reports a position that counts here (L1).
 pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i64) -> R<TrimReport> {
-    let mut report = TrimReport::default();
-    report.snapshots_expired = c
+    let snapshots_expired = c
         .execute(
             "UPDATE snapshots SET state = 'EXPIRED' WHERE state IN ('BUILDING','READY') AND expires_at <= ?1",
             params![now_ms],
         )
         .map_err(internal)? as u64;
+    let mut report = TrimReport { snapshots_expired, ..TrimReport::default() };
     c.execute(
         "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE state = 'EXPIRED')",
         [],

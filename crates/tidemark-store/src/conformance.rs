@@ -42,6 +42,7 @@ where
     concurrent_sends_get_contiguous_seqs(fresh().await).await;
     refused_send_leaves_no_hole(&*fresh().await).await;
     fan_out_is_idempotent_and_projects_once(&*fresh().await).await;
+    fan_out_next_claims_in_outbox_order(fresh().await).await;
     user_log_pages_are_ranges(&*fresh().await).await;
     ack_is_a_monotonic_cas_per_device(&*fresh().await).await;
     cursor_cas_refuses_a_stale_expectation(&*fresh().await).await;
@@ -131,6 +132,47 @@ pub async fn fan_out_is_idempotent_and_projects_once(store: &dyn Store) {
     let msg_seqs: Vec<Option<u64>> = events.iter().map(|e| e.msg_seq).collect();
     assert_eq!(msg_seqs, vec![Some(1), Some(2), Some(3)]);
     assert_eq!(events[0].message.as_ref().unwrap().content, "{\"text\":\"0\"}");
+}
+
+/// F1, F3: the relay's claim takes the oldest items up to its limit, fans
+/// them out in the same transaction and leaves the rest; concurrent claims
+/// (one store here; several nodes in the cluster tests) deliver every item
+/// once and keep each log in `msg_seq` order.
+pub async fn fan_out_next_claims_in_outbox_order(store: Arc<dyn Store>) {
+    users(&*store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    let empty = store.fan_out_next(10, T0).await.unwrap();
+    assert!(empty.items.is_empty() && empty.report == FanoutReport::default(), "nothing pending, nothing claimed");
+    for i in 0..5 {
+        store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+    }
+    let first = store.fan_out_next(2, T0).await.unwrap();
+    assert_eq!(first.items.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2], "oldest first, bounded");
+    assert_eq!((first.report.items_done, first.report.events_written), (2, 4));
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, 3, "the rest stays pending");
+    for i in 5..20 {
+        store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+    }
+    let mut claims = tokio::task::JoinSet::new();
+    for _ in 0..4 {
+        let store = store.clone();
+        claims.spawn(async move {
+            let mut done = 0;
+            loop {
+                let claimed = store.fan_out_next(3, T0).await.unwrap();
+                if claimed.items.is_empty() {
+                    return done;
+                }
+                done += claimed.report.items_done;
+            }
+        });
+    }
+    let done: u64 = claims.join_all().await.into_iter().sum();
+    assert_eq!(done, 18, "F1: every remaining item claimed once");
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, 0);
+    let events = store.read_user_events("b", 0, 100, 100).await.unwrap();
+    let msg_seqs: Vec<u64> = events.iter().filter_map(|e| e.msg_seq).collect();
+    assert_eq!(msg_seqs, (1..=20).collect::<Vec<_>>(), "F3: once each, in msg_seq order");
 }
 
 /// D2: reads are exactly the half-open range, ascending, bounded.

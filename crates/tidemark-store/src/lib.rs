@@ -143,6 +143,14 @@ pub struct FanoutReport {
     pub items_done: u64,
 }
 
+/// What one [`Store::fan_out_next`] claimed and did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ClaimedFanout {
+    /// The outbox items claimed and fanned out, in outbox order.
+    pub items: Vec<OutboxItem>,
+    pub report: FanoutReport,
+}
+
 /// A committed message as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
@@ -536,6 +544,18 @@ pub trait Store: Send + Sync + 'static {
     /// next `sync_seq`, idempotent on `(user, source_event_id, period)` (F3),
     /// the user head and projections, and the outbox rows marked done.
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport>;
+
+    /// Claims up to `limit` pending outbox items, oldest first, and fans
+    /// them out ([`Store::fan_out`]) in the same transaction; returns what
+    /// it claimed (empty when nothing was pending) and the report. This is
+    /// the relay's entry point: with several relays on one database, each
+    /// item is claimed by one of them at a time (a backend with several
+    /// writers must lock what it claims until its commit, so concurrent
+    /// relays split the work instead of repeating it), and one conversation's
+    /// items are never fanned out by two relays at once, so they reach every
+    /// log in `msg_seq` order. A claim that does not commit (a crash) leaves
+    /// its items pending for the next claim.
+    async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout>;
 
     // ---------------------------------------------------------------- sync
 

@@ -115,15 +115,15 @@ fn same_secret(a: &str, b: &str) -> bool {
 }
 
 /// The admin token check shared by every admin route.
-fn admin_guard(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
+fn admin_guard(state: &AppState, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let Some(admin) = state.config.admin_token.as_deref() else {
-        return Err(error_response(ApiError::new(
+        return Err(Box::new(error_response(ApiError::new(
             ErrorCode::Forbidden,
             "admin endpoints are disabled (TIDEMARK_ADMIN_TOKEN unset)",
-        )));
+        ))));
     };
     if !bearer(headers).is_some_and(|t| same_secret(t, admin)) {
-        return Err(error_response(ApiError::new(ErrorCode::Unauthenticated, "admin token required")));
+        return Err(Box::new(error_response(ApiError::new(ErrorCode::Unauthenticated, "admin token required"))));
     }
     Ok(())
 }
@@ -132,7 +132,7 @@ fn admin_guard(state: &AppState, headers: &HeaderMap) -> Result<(), Response> {
 /// conversation's log, clients must drop their cursor for it (C2).
 pub async fn admin_bump_epoch(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(r) = admin_guard(&state, &headers) {
-        return r;
+        return *r;
     }
     let req: AdminEpochReq = match json_body(&body).and_then(parse) {
         Ok(r) => r,
@@ -151,7 +151,7 @@ pub async fn admin_bump_epoch(State(state): State<Arc<AppState>>, headers: Heade
 /// reports how many rows had drifted (R3).
 pub async fn admin_rebuild_unread(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     if let Err(r) = admin_guard(&state, &headers) {
-        return r;
+        return *r;
     }
     match state.store.rebuild_unread().await {
         Ok(r) => {
@@ -164,7 +164,7 @@ pub async fn admin_rebuild_unread(State(state): State<Arc<AppState>>, headers: H
 
 pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
     if let Err(r) = admin_guard(&state, &headers) {
-        return r;
+        return *r;
     }
     let req: AdminUserReq = match json_body(&body).and_then(parse) {
         Ok(r) => r,

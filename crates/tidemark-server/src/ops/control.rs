@@ -70,7 +70,7 @@ pub async fn delete_for_me(state: &AppState, ctx: &AuthCtx, req: MessageDeleteRe
     check_ids(&req.conv, &req.message_id)?;
     let out = state.store.delete_for_me(&ctx.user, &req.conv, &req.message_id, now_ms()).await?;
     if let Some(hw) = out.written {
-        state.hub.notify_user(&ctx.user, hw);
+        state.hint_user(&ctx.user, hw);
     }
     Ok(serde_json::json!({"conv": req.conv, "message_id": req.message_id}))
 }

@@ -176,7 +176,7 @@ pub async fn settings(state: &AppState, ctx: &AuthCtx, req: ConvSettingsReq) -> 
     check_conv(&req.conv)?;
     let (row, outcome) = state.store.update_settings(&ctx.user, &req.conv, req.muted, req.pinned, now_ms()).await?;
     if let Some(hw) = outcome.written {
-        state.hub.notify_user(&ctx.user, hw);
+        state.hint_user(&ctx.user, hw);
     }
     Ok(ConvSettingsOk { conv: req.conv, muted: row.muted, pinned: row.pinned })
 }
@@ -186,7 +186,7 @@ pub async fn read(state: &AppState, ctx: &AuthCtx, req: ReadReq) -> ApiResult<Re
     let r = state.store.mark_read(&ctx.user, &req.conv, req.read_to_seq, now_ms()).await?;
     if let Some(hw) = r.written {
         // The read cursor reaches the user's other devices as a user event (R2).
-        state.hub.notify_user(&ctx.user, hw);
+        state.hint_user(&ctx.user, hw);
     }
     Ok(ReadOk { conv: req.conv, read_seq: r.read_seq, unread: r.unread })
 }

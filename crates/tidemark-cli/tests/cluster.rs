@@ -1,0 +1,437 @@
+//! Cluster mode with the real binary: several `tidemark serve` nodes on one
+//! PostgreSQL database (a fresh schema per test, dropped at the end) and one
+//! NATS server (a subject prefix per test), each node its own process, store
+//! and NATS connection.
+//!
+//! - concurrent sends to the same conversations through three nodes keep
+//!   `msg_seq` contiguous and reach every device exactly once, in order;
+//! - a node SIGKILLed under load and restarted loses and duplicates nothing;
+//! - a device on node B is hinted within [`HINT_WITHIN`] of a message sent
+//!   through node A, whose fan-out only A can do (B holds its relay), so the
+//!   hint can only have crossed over NATS.
+//!
+//! The services come from `TIDEMARK_TEST_PG_URL` and `TIDEMARK_TEST_NATS_URL`
+//! (`.ci/run` sets both). A test skips, saying why, only when a variable is
+//! unset; when it is set and the service is unreachable, the test fails.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tidemark_client::proto::{SendOk, SendReq, SyncOk, SyncReq};
+use tidemark_client::{Http, ServerEvent, WsConn};
+
+const ADMIN: &str = "cluster-admin";
+const PG_VAR: &str = "TIDEMARK_TEST_PG_URL";
+const NATS_VAR: &str = "TIDEMARK_TEST_NATS_URL";
+/// The bound a cross-node hint must meet.
+const HINT_WITHIN: Duration = Duration::from_secs(2);
+/// How long a device may take to converge after the last send.
+const CONVERGE_WITHIN: Duration = Duration::from_secs(20);
+/// Attempts of one send before the test gives up (a node may be down).
+const SEND_ATTEMPTS_MAX: usize = 50;
+/// A group's creation is its event 1; its messages start at 2.
+const FIRST_MESSAGE_SEQ: u64 = 2;
+
+/// Both service URLs, or `None` (with the reason on stderr) when either
+/// variable is unset. A set variable whose service does not answer fails.
+async fn services(test: &str) -> Option<(String, String)> {
+    let mut urls = Vec::new();
+    for (var, example) in [(PG_VAR, "postgres://root@127.0.0.1:5432/test"), (NATS_VAR, "nats://127.0.0.1:4222")] {
+        match std::env::var(var) {
+            Ok(url) if !url.is_empty() => urls.push(url),
+            Ok(_) => panic!("{var} is set but empty"),
+            Err(std::env::VarError::NotPresent) => {
+                eprintln!("skipping {test}: {var} is not set (e.g. {var}={example})");
+                return None;
+            }
+            Err(e) => panic!("{var}: {e}"),
+        }
+    }
+    let nats = urls.pop().unwrap();
+    let pg = urls.pop().unwrap();
+    if let Err(e) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await {
+        panic!("{PG_VAR}={pg} is set but PostgreSQL is unreachable: {e}");
+    }
+    let addr = nats.strip_prefix("nats://").unwrap_or(&nats).to_owned();
+    if let Err(e) = tokio::net::TcpStream::connect(&addr).await {
+        panic!("{NATS_VAR}={nats} is set but NATS is unreachable: {e}");
+    }
+    Some((pg, nats))
+}
+
+static COUNTER: AtomicU64 = AtomicU64::new(0);
+
+/// One test's cluster: its schema (dropped on drop, pass or fail) and the
+/// arguments every node of it gets.
+struct Cluster {
+    pg: String,
+    nats: String,
+    schema: String,
+}
+
+impl Cluster {
+    fn new((pg, nats): (String, String)) -> Cluster {
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+        Cluster { pg, nats, schema: format!("cl_{}_{n}_{nanos}", std::process::id()) }
+    }
+
+    /// Starts a node and waits for its listening line.
+    fn node(&self, extra: &[&str]) -> Node {
+        let prefix = format!("tidemark-test.{}", self.schema);
+        let mut child = Command::new(env!("CARGO_BIN_EXE_tidemark"))
+            .args(["serve", "--listen", "127.0.0.1:0", "--database", &self.pg, "--database-schema", &self.schema])
+            .args(["--nats", &self.nats, "--nats-prefix", &prefix])
+            .args(extra)
+            .env("TIDEMARK_ADMIN_TOKEN", ADMIN)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn tidemark serve");
+        let stdout = child.stdout.take().unwrap();
+        let mut line = String::new();
+        BufReader::new(stdout).read_line(&mut line).expect("read the listening line");
+        let addr = line
+            .trim()
+            .strip_prefix("tidemark listening on ")
+            .unwrap_or_else(|| panic!("node did not start (stdout {line:?}); see its stderr above"));
+        Node { child, url: format!("http://{addr}"), ws: format!("ws://{addr}/v1/ws") }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        let (url, schema) = (self.pg.clone(), self.schema.clone());
+        // Drop may run inside the test's runtime or while unwinding: use a
+        // thread with its own runtime.
+        let dropped = std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            rt.block_on(async move {
+                let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await?;
+                tokio::spawn(conn);
+                client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await
+            })
+        })
+        .join();
+        if !matches!(dropped, Ok(Ok(()))) {
+            eprintln!("could not drop schema {}", self.schema);
+        }
+    }
+}
+
+/// A node process; killed when dropped so a failing test leaves none.
+struct Node {
+    child: Child,
+    url: String,
+    ws: String,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A message event as a device saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Seen {
+    sync_seq: u64,
+    conv: String,
+    msg_seq: u64,
+    message_id: String,
+}
+
+/// Pulls whole batches over HTTP, ACKing each, until `count` message events
+/// arrived or [`CONVERGE_WITHIN`] passed.
+async fn pull(http: &Http, token: &str, count: usize) -> Vec<Seen> {
+    let mut seen: Vec<Seen> = Vec::new();
+    let mut applied = 0;
+    let mut generation = None;
+    let deadline = Instant::now() + CONVERGE_WITHIN;
+    while seen.len() < count && Instant::now() < deadline {
+        let req = SyncReq {
+            sync_generation: generation,
+            local_applied_sync_seq: Some(applied),
+            limit: Some(50),
+            ..Default::default()
+        };
+        let mut page: SyncOk = http.rpc(token, "sync", &req).await.unwrap();
+        generation = Some(page.sync_generation);
+        let batch = page.batch_token.clone();
+        loop {
+            for e in &page.events {
+                assert!(e.sync_seq > applied, "sync_seq goes forward: {} after {applied}", e.sync_seq);
+                applied = e.sync_seq;
+                if let Some(m) = &e.message {
+                    if e.kind == "message" {
+                        let msg_seq = e.msg_seq.unwrap_or(m.msg_seq);
+                        seen.push(Seen {
+                            sync_seq: e.sync_seq,
+                            conv: e.conv.clone(),
+                            msg_seq,
+                            message_id: m.message_id.clone(),
+                        });
+                    }
+                }
+            }
+            if !page.has_more {
+                break;
+            }
+            let next =
+                SyncReq { batch_token: Some(batch.clone()), cursor: page.next_cursor.clone(), ..Default::default() };
+            page = http.rpc(token, "sync", &next).await.unwrap();
+        }
+        if page.batch_high_watermark > 0 {
+            let _: serde_json::Value = http
+                .rpc(token, "ack", &serde_json::json!({"batch_token": batch, "sync_seq": page.batch_high_watermark}))
+                .await
+                .unwrap();
+        }
+        if seen.len() < count {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    seen
+}
+
+/// Every expected message once, and each conversation in `msg_seq` order.
+fn check_converged(who: &str, seen: &[Seen], expected: &BTreeMap<String, Vec<(u64, String)>>) {
+    let ids: Vec<&str> = seen.iter().map(|s| s.message_id.as_str()).collect();
+    let unique: HashSet<&str> = ids.iter().copied().collect();
+    assert_eq!(unique.len(), ids.len(), "{who}: a message arrived twice");
+    for (conv, want) in expected {
+        let got: Vec<(u64, String)> =
+            seen.iter().filter(|s| &s.conv == conv).map(|s| (s.msg_seq, s.message_id.clone())).collect();
+        assert_eq!(&got, want, "{who}: {conv} holds exactly the accepted messages, in msg_seq order");
+    }
+    assert_eq!(ids.len(), expected.values().map(Vec::len).sum::<usize>(), "{who}: nothing else arrived");
+}
+
+/// The accepted messages of each conversation as `(msg_seq, message_id)`;
+/// asserts the sequence is contiguous from [`FIRST_MESSAGE_SEQ`] (S2).
+fn by_conv(accepted: &[SendOk]) -> BTreeMap<String, Vec<(u64, String)>> {
+    let mut convs: BTreeMap<String, BTreeMap<u64, String>> = BTreeMap::new();
+    for ok in accepted {
+        let previous = convs.entry(ok.conv.clone()).or_default().insert(ok.msg_seq, ok.message_id.clone());
+        if let Some(previous) = previous {
+            assert_eq!(previous, ok.message_id, "S2: one msg_seq, two messages in {}", ok.conv);
+        }
+    }
+    convs
+        .into_iter()
+        .map(|(conv, seqs)| {
+            let keys: Vec<u64> = seqs.keys().copied().collect();
+            let want: Vec<u64> = (FIRST_MESSAGE_SEQ..FIRST_MESSAGE_SEQ + keys.len() as u64).collect();
+            assert_eq!(keys, want, "S2: contiguous msg_seq in {conv}");
+            (conv, seqs.into_iter().collect())
+        })
+        .collect()
+}
+
+async fn create_group(http: &Http, token: &str, members: &[&str]) -> String {
+    let ok: serde_json::Value =
+        http.rpc(token, "conv.create", &serde_json::json!({"kind": "group", "members": members})).await.unwrap();
+    ok["conv"].as_str().unwrap().to_owned()
+}
+
+/// Sends one message, trying the nodes in turn from `first` until one
+/// accepts it; the same `client_msg_id` makes a retry of an accepted send
+/// return the original (S1).
+async fn send_anywhere(nodes: &[Http], first: usize, token: &str, conv: &str, cmid: &str) -> SendOk {
+    let req =
+        SendReq { conv: conv.into(), client_msg_id: cmid.into(), kind: "text".into(), content: serde_json::json!({}) };
+    for attempt in 0..SEND_ATTEMPTS_MAX {
+        match nodes[(first + attempt) % nodes.len()].rpc::<_, SendOk>(token, "send", &req).await {
+            Ok(ok) => return ok,
+            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+        }
+    }
+    panic!("send {cmid} refused by every node {SEND_ATTEMPTS_MAX} times");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_nodes_concurrent_sends_converge_exactly_once() {
+    let Some(services) = services("three_nodes_concurrent_sends_converge_exactly_once").await else { return };
+    let started = Instant::now();
+    let cluster = Cluster::new(services);
+    let first = cluster.node(&[]);
+    let rest = [cluster.node(&[]), cluster.node(&[])];
+    let nodes: Vec<Http> = [&first, &rest[0], &rest[1]].iter().map(|n| Http::new(&n.url)).collect();
+    let users = ["u0", "u1", "u2", "u3", "u4", "u5"];
+    for u in users {
+        nodes[0].create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let mut tokens = Vec::new();
+    for (i, u) in users.iter().enumerate() {
+        tokens.push(nodes[i % 3].login(u, "pw", "sender").await.unwrap().access_token);
+    }
+    let everyone = create_group(&nodes[0], &tokens[0], &users[1..]).await;
+    let some = create_group(&nodes[1], &tokens[1], &["u0", "u2", "u3"]).await;
+    let convs = [(everyone.clone(), users.to_vec()), (some.clone(), vec!["u0", "u1", "u2", "u3"])];
+
+    // Every member sends to every conversation of theirs at once, each
+    // message through the next node in turn.
+    let per_member = 8;
+    let nodes = Arc::new(nodes);
+    let mut sends = tokio::task::JoinSet::new();
+    for (c, (conv, members)) in convs.iter().enumerate() {
+        for (i, u) in users.iter().enumerate().filter(|(_, u)| members.contains(u)) {
+            let (nodes, token, conv) = (nodes.clone(), tokens[i].clone(), conv.clone());
+            let u = u.to_string();
+            sends.spawn(async move {
+                let mut oks = Vec::new();
+                for k in 0..per_member {
+                    oks.push(send_anywhere(&nodes, i + c + k, &token, &conv, &format!("{u}-{c}-{k}")).await);
+                }
+                oks
+            });
+        }
+    }
+    let accepted: Vec<SendOk> = sends.join_all().await.into_iter().flatten().collect();
+    assert_eq!(accepted.len(), (6 + 4) * per_member);
+    assert!(accepted.iter().all(|ok| !ok.duplicate));
+    let expected = by_conv(&accepted);
+
+    // Two devices per user, each logged in and pulling through another node.
+    let mut pulls = tokio::task::JoinSet::new();
+    for (i, u) in users.iter().enumerate() {
+        let mine: BTreeMap<String, Vec<(u64, String)>> = convs
+            .iter()
+            .filter(|(_, members)| members.contains(u))
+            .map(|(conv, _)| (conv.clone(), expected[conv].clone()))
+            .collect();
+        for d in 1..=2 {
+            let (nodes, u, mine) = (nodes.clone(), u.to_string(), mine.clone());
+            pulls.spawn(async move {
+                let http = &nodes[(i + d) % 3];
+                let token = http.login(&u, "pw", &format!("device{d}")).await.unwrap().access_token;
+                let count = mine.values().map(Vec::len).sum();
+                let seen = pull(http, &token, count).await;
+                check_converged(&format!("{u}/device{d}"), &seen, &mine);
+            });
+        }
+    }
+    pulls.join_all().await;
+    eprintln!("three nodes: {} messages converged on 12 devices in {:?}", accepted.len(), started.elapsed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_killed_under_load_loses_and_duplicates_nothing() {
+    let Some(services) = services("node_killed_under_load_loses_and_duplicates_nothing").await else { return };
+    let started = Instant::now();
+    let cluster = Cluster::new(services);
+    let mut a = cluster.node(&[]);
+    let b = cluster.node(&[]);
+    let (http_a, http_b) = (Http::new(&a.url), Http::new(&b.url));
+    let users = ["ann", "ben", "cat"];
+    for u in users {
+        http_a.create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let mut tokens = Vec::new();
+    for u in users {
+        tokens.push(http_a.login(u, "pw", "sender").await.unwrap().access_token);
+    }
+    let conv = create_group(&http_a, &tokens[0], &["ben", "cat"]).await;
+
+    // Every member sends through node A; once enough were accepted, A is
+    // SIGKILLed mid-stream (with fan-outs in flight) and the senders retry
+    // what failed through B.
+    let per_member = 40;
+    let kill_after = 30;
+    let accepted_so_far = Arc::new(AtomicUsize::new(0));
+    let nodes = Arc::new(vec![http_a, http_b]);
+    let mut sends = tokio::task::JoinSet::new();
+    for (i, token) in tokens.iter().enumerate() {
+        let (nodes, token, conv, counter) = (nodes.clone(), token.clone(), conv.clone(), accepted_so_far.clone());
+        sends.spawn(async move {
+            let mut oks = Vec::new();
+            for k in 0..per_member {
+                oks.push(send_anywhere(&nodes, 0, &token, &conv, &format!("s{i}-{k}")).await);
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+            oks
+        });
+    }
+    let deadline = Instant::now() + CONVERGE_WITHIN;
+    while accepted_so_far.load(Ordering::Relaxed) < kill_after {
+        assert!(Instant::now() < deadline, "the load never started");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    a.child.kill().expect("SIGKILL node A");
+    a.child.wait().unwrap();
+    let killed_at = accepted_so_far.load(Ordering::Relaxed);
+    let accepted: Vec<SendOk> = sends.join_all().await.into_iter().flatten().collect();
+    assert_eq!(accepted.len(), users.len() * per_member);
+    let expected = by_conv(&accepted);
+    assert_eq!(expected[&conv].len(), users.len() * per_member, "S1: a retried send is one message");
+
+    // A restarts on the same database; devices pull through both nodes.
+    let a = cluster.node(&[]);
+    let nodes = [Http::new(&a.url), Http::new(&b.url)];
+    let mut pulls = tokio::task::JoinSet::new();
+    for u in users {
+        for (d, http) in nodes.iter().enumerate() {
+            let (http, expected) = (Http::new(http.base()), expected.clone());
+            pulls.spawn(async move {
+                let token = http.login(u, "pw", &format!("device{d}")).await.unwrap().access_token;
+                let seen = pull(&http, &token, users.len() * per_member).await;
+                check_converged(&format!("{u}/device{d}"), &seen, &expected);
+            });
+        }
+    }
+    pulls.join_all().await;
+    eprintln!(
+        "killed node A after {killed_at} accepted sends; {} messages converged in {:?}",
+        accepted.len(),
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_on_node_b_is_hinted_for_a_send_through_node_a() {
+    let Some(services) = services("device_on_node_b_is_hinted_for_a_send_through_node_a").await else { return };
+    let cluster = Cluster::new(services);
+    let a = cluster.node(&[]);
+    // B never fans out: every hint its devices get came from A over NATS.
+    let b = cluster.node(&["--hold-fanout"]);
+    let (http_a, http_b) = (Http::new(&a.url), Http::new(&b.url));
+    for u in ["ann", "ben"] {
+        http_a.create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let ann = http_a.login("ann", "pw", "phone").await.unwrap().access_token;
+    let ben = http_b.login("ben", "pw", "phone").await.unwrap().access_token;
+    let conv: serde_json::Value =
+        http_a.rpc(&ann, "conv.create", &serde_json::json!({"kind": "direct", "members": ["ben"]})).await.unwrap();
+    let conv = conv["conv"].as_str().unwrap().to_owned();
+    let (ws, mut events) = WsConn::connect(&b.ws, &ben).await.unwrap();
+
+    for round in 1..=3u64 {
+        let req = SendReq {
+            conv: conv.clone(),
+            client_msg_id: format!("k{round}"),
+            kind: "text".into(),
+            content: serde_json::json!({"round": round}),
+        };
+        let sent = Instant::now();
+        let _: SendOk = http_a.rpc(&ann, "send", &req).await.unwrap();
+        let hinted = tokio::time::timeout(HINT_WITHIN, async {
+            loop {
+                match events.recv().await.expect("ben's connection ended") {
+                    ServerEvent::Hint { high_watermark, .. } if high_watermark >= round => return high_watermark,
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: no hint on node B within {HINT_WITHIN:?}"));
+        assert_eq!(hinted, round, "ben's log holds one event per message");
+        eprintln!("round {round}: hinted on B {:?} after the send through A", sent.elapsed());
+    }
+    ws.close().await;
+}

@@ -1,0 +1,243 @@
+//! The hint bus: how "user U's log reached high watermark W" reaches the
+//! hubs of every node, not just the one whose relay committed the fan-out.
+//!
+//! The relay hints its own [`Hub`](crate::hub::Hub) directly and then
+//! [`HintBus::publish`]es the same pair. With [`HintBusConfig::Local`] (one
+//! node, the default) publishing does nothing. With [`HintBusConfig::Nats`]
+//! each node holds its own NATS connection (with `no_echo`, so it never hears
+//! itself), publishes on `<prefix>.<user token>` (a subject per user) and
+//! subscribes to `<prefix>.>`; what it hears goes to its hub's
+//! `notify_user`, which hints the local connections of that user and raises
+//! the user's watermark in the hub, so the re-hint sweep also covers a device
+//! connected here whose log grew through another node.
+//!
+//! Everything here is a hint (D8): a publish that cannot be queued is
+//! dropped and counted, a message lost by NATS or a node's disconnection
+//! costs latency only, because devices sync from their durable cursor on
+//! connect and the re-hint sweep repeats hints to lagging devices. The bus
+//! knows no store and no wire protocol; its payload is its own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinHandle;
+
+use crate::metrics as m;
+use crate::server::AppState;
+
+/// Hints waiting for the publisher task; beyond this they are dropped
+/// (counted in `tidemark_hints_bus_dropped_total`).
+pub const HINT_PUBLISH_QUEUE_MAX: usize = 4096;
+/// Longest wait for the first connection to NATS at start-up.
+pub const NATS_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest hint payload accepted from the bus, in bytes.
+pub const HINT_PAYLOAD_BYTES_MAX: usize = 512;
+/// The default subject prefix; a hint for user `u` goes to `tidemark.hint.u`.
+pub const HINT_SUBJECT_PREFIX_DEFAULT: &str = "tidemark.hint";
+
+/// Which bus a node uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum HintBusConfig {
+    /// One node: hints stay in this process.
+    #[default]
+    Local,
+    /// Several nodes: hints cross over NATS.
+    Nats {
+        /// e.g. `nats://127.0.0.1:4222`.
+        url: String,
+        /// Subject prefix shared by every node of one cluster (dot-separated
+        /// tokens of ASCII letters, digits, `_` and `-`).
+        subject_prefix: String,
+    },
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum BusError {
+    #[error("invalid NATS subject prefix {0:?}")]
+    Prefix(String),
+    #[error("connect to NATS at {url}: {reason}")]
+    Connect { url: String, reason: String },
+    #[error("subscribe to {subject}: {reason}")]
+    Subscribe { subject: String, reason: String },
+}
+
+/// The publishing side, held in [`AppState`].
+#[derive(Debug, Default)]
+pub struct HintBus {
+    /// `None` for the local bus.
+    tx: Option<mpsc::Sender<(String, u64)>>,
+}
+
+impl HintBus {
+    /// Queues `(user, hw)` for the other nodes; never waits.
+    pub fn publish(&self, user: &str, hw: u64) {
+        let Some(tx) = &self.tx else { return };
+        if tx.try_send((user.to_owned(), hw)).is_err() {
+            metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
+        }
+    }
+}
+
+/// A connected NATS bus not yet running: [`connect`] happens before the
+/// server's state exists, [`Pending::spawn`] after.
+pub struct Pending {
+    client: async_nats::Client,
+    subscriber: async_nats::Subscriber,
+    prefix: String,
+    rx: mpsc::Receiver<(String, u64)>,
+}
+
+fn valid_prefix(prefix: &str) -> bool {
+    !prefix.is_empty()
+        && prefix
+            .split('.')
+            .all(|t| !t.is_empty() && t.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-')))
+}
+
+/// The subject token for a user: the id itself when it is one token (user
+/// ids may contain `.`, which separates tokens), else `x` and its hex.
+pub fn user_token(user: &str) -> String {
+    if !user.is_empty() && user.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '@')) {
+        user.to_owned()
+    } else {
+        let mut token = String::with_capacity(1 + 2 * user.len());
+        token.push('x');
+        for b in user.bytes() {
+            token.push_str(&format!("{b:02x}"));
+        }
+        token
+    }
+}
+
+fn encode(user: &str, hw: u64) -> Vec<u8> {
+    serde_json::json!({ "user": user, "high_watermark": hw }).to_string().into_bytes()
+}
+
+fn decode(payload: &[u8]) -> Option<(String, u64)> {
+    if payload.len() > HINT_PAYLOAD_BYTES_MAX {
+        return None;
+    }
+    let v: serde_json::Value = serde_json::from_slice(payload).ok()?;
+    let user = v.get("user")?.as_str()?;
+    tidemark_core::ids::check_user(user).ok()?;
+    Some((user.to_owned(), v.get("high_watermark")?.as_u64()?))
+}
+
+/// Builds the bus for `config`: the local bus, or a NATS connection with its
+/// subscription in place (flushed, so hints published after this returns
+/// reach this node).
+pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>), BusError> {
+    let HintBusConfig::Nats { url, subject_prefix } = config else {
+        return Ok((HintBus::default(), None));
+    };
+    if !valid_prefix(subject_prefix) {
+        return Err(BusError::Prefix(subject_prefix.clone()));
+    }
+    let connect_err = |reason: String| BusError::Connect { url: url.clone(), reason };
+    let options = async_nats::ConnectOptions::new().no_echo().name("tidemark").connection_timeout(NATS_CONNECT_TIMEOUT);
+    let client = tokio::time::timeout(NATS_CONNECT_TIMEOUT, options.connect(url.as_str()))
+        .await
+        .map_err(|_| connect_err("timed out".into()))?
+        .map_err(|e| connect_err(e.to_string()))?;
+    let subject = format!("{subject_prefix}.>");
+    let subscribe_err = |reason: String| BusError::Subscribe { subject: subject.clone(), reason };
+    let subscriber = client.subscribe(subject.clone()).await.map_err(|e| subscribe_err(e.to_string()))?;
+    tokio::time::timeout(NATS_CONNECT_TIMEOUT, client.flush())
+        .await
+        .map_err(|_| subscribe_err("flush timed out".into()))?
+        .map_err(|e| subscribe_err(e.to_string()))?;
+    let (tx, rx) = mpsc::channel(HINT_PUBLISH_QUEUE_MAX);
+    tracing::info!(%url, prefix = %subject_prefix, "hint bus on NATS");
+    Ok((HintBus { tx: Some(tx) }, Some(Pending { client, subscriber, prefix: subject_prefix.clone(), rx })))
+}
+
+impl Pending {
+    /// Starts the publisher and the subscriber; both stop on `shutdown`.
+    pub fn spawn(self, state: Arc<AppState>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+        let Pending { client, subscriber, prefix, rx } = self;
+        let publisher = tokio::spawn(publish_loop(client, prefix, rx, shutdown.clone()));
+        let listener = tokio::spawn(subscribe_loop(subscriber, state, shutdown));
+        vec![publisher, listener]
+    }
+}
+
+async fn publish_loop(
+    client: async_nats::Client,
+    prefix: String,
+    mut rx: mpsc::Receiver<(String, u64)>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let (user, hw) = tokio::select! {
+            next = rx.recv() => match next {
+                Some(hint) => hint,
+                None => return,
+            },
+            _ = crate::util::stopped(&mut shutdown) => return,
+        };
+        let subject = format!("{prefix}.{}", user_token(&user));
+        // The client buffers while reconnecting; an error here is a hint
+        // lost, which the re-hint sweep and client syncs cover.
+        match client.publish(subject, encode(&user, hw).into()).await {
+            Ok(()) => metrics::counter!(m::HINTS_BUS_PUBLISHED).increment(1),
+            Err(e) => {
+                metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
+                tracing::debug!(%user, error = %e, "hint not published");
+            }
+        }
+    }
+}
+
+async fn subscribe_loop(
+    mut subscriber: async_nats::Subscriber,
+    state: Arc<AppState>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let message = tokio::select! {
+            next = subscriber.next() => match next {
+                Some(message) => message,
+                None => {
+                    tracing::warn!("hint bus subscription ended; cross-node hints stop until restart");
+                    return;
+                }
+            },
+            _ = crate::util::stopped(&mut shutdown) => {
+                let _ = subscriber.unsubscribe().await;
+                return;
+            }
+        };
+        match decode(&message.payload) {
+            Some((user, hw)) => {
+                metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
+                state.hub.notify_user(&user, hw);
+            }
+            None => tracing::warn!(subject = %message.subject, "malformed hint on the bus ignored"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_round_trip_and_bad_ones_are_refused() {
+        for (user, hw) in [("bob", 7), ("a.b@c", u64::MAX)] {
+            assert_eq!(decode(&encode(user, hw)), Some((user.to_owned(), hw)));
+        }
+        assert_eq!(decode(b"{\"user\":\"bob\"}"), None);
+        assert_eq!(decode(b"{\"user\":\"b b\",\"high_watermark\":1}"), None);
+        assert_eq!(decode(b"not json"), None);
+    }
+
+    #[test]
+    fn user_tokens_are_one_subject_token() {
+        assert_eq!(user_token("bob-1@x"), "bob-1@x");
+        assert_eq!(user_token("a.b"), "x612e62");
+        assert!(valid_prefix("tidemark.hint") && valid_prefix("t_1.hint"));
+        assert!(!valid_prefix("") && !valid_prefix("a..b") && !valid_prefix("a.>") && !valid_prefix("a b"));
+    }
+}
