@@ -1,6 +1,7 @@
-//! The `tidemark` command: `serve`, `user add` and `bench`.
+//! The `tidemark` command: `serve`, `user add`, `bench`, `demo` and `chat`.
 
 mod bench;
+mod chat;
 mod demo;
 
 use std::io::BufRead;
@@ -74,6 +75,8 @@ enum Command {
     },
     /// Play the multi-device sync story on an in-process server and check it.
     Demo,
+    /// Chat interactively as one device of a user (the SDK with its local store).
+    Chat(chat::ChatArgs),
 }
 
 #[derive(Subcommand)]
@@ -173,5 +176,6 @@ async fn main() -> Result<()> {
         }
         Command::Bench { command } => bench::run(command).await,
         Command::Demo => demo::run().await,
+        Command::Chat(args) => chat::run(args).await,
     }
 }
