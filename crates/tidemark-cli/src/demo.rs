@@ -380,7 +380,22 @@ impl Timeline {
             Change::Acked { sync_seq, acked_sync_seq, generation } => {
                 format!("ACK sync_seq {sync_seq} (server ACK now {acked_sync_seq}, generation {generation})")
             }
-            Change::Reset { generation } => format!("RESET_REQUIRED: local state wiped, generation {generation:?}"),
+            Change::Reset { generation } => {
+                format!("RESET_REQUIRED: rebuilding from a snapshot, generation {generation:?}")
+            }
+            Change::SnapshotStarted { generation, base_sync_seq, pages, resumed } => format!(
+                "snapshot {}: base {base_sync_seq}, {pages} page(s), generation {generation}",
+                if *resumed { "resumed" } else { "started" }
+            ),
+            Change::SnapshotPage { fetched, pages, items } => {
+                format!("snapshot page {fetched}/{pages} ({items} items)")
+            }
+            Change::SnapshotInstalled { base_sync_seq, conversations, messages, .. } => format!(
+                "snapshot installed: {conversations} conversation(s), {messages} event(s), at sync_seq {base_sync_seq}"
+            ),
+            Change::SnapshotFailed { reason, retrying } => {
+                format!("snapshot failed: {reason}{}", if *retrying { "; retrying" } else { "" })
+            }
             Change::OutboxQueued { op, client_msg_id, .. } => {
                 format!("{} queued in the outbox ({})", op.as_str(), short(client_msg_id))
             }

@@ -134,7 +134,8 @@ pub enum Exit {
     Aborted(FaultPoint),
     /// The local store failed (disk full, corrupt, contradicting the server).
     Failed(String),
-    /// The server asks for something this client cannot do yet.
+    /// The server asks for something this client cannot do. (No longer
+    /// produced: a device that cannot replay installs a snapshot.)
     Unsupported(String),
 }
 
@@ -158,9 +159,46 @@ pub enum Change {
         acked_sync_seq: u64,
         generation: u64,
     },
-    /// `RESET_REQUIRED`: local synced state wiped, rebuilding.
+    /// `RESET_REQUIRED`: this device must rebuild under `generation`. A
+    /// snapshot install follows ([`Change::SnapshotStarted`]…); the local
+    /// state stays as it is until the install commits.
     Reset {
         generation: Option<u64>,
+    },
+    /// Rebuilding from a snapshot (D7): `snapshot.begin` answered, or an
+    /// interrupted install of the same snapshot starts over (`resumed`).
+    /// `pages` pages follow; after the install the device stands at
+    /// `base_sync_seq` and syncs on from there.
+    SnapshotStarted {
+        generation: u64,
+        base_sync_seq: u64,
+        pages: u32,
+        resumed: bool,
+    },
+    /// Snapshot page `fetched` of `pages` downloaded (counted from 1): for a
+    /// progress bar. Nothing is applied before the last page is verified.
+    SnapshotPage {
+        fetched: u32,
+        pages: u32,
+        items: usize,
+    },
+    /// The snapshot replaced the local synced state in one transaction; its
+    /// `snapshot.ack` follows ([`Change::Acked`] with `sync_seq` =
+    /// `base_sync_seq`).
+    SnapshotInstalled {
+        generation: u64,
+        base_sync_seq: u64,
+        conversations: usize,
+        messages: usize,
+    },
+    /// An install attempt failed (digest mismatch, refused page or ack,
+    /// malformed item, connection lost). Nothing local changed unless the
+    /// install had already committed (then only its ack is left).
+    /// `retrying`: a new attempt starts at once; otherwise after a backoff
+    /// or on the next connection.
+    SnapshotFailed {
+        reason: String,
+        retrying: bool,
     },
     /// An operation is durable in the outbox and will be sent in order.
     OutboxQueued {

@@ -23,15 +23,18 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tidemark_proto::{op, ConvSummary, ReadOk, ReadReq, RecallOk, RecallReq, SendReq, SyncReq};
+use tidemark_proto::{
+    op, ConvSummary, ReadOk, ReadReq, RecallOk, RecallReq, SendReq, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk,
+    SnapshotPageOk, SnapshotPageReq, SyncReq,
+};
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::time::{Instant, MissedTickBehavior, Sleep};
 
 use crate::client::{Change, ClientConfig, ConnState, Exit, SdkError};
 use crate::policy::{action_for, action_for_kick, Action, Op, SyncGate};
 use crate::store::{
-    ApplyError, FaultAction, FaultPoint, LocalStore, OutboxEntry, OutboxOp, OutboxRecord, PageReport, StoreError,
-    StoreResult,
+    ApplyError, FaultAction, FaultPoint, LocalStore, OutboxEntry, OutboxOp, OutboxRecord, PageReport, PendingSnapshot,
+    StoreError, StoreResult,
 };
 use crate::{ClientError, ClientResult, Http, ServerEvent, WsConn};
 
@@ -499,20 +502,15 @@ enum Flow {
     Stop(RoundEnd),
 }
 
-async fn on_round_error(inner: &Arc<Inner>, op: Op, e: &ClientError) -> Flow {
+async fn on_round_error(inner: &Arc<Inner>, ws: &WsConn, op: Op, e: &ClientError) -> Flow {
     tracing::debug!(error = %e, ?op, "sync request refused");
     match action_for(op, e) {
         Action::Reset { generation } => {
-            // Wipe in one transaction, then a first page with the new
-            // generation and local_applied_sync_seq 0.
-            match inner.db(move |s, _| s.reset(generation)).await {
-                Ok(()) => {
-                    inner.emit(Change::Reset { generation });
-                    inner.committed();
-                    Flow::RestartBatch
-                }
-                Err(e) => Flow::Stop(RoundEnd::End(End::store(e))),
-            }
+            // Always a snapshot (D7), never a wipe and full replay: it works
+            // whether or not the log was trimmed, and the local state stays
+            // usable until the install replaces it in one transaction.
+            inner.emit(Change::Reset { generation });
+            rebuild(inner, ws).await
         }
         Action::RestartBatch => Flow::RestartBatch,
         Action::Retry { retry_after } => Flow::Stop(RoundEnd::Retry(retry_after)),
@@ -520,16 +518,202 @@ async fn on_round_error(inner: &Arc<Inner>, op: Op, e: &ClientError) -> Flow {
     }
 }
 
-/// True when `e` is `RESET_REQUIRED` for the generation we already wiped
-/// into (`local_applied_sync_seq` 0): replaying cannot rebuild us.
-fn wiped_and_still_resetting(sent: &crate::store::SyncPosition, e: &ClientError) -> bool {
-    let ClientError::Server(frame) = e else {
-        return false;
+/// Snapshot install attempts (begin, fetch, verify, install, ack) one
+/// rebuild may make before the round backs off.
+const SNAPSHOT_ATTEMPTS_MAX: u32 = 4;
+
+/// How one step of a snapshot install ended.
+enum Step {
+    Done,
+    /// Start over: with the same snapshot if one is still pending, else
+    /// with a new `snapshot.begin`.
+    Again,
+    Stop(Flow),
+}
+
+/// Rebuilds the device from a snapshot (D7, docs/protocol.md §3.24), or
+/// finishes the install a previous run left pending: an install that
+/// committed is acked first; one that did not is fetched again with the same
+/// token; otherwise a new snapshot begins. On success the batch restarts
+/// from the snapshot's base.
+async fn rebuild(inner: &Arc<Inner>, ws: &WsConn) -> Flow {
+    // The token whose pages failed the digest once: a second mismatch
+    // abandons that snapshot for a new one.
+    let mut mismatched: Option<String> = None;
+    for _ in 0..SNAPSHOT_ATTEMPTS_MAX {
+        let pending = match inner.db(|s, _| s.pending_snapshot()).await {
+            Ok(p) => p,
+            Err(e) => return Flow::Stop(RoundEnd::End(End::store(e))),
+        };
+        let step = match pending {
+            Some(snap) if snap.installed => ack_snapshot(inner, ws, &snap).await,
+            Some(snap) => install(inner, ws, snap, true, &mut mismatched).await,
+            None => match begin_snapshot(inner, ws).await {
+                Ok(snap) => install(inner, ws, snap, false, &mut mismatched).await,
+                Err(step) => step,
+            },
+        };
+        match step {
+            Step::Done => return Flow::RestartBatch,
+            Step::Again => continue,
+            Step::Stop(flow) => return flow,
+        }
+    }
+    inner.emit(Change::SnapshotFailed { reason: "too many failed attempts".into(), retrying: false });
+    Flow::Stop(RoundEnd::Retry(None))
+}
+
+/// A refused snapshot call: a token that can no longer serve (reset again,
+/// expired, superseded) is forgotten and a new snapshot begins; a transient
+/// refusal or a lost connection keeps the pending snapshot for the next try.
+async fn snapshot_refused(inner: &Arc<Inner>, what: &str, e: &ClientError) -> Step {
+    tracing::debug!(error = %e, what, "snapshot request refused");
+    match action_for(Op::Sync, e) {
+        Action::Reset { .. } | Action::RestartBatch => {
+            if let Err(e) = inner.db(|s, _| s.forget_snapshot()).await {
+                return Step::Stop(Flow::Stop(RoundEnd::End(End::store(e))));
+            }
+            inner.emit(Change::SnapshotFailed { reason: format!("{what}: {e}"), retrying: true });
+            Step::Again
+        }
+        Action::Retry { retry_after } => {
+            inner.emit(Change::SnapshotFailed { reason: format!("{what}: {e}"), retrying: false });
+            Step::Stop(Flow::Stop(RoundEnd::Retry(retry_after)))
+        }
+        other => {
+            inner.emit(Change::SnapshotFailed { reason: format!("{what}: {e}"), retrying: false });
+            Step::Stop(Flow::Stop(RoundEnd::End(End::of(other))))
+        }
+    }
+}
+
+fn aborted(point: FaultPoint) -> Step {
+    Step::Stop(Flow::Stop(RoundEnd::End(End::Exit(Exit::Aborted(point)))))
+}
+
+/// Step 1: `snapshot.begin`, recorded locally before anything else.
+async fn begin_snapshot(inner: &Arc<Inner>, ws: &WsConn) -> Result<PendingSnapshot, Step> {
+    let ok: SnapshotBeginOk = match inner.call(ws.request(op::SNAPSHOT_BEGIN, &serde_json::json!({}))).await {
+        Ok(ok) => ok,
+        Err(e) => return Err(snapshot_refused(inner, "snapshot.begin", &e).await),
     };
-    frame.code == tidemark_proto::ErrorCode::ResetRequired
-        && sent.applied_sync_seq == 0
-        && sent.generation.is_some()
-        && frame.sync_generation == sent.generation
+    let snap = PendingSnapshot {
+        snapshot_id: ok.snapshot_id,
+        token: ok.snapshot_token,
+        generation: ok.sync_generation,
+        base_sync_seq: ok.base_sync_seq,
+        manifest_digest: ok.manifest_digest,
+        pages: ok.pages,
+        installed: false,
+    };
+    let saved = snap.clone();
+    if let Err(e) = inner.db(move |s, _| s.snapshot_begun(&saved)).await {
+        return Err(Step::Stop(Flow::Stop(RoundEnd::End(End::store(e)))));
+    }
+    let point =
+        FaultPoint::SnapshotBegun { generation: snap.generation, base_sync_seq: snap.base_sync_seq, pages: snap.pages };
+    if inner.fault(&point) == FaultAction::Abort {
+        return Err(aborted(point));
+    }
+    Ok(snap)
+}
+
+/// Steps 2–5: fetch every page, verify the digest, install in one local
+/// transaction, then ack.
+async fn install(
+    inner: &Arc<Inner>,
+    ws: &WsConn,
+    snap: PendingSnapshot,
+    resumed: bool,
+    mismatched: &mut Option<String>,
+) -> Step {
+    inner.emit(Change::SnapshotStarted {
+        generation: snap.generation,
+        base_sync_seq: snap.base_sync_seq,
+        pages: snap.pages,
+        resumed,
+    });
+    let mut items = Vec::new();
+    for page in 0..snap.pages {
+        let req = SnapshotPageReq { snapshot_token: snap.token.clone(), page };
+        let ok: SnapshotPageOk = match inner.call(ws.request(op::SNAPSHOT_PAGE, &req)).await {
+            Ok(ok) => ok,
+            Err(e) => return snapshot_refused(inner, "snapshot.page", &e).await,
+        };
+        let mut got = ok.items;
+        let point = FaultPoint::SnapshotPageFetched { page, pages: snap.pages };
+        match inner.fault(&point) {
+            FaultAction::Abort => return aborted(point),
+            FaultAction::Corrupt => {
+                if let Some(serde_json::Value::Object(first)) = got.first_mut() {
+                    first.insert("corrupted".into(), serde_json::Value::Bool(true));
+                }
+            }
+            FaultAction::Continue => {}
+        }
+        inner.emit(Change::SnapshotPage { fetched: page + 1, pages: snap.pages, items: got.len() });
+        items.extend(got);
+    }
+    if crate::store::manifest_digest(&items) != snap.manifest_digest {
+        // Install nothing, ack nothing. The snapshot is immutable: fetch it
+        // again once, then give it up for a new one.
+        let again = mismatched.as_deref() == Some(snap.token.as_str());
+        if again {
+            if let Err(e) = inner.db(|s, _| s.forget_snapshot()).await {
+                return Step::Stop(Flow::Stop(RoundEnd::End(End::store(e))));
+            }
+        }
+        *mismatched = Some(snap.token.clone());
+        tracing::warn!(snapshot = %snap.snapshot_id, "snapshot manifest digest mismatch");
+        inner.emit(Change::SnapshotFailed { reason: "manifest digest mismatch".into(), retrying: true });
+        return Step::Again;
+    }
+    let installing = snap.clone();
+    let report = inner.db(move |s, inner| Ok(s.install_snapshot(&installing, &items, &|p| inner.fault(p)))).await;
+    let report = match report {
+        Ok(Ok(report)) => report,
+        Ok(Err(ApplyError::Store(e))) | Err(e) => return Step::Stop(Flow::Stop(RoundEnd::End(End::store(e)))),
+        Ok(Err(e)) => {
+            // Malformed items: nothing was written. Try another snapshot.
+            tracing::warn!(error = %e, "snapshot refused locally");
+            if let Err(e) = inner.db(|s, _| s.forget_snapshot()).await {
+                return Step::Stop(Flow::Stop(RoundEnd::End(End::store(e))));
+            }
+            inner.emit(Change::SnapshotFailed { reason: e.to_string(), retrying: true });
+            return Step::Again;
+        }
+    };
+    inner.emit(Change::SnapshotInstalled {
+        generation: report.generation,
+        base_sync_seq: report.base_sync_seq,
+        conversations: report.conversations,
+        messages: report.messages,
+    });
+    inner.committed();
+    let point = FaultPoint::SnapshotAfterCommit { base_sync_seq: snap.base_sync_seq };
+    if inner.fault(&point) == FaultAction::Abort {
+        return aborted(point);
+    }
+    ack_snapshot(inner, ws, &PendingSnapshot { installed: true, ..snap }).await
+}
+
+/// Step 5: `snapshot.ack` of an installed snapshot (also a retry after a
+/// lost reply or a restart: the server answers the same).
+async fn ack_snapshot(inner: &Arc<Inner>, ws: &WsConn, snap: &PendingSnapshot) -> Step {
+    let req = SnapshotAckReq { snapshot_token: snap.token.clone() };
+    let ok: SnapshotAckOk = match inner.call(ws.request(op::SNAPSHOT_ACK, &req)).await {
+        Ok(ok) => ok,
+        // TOKEN_INVALID / STALE_GENERATION: the server does not recognize
+        // the install; a new snapshot replaces it (§3.24).
+        Err(e) => return snapshot_refused(inner, "snapshot.ack", &e).await,
+    };
+    let (generation, acked) = (ok.sync_generation, ok.acked_sync_seq);
+    if let Err(e) = inner.db(move |s, _| s.snapshot_acked(generation, acked)).await {
+        return Step::Stop(Flow::Stop(RoundEnd::End(End::store(e))));
+    }
+    inner.emit(Change::Acked { sync_seq: snap.base_sync_seq, acked_sync_seq: acked, generation });
+    inner.committed();
+    Step::Done
 }
 
 /// One sync round: one batch from a first page to `has_more: false`, each
@@ -543,10 +727,22 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
             tracing::warn!(restarts, "sync batch keeps restarting; backing off");
             return RoundEnd::Retry(None);
         }
-        let position = match inner.db(|s, _| s.position()).await {
+        let (position, pending) = match inner.db(|s, _| Ok((s.position()?, s.pending_snapshot()?))).await {
             Ok(p) => p,
             Err(e) => return RoundEnd::End(End::store(e)),
         };
+        if pending.is_some() {
+            // An install left pending (a crash, a lost connection): finish
+            // it before any sync; an installed one must be acked first, or
+            // the server still holds the device as RESETTING (§3.24).
+            match rebuild(&inner, &ws).await {
+                Flow::RestartBatch => {
+                    restarts += 1;
+                    continue 'batch;
+                }
+                Flow::Stop(end) => return end,
+            }
+        }
         let first = SyncReq {
             sync_generation: position.generation,
             local_applied_sync_seq: Some(position.applied_sync_seq),
@@ -555,17 +751,7 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
         };
         let mut page = match inner.call(ws.sync(&first)).await {
             Ok(page) => page,
-            Err(e) if wiped_and_still_resetting(&position, &e) => {
-                // We wiped and asked to rebuild under this generation, and
-                // the server still refuses: its log no longer starts at 1,
-                // so only a snapshot install (D7) can rebuild this device.
-                return RoundEnd::End(End::Exit(Exit::Unsupported(
-                    "the server needs a snapshot rebuild (D7, snapshot.*), which docs/protocol.md does not \
-                     describe yet and this client does not implement"
-                        .into(),
-                )));
-            }
-            Err(e) => match on_round_error(&inner, Op::Sync, &e).await {
+            Err(e) => match on_round_error(&inner, &ws, Op::Sync, &e).await {
                 Flow::RestartBatch => {
                     restarts += 1;
                     continue 'batch;
@@ -618,7 +804,7 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
                         inner.emit(Change::Acked { sync_seq: ack_to, acked_sync_seq: value, generation });
                         inner.committed();
                     }
-                    Err(e) => match on_round_error(&inner, Op::Ack, &e).await {
+                    Err(e) => match on_round_error(&inner, &ws, Op::Ack, &e).await {
                         Flow::RestartBatch => {
                             restarts += 1;
                             continue 'batch;
@@ -642,7 +828,7 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
             };
             page = match inner.call(ws.sync(&next)).await {
                 Ok(page) => page,
-                Err(e) => match on_round_error(&inner, Op::Sync, &e).await {
+                Err(e) => match on_round_error(&inner, &ws, Op::Sync, &e).await {
                     Flow::RestartBatch => {
                         restarts += 1;
                         continue 'batch;

@@ -12,11 +12,39 @@
 //! only after it commits; a lost ACK is repaired by the next sync, which
 //! replays from the server's ACK and skips what is already applied.
 //!
+//! A device the server cannot resume (`RESET_REQUIRED`: offline past the
+//! retention window, a new device after the log was trimmed, a restore too
+//! far behind, an expired recovery) rebuilds from a **snapshot** (D7,
+//! docs/protocol.md §3.21–§3.24), always, even while the log is whole:
+//! `snapshot.begin` (recorded locally), every `snapshot.page`, the manifest
+//! digest checked ([`manifest_digest`]), then **one** local transaction
+//! replaces the synced state (conversations with the server's summaries,
+//! the latest events of each, generation, `applied_sync_seq` = the base)
+//! and keeps the outbox; only after that commit goes `snapshot.ack`, and
+//! incremental sync continues from the base. Until the commit the old local
+//! state stays readable and the server cursor does not move; a crash, a
+//! refused page or a digest mismatch leaves both as they were, and the next
+//! round fetches the same snapshot again (or begins a new one). An install
+//! that committed but was not acked is acked first thing, before any sync.
+//! The app follows it through [`Change::Reset`], [`Change::SnapshotStarted`],
+//! [`Change::SnapshotPage`] (page i of n), [`Change::SnapshotInstalled`],
+//! [`Change::Acked`] and, on trouble, [`Change::SnapshotFailed`].
+//!
+//! After a snapshot a conversation holds only its latest events: its cursor
+//! stands at its `last_msg_seq`, and [`Conversation::history_to`] marks the
+//! older `msg_seq`s as history to fetch on demand, never a gap.
+//!
+//! A recovery batch (D6: a restored store a little behind its ACK) is
+//! applied like any batch; its intermediate ACKs get the old, higher ACK
+//! back, and the final ACK of exactly the batch's watermark, with its
+//! token, completes it.
+//!
 //! Module map:
 //! - [`client`]: the app-facing API (open, start, send, recall, mark read,
 //!   read the local store, subscribe to changes);
 //! - `engine`: the state machine, sync rounds and the outbox pump;
-//! - [`store`]: the local SQLite schema and its transactions;
+//! - [`store`]: the local SQLite schema and its transactions (sync pages,
+//!   snapshot installs, the outbox);
 //! - [`cursor`]: the pure contiguous cursor with its pending buffer;
 //! - [`policy`]: pure decisions (backoff, sync gate, refusal → action);
 //! - `http`, `ws`: the transport. It keeps no state and makes no sync
@@ -92,8 +120,8 @@ mod ws;
 pub use client::{Change, Changes, Client, ClientConfig, ConnState, Exit, FaultHook, SdkError};
 pub use http::Http;
 pub use store::{
-    Conversation, CursorMove, FaultAction, FaultPoint, Gap, Message, OutboxEntry, OutboxOp, OutboxState, PageReport,
-    StoreError, SyncPosition,
+    manifest_digest, Conversation, CursorMove, FaultAction, FaultPoint, Gap, Message, OutboxEntry, OutboxOp,
+    OutboxState, PageReport, PendingSnapshot, SnapshotReport, StoreError, SyncPosition,
 };
 pub use tidemark_proto as proto;
 pub use ws::{ServerEvent, WsConn};

@@ -33,13 +33,19 @@
 //!   ACK was lost), `refresh_token`.
 //! - `conversations` — key `conv`: `contiguous_msg_seq` (the K2 cursor),
 //!   `last_msg_seq`, `read_seq`, `unread`, settings (`muted`, `pinned`,
-//!   `settings_version`), `updated_sync_seq`.
+//!   `settings_version`), `updated_sync_seq`, `active` (still a member),
+//!   `history_to` (events at or below it were never delivered here: a
+//!   snapshot's older history) and `unread_below` (unread messages below
+//!   `history_to`, counted while `read_seq` is below it).
 //! - `messages` — key `(conv, msg_seq)`, `message_id` unique: every
 //!   conversation event held (user messages and control events), its
 //!   envelope with `version` and `reactions`, and the `sync_seq` that
 //!   delivered it (NULL while known only from our own `send.ok`).
 //! - `control_events` — key `sync_seq`: events of kinds this client does not
 //!   interpret, kept verbatim (they count as applied).
+//! - `snapshot_install` — at most one row: the snapshot being installed
+//!   (token, generation, base, digest, pages) and whether its install
+//!   committed (`installed`: its `snapshot.ack` is pending).
 //! - `outbox` — key `id` (order), `client_msg_id` unique, `op` (`send`,
 //!   `recall`, `read`): `pending`, then `accepted` (with `msg_seq`, and for
 //!   a send `message_id` and `duplicate`) or `failed`.
@@ -130,7 +136,25 @@ CREATE TABLE IF NOT EXISTS outbox (
     error TEXT
 );
 CREATE INDEX IF NOT EXISTS outbox_by_state ON outbox (state, id);
+CREATE TABLE IF NOT EXISTS snapshot_install (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    snapshot_id TEXT NOT NULL,
+    token TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    base_sync_seq INTEGER NOT NULL,
+    manifest_digest TEXT NOT NULL,
+    pages INTEGER NOT NULL,
+    installed INTEGER NOT NULL DEFAULT 0
+);
 ";
+
+/// Columns added to `conversations` after the first release of the schema;
+/// [`LocalStore::open`] adds the missing ones to an older database.
+const CONVERSATION_COLUMNS: &[(&str, &str)] = &[
+    ("history_to", "INTEGER NOT NULL DEFAULT 0"),
+    ("unread_below", "INTEGER NOT NULL DEFAULT 0"),
+    ("active", "INTEGER NOT NULL DEFAULT 1"),
+];
 
 /// Local store failures.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -167,6 +191,17 @@ pub enum FaultPoint {
     BeforeCommit { first_sync_seq: u64, last_sync_seq: u64 },
     /// The page committed; its ACK is not sent yet.
     AfterCommit { applied_sync_seq: u64 },
+    /// `snapshot.begin` answered and the snapshot is recorded locally; no
+    /// page fetched yet.
+    SnapshotBegun { generation: u64, base_sync_seq: u64, pages: u32 },
+    /// Snapshot page `page` (from 0) arrived; it is not verified yet. The
+    /// hook may answer [`FaultAction::Corrupt`] here to damage one item.
+    SnapshotPageFetched { page: u32, pages: u32 },
+    /// The snapshot is written in the open install transaction, not
+    /// committed.
+    SnapshotBeforeCommit { base_sync_seq: u64 },
+    /// The install committed; `snapshot.ack` is not sent yet.
+    SnapshotAfterCommit { base_sync_seq: u64 },
     /// An outbox entry is about to be sent.
     BeforeSend { client_msg_id: String },
     /// The server accepted an outbox entry; that is not recorded locally yet.
@@ -180,6 +215,49 @@ pub enum FaultAction {
     /// Stop at once, as if the process were killed: no further write, reply
     /// or request.
     Abort,
+    /// At [`FaultPoint::SnapshotPageFetched`] only: damage the first item of
+    /// the page just received (a corrupt transfer). Elsewhere, `Continue`.
+    Corrupt,
+}
+
+/// A snapshot this device began installing (D7, docs/protocol.md §3.24),
+/// persisted from `snapshot.begin` until its `snapshot.ack` is confirmed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingSnapshot {
+    pub snapshot_id: String,
+    /// Fetches the pages again and acks; valid 30 minutes.
+    pub token: String,
+    pub generation: u64,
+    pub base_sync_seq: u64,
+    pub manifest_digest: String,
+    pub pages: u32,
+    /// The install committed locally; only `snapshot.ack` is left, and it
+    /// must go before any `sync`.
+    pub installed: bool,
+}
+
+/// What installing a snapshot did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SnapshotReport {
+    pub generation: u64,
+    pub base_sync_seq: u64,
+    pub conversations: usize,
+    /// Conversation events stored (messages and control events).
+    pub messages: usize,
+    /// Items of a type this client does not know, ignored.
+    pub skipped_items: usize,
+}
+
+/// The manifest digest of snapshot items (docs/protocol.md §3.22): lowercase
+/// hex SHA-256 over each item's canonical JSON followed by `\n`.
+pub fn manifest_digest<'a>(items: impl IntoIterator<Item = &'a Value>) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for item in items {
+        h.update(tidemark_proto::canonical_item(item).as_bytes());
+        h.update(b"\n");
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// The device's position in its user's sync log.
@@ -227,8 +305,16 @@ impl Message {
 pub struct Conversation {
     pub conv: String,
     pub kind: String,
-    /// Every `msg_seq` up to here is held locally (K2).
+    /// Every `msg_seq` in `history_to + 1 ..= contiguous_msg_seq` is held
+    /// locally or outside this user's view (K2): the point a sync continues
+    /// after.
     pub contiguous_msg_seq: u64,
+    /// Events at or below this `msg_seq` were never delivered to this
+    /// device: a snapshot (D7) carries only the latest events of each
+    /// conversation. They are history, fetched on demand (`history`,
+    /// docs/protocol.md §3.11), never a gap. 0 when the device holds the
+    /// conversation from its start.
+    pub history_to: u64,
     /// The highest `msg_seq` held; above `contiguous_msg_seq` when a gap
     /// waits to be filled.
     pub last_msg_seq: u64,
@@ -239,6 +325,8 @@ pub struct Conversation {
     pub unread: u64,
     pub muted: bool,
     pub pinned: bool,
+    /// The user is a member now (false once they left or were removed).
+    pub active: bool,
     /// The latest user message (control events are not messages).
     pub last_message: Option<Message>,
 }
@@ -406,6 +494,10 @@ pub enum ApplyError {
     /// An event contradicts itself (envelope of another conversation…).
     #[error("malformed event at sync_seq {sync_seq}: {why}")]
     Malformed { sync_seq: u64, why: String },
+    /// A snapshot's items contradict themselves (a message outside its
+    /// conversation, out of order…).
+    #[error("malformed snapshot item {index}: {why}")]
+    BadSnapshot { index: usize, why: String },
 }
 
 pub struct LocalStore {
@@ -431,6 +523,7 @@ impl LocalStore {
         }
         conn.execute_batch("PRAGMA synchronous=FULL; PRAGMA foreign_keys=ON;")?;
         conn.execute_batch(SCHEMA)?;
+        migrate(&conn)?;
         let owner: Option<(String, String)> = conn
             .query_row("SELECT user, device_id FROM device WHERE id = 1", [], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()?;
@@ -557,7 +650,10 @@ impl LocalStore {
     /// `local_applied_sync_seq` 0). The outbox stays (docs/protocol.md §7.7).
     pub fn reset(&mut self, generation: Option<u64>) -> StoreResult<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        tx.execute_batch("DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events;")?;
+        tx.execute_batch(
+            "DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events;
+             DELETE FROM snapshot_install;",
+        )?;
         tx.execute(
             "UPDATE device SET sync_generation = ?1, applied_sync_seq = 0, acked_sync_seq = 0 WHERE id = 1",
             params![generation.map(|g| g as i64)],
@@ -566,12 +662,174 @@ impl LocalStore {
         Ok(())
     }
 
+    /// The snapshot being installed, if any (docs/protocol.md §3.24).
+    pub fn pending_snapshot(&self) -> StoreResult<Option<PendingSnapshot>> {
+        Ok(self
+            .conn
+            .query_row(
+                "SELECT snapshot_id, token, generation, base_sync_seq, manifest_digest, pages, installed
+                 FROM snapshot_install WHERE id = 1",
+                [],
+                |r| {
+                    Ok(PendingSnapshot {
+                        snapshot_id: r.get(0)?,
+                        token: r.get(1)?,
+                        generation: r.get::<_, i64>(2)? as u64,
+                        base_sync_seq: r.get::<_, i64>(3)? as u64,
+                        manifest_digest: r.get(4)?,
+                        pages: r.get::<_, i64>(5)? as u32,
+                        installed: r.get(6)?,
+                    })
+                },
+            )
+            .optional()?)
+    }
+
+    /// Step 1 of §3.24: records a begun snapshot (not installed), replacing
+    /// any older one. The synced state is not touched.
+    pub fn snapshot_begun(&mut self, snap: &PendingSnapshot) -> StoreResult<()> {
+        save_pending(&self.conn, snap, false)?;
+        Ok(())
+    }
+
+    /// Forgets the pending snapshot (its token can no longer be used).
+    pub fn forget_snapshot(&mut self) -> StoreResult<()> {
+        self.conn.execute("DELETE FROM snapshot_install", [])?;
+        Ok(())
+    }
+
+    /// Step 5 of §3.24 answered: the server installed the snapshot. Clears
+    /// the pending mark and records the ACK, in one transaction.
+    pub fn snapshot_acked(&mut self, generation: u64, acked_sync_seq: u64) -> StoreResult<()> {
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        tx.execute("DELETE FROM snapshot_install", [])?;
+        tx.execute(
+            "UPDATE device SET acked_sync_seq = MAX(acked_sync_seq, ?2) WHERE id = 1 AND sync_generation = ?1",
+            params![generation as i64, acked_sync_seq as i64],
+        )?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Step 4 of §3.24: replaces the whole synced state with the snapshot's
+    /// verified `items`, in **one** transaction, and marks the snapshot
+    /// installed (its ack pending). The outbox stays. `fault` is asked at
+    /// [`FaultPoint::SnapshotBeforeCommit`].
+    ///
+    /// Each conversation takes the summary of its conversation item as the
+    /// server computed it at the base (`last_msg_seq`, `read_seq`, `unread`,
+    /// `muted`, `pinned`, `active`; the settings version restarts at 0, so
+    /// every later `settings` event applies). Its cursor rule: the snapshot
+    /// holds the latest events of the conversation, so
+    /// - `contiguous_msg_seq` = `last_msg_seq` (everything the user could see
+    ///   up to the base is either held or history), and the next event,
+    ///   `last_msg_seq + 1`, continues the cursor, so gap detection works as
+    ///   before for everything after the base;
+    /// - `history_to` = the first held `msg_seq` − 1 (0 when the first held
+    ///   is `msg_seq` 1; `last_msg_seq` when none is held): the events at or
+    ///   below it are history to fetch on demand, never a gap;
+    /// - the unread count of messages below `history_to` (server's `unread`
+    ///   minus the unread messages held) is kept as `unread_below` and
+    ///   counted until the read position passes `history_to`.
+    ///
+    /// The messages get `sync_seq` NULL: no log entry delivered them.
+    pub fn install_snapshot(
+        &mut self,
+        snap: &PendingSnapshot,
+        items: &[Value],
+        fault: &dyn Fn(&FaultPoint) -> FaultAction,
+    ) -> Result<SnapshotReport, ApplyError> {
+        let user = self.user.clone();
+        let convs = parse_snapshot(items)?;
+        let mut report = SnapshotReport {
+            generation: snap.generation,
+            base_sync_seq: snap.base_sync_seq,
+            conversations: convs.len(),
+            skipped_items: items.len() - convs.iter().map(|c| 1 + c.messages.len()).sum::<usize>(),
+            ..SnapshotReport::default()
+        };
+        let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(StoreError::from)?;
+        tx.execute_batch("DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events;")
+            .map_err(StoreError::from)?;
+        for c in &convs {
+            let held_max = c.messages.last().map_or(0, |m| m.msg_seq);
+            let last = c.last_msg_seq.max(held_max);
+            let history_to = match c.messages.first() {
+                None => last,
+                Some(m) => m.msg_seq - 1,
+            };
+            let held_unread = c
+                .messages
+                .iter()
+                .filter(|m| {
+                    m.sender != user
+                        && m.msg_seq > c.read_seq
+                        && !CONTROL_KINDS.contains(&m.kind.as_str())
+                        && m.state != STATE_RECALLED
+                        && m.state != STATE_DELETED
+                })
+                .count() as u64;
+            tx.execute(
+                "INSERT INTO conversations (conv, kind, contiguous_msg_seq, last_msg_seq, read_seq, unread, muted,
+                                            pinned, settings_version, updated_sync_seq, history_to, unread_below,
+                                            active)
+                 VALUES (?1, ?2, ?3, ?3, ?4, ?5, ?6, ?7, 0, ?8, ?9, ?10, ?11)",
+                params![
+                    c.conv,
+                    c.kind,
+                    last as i64,
+                    c.read_seq as i64,
+                    c.unread as i64,
+                    c.muted,
+                    c.pinned,
+                    snap.base_sync_seq as i64,
+                    history_to as i64,
+                    c.unread.saturating_sub(held_unread) as i64,
+                    c.active
+                ],
+            )
+            .map_err(StoreError::from)?;
+            for env in &c.messages {
+                insert_message(
+                    &tx,
+                    &Message {
+                        conv: env.conv.clone(),
+                        msg_seq: env.msg_seq,
+                        message_id: env.message_id.clone(),
+                        kind: env.kind.clone(),
+                        state: env.state.clone(),
+                        sender: env.sender.clone(),
+                        content: env.content.clone(),
+                        created_at: env.created_at,
+                        version: env.version.max(1),
+                        reactions: serde_json::to_value(&env.reactions).unwrap_or_else(|_| json!({})),
+                        sync_seq: None,
+                    },
+                )?;
+                report.messages += 1;
+            }
+        }
+        tx.execute(
+            "UPDATE device SET sync_generation = ?1, applied_sync_seq = ?2, acked_sync_seq = 0 WHERE id = 1",
+            params![snap.generation as i64, snap.base_sync_seq as i64],
+        )
+        .map_err(StoreError::from)?;
+        save_pending(&tx, snap, true)?;
+        let point = FaultPoint::SnapshotBeforeCommit { base_sync_seq: snap.base_sync_seq };
+        if fault(&point) == FaultAction::Abort {
+            return Err(StoreError::Aborted(point).into());
+        }
+        tx.commit().map_err(StoreError::from)?;
+        Ok(report)
+    }
+
     /// `DEVICE_REVOKED`: deletes every local datum of this device, tokens
     /// and unsent entries included.
     pub fn wipe(&mut self) -> StoreResult<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         tx.execute_batch(
             "DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events; DELETE FROM outbox;
+             DELETE FROM snapshot_install;
              UPDATE device SET sync_generation = NULL, applied_sync_seq = 0, acked_sync_seq = 0,
                                refresh_token = NULL WHERE id = 1;",
         )?;
@@ -754,7 +1012,8 @@ impl LocalStore {
     /// Conversations, pinned first, then by their latest message.
     pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
         let mut stmt = self.conn.prepare(&format!(
-            "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned
+            "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
+                    c.history_to, c.active
              FROM conversations c
              ORDER BY c.pinned DESC,
                       COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
@@ -772,6 +1031,8 @@ impl LocalStore {
                     unread: r.get::<_, i64>(5)? as u64,
                     muted: r.get(6)?,
                     pinned: r.get(7)?,
+                    history_to: r.get::<_, i64>(8)? as u64,
+                    active: r.get(9)?,
                     last_message: None,
                 })
             })?
@@ -883,6 +1144,95 @@ fn message_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
         reactions: serde_json::from_str(&reactions).unwrap_or_else(|_| json!({})),
         sync_seq: r.get::<_, Option<i64>>(10)?.map(|s| s as u64),
     })
+}
+
+/// Adds the columns of [`CONVERSATION_COLUMNS`] that an older database lacks.
+fn migrate(conn: &Connection) -> StoreResult<()> {
+    let mut stmt = conn.prepare("SELECT name FROM pragma_table_info('conversations')")?;
+    let have = stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
+    for (name, decl) in CONVERSATION_COLUMNS {
+        if !have.iter().any(|h| h == name) {
+            conn.execute_batch(&format!("ALTER TABLE conversations ADD COLUMN {name} {decl}"))?;
+        }
+    }
+    Ok(())
+}
+
+fn save_pending(conn: &Connection, snap: &PendingSnapshot, installed: bool) -> StoreResult<()> {
+    conn.execute(
+        "INSERT OR REPLACE INTO snapshot_install
+             (id, snapshot_id, token, generation, base_sync_seq, manifest_digest, pages, installed)
+         VALUES (1, ?1, ?2, ?3, ?4, ?5, ?6, ?7)",
+        params![
+            snap.snapshot_id,
+            snap.token,
+            snap.generation as i64,
+            snap.base_sync_seq as i64,
+            snap.manifest_digest,
+            snap.pages as i64,
+            installed
+        ],
+    )?;
+    Ok(())
+}
+
+/// A conversation item of a snapshot with the message items that follow it.
+struct SnapshotConv {
+    conv: String,
+    kind: String,
+    last_msg_seq: u64,
+    read_seq: u64,
+    unread: u64,
+    muted: bool,
+    pinned: bool,
+    active: bool,
+    messages: Vec<Envelope>,
+}
+
+/// Reads snapshot items (docs/protocol.md §3.21): each conversation item,
+/// then its message items ascending by `msg_seq`. Items of unknown types
+/// are ignored.
+fn parse_snapshot(items: &[Value]) -> Result<Vec<SnapshotConv>, ApplyError> {
+    let mut out: Vec<SnapshotConv> = Vec::new();
+    let mut seen = std::collections::BTreeSet::new();
+    for (index, item) in items.iter().enumerate() {
+        let bad = |why: &str| ApplyError::BadSnapshot { index, why: why.to_owned() };
+        match item["type"].as_str() {
+            Some("conv") => {
+                let text = |k: &str| item[k].as_str().map(str::to_owned).ok_or_else(|| bad(&format!("{k} missing")));
+                let num = |k: &str| item[k].as_u64().ok_or_else(|| bad(&format!("{k} missing")));
+                let flag = |k: &str| item[k].as_bool().ok_or_else(|| bad(&format!("{k} missing")));
+                let c = SnapshotConv {
+                    conv: text("conv")?,
+                    kind: text("kind")?,
+                    last_msg_seq: num("last_msg_seq")?,
+                    read_seq: num("read_seq")?,
+                    unread: num("unread")?,
+                    muted: flag("muted")?,
+                    pinned: flag("pinned")?,
+                    active: item["active"].as_bool().unwrap_or(true),
+                    messages: Vec::new(),
+                };
+                if !seen.insert(c.conv.clone()) {
+                    return Err(bad("a conversation appears twice"));
+                }
+                out.push(c);
+            }
+            Some("message") => {
+                let env: Envelope = serde_json::from_value(item["message"].clone()).map_err(|e| bad(&e.to_string()))?;
+                let conv = out.last_mut().ok_or_else(|| bad("a message before any conversation"))?;
+                if env.conv != conv.conv {
+                    return Err(bad("a message outside its conversation"));
+                }
+                if env.msg_seq == 0 || conv.messages.last().is_some_and(|m| m.msg_seq >= env.msg_seq) {
+                    return Err(bad("messages out of order"));
+                }
+                conv.messages.push(env);
+            }
+            _ => {}
+        }
+    }
+    Ok(out)
 }
 
 fn read_position(tx: &Transaction<'_>) -> StoreResult<(Option<u64>, u64)> {
@@ -1091,6 +1441,13 @@ fn apply_conv_event(
     if env.kind == "member.join" && env.content["user"].as_str() == Some(user) {
         cursor.start_at(env.msg_seq - 1);
     }
+    if (env.kind == "member.join" || env.kind == "member.leave") && env.content["user"].as_str() == Some(user) {
+        tx.execute(
+            "UPDATE conversations SET active = ?2 WHERE conv = ?1",
+            params![env.conv, env.kind == "member.join"],
+        )
+        .map_err(StoreError::from)?;
+    }
     store_envelope(
         tx,
         &Message {
@@ -1221,7 +1578,7 @@ fn save_cursor(
 fn refresh_summary(tx: &Transaction<'_>, user: &str, conv: &str, sync_seq: u64) -> StoreResult<()> {
     tx.execute(
         "UPDATE conversations SET
-             last_msg_seq = (SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = ?1),
+             last_msg_seq = MAX(last_msg_seq, (SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = ?1)),
              read_seq = MAX(read_seq, (SELECT COALESCE(MAX(msg_seq), 0) FROM messages
                                         WHERE conv = ?1 AND sender = ?2)),
              updated_sync_seq = MAX(updated_sync_seq, ?3)
@@ -1234,6 +1591,7 @@ fn refresh_summary(tx: &Transaction<'_>, user: &str, conv: &str, sync_seq: u64) 
                  SELECT COUNT(*) FROM messages m
                  WHERE m.conv = ?1 AND m.sender <> ?2 AND m.msg_seq > conversations.read_seq
                    AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted'))
+                 + CASE WHEN read_seq < history_to THEN unread_below ELSE 0 END
              WHERE conv = ?1"
         ),
         params![conv, user],
@@ -1479,6 +1837,20 @@ mod tests {
         assert_eq!(s.position().unwrap(), SyncPosition { generation: Some(7), applied_sync_seq: 0, acked_sync_seq: 0 });
         assert!(s.conversations().unwrap().is_empty());
         assert_eq!(s.next_pending().unwrap().unwrap().client_msg_id, "cm-1");
+    }
+
+    #[test]
+    fn the_manifest_digest_is_the_documented_one() {
+        // docs/protocol.md §3.22: the empty input, then keys sorted, no
+        // whitespace, one newline per item.
+        assert_eq!(manifest_digest([]), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+        let item = json!({"type": "conv", "conv": "c1", "active": true});
+        use sha2::Digest;
+        let want: String = sha2::Sha256::digest(b"{\"active\":true,\"conv\":\"c1\",\"type\":\"conv\"}\n")
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        assert_eq!(manifest_digest([&item]), want);
     }
 
     #[test]

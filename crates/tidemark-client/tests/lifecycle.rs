@@ -1,8 +1,9 @@
 //! The client's defined actions for the contract's refusals and kicks
 //! (docs/protocol.md §4.2, §5, §7), against a real server: token expiry →
 //! refresh and reconnect; revocation → stop and wipe; a restored backup →
-//! a recovery batch (D6) or RESET_REQUIRED, wipe, rebuild (D5); a trimmed
-//! log → a clear stop (D7 is not implemented); a second instance →
+//! a recovery batch (D6) or RESET_REQUIRED and a snapshot rebuild (D5, D7);
+//! a new device after a trim → a snapshot (tests/snapshot.rs has the rest
+//! of D7); a second instance →
 //! superseded; and a gap in a conversation → the cursor waits, a sync fills
 //! it (K2).
 
@@ -65,7 +66,7 @@ async fn a_revoked_device_stops_and_deletes_its_local_data() {
 /// Bob's phone applies and ACKs 4 events, then its store is restored to a
 /// backup taken at 2 (local 2 < the server's ACK 4). Returns the phone,
 /// opened on the restored store but not started, and the conversation.
-async fn restored_backup(h: &Harness) -> (Client, String) {
+async fn restored_backup(h: &Harness, sync_page_limit: u32) -> (Client, String) {
     h.user("alice").await;
     h.user("bob").await;
     let alice = h.ready("alice", "phone").await;
@@ -95,23 +96,26 @@ async fn restored_backup(h: &Harness) -> (Client, String) {
     for ext in ["db-wal", "db-shm"] {
         let _ = std::fs::remove_file(db.with_extension(ext));
     }
-    let phone = Client::open(h.config("bob", "phone")).unwrap();
+    let mut config = h.config("bob", "phone");
+    config.sync_page_limit = sync_page_limit;
+    let phone = Client::open(config).unwrap();
     assert_eq!(phone.position().await.unwrap().applied_sync_seq, 2);
     (phone, conv)
 }
 
-/// D6 as this server implements it (docs/protocol.md does not describe
-/// recovery sessions yet): a device a little behind its ACK gets a batch
-/// from its own position under a bumped generation. The client adopts the
-/// generation (nothing is skipped), applies 3 and 4, and its final ACK
-/// completes the recovery.
+/// D6 (docs/protocol.md §3.2 "Recovery sessions", §3.3): a device a little
+/// behind its ACK gets a batch from its own position under a bumped
+/// generation. The client adopts the generation (nothing is skipped) and
+/// applies 3 and 4, one page each. The intermediate ACK of 3 changes
+/// nothing and its reply carries the old, higher ACK 4; the final ACK of
+/// exactly the watermark, with the batch's token, completes the recovery.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restored_backup_a_little_behind_recovers_from_its_own_position() {
     let h = Harness::start().await;
-    let (phone, conv) = restored_backup(&h).await;
+    let (phone, conv) = restored_backup(&h, 1).await;
     let mut changes = phone.subscribe();
     phone.start().await.unwrap();
-    let seen = collect_until(&mut changes, |c| matches!(c, Change::Acked { acked_sync_seq: 4, .. })).await;
+    let seen = collect_until(&mut changes, |c| matches!(c, Change::Acked { sync_seq: 4, .. })).await;
     let pages: Vec<_> = seen
         .iter()
         .filter_map(|c| match c {
@@ -119,10 +123,20 @@ async fn a_restored_backup_a_little_behind_recovers_from_its_own_position() {
             _ => None,
         })
         .collect();
-    assert_eq!(pages, vec![(2, 2, Some(3), 2)], "one batch from the device's own position, new generation");
-    assert!(!seen.iter().any(|c| matches!(c, Change::Reset { .. })), "no wipe: {seen:?}");
+    assert_eq!(pages, vec![(2, 2, Some(3), 1), (2, 2, Some(4), 1)], "one batch from the device's own position");
+    let acks: Vec<_> = seen
+        .iter()
+        .filter_map(|c| match c {
+            Change::Acked { sync_seq, acked_sync_seq, generation } => Some((*sync_seq, *acked_sync_seq, *generation)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(acks, vec![(3, 4, 2), (4, 4, 2)], "the intermediate ACK answers the old, higher ACK");
+    assert!(!seen.iter().any(|c| matches!(c, Change::Reset { .. })), "no rebuild: {seen:?}");
     let msgs = wait_messages(&phone, &conv, 4).await;
     assert_eq!(msgs.iter().map(|m| m.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    let device = h.server().state.store.device("bob", "phone").await.unwrap().unwrap();
+    assert_eq!(device.cursor.state.as_str(), "ACTIVE", "the final ACK completed the recovery");
     assert_eq!(h.server_ack("bob", "phone").await, (2, 4));
     assert_eq!(phone.position().await.unwrap().generation, Some(2));
     // Recovered: the next sync is an ordinary one under generation 2.
@@ -133,11 +147,11 @@ async fn a_restored_backup_a_little_behind_recovers_from_its_own_position() {
 
 /// D5 with recovery sessions off: the restored store is behind the server's
 /// ACK, so the server bumps the generation and answers RESET_REQUIRED; the
-/// client wipes its synced state and rebuilds from the log.
+/// client rebuilds from a snapshot (always, even while the log is whole).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restored_backup_is_reset_and_rebuilt_when_it_cannot_recover() {
     let h = Harness::start_with(ServerConfig { recovery_max_gap: 0, ..ServerConfig::default() }).await;
-    let (phone, conv) = restored_backup(&h).await;
+    let (phone, conv) = restored_backup(&h, 100).await;
     let mut changes = phone.subscribe();
     phone.start().await.unwrap();
     let seen = collect_until(&mut changes, |c| matches!(c, Change::Acked { acked_sync_seq: 4, .. })).await;
@@ -149,11 +163,11 @@ async fn a_restored_backup_is_reset_and_rebuilt_when_it_cannot_recover() {
     phone.stop().await;
 }
 
-/// D7: once the user's log is trimmed, a new device can only be rebuilt
-/// from a snapshot, which docs/protocol.md does not describe yet. The client
-/// says so and stops, instead of looping on RESET_REQUIRED.
+/// D7: once the user's log is trimmed, a new device can only be built from
+/// a snapshot: its first page gets RESET_REQUIRED, it installs one, then
+/// syncs on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_device_that_needs_a_snapshot_stops_with_a_clear_exit() {
+async fn a_new_device_after_a_trim_installs_a_snapshot() {
     let mut config = ServerConfig { retention_every: Duration::from_millis(50), ..ServerConfig::default() };
     if let Some(policy) = config.retention.as_mut() {
         policy.keep_events_younger_than_ms = 0;
@@ -171,9 +185,17 @@ async fn a_device_that_needs_a_snapshot_stops_with_a_clear_exit() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let tablet = Client::open(h.config("alice", "tablet")).unwrap();
+    let mut changes = tablet.subscribe();
     tablet.start().await.unwrap();
-    let exit = tokio::time::timeout(WAIT, tablet.closed()).await.unwrap();
-    assert!(matches!(exit, Exit::Unsupported(ref why) if why.contains("snapshot")), "{exit:?}");
+    let seen = collect_until(&mut changes, |c| matches!(c, Change::SnapshotInstalled { .. })).await;
+    assert!(seen.iter().any(|c| matches!(c, Change::Reset { .. })), "{seen:?}");
+    tablet.wait_state(ConnState::Ready, WAIT).await.unwrap();
+    assert_eq!(view(&tablet.messages(&conv).await.unwrap())[0].3, "one");
+    send_ok(&phone, &conv, "two").await;
+    let msgs = wait_messages(&tablet, &conv, 2).await;
+    assert_eq!(msgs[1].content["text"], "two", "incremental sync after the install");
+    assert!(msgs[1].sync_seq.is_some() && msgs[0].sync_seq.is_none(), "log vs snapshot");
+    tablet.stop().await;
     phone.stop().await;
 }
 

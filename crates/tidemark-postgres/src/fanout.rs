@@ -199,7 +199,10 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
             // Projections commit with the event: once per (user, event).
             let own = user == &item.actor;
             let counts = item.kind == EVENT_MESSAGE && !own;
-            let bumps_last = item.kind != EVENT_RECALL;
+            // Every event the user gets moves last_msg_seq, recalls included: a
+            // snapshot lists the conversation up to it, so a device rebuilt from
+            // one holds no gap below the next event.
+            let bumps_last = true;
             let row = query_one(
                 c,
                 DELIVER,

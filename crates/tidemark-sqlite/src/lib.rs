@@ -328,7 +328,10 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
             // message the user already deleted for themselves never counts.
             let own = user == &item.actor;
             let counts = item.kind == EVENT_MESSAGE && !own;
-            let bumps_last = item.kind != EVENT_RECALL;
+            // Every event the user gets moves last_msg_seq, recalls included: a
+            // snapshot lists the conversation up to it, so a device rebuilt from
+            // one holds no gap below the next event.
+            let bumps_last = true;
             conn.prepare_cached(
                 "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
                  VALUES (?1, ?2, CASE WHEN ?6 THEN ?3 ELSE 0 END, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END)
