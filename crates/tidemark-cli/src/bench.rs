@@ -8,6 +8,9 @@
 //! single-commit rate). The machine may be shared and noisy, so the server
 //! measurement and the baseline alternate over several rounds and the
 //! summary reports medians.
+//!
+//! With `--database postgres://…` the same senders run against a server on
+//! the PostgreSQL store, beside a baseline of plain INSERTs (see `pg`).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Weak};
@@ -27,6 +30,7 @@ use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
 
 mod depth;
+mod pg;
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
@@ -44,9 +48,10 @@ pub struct IngestArgs {
     /// Concurrent WebSocket senders (one device each).
     #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub senders: u32,
-    /// Messages per sender, sent one after another (each waits for its send.ok).
-    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..))]
-    pub messages: u32,
+    /// Messages per sender, sent one after another (each waits for its
+    /// send.ok) [default: 500; with --database: 50, to keep the run short].
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub messages: Option<u32>,
     /// Direct conversations the senders write to (two users each).
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     pub conversations: u32,
@@ -62,6 +67,22 @@ pub struct IngestArgs {
     /// fsync is free and the figures say nothing about durability cost.
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Run against a server on the PostgreSQL store at this URL instead
+    /// (each round in a fresh schema, dropped afterwards), beside a baseline
+    /// of plain INSERTs by as many concurrent clients as senders.
+    #[arg(long, value_name = "postgres://…")]
+    pub database: Option<String>,
+}
+
+/// Default messages per sender on the embedded store and on PostgreSQL.
+const MESSAGES_DEFAULT: u32 = 500;
+const MESSAGES_DEFAULT_POSTGRES: u32 = 50;
+
+impl IngestArgs {
+    /// Messages per sender: the flag, or the default for the store.
+    fn messages(&self) -> u32 {
+        self.messages.unwrap_or(if self.database.is_some() { MESSAGES_DEFAULT_POSTGRES } else { MESSAGES_DEFAULT })
+    }
 }
 
 pub async fn run(command: BenchCommand) -> Result<()> {
@@ -247,13 +268,16 @@ fn unix_ms() -> i64 {
 
 async fn ingest(args: IngestArgs) -> Result<()> {
     init_logs();
+    if let Some(url) = args.database.clone() {
+        return pg::ingest(args, &url).await;
+    }
     let topo = Arc::new(Topology::new(args.senders as usize, args.conversations as usize));
-    let per_round = u64::from(args.senders) * u64::from(args.messages);
+    let per_round = u64::from(args.senders) * u64::from(args.messages());
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let root = TempDir::create(&parent)?;
     let params = Params {
         senders: args.senders,
-        messages_per_sender: args.messages,
+        messages_per_sender: args.messages(),
         conversations: args.conversations,
         conversations_active: topo.convs.len() as u32,
         users: topo.users.len() as u32,
@@ -356,7 +380,7 @@ async fn server_round(
     let admin_token = format!("bench-{:032x}", rand::rng().random::<u128>());
     let config = ServerConfig { admin_token: Some(admin_token.clone()), ..ServerConfig::default() };
     let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await.context("start server")?;
-    let result = drive(args, topo, &server, &store, &admin_token, round, pb, tag).await;
+    let result = drive(args, topo, &server, &*store, &admin_token, round, pb, tag, None).await;
     server.stop().await;
     let weak = Arc::downgrade(&store);
     drop(store);
@@ -384,11 +408,12 @@ async fn drive(
     args: &IngestArgs,
     topo: &Topology,
     server: &tidemark_server::RunningServer,
-    store: &Arc<SqliteStore>,
+    store: &dyn Store,
     admin_token: &str,
     round: u32,
     pb: &ProgressBar,
     tag: &str,
+    before_send: Option<&dyn Fn() -> futures_util::future::BoxFuture<'static, Result<()>>>,
 ) -> Result<ServerRound> {
     let http = Http::new(&server.url());
     try_join_all(topo.users.iter().map(|u| http.create_user(admin_token, u, PASSWORD)))
@@ -420,7 +445,7 @@ async fn drive(
     .map(|ok| ok.conv)
     .collect();
 
-    let messages = u64::from(args.messages);
+    let messages = u64::from(args.messages());
     let total = messages * conns.len() as u64;
     let barrier = Arc::new(tokio::sync::Barrier::new(conns.len() + 1));
     let mut tasks = Vec::with_capacity(conns.len());
@@ -447,6 +472,9 @@ async fn drive(
         }));
     }
 
+    if let Some(hook) = before_send {
+        hook().await?;
+    }
     pb.set_message(format!("{tag}: sending"));
     let before = store.stats();
     let start = Instant::now();

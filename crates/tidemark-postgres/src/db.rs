@@ -33,7 +33,7 @@ pub(crate) fn error(e: tokio_postgres::Error) -> StoreError {
     ];
     if let Some(db) = e.as_db_error() {
         let retryable = RETRYABLE.contains(db.code()) || db.code().code().starts_with("08");
-        let message = format!("postgres: {}: {}", db.code().code(), db.message());
+        let message = db_message(db.code().code(), db.message());
         return if retryable { StoreError::Unavailable(message) } else { StoreError::Internal(message) };
     }
     let io = std::error::Error::source(&e).is_some_and(|s| s.is::<std::io::Error>());
@@ -41,6 +41,29 @@ pub(crate) fn error(e: tokio_postgres::Error) -> StoreError {
         StoreError::Unavailable(format!("postgres connection: {e}"))
     } else {
         StoreError::Internal(format!("postgres: {e}"))
+    }
+}
+
+/// The text of an error the server raised: `postgres: <SQLSTATE>: <message>`
+/// ([`is_lock_conflict`] reads the SQLSTATE back).
+fn db_message(code: &str, message: &str) -> String {
+    format!("postgres: {code}: {message}")
+}
+
+/// SQLSTATEs of a statement the server aborted only because of concurrent
+/// transactions (deadlock victim, serialisation failure): the request that
+/// ran it rolled back to its savepoint, and running it again in a later
+/// transaction is exactly what a client retry would do.
+const LOCK_CONFLICT_STATES: [&str; 2] = ["40P01", "40001"];
+
+/// Whether `e` is a request's own deadlock or serialisation failure (made by
+/// [`error`]), which the writer runs again (see `writer::WRITE_ATTEMPTS_MAX`).
+pub(crate) fn is_lock_conflict(e: &StoreError) -> bool {
+    match e {
+        StoreError::Unavailable(m) => LOCK_CONFLICT_STATES
+            .iter()
+            .any(|code| m.strip_prefix("postgres: ").is_some_and(|rest| rest.starts_with(&format!("{code}: ")))),
+        _ => false,
     }
 }
 
@@ -105,4 +128,21 @@ pub(crate) fn seq_opt(row: &Row, idx: usize) -> StoreResult<Option<u64>> {
 /// `before_seq` of `u64::MAX`) means the same as `i64::MAX`.
 pub(crate) fn big(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_deadlocks_and_serialisation_failures_are_lock_conflicts() {
+        let unavailable = |code: &str| StoreError::Unavailable(db_message(code, "x"));
+        assert!(is_lock_conflict(&unavailable(SqlState::T_R_DEADLOCK_DETECTED.code())));
+        assert!(is_lock_conflict(&unavailable(SqlState::T_R_SERIALIZATION_FAILURE.code())));
+        for other in [SqlState::QUERY_CANCELED, SqlState::LOCK_NOT_AVAILABLE, SqlState::ADMIN_SHUTDOWN] {
+            assert!(!is_lock_conflict(&unavailable(other.code())), "{}", other.code());
+        }
+        assert!(!is_lock_conflict(&StoreError::Internal(db_message("40P01", "x"))));
+        assert!(!is_lock_conflict(&StoreError::Unavailable("commit: 40P01".into())));
+    }
 }

@@ -63,8 +63,10 @@
 //! a committed `msg_seq` never change) and deletes its outbox rows last. Because a batch holds the locks of all of its requests until its
 //! COMMIT, two writers' batches can still form a cycle; PostgreSQL's
 //! deadlock detector then aborts one statement, whose request alone rolls
-//! back to its savepoint and gets `Unavailable` (retryable), while the rest
-//! of its batch commits.
+//! back to its savepoint, while the rest of its batch commits; the writer
+//! runs that request again in a later transaction, up to
+//! [`writer::WRITE_ATTEMPTS_MAX`] runs, before answering `Unavailable`
+//! (retryable). [`PgStore::conflict_retries`] counts the runs again.
 //!
 //! # Bounds
 //!
@@ -116,7 +118,8 @@ pub const IDLE_IN_TRANSACTION_TIMEOUT_MS: u64 = 30_000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PgConfig {
     /// A libpq-style URL or key-value string, e.g.
-    /// `postgres://user@127.0.0.1:5432/tidemark`.
+    /// `postgres://user@127.0.0.1:5432/tidemark` (`application_name`
+    /// defaults to `tidemark`).
     pub url: String,
     /// The PostgreSQL schema (namespace) holding the tables, created if
     /// absent and put first on every connection's `search_path`; `None`
@@ -163,8 +166,9 @@ fn pool(pg: tokio_postgres::Config, size: usize) -> StoreResult<Pool> {
 }
 
 impl PgStore {
-    /// Connects, creates the schema if needed (idempotent) and starts the
-    /// writer task. Must be called inside a Tokio runtime.
+    /// Connects, applies the schema migrations this database lacks
+    /// (`schema::migrate`; a database migrated by a newer build is refused
+    /// with [`StoreError::SchemaTooNew`]) and starts the writer task. Must be called inside a Tokio runtime.
     pub async fn open(config: PgConfig) -> StoreResult<Arc<PgStore>> {
         if let Some(ns) = &config.schema {
             if !schema::valid_schema_name(ns) {
@@ -184,19 +188,29 @@ impl PgStore {
             "-c statement_timeout={STATEMENT_TIMEOUT_MS} -c idle_in_transaction_session_timeout={IDLE_IN_TRANSACTION_TIMEOUT_MS}"
         ));
         pg.options(options);
-        pg.application_name("tidemark");
+        if pg.get_application_name().is_none() {
+            pg.application_name("tidemark");
+        }
         pg.connect_timeout(Duration::from_millis(CONNECT_TIMEOUT_MS));
 
-        // The writer's pool holds its one connection; the schema is created
+        // The writer's pool holds its one connection; the schema is migrated
         // on it before the writer starts.
         let writer_pool = pool(pg.clone(), 1)?;
         {
             let conn = writer_pool.get().await.map_err(db::pool_error)?;
-            schema::create(&conn, config.schema.as_deref()).await?;
+            schema::migrate(&conn, config.schema.as_deref()).await?;
         }
         let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
         let (writer, task) = Writer::start(writer_pool);
         Ok(Arc::new(PgStore { writer, readers, schema: config.schema, writer_task: Mutex::new(Some(task)) }))
+    }
+
+    /// Requests this store's writer ran again after a deadlock or a
+    /// serialisation failure, and requests that failed so on their last
+    /// allowed run (answered `Unavailable`).
+    pub fn conflict_retries(&self) -> (u64, u64) {
+        let s = &self.writer.stats;
+        (s.conflict_retries.load(Ordering::Relaxed), s.conflict_give_ups.load(Ordering::Relaxed))
     }
 
     /// The PostgreSQL schema holding this store's tables, if one was named.

@@ -1,4 +1,4 @@
-//! The PostgreSQL schema and its idempotent creation at open.
+//! The PostgreSQL schema: numbered migration steps applied in order at open.
 //!
 //! The tables and constraints mirror the SQLite backend's (`tidemark-sqlite`
 //! `schema.rs`) one for one, so both backends enforce the same invariants
@@ -23,6 +23,20 @@
 //! `snapshot_items`, which the store API finds by `snapshot_id` alone (a
 //! sharded layout would encode the user in the id or keep a lookup).
 //!
+//! # Migrations
+//!
+//! The schema is an ordered list of numbered steps, [`MIGRATIONS`]; step 1
+//! is the schema as first released. [`migrate`] runs at open, in one
+//! transaction under a transaction-scoped advisory lock per PostgreSQL
+//! schema (so nodes opening one database at once apply each step once):
+//! it records every applied step in `schema_migrations`, applies the steps
+//! above the highest recorded one in order, and refuses (with
+//! [`StoreError::SchemaTooNew`]) a database whose recorded version is above
+//! [`SCHEMA_VERSION`], the last step this build knows. A step is never
+//! edited once released; a change is a new step. `meta.schema_version`
+//! mirrors the latest applied step, because builds from before numbered
+//! migrations check that key (and refuse anything above 1).
+//!
 //! This module knows the SQL of the tables only; the transactions that use
 //! them live in `events`, `read` and the crate root.
 
@@ -31,13 +45,35 @@ use tidemark_store::{StoreError, StoreResult};
 
 use crate::db;
 
-/// Bumped when the schema changes; stored in `meta` under `schema_version`.
-/// This backend numbers its own schema, independently of SQLite's.
-pub const SCHEMA_VERSION: i64 = 1;
+/// One numbered schema change. Released steps are never edited.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    /// 1, 2, 3…: contiguous, in order.
+    pub version: i64,
+    pub name: &'static str,
+    /// Run with the simple query protocol, inside the migration transaction.
+    pub sql: &'static str,
+}
 
-/// Every statement is `IF NOT EXISTS`, so running it on an existing database
-/// changes nothing. Numbers are `BIGINT` (Rust `i64`; sequences are `u64`
-/// on the Rust side and never exceed `i64::MAX`), flags are `BOOLEAN`, ids
+/// Every step, in order. This backend numbers its own steps, independently
+/// of SQLite's.
+pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+
+/// The last step this build knows: the version of a database it opened.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
+
+/// The record of applied steps (created before step 1, outside the steps).
+const MIGRATIONS_TABLE_SQL: &str = r#"
+CREATE TABLE IF NOT EXISTS schema_migrations (
+    version     BIGINT PRIMARY KEY,
+    name        TEXT COLLATE "C" NOT NULL,
+    applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+)"#;
+
+/// Step 1, the schema as first released (before numbered migrations it
+/// was run at every open, hence `IF NOT EXISTS` throughout: on a database
+/// created by such a build it changes nothing and is simply recorded).
+/// Numbers are `BIGINT` (Rust `i64`; sequences are `u64` on the Rust side and never exceed `i64::MAX`), flags are `BOOLEAN`, ids
 /// and JSON payloads are `TEXT COLLATE "C"`: ids compare and sort bytewise,
 /// as in SQLite and in Rust, whatever the database's default collation.
 pub const SCHEMA: &str = r#"
@@ -306,11 +342,11 @@ pub fn valid_schema_name(name: &str) -> bool {
         && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
 }
 
-/// Creates the schema (and the PostgreSQL schema `namespace`, if one is
-/// named) unless it exists, records its version, and refuses a database
-/// written by a newer build. Runs in one transaction under an advisory lock,
-/// so nodes opening the same database at once do not race on the catalog.
-pub(crate) async fn create(c: &ClientWrapper, namespace: Option<&str>) -> StoreResult<()> {
+/// Brings the database to [`SCHEMA_VERSION`] (creating the PostgreSQL
+/// schema `namespace` first, if one is named) and returns the version it
+/// found before. One transaction under an advisory lock: concurrent opens
+/// wait for each other, and a failed step leaves nothing behind.
+pub(crate) async fn migrate(c: &ClientWrapper, namespace: Option<&str>) -> StoreResult<i64> {
     let lock_key = format!("tidemark.schema.{}", namespace.unwrap_or("public"));
     c.batch_execute("BEGIN").await.map_err(db::error)?;
     let result = async {
@@ -319,30 +355,66 @@ pub(crate) async fn create(c: &ClientWrapper, namespace: Option<&str>) -> StoreR
             assert!(valid_schema_name(ns), "schema name checked at open");
             c.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {ns}")).await.map_err(db::error)?;
         }
-        c.batch_execute(SCHEMA).await.map_err(db::error)?;
-        db::exec(
-            c,
-            "INSERT INTO meta (key, value) VALUES ('schema_version', convert_to($1::text, 'UTF8'))
-             ON CONFLICT (key) DO NOTHING",
-            &[&SCHEMA_VERSION.to_string()],
-        )
-        .await?;
-        let row =
-            db::query_one(c, "SELECT convert_from(value, 'UTF8') FROM meta WHERE key = 'schema_version'", &[]).await?;
-        let stored: String = db::col(&row, 0)?;
-        match stored.parse::<i64>() {
-            Ok(v) if v <= SCHEMA_VERSION => Ok(()),
-            _ => Err(StoreError::Internal(format!(
-                "database schema version {stored} is not one this build ({SCHEMA_VERSION}) can use"
-            ))),
+        c.batch_execute(MIGRATIONS_TABLE_SQL).await.map_err(db::error)?;
+        let applied: i64 =
+            db::col(&db::query_one(c, "SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[]).await?, 0)?;
+        // A database from before numbered migrations has only this stamp.
+        let legacy = legacy_stamp(c).await?;
+        let found = applied.max(legacy.unwrap_or(0));
+        if found > SCHEMA_VERSION {
+            return Err(StoreError::SchemaTooNew { found, known: SCHEMA_VERSION });
         }
+        for step in MIGRATIONS.iter().filter(|m| m.version > applied) {
+            c.batch_execute(step.sql).await.map_err(db::error)?;
+            db::exec(c, "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", &[&step.version, &step.name])
+                .await?;
+            tracing::info!(version = step.version, name = step.name, "applied schema migration");
+        }
+        if legacy != Some(SCHEMA_VERSION) {
+            db::exec(
+                c,
+                "INSERT INTO meta (key, value) VALUES ('schema_version', convert_to($1::text, 'UTF8'))
+                 ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                &[&SCHEMA_VERSION.to_string()],
+            )
+            .await?;
+        }
+        Ok(applied)
     }
     .await;
     match result {
-        Ok(()) => c.batch_execute("COMMIT").await.map_err(db::error),
+        Ok(found) => c.batch_execute("COMMIT").await.map_err(db::error).map(|()| found),
         Err(e) => {
             let _ = c.batch_execute("ROLLBACK").await;
             Err(e)
         }
+    }
+}
+
+/// `meta.schema_version`, if the `meta` table and the key exist.
+async fn legacy_stamp(c: &ClientWrapper) -> StoreResult<Option<i64>> {
+    let exists: bool = db::col(&db::query_one(c, "SELECT to_regclass('meta') IS NOT NULL", &[]).await?, 0)?;
+    if !exists {
+        return Ok(None);
+    }
+    let stored: Option<String> =
+        db::scalar(c, "SELECT convert_from(value, 'UTF8') FROM meta WHERE key = 'schema_version'", &[]).await?;
+    stored
+        .map(|v| {
+            v.parse::<i64>().map_err(|_| StoreError::Internal(format!("meta.schema_version is not a number: {v:?}")))
+        })
+        .transpose()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_are_numbered_one_by_one_from_one() {
+        for (i, m) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(m.version, i as i64 + 1, "step {} is out of order", m.name);
+        }
+        assert_eq!(SCHEMA_VERSION, MIGRATIONS.len() as i64);
     }
 }

@@ -9,6 +9,20 @@
 //! COMMIT returned: a caller never hears "ok" for something that is not
 //! durable.
 //!
+//! A request that PostgreSQL aborts as a deadlock victim (`40P01`) or a
+//! serialisation failure (`40001`) -- possible when several writers (nodes)
+//! share the database, since a batch holds the locks of all of its requests
+//! until COMMIT -- rolled back alone to its savepoint and committed nothing.
+//! [`Writer::write`] runs it again, up to [`WRITE_ATTEMPTS_MAX`] runs in all,
+//! each in a later transaction (after the batch that held the other locks
+//! committed), after a short randomised pause. Re-running a request is
+//! exactly a client retry: sends and control events stay idempotent on
+//! `(sender, client_msg_id)` (S1), fan-out on F3, ACKs go through
+//! `decide_ack` again. A retried request re-enters the queue behind those
+//! that arrived meanwhile, so it may commit after a later request of the same
+//! connection (as a client's own retry would). Only the last attempt's error
+//! reaches the caller; other `Unavailable` causes are not retried here.
+//!
 //! One writer per store is the design, as in the SQLite backend: requests
 //! run in queue order and never wait on each other's locks. The SQL the
 //! requests run is still safe with several writers on one database (other
@@ -34,6 +48,12 @@ use crate::db::{self, Conn};
 pub const WRITE_BATCH_MAX: usize = 256;
 /// Most requests waiting for the writer; callers wait (backpressure) beyond.
 pub const WRITE_QUEUE_MAX: usize = 8192;
+/// Most runs of one request aborted by a deadlock or a serialisation failure
+/// (the first run included); the last one's error reaches the caller.
+pub const WRITE_ATTEMPTS_MAX: u32 = 3;
+/// Pause before a run again: `attempt × this`, plus a random part up to this,
+/// so two writers' retries do not meet in lockstep.
+pub const WRITE_RETRY_PAUSE_MS: u64 = 10;
 /// Pause after the writer could not get a connection or begin a transaction,
 /// so a database outage does not turn into a busy loop.
 pub const WRITER_RETRY_PAUSE_MS: u64 = 50;
@@ -88,6 +108,10 @@ where
 pub struct WriterStats {
     pub commits: AtomicU64,
     pub writes: AtomicU64,
+    /// Requests run again after a deadlock or serialisation failure.
+    pub conflict_retries: AtomicU64,
+    /// Requests that still failed so on their last allowed run.
+    pub conflict_give_ups: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -107,8 +131,39 @@ impl Writer {
     }
 
     /// Runs `f` inside the next group-committed transaction and returns its
-    /// result once that transaction is durable.
+    /// result once that transaction is durable; runs it again (a fresh
+    /// clone, in a later transaction) if it was aborted by a deadlock or a
+    /// serialisation failure, up to [`WRITE_ATTEMPTS_MAX`] runs.
     pub(crate) async fn write<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Clone + Send + 'static,
+    {
+        let mut attempt = 1;
+        loop {
+            let result = self.write_once(f.clone()).await;
+            match result {
+                Err(e) if db::is_lock_conflict(&e) => {
+                    if attempt >= WRITE_ATTEMPTS_MAX {
+                        self.stats.conflict_give_ups.fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!("tidemark_store_conflict_give_ups_total").increment(1);
+                        tracing::warn!(error = %e, attempts = attempt, "store request aborted by lock conflicts");
+                        return Err(e);
+                    }
+                    self.stats.conflict_retries.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!("tidemark_store_conflict_retries_total").increment(1);
+                    tracing::debug!(error = %e, attempt, "store request aborted by a lock conflict; retrying");
+                    let jitter = rand::random_range(0..=WRITE_RETRY_PAUSE_MS);
+                    tokio::time::sleep(Duration::from_millis(WRITE_RETRY_PAUSE_MS * u64::from(attempt) + jitter)).await;
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One run of `f` in the next batch.
+    async fn write_once<T, F>(&self, f: F) -> StoreResult<T>
     where
         T: Send + 'static,
         F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Send + 'static,

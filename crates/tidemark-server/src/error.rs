@@ -63,6 +63,12 @@ impl From<StoreError> for ApiError {
             StoreError::VersionConflict(v) => {
                 ApiError::new(ErrorCode::Conflict, format!("base_version is stale; the message is at version {v}"))
             }
+            too_new @ StoreError::SchemaTooNew { .. } => {
+                // Refused at open, before any request; kept total here.
+                let id = crate::util::new_id("err_");
+                tracing::error!(error_id = %id, error = %too_new, "store schema too new");
+                ApiError::new(ErrorCode::Internal, format!("internal error {id}"))
+            }
             StoreError::Internal(m) => {
                 let id = crate::util::new_id("err_");
                 tracing::error!(error_id = %id, error = %m, "internal store error");

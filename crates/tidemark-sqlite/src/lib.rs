@@ -17,7 +17,7 @@
 mod events;
 mod lifecycle;
 mod read;
-mod schema;
+pub mod schema;
 pub mod writer;
 
 use std::path::{Path, PathBuf};
@@ -65,7 +65,9 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
 }
 
 impl SqliteStore {
-    /// Opens (creating if needed) the store in `data_dir`.
+    /// Opens (creating if needed) the store in `data_dir` and applies the
+    /// schema migrations it lacks (`schema::migrate`); a database migrated
+    /// by a newer build is refused with [`StoreError::SchemaTooNew`].
     pub fn open(data_dir: &Path) -> StoreResult<Arc<SqliteStore>> {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| StoreError::Unavailable(format!("create {}: {e}", data_dir.display())))?;
@@ -78,12 +80,7 @@ impl SqliteStore {
         configure(&conn).map_err(internal)?;
         // Checkpoints are run and counted by the writer itself.
         conn.pragma_update(None, "wal_autocheckpoint", 0).map_err(internal)?;
-        conn.execute_batch(schema::SCHEMA).map_err(internal)?;
-        conn.execute(
-            "INSERT INTO meta (key, value) VALUES ('schema_version', ?1) ON CONFLICT(key) DO NOTHING",
-            params![schema::SCHEMA_VERSION],
-        )
-        .map_err(internal)?;
+        schema::migrate(&conn)?;
         let mut readers = Vec::with_capacity(READERS_MAX);
         for _ in 0..READERS_MAX {
             let r =

@@ -1,10 +1,96 @@
 //! The SQLite schema. Every table states its key layout and the invariant
 //! its constraints hold; the PostgreSQL backend mirrors the same keys so
 //! conversation data shards by `conv_id` and user data by `user_id` (X2).
+//!
+//! # Migrations
+//!
+//! The schema is an ordered list of numbered steps, [`MIGRATIONS`]; step 1
+//! is the schema as first released with numbered migrations. [`migrate`]
+//! runs at open on the writer's connection, in one `BEGIN IMMEDIATE`
+//! transaction (so a second process opening the file waits): it records
+//! every applied step in `schema_migrations`, applies the steps above the
+//! highest recorded one in order, and refuses with
+//! [`StoreError::SchemaTooNew`] a database whose recorded version is above
+//! [`SCHEMA_VERSION`]. A released step is never edited; a change is a new
+//! step.
+//!
+//! Before numbered migrations, open ran [`SCHEMA`] every time and stamped
+//! `meta.schema_version` = 2 (an older numbering, never checked). Step 1 is
+//! that same SQL, all `IF NOT EXISTS`, so on such a database it changes
+//! nothing; the runner records it and removes the old stamp, so the only
+//! version on record is the one in `schema_migrations`.
 
-/// Bumped when the schema changes; stored in `meta.schema_version`.
-pub const SCHEMA_VERSION: i64 = 2;
+use rusqlite::{params, Connection};
+use tidemark_store::{StoreError, StoreResult};
 
+use crate::internal;
+
+/// One numbered schema change. Released steps are never edited.
+#[derive(Debug, Clone, Copy)]
+pub struct Migration {
+    /// 1, 2, 3…: contiguous, in order.
+    pub version: i64,
+    pub name: &'static str,
+    pub sql: &'static str,
+}
+
+/// Every step, in order. This backend numbers its own steps, independently
+/// of PostgreSQL's.
+pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+
+/// The last step this build knows: the version of a database it opened.
+pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
+
+/// The record of applied steps (created before step 1, outside the steps).
+const MIGRATIONS_TABLE_SQL: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (
+    version     INTEGER PRIMARY KEY,
+    name        TEXT NOT NULL,
+    applied_at  INTEGER NOT NULL
+)";
+
+/// Brings the database to [`SCHEMA_VERSION`] in one transaction and returns
+/// the version it found before; a failed step leaves nothing behind.
+pub(crate) fn migrate(conn: &Connection) -> StoreResult<i64> {
+    conn.execute_batch("BEGIN IMMEDIATE").map_err(internal)?;
+    let result = (|| {
+        conn.execute_batch(MIGRATIONS_TABLE_SQL).map_err(internal)?;
+        let applied: i64 = conn
+            .query_row("SELECT COALESCE(MAX(version), 0) FROM schema_migrations", [], |r| r.get(0))
+            .map_err(internal)?;
+        if applied > SCHEMA_VERSION {
+            return Err(StoreError::SchemaTooNew { found: applied, known: SCHEMA_VERSION });
+        }
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        for step in MIGRATIONS.iter().filter(|m| m.version > applied) {
+            conn.execute_batch(step.sql).map_err(internal)?;
+            conn.execute(
+                "INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, ?2, ?3)",
+                params![step.version, step.name, now_ms],
+            )
+            .map_err(internal)?;
+            tracing::info!(version = step.version, name = step.name, "applied schema migration");
+        }
+        if applied == 0 {
+            // The stamp of builds before numbered migrations (see the module
+            // docs); `meta` exists from step 1 on.
+            conn.execute("DELETE FROM meta WHERE key = 'schema_version'", []).map_err(internal)?;
+        }
+        Ok(applied)
+    })();
+    match result {
+        Ok(found) => conn.execute_batch("COMMIT").map_err(internal).map(|()| found),
+        Err(e) => {
+            let _ = conn.execute_batch("ROLLBACK");
+            Err(e)
+        }
+    }
+}
+
+/// Step 1, the schema as first released with numbered migrations (run at
+/// every open before, hence `IF NOT EXISTS` throughout).
 pub const SCHEMA: &str = r#"
 -- Server-wide values: the token secret, the schema version.
 CREATE TABLE IF NOT EXISTS meta (
@@ -239,3 +325,16 @@ CREATE TABLE IF NOT EXISTS fanout_quarantine (
     PRIMARY KEY (source_event_id, user_id)
 );
 "#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn migrations_are_numbered_one_by_one_from_one() {
+        for (i, m) in MIGRATIONS.iter().enumerate() {
+            assert_eq!(m.version, i as i64 + 1, "step {} is out of order", m.name);
+        }
+        assert_eq!(SCHEMA_VERSION, MIGRATIONS.len() as i64);
+    }
+}

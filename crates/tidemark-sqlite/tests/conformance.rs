@@ -133,3 +133,69 @@ async fn overlapping_periods_are_quarantined() {
     assert_eq!(store.user_high_watermark("b").await.unwrap(), 0, "nothing delivered to b");
     assert_eq!(store.user_high_watermark("c").await.unwrap(), 2, "c gets both");
 }
+
+/// The applied steps, in order, and their `applied_at`.
+fn applied_steps(dir: &std::path::Path) -> Vec<(i64, i64)> {
+    let conn = rusqlite::Connection::open(dir.join(tidemark_sqlite::DB_FILE)).unwrap();
+    let mut stmt = conn.prepare("SELECT version, applied_at FROM schema_migrations ORDER BY version").unwrap();
+    stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap().map(Result::unwrap).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_apply_once_and_a_newer_database_is_refused() {
+    use tidemark_sqlite::schema::{MIGRATIONS, SCHEMA_VERSION};
+    use tidemark_store::StoreError;
+
+    let dir = tempfile::tempdir().unwrap();
+    drop(SqliteStore::open(dir.path()).unwrap());
+    let first = applied_steps(dir.path());
+    let versions: Vec<i64> = first.iter().map(|(v, _)| *v).collect();
+    assert_eq!(versions, MIGRATIONS.iter().map(|m| m.version).collect::<Vec<_>>());
+    assert_eq!(*versions.last().unwrap(), SCHEMA_VERSION);
+
+    // Reopening applies nothing: the record is unchanged, data survives.
+    {
+        let store = SqliteStore::open(dir.path()).unwrap();
+        assert!(store.create_user("a", "x", 0).await.unwrap());
+    }
+    assert_eq!(applied_steps(dir.path()), first);
+    {
+        let store = SqliteStore::open(dir.path()).unwrap();
+        assert!(!store.create_user("a", "x", 0).await.unwrap(), "the user survived the reopen");
+    }
+
+    // A database stamped by a newer build is refused, and left untouched.
+    let future = SCHEMA_VERSION + 1;
+    {
+        let conn = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
+        conn.execute("INSERT INTO schema_migrations (version, name, applied_at) VALUES (?1, 'future', 0)", [future])
+            .unwrap();
+    }
+    match SqliteStore::open(dir.path()) {
+        Err(StoreError::SchemaTooNew { found, known }) => assert_eq!((found, known), (future, SCHEMA_VERSION)),
+        other => panic!("want SchemaTooNew, got {other:?}"),
+    }
+    assert_eq!(applied_steps(dir.path()).len(), first.len() + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_database_from_before_numbered_migrations_is_adopted_as_step_one() {
+    use tidemark_sqlite::schema::{SCHEMA, SCHEMA_VERSION};
+
+    let dir = tempfile::tempdir().unwrap();
+    {
+        // What open did before: the schema, and the old stamp.
+        let conn = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
+        conn.execute_batch(SCHEMA).unwrap();
+        conn.execute("INSERT INTO meta (key, value) VALUES ('schema_version', 2)", []).unwrap();
+        conn.execute("INSERT INTO users (user_id, password_hash, created_at) VALUES ('a', 'x', 0)", []).unwrap();
+    }
+    let store = SqliteStore::open(dir.path()).unwrap();
+    assert!(!store.create_user("a", "x", 0).await.unwrap(), "existing rows are kept");
+    drop(store);
+    assert_eq!(applied_steps(dir.path()).last().unwrap().0, SCHEMA_VERSION);
+    let conn = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
+    let stamps: i64 =
+        conn.query_row("SELECT COUNT(*) FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).unwrap();
+    assert_eq!(stamps, 0, "the old stamp is gone");
+}

@@ -53,6 +53,11 @@ pub enum StoreError {
     /// A stale `base_version` (E2); carries the current version.
     #[error("version is now {0}")]
     VersionConflict(u64),
+    /// Opening a database whose recorded schema version (`found`) is newer
+    /// than the last migration this build knows (`known`): a newer build
+    /// migrated it, and this one must not write to it.
+    #[error("database schema version {found} is newer than this build knows ({known})")]
+    SchemaTooNew { found: i64, known: i64 },
 }
 
 /// A device and its sync cursor.
