@@ -243,6 +243,9 @@ pub(crate) async fn trim_user_logs(c: &Conn, policy: RetentionPolicy, now_ms: i6
         &[],
     )
     .await?;
+    if let Some(keep) = policy.history_keep_ms {
+        trim_history(c, now_ms - keep, &mut report).await?;
+    }
     let users = query(c, "SELECT user_id FROM user_heads ORDER BY user_id", &[]).await?;
     let active_since = now_ms - policy.device_inactive_after_ms;
     let young = now_ms - policy.keep_events_younger_than_ms;
@@ -387,4 +390,37 @@ pub(crate) async fn ack(
         _ => {}
     }
     Ok(AckResult { decision, cursor })
+}
+
+/// Message-history retention (L3), as in the SQLite backend: per
+/// conversation, `min_seq` moves up to the first message younger than the
+/// cutoff (or past the head), contents below it expire, recall tombstones
+/// stay.
+async fn trim_history(c: &Conn, cutoff_ms: i64, report: &mut TrimReport) -> R<()> {
+    let convs = query(c, "SELECT conv_id, head, min_seq FROM conversations ORDER BY conv_id", &[]).await?;
+    for row in &convs {
+        let (conv, head, min_seq): (String, i64, i64) = (col(row, 0)?, col(row, 1)?, col(row, 2)?);
+        let first_young: Option<i64> = crate::db::scalar::<Option<i64>>(
+            c,
+            "SELECT MIN(msg_seq) FROM messages WHERE conv_id = $1 AND created_at >= $2",
+            &[&conv, &cutoff_ms],
+        )
+        .await?
+        .flatten();
+        let new_min = first_young.unwrap_or(head + 1);
+        if new_min <= min_seq {
+            continue;
+        }
+        let expired = exec(
+            c,
+            "UPDATE messages SET content = '{}', state = 'expired'
+             WHERE conv_id = $1 AND msg_seq < $2 AND state NOT IN ('recalled', 'expired') AND kind <> 'recall'",
+            &[&conv, &new_min],
+        )
+        .await?;
+        exec(c, "UPDATE conversations SET min_seq = $2 WHERE conv_id = $1", &[&conv, &new_min]).await?;
+        report.conversations_trimmed += 1;
+        report.messages_expired += expired;
+    }
+    Ok(())
 }

@@ -358,5 +358,21 @@ pub(crate) async fn history(c: &Conn, user: &str, conv: &str, before: Option<u64
     page.truncate(limit as usize);
     decorate(c, user, &mut page).await?;
     let next_cursor = if has_more { page.last().map(|(m, _)| m.msg_seq) } else { None };
-    Ok(HistoryPage { messages: page.into_iter().map(|(m, _)| m).collect(), next_cursor, has_more })
+    // The reader's view starts at its first join; history below the
+    // retention boundary but inside that view was removed: say so (L3).
+    let first_join: Option<i64> = crate::db::scalar::<Option<i64>>(
+        c,
+        "SELECT MIN(join_seq) FROM membership_periods WHERE conv_id = $1 AND user_id = $2",
+        &[&conv, &user],
+    )
+    .await?
+    .flatten();
+    let trimmed = !has_more && snap.min_seq > (first_join.unwrap_or(1).max(1) as u64);
+    Ok(HistoryPage {
+        messages: page.into_iter().map(|(m, _)| m).collect(),
+        next_cursor,
+        has_more,
+        history_start: snap.min_seq,
+        trimmed,
+    })
 }

@@ -574,7 +574,8 @@ async fn postgres_matches_sqlite_operation_by_operation() {
         let to = DeviceCursor { generation: 1, acked_sync_seq: hw / 2, state: DeviceState::Active };
         check!(sq, pg, "cas for trim", |s| s.cas_device_cursor(u, "phone", cur, to, 80));
     }
-    let policy = RetentionPolicy { keep_events_younger_than_ms: 5, device_inactive_after_ms: 1_000 };
+    let policy =
+        RetentionPolicy { keep_events_younger_than_ms: 5, device_inactive_after_ms: 1_000, history_keep_ms: None };
     let trim = same!(sq, pg, "trim", |s| s.trim_user_logs(policy, 90)).unwrap();
     assert!(trim.users_trimmed > 0 && trim.events_deleted > 0, "the scenario trims: {trim:?}");
     check!(sq, pg, "trim again", |s| s.trim_user_logs(policy, 90));

@@ -296,6 +296,13 @@ pub struct HistoryOk {
     /// `before_seq` of the next (older) page; null when `has_more` is false.
     pub next_cursor: Option<u64>,
     pub has_more: bool,
+    /// Tidemark extension (L3): the lowest `msg_seq` the server retains.
+    #[serde(default)]
+    pub history_start: u64,
+    /// Tidemark extension (L3): the page stops at the retention boundary:
+    /// older history inside the caller's view existed and was removed.
+    #[serde(default)]
+    pub trimmed: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -71,6 +71,7 @@ impl Default for ServerConfig {
             retention: Some(tidemark_store::RetentionPolicy {
                 keep_events_younger_than_ms: 7 * 24 * 3600 * 1000,
                 device_inactive_after_ms: 30 * 24 * 3600 * 1000,
+                history_keep_ms: None,
             }),
             retention_every: Duration::from_secs(60),
             hold_fanout: false,

@@ -197,7 +197,8 @@ async fn retention_respects_fences_and_long_offline_devices_resync() {
     }
     fast.sync_until(20, 10).await;
     let store = ts.running().state.store.clone();
-    let keep_all_devices = RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 3_600_000 };
+    let keep_all_devices =
+        RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 3_600_000, history_keep_ms: None };
     let now = || tidemark_server::util::now_ms() + 1;
     store.trim_user_logs(keep_all_devices, now()).await.unwrap();
     assert_eq!(store.user_log("ben").await.unwrap().trimmed_upto, 5, "the slowest valid ACK is the fence");
@@ -210,7 +211,8 @@ async fn retention_respects_fences_and_long_offline_devices_resync() {
         say(&ann, &conv, &format!("a{i}")).await;
     }
     fast.sync_until(30, 10).await;
-    let short_window = RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 200 };
+    let short_window =
+        RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 200, history_keep_ms: None };
     store.trim_user_logs(short_window, now()).await.unwrap();
     assert_eq!(store.user_log("ben").await.unwrap().trimmed_upto, 30, "the inactive device no longer holds the fence");
 
@@ -265,7 +267,8 @@ async fn recovery_session_fences_trim_and_expires_into_a_snapshot() {
     phone.sync_until(20, 10).await;
     fast.sync_until(20, 10).await;
     let store = ts.running().state.store.clone();
-    let everything = RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 3_600_000 };
+    let everything =
+        RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 3_600_000, history_keep_ms: None };
     let now = || tidemark_server::util::now_ms() + 1;
 
     // Restore a backup holding 12 events: the server ACK is 20.
@@ -330,5 +333,70 @@ async fn recovery_session_fences_trim_and_expires_into_a_snapshot() {
     phone.sync_until(1, 10).await;
     fast.sync_until(26, 10).await;
     assert_eq!(phone.view(&conv), fast.view(&conv), "full convergence");
+    ts.stop().await;
+}
+
+/// L3: message history retention is explicit: once history older than the
+/// window expires, `history` says the page stops at the retention boundary
+/// (`trimmed`, `history_start`) instead of returning an empty page as if
+/// nothing had been said, `conv.sync` reports `trimmed` from an old cursor,
+/// and recall tombstones outlive the window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_retention_says_so_and_tombstones_outlive_it() {
+    let ts = TestServer::start_with(ServerConfig { retention: None, ..Default::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let ben = ts.device("ben", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    for i in 0..3 {
+        say(&ann, &conv, &format!("old-{i}")).await;
+    }
+    let recalled = ann
+        .ws
+        .request_value("send", json!({"conv": conv, "client_msg_id": "gone", "content": {"text": "gone"}}))
+        .await
+        .unwrap();
+    let recalled_id = recalled["message_id"].as_str().unwrap().to_owned();
+    ann.ws.request_value("recall", json!({"conv": conv, "message_id": recalled_id})).await.unwrap(); // 5
+    let before: tidemark_client::proto::HistoryOk = ben.ws.request("history", &json!({"conv": conv})).await.unwrap();
+    assert_eq!((before.history_start, before.trimmed), (1, false), "nothing expired yet");
+
+    // Everything said so far falls out of the window.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let store = ts.running().state.store.clone();
+    let policy = RetentionPolicy {
+        keep_events_younger_than_ms: i64::MAX / 4,
+        device_inactive_after_ms: 3_600_000,
+        history_keep_ms: Some(10),
+    };
+    let report = store.trim_user_logs(policy, tidemark_server::util::now_ms()).await.unwrap();
+    assert_eq!(report.conversations_trimmed, 1);
+    assert_eq!(report.messages_expired, 3, "the recalled message and the recall event are tombstones and stay");
+    say(&ann, &conv, "new").await; // 6
+
+    let h: tidemark_client::proto::HistoryOk = ben.ws.request("history", &json!({"conv": conv})).await.unwrap();
+    assert_eq!(h.messages.iter().map(|m| m.msg_seq).collect::<Vec<_>>(), vec![6]);
+    assert!(h.trimmed && !h.has_more && h.history_start == 6, "the boundary is stated: {h:?}");
+    let beyond: tidemark_client::proto::HistoryOk =
+        ben.ws.request("history", &json!({"conv": conv, "before_seq": 3})).await.unwrap();
+    assert!(beyond.messages.is_empty() && beyond.trimmed, "a query beyond retention says so");
+    let sync: tidemark_client::proto::ConvSyncOk =
+        ben.ws.request("conv.sync", &json!({"conv": conv, "after": 0})).await.unwrap();
+    assert!(sync.trimmed && sync.min_seq == 6, "conv.sync from an old cursor says so too");
+    // Tombstones outlive the window: the recalled message keeps its state.
+    let mut phone = ts.device("ben", "tablet").await;
+    phone.sync_until(6, 10).await;
+    let states: Vec<(u64, String)> = phone
+        .log
+        .iter()
+        .map(|e| {
+            let m = e.message.as_ref().unwrap();
+            (m.msg_seq, m.state.clone())
+        })
+        .collect();
+    assert_eq!(states[3], (4, "recalled".to_string()));
+    assert_eq!(states[0], (1, "expired".to_string()));
+    assert!(!serde_json::to_string(&phone.log).unwrap().contains("old-0"), "expired content is gone");
     ts.stop().await;
 }

@@ -201,6 +201,9 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
         [],
     )
     .map_err(internal)?;
+    if let Some(keep) = policy.history_keep_ms {
+        trim_history(c, now_ms - keep, &mut report)?;
+    }
     let users: Vec<(String, i64, i64)> = {
         let mut stmt = c.prepare("SELECT user_id, high_watermark, trimmed_upto FROM user_heads").map_err(internal)?;
         let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
@@ -362,4 +365,43 @@ pub(crate) fn ack(
         _ => {}
     }
     Ok(AckResult { decision, cursor })
+}
+
+/// Message-history retention (L3): per conversation, `min_seq` moves up to
+/// the first message younger than `cutoff_ms` (or past the head when none
+/// is), and every message below it loses its content (`expired`). Recall
+/// events and recalled messages are tombstones and stay as they are, so a
+/// device that still holds an original learns of its recall whatever the
+/// window.
+fn trim_history(c: &Connection, cutoff_ms: i64, report: &mut TrimReport) -> R<()> {
+    let convs: Vec<(String, i64, i64)> = {
+        let mut stmt = c.prepare("SELECT conv_id, head, min_seq FROM conversations").map_err(internal)?;
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
+        rows.collect::<Result<_, _>>().map_err(internal)?
+    };
+    for (conv, head, min_seq) in convs {
+        let first_young: Option<i64> = c
+            .query_row(
+                "SELECT MIN(msg_seq) FROM messages WHERE conv_id = ?1 AND created_at >= ?2",
+                params![conv, cutoff_ms],
+                |r| r.get(0),
+            )
+            .map_err(internal)?;
+        let new_min = first_young.unwrap_or(head + 1);
+        if new_min <= min_seq {
+            continue;
+        }
+        let expired = c
+            .execute(
+                "UPDATE messages SET content = '{}', state = 'expired'
+                 WHERE conv_id = ?1 AND msg_seq < ?2 AND state NOT IN ('recalled', 'expired') AND kind != 'recall'",
+                params![conv, new_min],
+            )
+            .map_err(internal)?;
+        c.execute("UPDATE conversations SET min_seq = ?2 WHERE conv_id = ?1", params![conv, new_min])
+            .map_err(internal)?;
+        report.conversations_trimmed += 1;
+        report.messages_expired += expired as u64;
+    }
+    Ok(())
 }

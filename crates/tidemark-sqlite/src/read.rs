@@ -357,7 +357,22 @@ pub(crate) fn history(
         rows.truncate(limit as usize);
         decorate(c, user, &mut rows)?;
         let next_cursor = if has_more { rows.last().map(|(m, _)| m.msg_seq) } else { None };
-        Ok(HistoryPage { messages: rows.into_iter().map(|(m, _)| m).collect(), next_cursor, has_more })
+        // The reader's view starts at its first join; history below the
+        // retention boundary but inside that view was removed: say so (L3).
+        let first_join: i64 = c
+            .prepare_cached("SELECT MIN(join_seq) FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2")
+            .map_err(internal)?
+            .query_row(params![conv, user], |r| r.get::<_, Option<i64>>(0))
+            .map_err(internal)?
+            .unwrap_or(1);
+        let trimmed = !has_more && snap.min_seq > (first_join.max(1) as u64);
+        Ok(HistoryPage {
+            messages: rows.into_iter().map(|(m, _)| m).collect(),
+            next_cursor,
+            has_more,
+            history_start: snap.min_seq,
+            trimmed,
+        })
     })();
     let _ = c.execute_batch("COMMIT");
     result

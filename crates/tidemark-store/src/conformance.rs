@@ -48,6 +48,7 @@ where
     cursor_cas_refuses_a_stale_expectation(&*fresh().await).await;
     refresh_tokens_are_used_once(&*fresh().await).await;
     revocation_is_durable(&*fresh().await).await;
+    history_retention_moves_the_boundary(&*fresh().await).await;
 }
 
 /// G1: one conversation per direct pair, whatever the order.
@@ -245,4 +246,45 @@ pub async fn revocation_is_durable(store: &dyn Store) {
     assert_eq!(store.revoked_devices().await.unwrap(), vec![("b".to_string(), "phone".to_string())]);
     let r = store.ack("b", "phone", 1, None, 1, T0).await.unwrap();
     assert_eq!(r.decision, AckDecision::Revoked);
+}
+
+/// L3: history retention moves `min_seq` up, expires contents below it,
+/// keeps recall tombstones, and `history` says the page stops there.
+pub async fn history_retention_moves_the_boundary(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    let m1 = store.accept_send(send("a", &conv, "1")).await.unwrap();
+    store.accept_send(send("a", &conv, "2")).await.unwrap();
+    let cmd = ConvEventCmd {
+        conv: conv.clone(),
+        actor: "a".into(),
+        actor_device: "d1".into(),
+        event_id: "r1".into(),
+        client_msg_id: "r1".into(),
+        now_ms: T0,
+    };
+    store.recall(cmd, &m1.message_id).await.unwrap();
+    store.fan_out(store.pending_outbox(10).await.unwrap(), T0).await.unwrap();
+    let keep = RetentionPolicy {
+        keep_events_younger_than_ms: i64::MAX / 4,
+        device_inactive_after_ms: 1,
+        history_keep_ms: None,
+    };
+    let r = store.trim_user_logs(keep, T0 + 1_000).await.unwrap();
+    assert_eq!(r.conversations_trimmed, 0, "L3: no history policy, no trim");
+    let expire = RetentionPolicy { history_keep_ms: Some(500), ..keep };
+    let r = store.trim_user_logs(expire, T0 + 1_000).await.unwrap();
+    assert_eq!(
+        (r.conversations_trimmed, r.messages_expired),
+        (1, 1),
+        "L3: only message 2 expires; the recall pair stays"
+    );
+    let h = store.history("b", &conv, None, 10).await.unwrap();
+    assert!(h.messages.is_empty() && h.trimmed && !h.has_more, "L3: the page says it stops at retention");
+    assert_eq!(h.history_start, 4);
+    let page = store.conv_sync("b", &conv, 0, 10, None).await.unwrap();
+    assert!(page.trimmed && page.min_seq == 4 && page.events.is_empty());
+    let log = store.read_user_events("b", 0, 10, 10).await.unwrap();
+    let states: Vec<&str> = log.iter().map(|e| e.message.as_ref().unwrap().state.as_str()).collect();
+    assert_eq!(states, vec![STATE_RECALLED, STATE_EXPIRED, "normal"], "L3: tombstones outlive the window");
 }

@@ -183,6 +183,8 @@ pub const STATE_NORMAL: &str = "normal";
 pub const STATE_EDITED: &str = "edited";
 pub const STATE_RECALLED: &str = "recalled";
 pub const STATE_DELETED: &str = "deleted";
+/// Below the conversation's retention boundary: content removed (L3).
+pub const STATE_EXPIRED: &str = "expired";
 
 /// Conversation event kinds that are not user content: they take a
 /// `msg_seq` like messages but never count as unread.
@@ -316,6 +318,11 @@ pub struct HistoryPage {
     pub messages: Vec<StoredMessage>,
     pub next_cursor: Option<MsgSeq>,
     pub has_more: bool,
+    /// The lowest `msg_seq` still retained (L3).
+    pub history_start: MsgSeq,
+    /// The page ends at the retention boundary, not at the start of the
+    /// reader's view: older history existed and was removed (L3).
+    pub trimmed: bool,
 }
 
 /// What an unread rebuild found (R3).
@@ -369,6 +376,10 @@ pub struct TrimReport {
     pub users_trimmed: u64,
     pub events_deleted: u64,
     pub snapshots_expired: u64,
+    /// Conversations whose history boundary (`min_seq`) moved (L3).
+    pub conversations_trimmed: u64,
+    /// Messages whose content expired (tombstones of recalls stay).
+    pub messages_expired: u64,
 }
 
 /// Retention settings (L1–L2).
@@ -379,6 +390,10 @@ pub struct RetentionPolicy {
     /// A device whose cursor did not move for this long stops holding the
     /// fence; on return it is reset (L2).
     pub device_inactive_after_ms: i64,
+    /// Message history older than this expires (L3): the conversation's
+    /// `min_seq` moves up, contents below it are removed, recall tombstones
+    /// stay; `None` keeps history forever.
+    pub history_keep_ms: Option<i64>,
 }
 
 /// Backlog of the outbox, for metrics and health.

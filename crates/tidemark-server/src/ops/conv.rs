@@ -169,6 +169,8 @@ pub async fn history(state: &AppState, ctx: &AuthCtx, req: HistoryReq) -> ApiRes
         messages: page.messages.into_iter().map(envelope).collect::<ApiResult<_>>()?,
         next_cursor: page.next_cursor,
         has_more: page.has_more,
+        history_start: page.history_start,
+        trimmed: page.trimmed && !page.has_more,
     })
 }
 
