@@ -59,6 +59,10 @@ enum Command {
         /// Access token lifetime, seconds.
         #[arg(long, default_value_t = 900)]
         access_ttl_secs: u64,
+        /// Message history older than this many days expires (L3); by
+        /// default history is kept forever.
+        #[arg(long)]
+        history_keep_days: Option<u32>,
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
@@ -131,7 +135,16 @@ async fn wait_for_signal() {
 async fn main() -> Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::Serve { listen, store, nats, nats_prefix, admin_token, access_ttl_secs, hold_fanout } => {
+        Command::Serve {
+            listen,
+            store,
+            nats,
+            nats_prefix,
+            admin_token,
+            access_ttl_secs,
+            history_keep_days,
+            hold_fanout,
+        } => {
             init_logs();
             if nats.is_some() && store.database.is_none() {
                 bail!("--nats joins a cluster, which needs the shared PostgreSQL store (--database)");
@@ -141,12 +154,17 @@ async fn main() -> Result<()> {
                 Some(url) => HintBusConfig::Nats { url, subject_prefix: nats_prefix },
                 None => HintBusConfig::Local,
             };
+            let defaults = ServerConfig::default();
             let config = ServerConfig {
                 admin_token: admin_token.filter(|t| !t.is_empty()),
                 access_token_ttl: std::time::Duration::from_secs(access_ttl_secs),
+                retention: defaults.retention.map(|r| tidemark_store::RetentionPolicy {
+                    history_keep_ms: history_keep_days.map(|d| i64::from(d) * 24 * 3600 * 1000),
+                    ..r
+                }),
                 hold_fanout,
                 hint_bus,
-                ..ServerConfig::default()
+                ..defaults
             };
             let server = Server::start(&listen, store, config).await?;
             // Scripts read this line to learn the bound address.
