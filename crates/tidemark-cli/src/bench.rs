@@ -29,8 +29,11 @@ use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
 
+mod connections;
 mod depth;
+mod fanout;
 mod pg;
+mod reconnect;
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
@@ -41,6 +44,17 @@ pub enum BenchCommand {
     /// index range, so depth must not matter): the short log is the
     /// baseline of the same run.
     Depth(depth::DepthArgs),
+    /// Group fan-out: one sender, every other member one device syncing
+    /// on hints; deliveries/s and end-to-end latency beside a bare
+    /// tokio-tungstenite broadcast baseline of the same run.
+    Fanout(fanout::FanoutArgs),
+    /// Resume storm: devices each K events behind reconnect at once to a
+    /// restarted server and catch up, beside bare handshakes of the same
+    /// devices against the same server.
+    Reconnect(reconnect::ReconnectArgs),
+    /// Server RSS per idle authenticated WebSocket (`tidemark serve` as a
+    /// child process), beside a bare tokio-tungstenite server.
+    Connections(connections::ConnectionsArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -89,6 +103,9 @@ pub async fn run(command: BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Ingest(args) => ingest(args).await,
         BenchCommand::Depth(args) => depth::run(args).await,
+        BenchCommand::Fanout(args) => fanout::run(args).await,
+        BenchCommand::Reconnect(args) => reconnect::run(args).await,
+        BenchCommand::Connections(args) => connections::run(args).await,
     }
 }
 

@@ -1,0 +1,312 @@
+//! `bench connections`: server memory per idle authenticated WebSocket.
+//!
+//! The server runs as the real binary (`tidemark serve`, a child process on
+//! a fresh data directory) so its resident set is not mixed with the
+//! clients'. M clients connect from several 127.0.0.x source addresses
+//! (so one address's port range is not exhausted), each authenticates with
+//! an `auth` frame and waits for `auth.ok`, then stays idle. Measured:
+//! (VmRSS of the server after the connections settle − VmRSS before) / M.
+//!
+//! The baseline, in the same run, is a bare tokio-tungstenite server in a
+//! child process (this binary with a hidden flag) with the same buffer
+//! sizes: the same frame and message limit (256 KiB), tungstenite's
+//! default read and write buffers (as axum uses), and a bounded outgoing
+//! queue of 256 frames per connection. It answers `auth` with `auth.ok`
+//! without checking the token. The same clients connect the same way.
+
+use std::io::BufRead;
+use std::net::{Ipv4Addr, SocketAddr};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context, Result};
+use futures_util::{SinkExt, StreamExt, TryStreamExt};
+use serde::Serialize;
+use tidemark_client::Http;
+use tidemark_sqlite::SqliteStore;
+use tidemark_store::Store;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::WebSocketStream;
+
+use super::fanout::{bar, cheap_hash, PASSWORD};
+use super::{init_logs, print_table, wait_store_closed, TempDir};
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct ConnectionsArgs {
+    /// Idle authenticated connections (capped by the open-file limit).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u32).range(1..=1_000_000))]
+    pub connections: u32,
+    /// Source addresses 127.0.0.2 .. 127.0.0.(1+N) the clients bind to.
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=250))]
+    pub sources: u8,
+    /// Seconds to let the servers settle before reading their RSS.
+    #[arg(long, default_value_t = 2)]
+    pub settle_secs: u64,
+    #[arg(long, default_value = "bench-results/connections.json")]
+    pub out: PathBuf,
+    /// Where the temporary store goes.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// Internal: run the bare baseline server and print its address.
+    #[arg(long, hide = true)]
+    pub serve_baseline: bool,
+}
+
+const FRAME_MAX: usize = tidemark_client::proto::FRAME_BYTES_MAX;
+const QUEUE_MAX: usize = 256;
+const SETUP_CONCURRENCY: usize = 64;
+
+/// Kills and reaps the child when dropped.
+struct ChildGuard(Child);
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `exe args…` and reads its first stdout line, which must end with
+/// the listening address.
+fn spawn_server(args: &[&str]) -> Result<(ChildGuard, SocketAddr)> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    if std::env::var_os("RUST_LOG").is_none() {
+        // The server logs every login at info level.
+        cmd.env("RUST_LOG", "warn");
+    }
+    let mut child = ChildGuard(cmd.spawn()?);
+    let stdout = child.0.stdout.take().context("stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line)?;
+    let addr = line.split_whitespace().last().context("no address printed")?.parse()?;
+    Ok((child, addr))
+}
+
+fn rss_kib(pid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = text.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS")?;
+    Ok(line.split_whitespace().nth(1).context("VmRSS value")?.parse()?)
+}
+
+fn open_files_soft_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+fn ws_config() -> WebSocketConfig {
+    WebSocketConfig::default().max_message_size(Some(FRAME_MAX)).max_frame_size(Some(FRAME_MAX))
+}
+
+/// The bare server: WebSocket accept, answer `auth` with `auth.ok`, then
+/// hold the connection with a bounded outgoing queue, as a real server
+/// would for pushes.
+async fn serve_baseline() -> Result<()> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    println!("baseline listening on {}", listener.local_addr()?);
+    use std::io::Write;
+    std::io::stdout().flush()?;
+    loop {
+        let (tcp, _) = listener.accept().await?;
+        tokio::spawn(async move {
+            let _ = tcp.set_nodelay(true);
+            let Ok(ws) = tokio_tungstenite::accept_async_with_config(tcp, Some(ws_config())).await else { return };
+            let (mut sink, mut stream) = ws.split();
+            let (tx, mut rx) = tokio::sync::mpsc::channel::<Message>(QUEUE_MAX);
+            let writer = tokio::spawn(async move {
+                while let Some(m) = rx.recv().await {
+                    if sink.send(m).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            while let Some(Ok(msg)) = stream.next().await {
+                if let Message::Text(t) = msg {
+                    let v: serde_json::Value = serde_json::from_str(t.as_str()).unwrap_or_default();
+                    let rid = v.get("rid").cloned().unwrap_or_default();
+                    let reply = serde_json::json!({ "t": "auth.ok", "rid": rid, "user": "u", "device_id": "d" });
+                    if tx.send(Message::Text(reply.to_string().into())).await.is_err() {
+                        break;
+                    }
+                }
+            }
+            writer.abort();
+        });
+    }
+}
+
+/// Opens one client connection from `source`, authenticates, and returns
+/// the open socket.
+async fn client(source: Ipv4Addr, server: SocketAddr, token: &str) -> Result<WebSocketStream<tokio::net::TcpStream>> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::new(source.into(), 0))?;
+    let tcp = socket.connect(server).await?;
+    tcp.set_nodelay(true)?;
+    let url = format!("ws://{server}/v1/ws");
+    let (mut ws, _) = tokio_tungstenite::client_async(url, tcp).await?;
+    let frame = serde_json::json!({ "t": "auth", "rid": "a1", "token": token });
+    ws.send(Message::Text(frame.to_string().into())).await?;
+    while let Some(msg) = ws.next().await {
+        if let Message::Text(t) = msg? {
+            let v: serde_json::Value = serde_json::from_str(t.as_str())?;
+            if v.get("rid").and_then(|r| r.as_str()) == Some("a1") {
+                ensure!(v.get("t").and_then(|t| t.as_str()) == Some("auth.ok"), "auth refused: {v}");
+                return Ok(ws);
+            }
+        }
+    }
+    bail!("closed before auth.ok")
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Measure {
+    connections: u32,
+    rss_before_kib: u64,
+    rss_after_kib: u64,
+    kib_per_connection: f64,
+}
+
+async fn measure(
+    name: &str,
+    pid: u32,
+    addr: SocketAddr,
+    tokens: &[String],
+    args: &ConnectionsArgs,
+    pb: &indicatif::ProgressBar,
+) -> Result<Measure> {
+    pb.set_message(format!("{name}: connecting"));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before = rss_kib(pid)?;
+    let conns: Vec<_> = futures_util::stream::iter(tokens.iter().enumerate().map(|(i, token)| {
+        let source = Ipv4Addr::new(127, 0, 0, 2 + (i % args.sources as usize) as u8);
+        let pb = pb.clone();
+        async move {
+            let c = client(source, addr, token).await;
+            pb.inc(1);
+            c
+        }
+    }))
+    .buffer_unordered(SETUP_CONCURRENCY)
+    .try_collect()
+    .await
+    .with_context(|| format!("{name}: connect"))?;
+    pb.set_message(format!("{name}: settling"));
+    tokio::time::sleep(Duration::from_secs(args.settle_secs)).await;
+    let after = rss_kib(pid)?;
+    let n = conns.len() as u32;
+    drop(conns);
+    Ok(Measure {
+        connections: n,
+        rss_before_kib: before,
+        rss_after_kib: after,
+        kib_per_connection: after.saturating_sub(before) as f64 / f64::from(n),
+    })
+}
+
+pub async fn run(args: ConnectionsArgs) -> Result<()> {
+    if args.serve_baseline {
+        return serve_baseline().await;
+    }
+    init_logs();
+    let soft = open_files_soft_limit();
+    let mut m = args.connections;
+    if let Some(soft) = soft {
+        let cap = soft.saturating_sub(200) as u32;
+        eprintln!("open-file soft limit: {soft} (caps connections at {cap}); not raised (no rlimit dependency)");
+        if m > cap {
+            eprintln!("note: --connections {m} capped to {cap}");
+            m = cap;
+        }
+    }
+    let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let dir = TempDir::create(&parent)?;
+    let pb = bar(u64::from(m) * 3, "steps");
+
+    // Users with a cheap password hash, written before the server starts.
+    pb.set_message("setup: users");
+    let users: Vec<String> = (0..m).map(|i| format!("cn-u{i}")).collect();
+    {
+        let store = SqliteStore::open(&dir.0)?;
+        let hash = cheap_hash()?;
+        futures_util::stream::iter(users.iter().map(|u| {
+            let (store, hash) = (store.clone(), hash.clone());
+            async move { store.create_user(u, &hash, 0).await }
+        }))
+        .buffer_unordered(SETUP_CONCURRENCY)
+        .try_collect::<Vec<_>>()
+        .await?;
+        let weak = Arc::downgrade(&store);
+        drop(store);
+        wait_store_closed(weak, &dir.0).await;
+    }
+    let data = dir.0.display().to_string();
+    let (server, addr) = spawn_server(&["serve", "--listen", "127.0.0.1:0", "--data", &data])?;
+    let http = Http::new(&format!("http://{addr}"));
+    pb.set_message("setup: logins");
+    let tokens: Vec<String> = futures_util::stream::iter(users.iter().map(|u| {
+        let (http, pb) = (http.clone(), pb.clone());
+        async move {
+            let l = http.login(u, PASSWORD, "phone").await;
+            pb.inc(1);
+            l.map(|l| l.access_token)
+        }
+    }))
+    .buffered(SETUP_CONCURRENCY)
+    .try_collect()
+    .await
+    .context("log in")?;
+    let tidemark = measure("tidemark", server.0.id(), addr, &tokens, &args, &pb).await?;
+    drop(server);
+    let (base_child, base_addr) = spawn_server(&["bench", "connections", "--serve-baseline"])?;
+    let baseline = measure("baseline", base_child.0.id(), base_addr, &tokens, &args, &pb).await?;
+    drop(base_child);
+    pb.finish_and_clear();
+
+    println!(
+        "tidemark bench connections: {} idle authenticated WebSockets from {} source addresses, server in its own \
+         process (VmRSS delta / connections)\n",
+        m, args.sources
+    );
+    let row = |name: &str, r: &Measure| {
+        vec![
+            name.to_string(),
+            format!("{}", r.connections),
+            format!("{:.1}", r.rss_before_kib as f64 / 1024.0),
+            format!("{:.1}", r.rss_after_kib as f64 / 1024.0),
+            format!("{:.1}", r.kib_per_connection),
+        ]
+    };
+    print_table(
+        &["server", "connections", "RSS before MiB", "RSS after MiB", "KiB/connection"],
+        &[
+            row("tidemark serve", &tidemark),
+            row("baseline: bare tokio-tungstenite", &baseline),
+            vec![
+                "ratio".into(),
+                String::new(),
+                String::new(),
+                String::new(),
+                format!("{:.2}x", tidemark.kib_per_connection / baseline.kib_per_connection.max(f64::MIN_POSITIVE)),
+            ],
+        ],
+    );
+    if let Some(parent) = args.out.parent() {
+        std::fs::create_dir_all(parent)?;
+    }
+    let json = serde_json::json!({
+        "scenario": "connections",
+        "note": "server RSS per idle authenticated connection, server in a child process; baseline = bare \
+                 tokio-tungstenite server (same frame limit, default buffers, 256-frame queue) in a child process",
+        "open_files_soft_limit": soft, "sources": args.sources,
+        "tidemark": tidemark, "baseline": baseline,
+    });
+    std::fs::write(&args.out, serde_json::to_string_pretty(&json)?)?;
+    println!("\nwrote {}", args.out.display());
+    Ok(())
+}
