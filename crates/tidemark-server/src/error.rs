@@ -20,6 +20,22 @@ impl ApiError {
         ApiError::new(ErrorCode::BadRequest, message)
     }
 
+    /// `DEVICE_REVOKED` (P5): the same refusal wherever the device shows up.
+    pub fn device_revoked() -> ApiError {
+        ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked")
+    }
+
+    /// `RESET_REQUIRED` with the generation to rebuild under (D5).
+    pub fn reset_required(generation: u64) -> ApiError {
+        ApiError::new(ErrorCode::ResetRequired, "the device must rebuild its local state").with_generation(generation)
+    }
+
+    /// `STALE_GENERATION` with the device's current generation (D4).
+    pub fn stale_generation(current: u64) -> ApiError {
+        ApiError::new(ErrorCode::StaleGeneration, "the token belongs to an older sync_generation")
+            .with_generation(current)
+    }
+
     pub fn with_generation(mut self, generation: u64) -> ApiError {
         self.sync_generation = Some(generation);
         self

@@ -36,7 +36,7 @@ pub fn authenticate(state: &AppState, token: &str) -> ApiResult<AuthCtx> {
         .verify_access(token, now_ms())
         .map_err(|e| unauthenticated(&format!("access token refused: {e}")))?;
     if state.is_revoked(&claims.user, &claims.device) {
-        return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked"));
+        return Err(ApiError::device_revoked());
     }
     Ok(AuthCtx { user: claims.user, device: claims.device, expires_at_ms: claims.expires_at_ms })
 }
@@ -98,7 +98,7 @@ pub async fn login(state: &AppState, req: LoginReq) -> ApiResult<LoginOk> {
     let name: String = name.chars().take(128).collect();
     let device = state.store.login_device(&req.user, &req.device_id, &name, now_ms()).await?;
     if device.cursor.state == tidemark_core::cursor::DeviceState::Revoked {
-        return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked"));
+        return Err(ApiError::device_revoked());
     }
     tracing::info!(user = %req.user, device = %req.device_id, "login");
     issue(state, &req.user, &req.device_id).await
@@ -114,7 +114,7 @@ pub async fn refresh(state: &AppState, req: RefreshReq) -> ApiResult<LoginOk> {
         return Err(unauthenticated("refresh token expired"));
     }
     if state.is_revoked(&rec.user, &rec.device) {
-        return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked"));
+        return Err(ApiError::device_revoked());
     }
     tracing::info!(user = %rec.user, device = %rec.device, "token refreshed");
     issue(state, &rec.user, &rec.device).await

@@ -25,6 +25,11 @@ pub(super) fn error_response(e: ApiError) -> Response {
     (status, Json(e.into_frame(None))).into_response()
 }
 
+/// Parses a JSON object body into `T`, or the error response to send.
+fn parse_body<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Box<Response>> {
+    json_body(body).and_then(parse).map_err(|e| Box::new(error_response(e)))
+}
+
 fn json_body(body: &Bytes) -> Result<Value, ApiError> {
     if body.is_empty() {
         return Ok(Value::Object(Default::default()));
@@ -88,9 +93,9 @@ pub async fn rpc(
 }
 
 pub async fn login(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: LoginReq = match json_body(&body).and_then(parse) {
+    let req: LoginReq = match parse_body(&body) {
         Ok(r) => r,
-        Err(e) => return error_response(e),
+        Err(r) => return *r,
     };
     match auth::login(&state, req).await {
         Ok(ok) => Json(ok).into_response(),
@@ -99,9 +104,9 @@ pub async fn login(State(state): State<Arc<AppState>>, body: Bytes) -> Response 
 }
 
 pub async fn refresh(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
-    let req: RefreshReq = match json_body(&body).and_then(parse) {
+    let req: RefreshReq = match parse_body(&body) {
         Ok(r) => r,
-        Err(e) => return error_response(e),
+        Err(r) => return *r,
     };
     match auth::refresh(&state, req).await {
         Ok(ok) => Json(ok).into_response(),
@@ -134,9 +139,9 @@ pub async fn admin_bump_epoch(State(state): State<Arc<AppState>>, headers: Heade
     if let Err(r) = admin_guard(&state, &headers) {
         return *r;
     }
-    let req: AdminEpochReq = match json_body(&body).and_then(parse) {
+    let req: AdminEpochReq = match parse_body(&body) {
         Ok(r) => r,
-        Err(e) => return error_response(e),
+        Err(r) => return *r,
     };
     match state.store.bump_epoch(&req.conv).await {
         Ok(epoch) => {
@@ -166,9 +171,9 @@ pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: Head
     if let Err(r) = admin_guard(&state, &headers) {
         return *r;
     }
-    let req: AdminUserReq = match json_body(&body).and_then(parse) {
+    let req: AdminUserReq = match parse_body(&body) {
         Ok(r) => r,
-        Err(e) => return error_response(e),
+        Err(r) => return *r,
     };
     match auth::create_user(&state, &req.user, &req.password).await {
         Ok(created) => {

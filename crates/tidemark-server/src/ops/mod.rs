@@ -30,6 +30,17 @@ pub struct AuthCtx {
     pub expires_at_ms: i64,
 }
 
+/// The caller's device cursor, as every sync and snapshot step reads it
+/// first; a device the store does not know must log in again.
+pub(crate) async fn device_cursor(state: &AppState, ctx: &AuthCtx) -> ApiResult<tidemark_core::cursor::DeviceCursor> {
+    state
+        .store
+        .device(&ctx.user, &ctx.device)
+        .await?
+        .map(|d| d.cursor)
+        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))
+}
+
 pub(crate) fn parse<T: DeserializeOwned>(body: Value) -> ApiResult<T> {
     serde_json::from_value(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
 }
@@ -43,7 +54,7 @@ pub(crate) fn to_value<T: serde::Serialize>(reply: &T) -> ApiResult<Value> {
 /// it enqueues the connection's writes in arrival order.
 pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Value) -> ApiResult<Value> {
     if state.is_revoked(&ctx.user, &ctx.device) {
-        return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked"));
+        return Err(ApiError::device_revoked());
     }
     match op.as_str() {
         op::SEND => to_value(&send::run(&state, &ctx, parse(body)?).await?),

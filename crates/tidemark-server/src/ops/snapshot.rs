@@ -53,14 +53,9 @@ pub fn manifest_digest<'a>(items: impl IntoIterator<Item = &'a Value>) -> String
 
 pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk> {
     let now = now_ms();
-    let device = state
-        .store
-        .device(&ctx.user, &ctx.device)
-        .await?
-        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
-    let mut cursor = device.cursor;
+    let mut cursor = super::device_cursor(state, ctx).await?;
     match cursor.state {
-        DeviceState::Revoked => return Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked")),
+        DeviceState::Revoked => return Err(ApiError::device_revoked()),
         DeviceState::Resetting => {}
         // Any other device asking for a snapshot is resetting itself: the
         // generation moves first, fencing its older tokens (D5).
@@ -120,18 +115,11 @@ pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk
 
 /// Checks that the device is still resetting at the snapshot's generation.
 async fn check_device(state: &AppState, ctx: &AuthCtx, claims: &SnapshotClaims) -> ApiResult<DeviceCursor> {
-    let d = state
-        .store
-        .device(&ctx.user, &ctx.device)
-        .await?
-        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
-    match d.cursor.state {
-        DeviceState::Revoked => Err(ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked")),
-        _ if d.cursor.generation != claims.generation => {
-            Err(ApiError::new(ErrorCode::StaleGeneration, "the snapshot belongs to an older sync_generation")
-                .with_generation(d.cursor.generation))
-        }
-        _ => Ok(d.cursor),
+    let cursor = super::device_cursor(state, ctx).await?;
+    match cursor.state {
+        DeviceState::Revoked => Err(ApiError::device_revoked()),
+        _ if cursor.generation != claims.generation => Err(ApiError::stale_generation(cursor.generation)),
+        _ => Ok(cursor),
     }
 }
 

@@ -29,18 +29,6 @@ fn token_error(e: TokenError) -> ApiError {
     ApiError::new(ErrorCode::TokenInvalid, format!("batch token refused: {e}"))
 }
 
-fn reset_required(generation: u64) -> ApiError {
-    ApiError::new(ErrorCode::ResetRequired, "the device must rebuild its local state").with_generation(generation)
-}
-
-fn stale(current: u64) -> ApiError {
-    ApiError::new(ErrorCode::StaleGeneration, "the batch belongs to an older sync_generation").with_generation(current)
-}
-
-fn revoked() -> ApiError {
-    ApiError::new(ErrorCode::DeviceRevoked, "this device was revoked")
-}
-
 pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk> {
     let limit = req.limit.unwrap_or(SYNC_LIMIT_DEFAULT);
     if limit == 0 || limit > SYNC_LIMIT_MAX {
@@ -55,12 +43,7 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
     }
     let client = ClientPosition { generation: req.sync_generation, local_applied_sync_seq: req.local_applied_sync_seq };
     for _ in 0..RESUME_CAS_ATTEMPTS_MAX {
-        let device = state
-            .store
-            .device(&ctx.user, &ctx.device)
-            .await?
-            .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
-        let current = device.cursor;
+        let current = super::device_cursor(state, ctx).await?;
         let log = state.store.user_log(&ctx.user).await?;
         let user_hw = log.high_watermark;
         let session = match current.state {
@@ -112,8 +95,8 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
                 let bumped = DeviceCursor { generation: expected + 1, state: DeviceState::Resetting, ..current };
                 (current, bumped, false)
             }
-            Resume::StillResetting { generation } => return Err(reset_required(generation)),
-            Resume::Revoked => return Err(revoked()),
+            Resume::StillResetting { generation } => return Err(ApiError::reset_required(generation)),
+            Resume::Revoked => return Err(ApiError::device_revoked()),
         };
         let (won, _) = state.store.cas_device_cursor(&ctx.user, &ctx.device, expected, new, now).await?;
         if !won {
@@ -126,7 +109,7 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
         }
         metrics::counter!(m::GENERATION_BUMPS).increment(1);
         tracing::info!(device = %ctx.device, generation = new.generation, "device generation bumped; reset required");
-        return Err(reset_required(new.generation));
+        return Err(ApiError::reset_required(new.generation));
     }
     Err(ApiError { retry_after_ms: Some(100), ..ApiError::new(ErrorCode::Unavailable, "device cursor is busy; retry") })
 }
@@ -179,22 +162,18 @@ async fn next_page(
         Some(c) => state.keys.verify_cursor(&c, &token, &claims).map_err(token_error)?,
         None => claims.resume_from,
     };
-    let device = state
-        .store
-        .device(&ctx.user, &ctx.device)
-        .await?
-        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))?;
-    match device.cursor.state {
-        DeviceState::Revoked => return Err(revoked()),
-        _ if device.cursor.generation != claims.generation => return Err(stale(device.cursor.generation)),
-        DeviceState::Resetting | DeviceState::New => return Err(reset_required(device.cursor.generation)),
+    let cursor = super::device_cursor(state, ctx).await?;
+    match cursor.state {
+        DeviceState::Revoked => return Err(ApiError::device_revoked()),
+        _ if cursor.generation != claims.generation => return Err(ApiError::stale_generation(cursor.generation)),
+        DeviceState::Resetting | DeviceState::New => return Err(ApiError::reset_required(cursor.generation)),
         DeviceState::Active | DeviceState::Recovering => {}
     }
     // Never a partial page: if the rest of this batch is no longer all in
     // the log (trimmed, or its recovery session expired and stopped
     // fencing it), the device is reset instead (D6, L2).
     let log = state.store.user_log(&ctx.user).await?;
-    let session_over = match device.cursor.state {
+    let session_over = match cursor.state {
         DeviceState::Recovering => !state
             .store
             .recovery_session(&ctx.user, &ctx.device)
@@ -203,9 +182,8 @@ async fn next_page(
         _ => false,
     };
     if position < log.trimmed_upto || session_over {
-        let bumped =
-            DeviceCursor { generation: device.cursor.generation + 1, state: DeviceState::Resetting, ..device.cursor };
-        let (won, cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, device.cursor, bumped, now).await?;
+        let bumped = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
+        let (won, cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, cursor, bumped, now).await?;
         if !won {
             // The cursor moved meanwhile (say the final ACK of the recovery
             // landed): let the client start a new batch.
@@ -213,9 +191,9 @@ async fn next_page(
                 .with_generation(cursor.generation));
         }
         metrics::counter!(m::GENERATION_BUMPS).increment(1);
-        return Err(reset_required(cursor.generation));
+        return Err(ApiError::reset_required(cursor.generation));
     }
-    page(state, ctx, token, &claims, position, device.cursor.acked_sync_seq, limit).await
+    page(state, ctx, token, &claims, position, cursor.acked_sync_seq, limit).await
 }
 
 async fn page(
@@ -286,12 +264,12 @@ pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckO
             state.hub.on_ack(&ctx.user, &ctx.device, result.cursor.acked_sync_seq);
             Ok(AckOk { acked_sync_seq: result.cursor.acked_sync_seq, sync_generation: result.cursor.generation })
         }
-        AckDecision::StaleGeneration { current } => Err(stale(current)),
-        AckDecision::Resetting { current } => Err(reset_required(current)),
-        AckDecision::Revoked => Err(revoked()),
+        AckDecision::StaleGeneration { current } => Err(ApiError::stale_generation(current)),
+        AckDecision::Resetting { current } => Err(ApiError::reset_required(current)),
+        AckDecision::Revoked => Err(ApiError::device_revoked()),
         // The session expired before its final ACK: the device was reset
         // (bumped, RESETTING) in the same transaction and rebuilds from a
         // snapshot, never from a partial replay (D6).
-        AckDecision::RecoveryExpired { .. } => Err(reset_required(result.cursor.generation)),
+        AckDecision::RecoveryExpired { .. } => Err(ApiError::reset_required(result.cursor.generation)),
     }
 }
