@@ -15,14 +15,16 @@
 //! unset; when it is set and the service is unreachable, the test fails.
 
 use std::collections::{BTreeMap, HashSet};
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tidemark_client::proto::{SendOk, SendReq, SyncOk, SyncReq};
+use tidemark_client::proto::{SendOk, SendReq};
 use tidemark_client::{Http, ServerEvent, WsConn};
+
+mod common;
+
+use common::{spawn_serve, Seen, ServerProc};
 
 const ADMIN: &str = "cluster-admin";
 const PG_VAR: &str = "TIDEMARK_TEST_PG_URL";
@@ -83,24 +85,10 @@ impl Cluster {
     /// Starts a node and waits for its listening line.
     fn node(&self, extra: &[&str]) -> Node {
         let prefix = format!("tidemark-test.{}", self.schema);
-        let mut child = Command::new(env!("CARGO_BIN_EXE_tidemark"))
-            .args(["serve", "--listen", "127.0.0.1:0", "--database", &self.pg, "--database-schema", &self.schema])
-            .args(["--nats", &self.nats, "--nats-prefix", &prefix])
-            .args(extra)
-            .env("TIDEMARK_ADMIN_TOKEN", ADMIN)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn tidemark serve");
-        let stdout = child.stdout.take().unwrap();
-        let mut line = String::new();
-        BufReader::new(stdout).read_line(&mut line).expect("read the listening line");
-        let addr = line
-            .trim()
-            .strip_prefix("tidemark listening on ")
-            .unwrap_or_else(|| panic!("node did not start (stdout {line:?}); see its stderr above"));
-        Node { child, url: format!("http://{addr}"), ws: format!("ws://{addr}/v1/ws") }
+        let mut args: Vec<&str> = vec!["--database", &self.pg, "--database-schema", &self.schema];
+        args.extend(["--nats", &self.nats, "--nats-prefix", &prefix]);
+        args.extend(extra);
+        spawn_serve(&args, ADMIN)
     }
 }
 
@@ -125,79 +113,12 @@ impl Drop for Cluster {
 }
 
 /// A node process; killed when dropped so a failing test leaves none.
-struct Node {
-    child: Child,
-    url: String,
-    ws: String,
-}
+type Node = ServerProc;
 
-impl Drop for Node {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// A message event as a device saw it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Seen {
-    sync_seq: u64,
-    conv: String,
-    msg_seq: u64,
-    message_id: String,
-}
-
-/// Pulls whole batches over HTTP, ACKing each, until `count` message events
-/// arrived or [`CONVERGE_WITHIN`] passed.
+/// Pulls a device's log until `count` message events or
+/// [`CONVERGE_WITHIN`].
 async fn pull(http: &Http, token: &str, count: usize) -> Vec<Seen> {
-    let mut seen: Vec<Seen> = Vec::new();
-    let mut applied = 0;
-    let mut generation = None;
-    let deadline = Instant::now() + CONVERGE_WITHIN;
-    while seen.len() < count && Instant::now() < deadline {
-        let req = SyncReq {
-            sync_generation: generation,
-            local_applied_sync_seq: Some(applied),
-            limit: Some(50),
-            ..Default::default()
-        };
-        let mut page: SyncOk = http.rpc(token, "sync", &req).await.unwrap();
-        generation = Some(page.sync_generation);
-        let batch = page.batch_token.clone();
-        loop {
-            for e in &page.events {
-                assert!(e.sync_seq > applied, "sync_seq goes forward: {} after {applied}", e.sync_seq);
-                applied = e.sync_seq;
-                if let Some(m) = &e.message {
-                    if e.kind == "message" {
-                        let msg_seq = e.msg_seq.unwrap_or(m.msg_seq);
-                        seen.push(Seen {
-                            sync_seq: e.sync_seq,
-                            conv: e.conv.clone(),
-                            msg_seq,
-                            message_id: m.message_id.clone(),
-                        });
-                    }
-                }
-            }
-            if !page.has_more {
-                break;
-            }
-            let next =
-                SyncReq { batch_token: Some(batch.clone()), cursor: page.next_cursor.clone(), ..Default::default() };
-            page = http.rpc(token, "sync", &next).await.unwrap();
-        }
-        if page.batch_high_watermark > 0 {
-            let _: serde_json::Value = http
-                .rpc(token, "ack", &serde_json::json!({"batch_token": batch, "sync_seq": page.batch_high_watermark}))
-                .await
-                .unwrap();
-        }
-        if seen.len() < count {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-    seen
+    common::pull(http, token, count, CONVERGE_WITHIN, 50).await
 }
 
 /// Every expected message once, and each conversation in `msg_seq` order.

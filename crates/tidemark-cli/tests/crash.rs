@@ -2,8 +2,6 @@
 //! accepted messages and before it fanned them out; after a restart every
 //! recipient device gets each message exactly once.
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use tidemark_client::proto::{SendOk, SendReq, SyncOk, SyncReq};
@@ -11,83 +9,19 @@ use tidemark_client::Http;
 
 const ADMIN: &str = "crash-admin";
 
-struct Proc {
-    child: Child,
-    url: String,
+mod common;
+
+use common::{pull, spawn_serve, ServerProc};
+
+fn start(data: &std::path::Path, extra: &[&str]) -> ServerProc {
+    let mut args: Vec<std::ffi::OsString> = vec!["--data".into(), data.into()];
+    args.extend(extra.iter().map(|a| a.into()));
+    spawn_serve(&args, ADMIN)
 }
 
-/// A failing test must not leave a server behind (it would hold the test
-/// runner's output pipes open).
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(data: &std::path::Path, extra: &[&str]) -> Proc {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_tidemark"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--data"])
-        .arg(data)
-        .args(extra)
-        .env("TIDEMARK_ADMIN_TOKEN", ADMIN)
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn tidemark serve");
-    let stdout = child.stdout.take().unwrap();
-    let mut line = String::new();
-    BufReader::new(stdout).read_line(&mut line).expect("read the listening line");
-    let addr = line.trim().strip_prefix("tidemark listening on ").unwrap_or_else(|| panic!("unexpected line {line:?}"));
-    Proc { child, url: format!("http://{addr}") }
-}
-
-/// Pulls whole batches over HTTP until `count` events arrived (or times
-/// out), ACKing each batch; returns the (sync_seq, message_id) pairs.
-async fn pull(http: &Http, token: &str, count: usize, wait: Duration) -> Vec<(u64, String)> {
-    let mut got: Vec<(u64, String)> = Vec::new();
-    let mut generation = None;
-    let deadline = tokio::time::Instant::now() + wait;
-    while got.len() < count && tokio::time::Instant::now() < deadline {
-        let applied = got.last().map_or(0, |g| g.0);
-        let req = SyncReq {
-            sync_generation: generation,
-            local_applied_sync_seq: Some(applied),
-            limit: Some(7),
-            ..Default::default()
-        };
-        let mut page: SyncOk = http.rpc(token, "sync", &req).await.unwrap();
-        generation = Some(page.sync_generation);
-        let token_b = page.batch_token.clone();
-        loop {
-            for e in &page.events {
-                if e.sync_seq > got.last().map_or(0, |g| g.0) {
-                    got.push((e.sync_seq, e.message.as_ref().unwrap().message_id.clone()));
-                }
-            }
-            if !page.has_more {
-                break;
-            }
-            let next = SyncReq {
-                batch_token: Some(token_b.clone()),
-                cursor: page.next_cursor.clone(),
-                limit: Some(7),
-                ..Default::default()
-            };
-            page = http.rpc(token, "sync", &next).await.unwrap();
-        }
-        if page.batch_high_watermark > 0 {
-            let _: serde_json::Value = http
-                .rpc(token, "ack", &serde_json::json!({"batch_token": token_b, "sync_seq": page.batch_high_watermark}))
-                .await
-                .unwrap();
-        }
-        if got.len() < count {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-    got
+/// The message ids a device pulled, in log order.
+fn ids(seen: &[common::Seen]) -> Vec<&String> {
+    seen.iter().map(|s| &s.message_id).collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -133,9 +67,8 @@ async fn sigkill_after_accept_before_fanout_loses_nothing() {
     let ben_desk = http.login("ben", "pw", "desk").await.unwrap();
     let ann_laptop = http.login("ann", "pw", "laptop").await.unwrap();
     for token in [&ben_desk.access_token, &ann_laptop.access_token] {
-        let got = pull(&http, token, 20, Duration::from_secs(20)).await;
-        let ids: Vec<&String> = got.iter().map(|g| &g.1).collect();
-        assert_eq!(ids, accepted.iter().collect::<Vec<_>>(), "every accepted message once, in order");
+        let got = pull(&http, token, 20, Duration::from_secs(20), 7).await;
+        assert_eq!(ids(&got), accepted.iter().collect::<Vec<_>>(), "every accepted message once, in order");
     }
     // ben's phone had synced (nothing) before the crash under generation 1;
     // it resumes under the same generation from its ACK.
@@ -160,8 +93,8 @@ async fn sigkill_after_accept_before_fanout_loses_nothing() {
             .unwrap();
         req.local_applied_sync_seq = got.last().map(|g| g.0);
     }
-    let ids: Vec<&String> = got.iter().map(|g| &g.1).collect();
-    assert_eq!(ids, accepted.iter().collect::<Vec<_>>());
+    let phone_ids: Vec<&String> = got.iter().map(|g| &g.1).collect();
+    assert_eq!(phone_ids, accepted.iter().collect::<Vec<_>>());
 
     // A second restart re-runs the relay on an empty outbox: no duplicates.
     second.child.kill().unwrap();
@@ -169,7 +102,7 @@ async fn sigkill_after_accept_before_fanout_loses_nothing() {
     let mut third = start(dir.path(), &[]);
     let http = Http::new(&third.url);
     let ben_tablet = http.login("ben", "pw", "tablet").await.unwrap();
-    let got = pull(&http, &ben_tablet.access_token, 21, Duration::from_secs(2)).await;
+    let got = pull(&http, &ben_tablet.access_token, 21, Duration::from_secs(2), 7).await;
     assert_eq!(got.len(), 20, "restarts fan out nothing twice");
     third.child.kill().unwrap();
     third.child.wait().unwrap();
