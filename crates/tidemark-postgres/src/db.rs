@@ -6,6 +6,8 @@
 //! the first use a statement costs one round trip (Bind/Execute), not two.
 //! This module knows no table and no domain rule.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use deadpool_postgres::ClientWrapper;
 use tidemark_store::{StoreError, StoreResult};
 use tokio_postgres::error::SqlState;
@@ -72,24 +74,43 @@ pub(crate) fn pool_error(e: deadpool_postgres::PoolError) -> StoreError {
     StoreError::Unavailable(format!("postgres pool: {e}"))
 }
 
+/// Statements this process's PostgreSQL store connections ran (see
+/// `StoreStats::statements`): every statement goes through the helpers
+/// of this module, or through `batch_execute`, counted at its call site.
+pub(crate) static STATEMENTS: AtomicU64 = AtomicU64::new(0);
+
+pub(crate) fn counted() {
+    STATEMENTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Runs a batch of statements (transaction control), counted as one.
+pub(crate) async fn batch(c: &Conn, sql: &str) -> Result<(), tokio_postgres::Error> {
+    counted();
+    c.batch_execute(sql).await
+}
+
 pub(crate) async fn query(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Vec<Row>> {
     let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    counted();
     c.query(&stmt, params).await.map_err(error)
 }
 
 pub(crate) async fn query_opt(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Option<Row>> {
     let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    counted();
     c.query_opt(&stmt, params).await.map_err(error)
 }
 
 pub(crate) async fn query_one(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Row> {
     let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    counted();
     c.query_one(&stmt, params).await.map_err(error)
 }
 
 /// Runs a statement; returns the number of rows it changed.
 pub(crate) async fn exec(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<u64> {
     let stmt = c.prepare_cached(sql).await.map_err(error)?;
+    counted();
     c.execute(&stmt, params).await.map_err(error)
 }
 

@@ -842,6 +842,8 @@ impl Store for PgStore {
             commits: s.commits.load(Ordering::Relaxed),
             writes: s.writes.load(Ordering::Relaxed),
             checkpoints: 0,
+            statements: db::STATEMENTS.load(Ordering::Relaxed),
+            read_statements: None,
         }
     }
 }

@@ -66,10 +66,10 @@ impl ReadPool {
     {
         let mut guard = Snapshot { conn: Some(self.get().await?) };
         let conn = guard.conn.as_ref().ok_or_else(|| StoreError::Internal("snapshot without connection".into()))?;
-        conn.batch_execute(BEGIN_SNAPSHOT).await.map_err(db::error)?;
+        db::batch(conn, BEGIN_SNAPSHOT).await.map_err(db::error)?;
         let result = f(conn).await;
         // A read-only transaction has nothing to keep: end it either way.
-        conn.batch_execute("ROLLBACK").await.map_err(db::error)?;
+        db::batch(conn, "ROLLBACK").await.map_err(db::error)?;
         // The transaction is over: hand the connection back to the pool.
         drop(guard.conn.take());
         result

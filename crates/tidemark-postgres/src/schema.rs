@@ -348,14 +348,14 @@ pub fn valid_schema_name(name: &str) -> bool {
 /// wait for each other, and a failed step leaves nothing behind.
 pub(crate) async fn migrate(c: &ClientWrapper, namespace: Option<&str>) -> StoreResult<i64> {
     let lock_key = format!("tidemark.schema.{}", namespace.unwrap_or("public"));
-    c.batch_execute("BEGIN").await.map_err(db::error)?;
+    db::batch(c, "BEGIN").await.map_err(db::error)?;
     let result = async {
         db::exec(c, "SELECT pg_advisory_xact_lock(hashtext($1))", &[&lock_key]).await?;
         if let Some(ns) = namespace {
             assert!(valid_schema_name(ns), "schema name checked at open");
-            c.batch_execute(&format!("CREATE SCHEMA IF NOT EXISTS {ns}")).await.map_err(db::error)?;
+            db::batch(c, &format!("CREATE SCHEMA IF NOT EXISTS {ns}")).await.map_err(db::error)?;
         }
-        c.batch_execute(MIGRATIONS_TABLE_SQL).await.map_err(db::error)?;
+        db::batch(c, MIGRATIONS_TABLE_SQL).await.map_err(db::error)?;
         let applied: i64 =
             db::col(&db::query_one(c, "SELECT COALESCE(MAX(version), 0) FROM schema_migrations", &[]).await?, 0)?;
         // A database from before numbered migrations has only this stamp.
@@ -365,7 +365,7 @@ pub(crate) async fn migrate(c: &ClientWrapper, namespace: Option<&str>) -> Store
             return Err(StoreError::SchemaTooNew { found, known: SCHEMA_VERSION });
         }
         for step in MIGRATIONS.iter().filter(|m| m.version > applied) {
-            c.batch_execute(step.sql).await.map_err(db::error)?;
+            db::batch(c, step.sql).await.map_err(db::error)?;
             db::exec(c, "INSERT INTO schema_migrations (version, name) VALUES ($1, $2)", &[&step.version, &step.name])
                 .await?;
             tracing::info!(version = step.version, name = step.name, "applied schema migration");
@@ -383,9 +383,9 @@ pub(crate) async fn migrate(c: &ClientWrapper, namespace: Option<&str>) -> Store
     }
     .await;
     match result {
-        Ok(found) => c.batch_execute("COMMIT").await.map_err(db::error).map(|()| found),
+        Ok(found) => db::batch(c, "COMMIT").await.map_err(db::error).map(|()| found),
         Err(e) => {
-            let _ = c.batch_execute("ROLLBACK").await;
+            let _ = db::batch(c, "ROLLBACK").await;
             Err(e)
         }
     }

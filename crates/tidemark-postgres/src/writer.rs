@@ -180,13 +180,13 @@ async fn in_savepoint<T, F>(c: &Conn, f: F) -> (StoreResult<T>, bool)
 where
     F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>>,
 {
-    if let Err(e) = c.batch_execute("SAVEPOINT job").await {
+    if let Err(e) = db::batch(c, "SAVEPOINT job").await {
         return (Err(db::error(e)), false);
     }
     let result = f(c).await;
     let end =
         if result.is_err() { "ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job" } else { "RELEASE SAVEPOINT job" };
-    match c.batch_execute(end).await {
+    match db::batch(c, end).await {
         Ok(()) => (result, true),
         Err(e) => (Err(db::error(e)), false),
     }
@@ -222,7 +222,7 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
                 continue;
             }
         };
-        if let Err(e) = conn.batch_execute("BEGIN ISOLATION LEVEL READ COMMITTED").await {
+        if let Err(e) = db::batch(&conn, "BEGIN ISOLATION LEVEL READ COMMITTED").await {
             tracing::error!(error = %e, "store writer could not begin a transaction");
             fail_all(&mut batch, db::error(e));
             drop(conn);
@@ -244,14 +244,14 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
         }
         let commit_error = match broken {
             Some(e) => {
-                let _ = conn.batch_execute("ROLLBACK").await;
+                let _ = db::batch(&conn, "ROLLBACK").await;
                 tracing::error!(error = %e, "store batch rolled back");
                 Some(e)
             }
-            None => match conn.batch_execute(COMMIT_SQL).await {
+            None => match db::batch(&conn, COMMIT_SQL).await {
                 Ok(()) => None,
                 Err(e) => {
-                    let _ = conn.batch_execute("ROLLBACK").await;
+                    let _ = db::batch(&conn, "ROLLBACK").await;
                     tracing::error!(error = %e, "store commit failed; batch rolled back");
                     Some(StoreError::Unavailable(format!("commit: {e}")))
                 }

@@ -56,6 +56,8 @@ fn describe() {
     describe_gauge!(WS_CONNECTIONS, "Open authenticated WebSocket connections.");
     describe_gauge!(STORE_COMMITS, "Store write transactions committed since start.");
     describe_gauge!(STORE_WRITES, "Store write requests carried by those transactions.");
+    describe_gauge!(STORE_STATEMENTS, "SQL statements the store's connections ran since start (reads and writes).");
+    describe_gauge!(STORE_READ_STATEMENTS, "Of those, statements on read connections (SQLite only).");
 }
 
 pub const SENDS_ACCEPTED: &str = "tidemark_sends_accepted_total";
@@ -80,6 +82,8 @@ pub const SNAPSHOTS: &str = "tidemark_snapshots_total";
 pub const WS_CONNECTIONS: &str = "tidemark_ws_connections";
 pub const STORE_COMMITS: &str = "tidemark_store_commits";
 pub const STORE_WRITES: &str = "tidemark_store_writes";
+pub const STORE_STATEMENTS: &str = "tidemark_store_statements";
+pub const STORE_READ_STATEMENTS: &str = "tidemark_store_read_statements";
 
 pub fn refusal(code: ErrorCode) {
     metrics::counter!(REFUSALS, "code" => code.as_str()).increment(1);

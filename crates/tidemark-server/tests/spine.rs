@@ -396,3 +396,56 @@ async fn lost_ack_replays_from_the_server_ack() {
     assert_eq!(cursor.acked_sync_seq, 8);
     ts.stop().await;
 }
+
+/// The store's statement gauge from `/metrics`, once fan-out is idle.
+async fn statements_when_idle(ts: &TestServer) -> f64 {
+    let url = format!("{}/metrics", ts.running().url());
+    let value = |text: &str, name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name).filter(|r| r.starts_with(' ')).map(|r| r.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("{name} not in /metrics"))
+    };
+    for _ in 0..200 {
+        let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
+        if value(&text, "tidemark_outbox_backlog") == 0.0 {
+            return value(&text, "tidemark_store_statements");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("fan-out never went idle");
+}
+
+/// D2 with a cost bound: a sync batch (page + ACK) runs the same number of
+/// SQL statements for one message as for forty. Messages are rendered for
+/// the reader with a fixed set of reads per page, not reads per message
+/// (an N+1 here made a 100-event resume cost 221 statements).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_page_costs_the_same_statements_for_one_message_or_forty() {
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let mut ben = ts.device("ben", "phone").await;
+    let mut cost = Vec::new();
+    for (round, n) in [(0, 1), (1, 40)] {
+        for i in 0..n {
+            ann.ws.send(&send_req(&conv, &format!("r{round}-{i}"))).await.unwrap();
+        }
+        let before = statements_when_idle(&ts).await;
+        let had = ben.log.len();
+        ben.sync_batch(100).await;
+        assert_eq!(ben.log.len(), had + n, "one batch brings all {n}");
+        // The second scrape's own reads are in `after`, as the first
+        // scrape's were not: the same offset both times.
+        let after = statements_when_idle(&ts).await;
+        cost.push(after - before);
+    }
+    assert!(
+        cost[1] <= cost[0] + 4.0,
+        "statements per batch grow with the page: 1 message {}, 40 messages {}",
+        cost[0],
+        cost[1]
+    );
+    ts.stop().await;
+}

@@ -21,10 +21,11 @@ pub mod schema;
 pub mod writer;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
+use rusqlite::trace::{TraceEvent, TraceEventCodes};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tidemark_core::cursor::{DeviceCursor, DeviceState};
 use tidemark_core::membership::{recipients_at, Period};
@@ -57,8 +58,34 @@ impl std::fmt::Debug for SqliteStore {
     }
 }
 
+/// Statements run by this process's SQLite store connections (see
+/// [`StoreStats::statements`]): counted by SQLite's own trace hook at the
+/// start of every statement, so nothing in this crate can run one unseen.
+static STATEMENTS_WRITE: AtomicU64 = AtomicU64::new(0);
+static STATEMENTS_READ: AtomicU64 = AtomicU64::new(0);
+
+/// `SQLITE_TRACE_STMT` also fires at the start of each trigger program,
+/// with the trigger's name as a `-- ` comment: those are not statements.
+fn is_statement(ev: &TraceEvent<'_>) -> bool {
+    matches!(ev, TraceEvent::Stmt(_, sql) if !sql.starts_with("--"))
+}
+
+fn count_write(ev: TraceEvent<'_>) {
+    if is_statement(&ev) {
+        STATEMENTS_WRITE.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn count_read(ev: TraceEvent<'_>) {
+    if is_statement(&ev) {
+        STATEMENTS_READ.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
     conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    // `rarray(?)`: a page's message ids as one parameter (read::decorate).
+    rusqlite::vtab::array::load_module(conn)?;
     conn.pragma_update(None, "synchronous", "FULL")?;
     conn.pragma_update(None, "cache_size", -16_000)?;
     Ok(())
@@ -73,6 +100,7 @@ impl SqliteStore {
             .map_err(|e| StoreError::Unavailable(format!("create {}: {e}", data_dir.display())))?;
         let path = data_dir.join(DB_FILE);
         let conn = Connection::open(&path).map_err(internal)?;
+        conn.trace_v2(TraceEventCodes::SQLITE_TRACE_STMT, Some(count_write));
         let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0)).map_err(internal)?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(StoreError::Internal(format!("journal_mode is {mode}, want wal")));
@@ -86,6 +114,7 @@ impl SqliteStore {
             let r =
                 Connection::open_with_flags(&path, OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX)
                     .map_err(internal)?;
+            r.trace_v2(TraceEventCodes::SQLITE_TRACE_STMT, Some(count_read));
             configure(&r).map_err(internal)?;
             readers.push(r);
         }
@@ -860,6 +889,8 @@ impl Store for SqliteStore {
             commits: s.commits.load(Ordering::Relaxed),
             writes: s.writes.load(Ordering::Relaxed),
             checkpoints: s.checkpoints.load(Ordering::Relaxed),
+            statements: STATEMENTS_WRITE.load(Ordering::Relaxed) + STATEMENTS_READ.load(Ordering::Relaxed),
+            read_statements: Some(STATEMENTS_READ.load(Ordering::Relaxed)),
         }
     }
 }

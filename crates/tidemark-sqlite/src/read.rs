@@ -1,8 +1,12 @@
 //! Reads: a small pool of read-only connections used from blocking tasks.
 //! Each read sees the last committed state; readers never block the writer.
 
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
 use std::sync::Mutex;
 
+use rusqlite::types::Value;
+use rusqlite::vtab::array::Array;
 use rusqlite::{params, Connection, OptionalExtension};
 use tidemark_core::convsync::{ConvSnapshot, ConvSyncRefusal};
 use tidemark_store::*;
@@ -143,42 +147,65 @@ pub(crate) fn message_at(r: &rusqlite::Row, at: usize) -> rusqlite::Result<(Stor
 /// a quote says whether its target was recalled, reactions are attached.
 /// Recalled content is already wiped in storage.
 pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage, Option<String>)]) -> StoreResult<()> {
-    for (m, quote_id) in msgs.iter_mut() {
-        let deleted: Option<i64> = c
-            .prepare_cached("SELECT 1 FROM user_deleted WHERE user_id = ?1 AND message_id = ?2")
-            .map_err(internal)?
-            .query_row(params![reader, m.message_id], |r| r.get(0))
-            .optional()
+    if msgs.is_empty() {
+        return Ok(());
+    }
+    // Three reads for the whole page, not three per message: the ids go in
+    // as one `rarray` parameter (loaded on every connection, see `configure`).
+    let ids: Array = Rc::new(msgs.iter().map(|(m, _)| Value::from(m.message_id.clone())).collect());
+    let deleted: HashSet<String> = c
+        .prepare_cached("SELECT message_id FROM user_deleted WHERE user_id = ?1 AND message_id IN rarray(?2)")
+        .map_err(internal)?
+        .query_map(params![reader, ids], |r| r.get(0))
+        .map_err(internal)?
+        .collect::<rusqlite::Result<_>>()
+        .map_err(internal)?;
+
+    let quoted: Array = Rc::new(msgs.iter().filter_map(|(_, q)| q.clone().map(Value::from)).collect());
+    let mut quote_states: HashMap<String, String> = HashMap::new();
+    if !quoted.is_empty() {
+        let mut stmt = c
+            .prepare_cached("SELECT message_id, state FROM messages WHERE message_id IN rarray(?1)")
             .map_err(internal)?;
-        if deleted.is_some() {
+        for row in stmt.query_map(params![quoted], |r| Ok((r.get(0)?, r.get(1)?))).map_err(internal)? {
+            let (id, state) = row.map_err(internal)?;
+            quote_states.insert(id, state);
+        }
+    }
+
+    let mut reactions: HashMap<String, Vec<(String, Vec<String>)>> = HashMap::new();
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT message_id, reaction, user_id FROM reactions WHERE message_id IN rarray(?1)
+             ORDER BY message_id, reaction, user_id",
+        )
+        .map_err(internal)?;
+    let rows = stmt
+        .query_map(params![ids], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)))
+        .map_err(internal)?;
+    for row in rows {
+        let (id, reaction, user) = row.map_err(internal)?;
+        let list = reactions.entry(id).or_default();
+        match list.last_mut() {
+            Some((last, users)) if *last == reaction => users.push(user),
+            _ => list.push((reaction, vec![user])),
+        }
+    }
+
+    for (m, quote_id) in msgs.iter_mut() {
+        if deleted.contains(&m.message_id) {
             m.state = STATE_DELETED.into();
             m.content = "{}".into();
         }
+        // A wiped message (recalled, or deleted for this reader) shows
+        // neither its quote nor its reactions.
         let wiped = m.state == STATE_DELETED || m.state == STATE_RECALLED;
         if let Some(q) = quote_id.take().filter(|_| !wiped) {
-            let state: Option<String> = c
-                .prepare_cached("SELECT state FROM messages WHERE message_id = ?1")
-                .map_err(internal)?
-                .query_row(params![q], |r| r.get(0))
-                .optional()
-                .map_err(internal)?;
-            m.quote = Some((q, state.as_deref() == Some(STATE_RECALLED)));
+            let recalled = quote_states.get(&q).map(String::as_str) == Some(STATE_RECALLED);
+            m.quote = Some((q, recalled));
         }
-        if wiped {
-            continue;
-        }
-        let mut stmt = c
-            .prepare_cached("SELECT reaction, user_id FROM reactions WHERE message_id = ?1 ORDER BY reaction, user_id")
-            .map_err(internal)?;
-        let rows = stmt
-            .query_map(params![m.message_id], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))
-            .map_err(internal)?;
-        for row in rows {
-            let (reaction, user) = row.map_err(internal)?;
-            match m.reactions.last_mut() {
-                Some((r, users)) if *r == reaction => users.push(user),
-                _ => m.reactions.push((reaction, vec![user])),
-            }
+        if !wiped {
+            m.reactions = reactions.remove(&m.message_id).unwrap_or_default();
         }
     }
     Ok(())
@@ -218,15 +245,18 @@ pub(crate) fn user_events(
         })
         .map_err(internal)?;
     let mut events = Vec::new();
+    let mut messages = Vec::new();
     for row in rows {
-        let (mut e, m) = row.map_err(internal)?;
+        let (e, m) = row.map_err(internal)?;
         if let Some(m) = m {
-            let mut one = [m];
-            decorate(c, user, &mut one)?;
-            let [(m, _)] = one;
-            e.message = Some(m);
+            messages.push((events.len(), m));
         }
         events.push(e);
+    }
+    let (at, mut rendered): (Vec<usize>, Vec<_>) = messages.into_iter().unzip();
+    decorate(c, user, &mut rendered)?;
+    for (i, (m, _)) in at.into_iter().zip(rendered) {
+        events[i].message = Some(m);
     }
     // Assert on our side of the storage boundary: a page is ascending and
     // inside the requested range.

@@ -412,6 +412,14 @@ pub struct StoreStats {
     pub writes: u64,
     /// WAL checkpoints run (each is two fsyncs: WAL and database file).
     pub checkpoints: u64,
+    /// SQL statements the backend's connections ran, reads and writes,
+    /// including `BEGIN`/`COMMIT` and pragmas. The counter is per process
+    /// (every store of the same backend in one process adds to it), which
+    /// is what `/metrics` and the benchmarks want: one server, one store.
+    pub statements: u64,
+    /// Of those, statements run on read connections, where the backend
+    /// tells them apart (SQLite's read pool); `None` otherwise.
+    pub read_statements: Option<u64>,
 }
 
 #[async_trait]

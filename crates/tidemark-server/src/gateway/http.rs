@@ -205,5 +205,9 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let st = state.store.stats();
     metrics::gauge!(m::STORE_COMMITS).set(st.commits as f64);
     metrics::gauge!(m::STORE_WRITES).set(st.writes as f64);
+    metrics::gauge!(m::STORE_STATEMENTS).set(st.statements as f64);
+    if let Some(reads) = st.read_statements {
+        metrics::gauge!(m::STORE_READ_STATEMENTS).set(reads as f64);
+    }
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }
