@@ -188,6 +188,43 @@ async fn malformed_frames_get_typed_errors_and_the_connection_survives() {
     ts.stop().await;
 }
 
+/// Frames far larger than the gateway's 8 KiB socket buffers
+/// (`WS_READ_BUFFER_BYTES`, `WS_WRITE_BUFFER_BYTES`) arrive whole both
+/// ways: sends with content near the 64 KiB limit, and a sync page of
+/// several of them (hundreds of KiB in one frame).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn frames_larger_than_the_socket_buffers_arrive_whole() {
+    const { assert!(tidemark_server::gateway::WS_READ_BUFFER_BYTES * 4 < tidemark_client::proto::CONTENT_BYTES_MAX) };
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let bodies: Vec<String> = (0..4u8)
+        .map(|i| std::iter::repeat_n(char::from(b'a' + i), tidemark_client::proto::CONTENT_BYTES_MAX - 100).collect())
+        .collect();
+    for (i, body) in bodies.iter().enumerate() {
+        let req = tidemark_client::proto::SendReq {
+            conv: conv.clone(),
+            client_msg_id: format!("big-{i}"),
+            kind: "text".into(),
+            content: json!({ "b": body }),
+        };
+        let ok: SendOk = ann.ws.send(&req).await.unwrap();
+        assert!(!ok.duplicate);
+    }
+    let mut ben = ts.device("ben", "phone").await;
+    ben.sync_until(bodies.len(), 10).await;
+    let got: Vec<String> = ben
+        .log
+        .iter()
+        .filter_map(|e| e.message.as_ref())
+        .map(|m| m.content["b"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(got, bodies);
+    ts.stop().await;
+}
+
 /// A client that stops reading fills its bounded send queue and is
 /// disconnected; the server and other clients go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,6 +7,8 @@ mod http;
 mod openapi;
 mod ws;
 
+pub use ws::{WS_READ_BUFFER_BYTES, WS_WRITE_BUFFER_BYTES};
+
 use std::sync::Arc;
 
 use axum::extract::DefaultBodyLimit;

@@ -40,6 +40,16 @@ use crate::metrics as m;
 use crate::ops::{self, AuthCtx};
 use crate::server::AppState;
 
+/// Read buffer of a WebSocket. tungstenite's default (128 KiB) is read
+/// into whole, so every connection, idle or not, kept 128 KiB resident
+/// (`tidemark bench connections`: 136 KiB per idle connection). Frames
+/// larger than the buffer still arrive whole: the buffer grows as needed,
+/// up to the frame limit.
+pub const WS_READ_BUFFER_BYTES: usize = 8 * 1024;
+/// Bytes queued before tungstenite writes to the socket (every frame is
+/// flushed anyway); its default is 128 KiB.
+pub const WS_WRITE_BUFFER_BYTES: usize = 8 * 1024;
+
 /// Time a client has to send its `auth` frame.
 const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time the writer has to deliver the final `kicked` frame.
@@ -56,7 +66,11 @@ pub async fn upgrade(State(state): State<Arc<AppState>>, headers: HeaderMap, ws:
         },
     };
     let max = state.config.frame_bytes_max;
-    ws.max_message_size(max).max_frame_size(max).on_upgrade(move |socket| connection(state, socket, pre_auth))
+    ws.max_message_size(max)
+        .max_frame_size(max)
+        .read_buffer_size(WS_READ_BUFFER_BYTES)
+        .write_buffer_size(WS_WRITE_BUFFER_BYTES)
+        .on_upgrade(move |socket| connection(state, socket, pre_auth))
 }
 
 fn error_text(e: ApiError, rid: Option<String>) -> String {
