@@ -33,6 +33,7 @@ mod connections;
 mod depth;
 mod fanout;
 mod pg;
+mod proc;
 mod reconnect;
 
 #[derive(clap::Subcommand)]

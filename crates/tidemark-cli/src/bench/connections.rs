@@ -9,15 +9,13 @@
 //!
 //! The baseline, in the same run, is a bare tokio-tungstenite server in a
 //! child process (this binary with a hidden flag) with the same buffer
-//! sizes: the same frame and message limit (256 KiB), tungstenite's
-//! default read and write buffers (as axum uses), and a bounded outgoing
-//! queue of 256 frames per connection. It answers `auth` with `auth.ok`
+//! sizes: the same frame and message limit (256 KiB), the gateway's read
+//! and write buffer sizes (`WS_READ_BUFFER_BYTES`, `WS_WRITE_BUFFER_BYTES`),
+//! and a bounded outgoing queue of 256 frames per connection. It answers `auth` with `auth.ok`
 //! without checking the token. The same clients connect the same way.
 
-use std::io::BufRead;
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,7 +31,8 @@ use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
 use super::fanout::{bar, cheap_hash, PASSWORD};
-use super::{init_logs, print_table, wait_store_closed, TempDir};
+use super::proc::{open_files_soft_limit, rss_kib, spawn_server, spawn_tidemark};
+use super::{init_logs, median, print_table, wait_store_closed, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ConnectionsArgs {
@@ -43,6 +42,10 @@ pub struct ConnectionsArgs {
     /// Source addresses 127.0.0.2 .. 127.0.0.(1+N) the clients bind to.
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u8).range(1..=250))]
     pub sources: u8,
+    /// Rounds, each starting both servers afresh; the summary is the
+    /// median.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
     /// Seconds to let the servers settle before reading their RSS.
     #[arg(long, default_value_t = 2)]
     pub settle_secs: u64,
@@ -60,48 +63,12 @@ const FRAME_MAX: usize = tidemark_client::proto::FRAME_BYTES_MAX;
 const QUEUE_MAX: usize = 256;
 const SETUP_CONCURRENCY: usize = 64;
 
-/// Kills and reaps the child when dropped.
-struct ChildGuard(Child);
-
-impl Drop for ChildGuard {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `exe args…` and reads its first stdout line, which must end with
-/// the listening address.
-fn spawn_server(args: &[&str]) -> Result<(ChildGuard, SocketAddr)> {
-    let exe = std::env::current_exe()?;
-    let mut cmd = Command::new(exe);
-    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    if std::env::var_os("RUST_LOG").is_none() {
-        // The server logs every login at info level.
-        cmd.env("RUST_LOG", "warn");
-    }
-    let mut child = ChildGuard(cmd.spawn()?);
-    let stdout = child.0.stdout.take().context("stdout")?;
-    let mut line = String::new();
-    std::io::BufReader::new(stdout).read_line(&mut line)?;
-    let addr = line.split_whitespace().last().context("no address printed")?.parse()?;
-    Ok((child, addr))
-}
-
-fn rss_kib(pid: u32) -> Result<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let line = text.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS")?;
-    Ok(line.split_whitespace().nth(1).context("VmRSS value")?.parse()?)
-}
-
-fn open_files_soft_limit() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
-}
-
 fn ws_config() -> WebSocketConfig {
-    WebSocketConfig::default().max_message_size(Some(FRAME_MAX)).max_frame_size(Some(FRAME_MAX))
+    WebSocketConfig::default()
+        .max_message_size(Some(FRAME_MAX))
+        .max_frame_size(Some(FRAME_MAX))
+        .read_buffer_size(tidemark_server::gateway::WS_READ_BUFFER_BYTES)
+        .write_buffer_size(tidemark_server::gateway::WS_WRITE_BUFFER_BYTES)
 }
 
 /// The bare server: WebSocket accept, answer `auth` with `auth.ok`, then
@@ -162,6 +129,13 @@ async fn client(source: Ipv4Addr, server: SocketAddr, token: &str) -> Result<Web
         }
     }
     bail!("closed before auth.ok")
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct RoundResult {
+    round: u32,
+    tidemark: Measure,
+    baseline: Measure,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -245,8 +219,7 @@ pub async fn run(args: ConnectionsArgs) -> Result<()> {
         drop(store);
         wait_store_closed(weak, &dir.0).await;
     }
-    let data = dir.0.display().to_string();
-    let (server, addr) = spawn_server(&["serve", "--listen", "127.0.0.1:0", "--data", &data])?;
+    let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: logins");
     let tokens: Vec<String> = futures_util::stream::iter(users.iter().map(|u| {
@@ -261,41 +234,71 @@ pub async fn run(args: ConnectionsArgs) -> Result<()> {
     .try_collect()
     .await
     .context("log in")?;
-    let tidemark = measure("tidemark", server.0.id(), addr, &tokens, &args, &pb).await?;
     drop(server);
-    let (base_child, base_addr) = spawn_server(&["bench", "connections", "--serve-baseline"])?;
-    let baseline = measure("baseline", base_child.0.id(), base_addr, &tokens, &args, &pb).await?;
-    drop(base_child);
     pb.finish_and_clear();
+    // Each round starts both servers afresh (an allocator keeps freed
+    // memory, so a server is measured once) and alternates which goes
+    // first.
+    let mut rounds = Vec::new();
+    for round in 1..=args.rounds {
+        let pb = bar(u64::from(m) * 2, "connections");
+        let order: [bool; 2] = if round % 2 == 1 { [true, false] } else { [false, true] };
+        let (mut tidemark, mut baseline) = (None, None);
+        for is_tidemark in order {
+            if is_tidemark {
+                let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
+                tidemark = Some(measure("tidemark", server.pid(), addr, &tokens, &args, &pb).await?);
+            } else {
+                let (base, base_addr) = spawn_server(&["bench", "connections", "--serve-baseline"])?;
+                baseline = Some(measure("baseline", base.pid(), base_addr, &tokens, &args, &pb).await?);
+            }
+        }
+        pb.finish_and_clear();
+        let (tidemark, baseline) = (tidemark.context("tidemark round")?, baseline.context("baseline round")?);
+        eprintln!(
+            "round {round}: {:.1} KiB/connection (baseline {:.1})",
+            tidemark.kib_per_connection, baseline.kib_per_connection
+        );
+        rounds.push(RoundResult { round, tidemark, baseline });
+    }
+    let med_t = median(rounds.iter().map(|r| r.tidemark.kib_per_connection).collect());
+    let med_b = median(rounds.iter().map(|r| r.baseline.kib_per_connection).collect());
 
     println!(
         "tidemark bench connections: {} idle authenticated WebSockets from {} source addresses, server in its own \
-         process (VmRSS delta / connections)\n",
-        m, args.sources
+         process (VmRSS delta / connections), median of {} rounds\n",
+        m,
+        args.sources,
+        rounds.len()
     );
-    let row = |name: &str, r: &Measure| {
-        vec![
-            name.to_string(),
-            format!("{}", r.connections),
-            format!("{:.1}", r.rss_before_kib as f64 / 1024.0),
-            format!("{:.1}", r.rss_after_kib as f64 / 1024.0),
-            format!("{:.1}", r.kib_per_connection),
-        ]
-    };
-    print_table(
-        &["server", "connections", "RSS before MiB", "RSS after MiB", "KiB/connection"],
-        &[
-            row("tidemark serve", &tidemark),
-            row("baseline: bare tokio-tungstenite", &baseline),
-            vec![
-                "ratio".into(),
-                String::new(),
-                String::new(),
-                String::new(),
-                format!("{:.2}x", tidemark.kib_per_connection / baseline.kib_per_connection.max(f64::MIN_POSITIVE)),
-            ],
-        ],
-    );
+    let mut rows = Vec::new();
+    for r in &rounds {
+        for (name, x) in [("tidemark serve", &r.tidemark), ("baseline: bare tokio-tungstenite", &r.baseline)] {
+            rows.push(vec![
+                format!("{} #{}", name, r.round),
+                format!("{}", x.connections),
+                format!("{:.1}", x.rss_before_kib as f64 / 1024.0),
+                format!("{:.1}", x.rss_after_kib as f64 / 1024.0),
+                format!("{:.1}", x.kib_per_connection),
+            ]);
+        }
+    }
+    rows.push(vec![
+        "median: tidemark serve".into(),
+        String::new(),
+        String::new(),
+        String::new(),
+        format!("{med_t:.1}"),
+    ]);
+    rows.push(vec!["median: baseline".into(), String::new(), String::new(), String::new(), format!("{med_b:.1}")]);
+    rows.push(vec![
+        "ratio of medians".into(),
+        String::new(),
+        String::new(),
+        String::new(),
+        format!("{:.2}x", med_t / med_b.max(f64::MIN_POSITIVE)),
+    ]);
+    print_table(&["server", "connections", "RSS before MiB", "RSS after MiB", "KiB/connection"], &rows);
     if let Some(parent) = args.out.parent() {
         std::fs::create_dir_all(parent)?;
     }
@@ -303,8 +306,9 @@ pub async fn run(args: ConnectionsArgs) -> Result<()> {
         "scenario": "connections",
         "note": "server RSS per idle authenticated connection, server in a child process; baseline = bare \
                  tokio-tungstenite server (same frame limit, default buffers, 256-frame queue) in a child process",
-        "open_files_soft_limit": soft, "sources": args.sources,
-        "tidemark": tidemark, "baseline": baseline,
+        "open_files_soft_limit": soft, "sources": args.sources, "connections": m,
+        "median_kib_per_connection": { "tidemark": med_t, "baseline": med_b },
+        "rounds": rounds,
     });
     std::fs::write(&args.out, serde_json::to_string_pretty(&json)?)?;
     println!("\nwrote {}", args.out.display());

@@ -1,19 +1,27 @@
 //! `bench reconnect`: N devices, each K events behind (messages sent to
-//! their groups while they were disconnected), the server stopped and
-//! restarted on the same data directory, then every device reconnects at
-//! the same moment and syncs (pages of `--limit`, each ACKed) until it has
-//! all K events. Measured: time until every device is caught up, per-device
-//! catch-up time, and sync pages and requests per resume.
+//! their groups while they were disconnected), the server SIGKILLed and
+//! started again on the same data directory, then every device reconnects
+//! at the same moment and syncs (pages of `--limit`, each ACKed) until it
+//! has all K events. Measured per round: time until every device is caught
+//! up, per-device catch-up time, sync pages and requests per resume, and
+//! the SQL statements the server's store ran per resume (the
+//! `tidemark_store_statements` and `tidemark_store_read_statements` gauges
+//! of `/metrics`, read before and after the storm; they count every
+//! statement SQLite starts, `BEGIN`/`COMMIT` of the ACKs' group commits
+//! included). Several rounds (each sends K more messages, kills and
+//! restarts the server, and resumes every device again); the summary is
+//! the median of the rounds.
 //!
-//! The store keeps no count of its read queries and wrapping the `Store`
-//! trait to count them is not cheap, so the scenario reports pages (and
-//! sync + ACK requests) per resume instead: each sync page is one range
-//! read of the user log plus the cursor checks.
+//! The server is the real `tidemark serve` in a child process, so the
+//! benchmark's 10,000 client sockets and the server's 10,000 do not share
+//! one open-file limit.
 //!
-//! The baseline, in the same run against the same restarted server, is the
-//! bare handshakes of the same devices at once: WebSocket connect plus the
-//! `auth` frame, until every `auth.ok` has arrived.
+//! The baseline, in the same round against the same restarted server, is
+//! the bare handshakes of the same devices at once: WebSocket connect plus
+//! the `auth` frame, until every `auth.ok` has arrived (its statements per
+//! handshake are reported too: authentication reads the device record).
 
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,18 +32,18 @@ use futures_util::{SinkExt, StreamExt, TryStreamExt};
 use serde::Serialize;
 use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, SendReq};
 use tidemark_client::{Http, WsConn};
-use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
 use tokio_tungstenite::tungstenite::Message;
 
 use super::fanout::{bar, cheap_hash, Device, PASSWORD};
+use super::proc::{open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard};
 use super::{init_logs, median, print_table, wait_store_closed, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ReconnectArgs {
     /// Devices (one user each) that reconnect at once.
-    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
     pub devices: u32,
     /// Events each device is behind (messages sent to its group while it
     /// was away).
@@ -47,6 +55,10 @@ pub struct ReconnectArgs {
     /// Devices per group (the sender is one more member).
     #[arg(long, default_value_t = 99, value_parser = clap::value_parser!(u32).range(1..=999))]
     pub group: u32,
+    /// Rounds (messages while away, SIGKILL + restart, resume storm,
+    /// baseline); the summary is the median.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
     #[arg(long, default_value = "bench-results/reconnect.json")]
     pub out: PathBuf,
     /// Where the temporary store goes (must be a real disk).
@@ -55,41 +67,29 @@ pub struct ReconnectArgs {
 }
 
 const SETUP_CONCURRENCY: usize = 64;
-const RUN_TIMEOUT: Duration = Duration::from_secs(300);
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(300);
+const RUN_TIMEOUT: Duration = Duration::from_secs(600);
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(600);
+/// Access tokens live 15 minutes; log in again when older than this.
+const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
+const STATEMENTS: &str = "tidemark_store_statements";
+const READ_STATEMENTS: &str = "tidemark_store_read_statements";
+const BACKLOG: &str = "tidemark_outbox_backlog";
 
 #[derive(Debug, Clone, Serialize)]
-struct Report {
-    devices: u32,
-    events_behind: u32,
-    limit: u32,
-    groups: usize,
-    open_files_soft_limit: Option<u64>,
-    setup_secs: f64,
+struct Round {
+    round: u32,
     restart_secs: f64,
     all_caught_up_secs: f64,
     device_p50_ms: f64,
     device_p99_ms: f64,
     pages_per_resume: f64,
     requests_per_resume: f64,
-    read_queries_per_resume: Option<f64>,
+    statements_per_resume: f64,
+    read_statements_per_resume: f64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
-}
-
-/// The soft limit on open files, from /proc/self/limits.
-fn open_files_soft_limit() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
-    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
-    line.split_whitespace().nth(3)?.parse().ok()
-}
-
-fn pct(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)]
+    baseline_statements_per_handshake: f64,
 }
 
 /// Connect, send the `auth` frame, wait for `auth.ok`.
@@ -111,13 +111,83 @@ async fn bare_handshake(url: &str, token: &str) -> Result<()> {
     bail!("closed before auth.ok")
 }
 
+/// Logs every user in (device "phone") and returns the access tokens.
+async fn log_in(http: &Http, users: &[String], pb: &indicatif::ProgressBar) -> Result<Vec<String>> {
+    futures_util::stream::iter(users.iter().map(|u| {
+        let (http, pb) = (http.clone(), pb.clone());
+        async move {
+            let l = http.login(u, PASSWORD, "phone").await;
+            pb.inc(1);
+            l.map(|l| l.access_token)
+        }
+    }))
+    .buffered(SETUP_CONCURRENCY)
+    .try_collect()
+    .await
+    .context("log in")
+}
+
+/// The server's store statements (all, reads) from `/metrics`.
+async fn statements(addr: SocketAddr) -> Result<(f64, f64)> {
+    Ok((scrape(addr, STATEMENTS).await?, scrape(addr, READ_STATEMENTS).await?))
+}
+
+/// Every group gets `k` messages from the sender; returns once the server's
+/// outbox is empty (every event is in the members' logs).
+async fn send_while_away(addr: SocketAddr, convs: &[String], k: u64, round: u32) -> Result<()> {
+    let http = Http::new(&format!("http://{addr}"));
+    let login = http.login("rc-sender", PASSWORD, "desk").await.context("sender login")?;
+    let (sender, _events) = WsConn::connect(&format!("ws://{addr}/v1/ws"), &login.access_token).await?;
+    try_join_all(convs.iter().enumerate().map(|(g, conv)| {
+        let sender = sender.clone();
+        async move {
+            for m in 0..k {
+                let req = SendReq {
+                    conv: conv.clone(),
+                    client_msg_id: format!("rc-{round}-{g}-{m}"),
+                    kind: "text".into(),
+                    content: serde_json::json!({ "text": "while you were away", "m": m }),
+                };
+                sender.send(&req).await?;
+            }
+            anyhow::Ok(())
+        }
+    }))
+    .await
+    .context("send")?;
+    sender.close().await;
+    let drained = Instant::now();
+    while scrape(addr, BACKLOG).await? > 0.0 {
+        ensure!(drained.elapsed() < DRAIN_TIMEOUT, "fan-out did not drain");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+/// SIGKILLs the server and starts it again on the same directory, on the
+/// same port if it is free. Returns the new server and the seconds until
+/// it listened.
+fn kill_and_restart(
+    server: ChildGuard,
+    addr: SocketAddr,
+    data: &std::path::Path,
+) -> Result<(ChildGuard, SocketAddr, f64)> {
+    drop(server);
+    let t = Instant::now();
+    let (child, addr) = match spawn_tidemark(data, &addr.to_string()) {
+        Ok(s) => s,
+        Err(_) => spawn_tidemark(data, "127.0.0.1:0")?,
+    };
+    Ok((child, addr, t.elapsed().as_secs_f64()))
+}
+
 pub async fn run(args: ReconnectArgs) -> Result<()> {
     init_logs();
     let soft = open_files_soft_limit();
     let mut devices = args.devices;
     if let Some(soft) = soft {
-        // Client and server ends of every socket live in this process.
-        let cap = (soft.saturating_sub(200) / 2) as u32;
+        // The client ends of every socket live in this process.
+        let cap = soft.saturating_sub(300) as u32;
         eprintln!("open-file soft limit: {soft} (caps devices at {cap})");
         if devices > cap {
             eprintln!("note: --devices {devices} capped to {cap}");
@@ -132,20 +202,31 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     // ---------------------------------------------------------- setup
     let setup = Instant::now();
     let pb = bar(n as u64 * 3, "setup steps");
-    pb.set_message("setup: users, groups, devices");
-    let store = SqliteStore::open(&dir.0)?;
-    let hash = cheap_hash()?;
+    pb.set_message("setup: users");
     let users: Vec<String> = (0..n).map(|i| format!("rc-u{i}")).collect();
-    store.create_user("rc-sender", &hash, 0).await?;
-    for u in &users {
-        store.create_user(u, &hash, 0).await?;
+    {
+        let store = SqliteStore::open(&dir.0)?;
+        let hash = cheap_hash()?;
+        store.create_user("rc-sender", &hash, 0).await?;
+        futures_util::stream::iter(users.iter().map(|u| {
+            let (store, hash, pb) = (store.clone(), hash.clone(), pb.clone());
+            async move {
+                pb.inc(1);
+                store.create_user(u, &hash, 0).await
+            }
+        }))
+        .buffer_unordered(SETUP_CONCURRENCY)
+        .try_collect::<Vec<_>>()
+        .await?;
+        let weak = Arc::downgrade(&store);
+        drop(store);
+        wait_store_closed(weak, &dir.0).await;
     }
-    let config = ServerConfig { retention: None, ..ServerConfig::default() };
-    let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config.clone()).await?;
-    let http = Http::new(&server.url());
-    let ws_url = format!("ws://{}/v1/ws", server.addr);
+    let (mut server, mut addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
+    let http = Http::new(&format!("http://{addr}"));
+    pb.set_message("setup: groups");
     let sender_login = http.login("rc-sender", PASSWORD, "desk").await.context("sender login")?;
-    let (sender, _sender_events) = WsConn::connect(&ws_url, &sender_login.access_token).await?;
+    let (sender, _sender_events) = WsConn::connect(&format!("ws://{addr}/v1/ws"), &sender_login.access_token).await?;
     let mut convs = Vec::new();
     for chunk in users.chunks(args.group as usize) {
         let ok: ConvCreateOk = sender
@@ -157,23 +238,17 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
             .context("create group")?;
         convs.push(ok.conv);
     }
-    let logins: Vec<_> = futures_util::stream::iter(users.iter().map(|u| {
-        let (http, pb) = (http.clone(), pb.clone());
-        async move {
-            let l = http.login(u, PASSWORD, "phone").await;
-            pb.inc(1);
-            l
-        }
-    }))
-    .buffered(SETUP_CONCURRENCY)
-    .try_collect()
-    .await
-    .context("log in")?;
+    sender.close().await;
+    pb.set_message("setup: logins");
+    let mut tokens = log_in(&http, &users, &pb).await?;
+    let mut logged_in = Instant::now();
     // Connect each device once and bring it to the head, then disconnect.
-    let positions: Vec<(Option<u64>, u64)> = futures_util::stream::iter(logins.iter().map(|l| {
+    pb.set_message("setup: first sync");
+    let ws_url = format!("ws://{addr}/v1/ws");
+    let mut positions: Vec<(Option<u64>, u64)> = futures_util::stream::iter(tokens.iter().map(|token| {
         let (ws_url, pb) = (ws_url.clone(), pb.clone());
         async move {
-            let (ws, _events) = WsConn::connect(&ws_url, &l.access_token).await?;
+            let (ws, _events) = WsConn::connect(&ws_url, token).await?;
             let mut dev = Device::new(ws);
             dev.catch_up(args.limit, |_| {}).await?;
             dev.ws.close().await;
@@ -185,181 +260,225 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     .try_collect()
     .await
     .context("first sync")?;
-    pb.set_message("setup: messages while away");
-    try_join_all(convs.iter().enumerate().map(|(g, conv)| {
-        let sender = sender.clone();
-        async move {
-            for m in 0..k {
-                let req = SendReq {
-                    conv: conv.clone(),
-                    client_msg_id: format!("rc-{g}-{m}"),
-                    kind: "text".into(),
-                    content: serde_json::json!({ "text": "while you were away", "m": m }),
-                };
-                sender.send(&req).await?;
-            }
-            anyhow::Ok(())
-        }
-    }))
-    .await
-    .context("send")?;
-    let drained = Instant::now();
-    while store.outbox_stats().await?.backlog > 0 {
-        ensure!(drained.elapsed() < DRAIN_TIMEOUT, "fan-out did not drain");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    pb.inc(n as u64);
-    drop(sender);
-    let port = server.addr.port();
-    server.stop().await;
-    let weak = Arc::downgrade(&store);
-    drop(store);
-    wait_store_closed(weak, &dir.0).await;
     let setup_secs = setup.elapsed().as_secs_f64();
     pb.finish_and_clear();
 
-    // ---------------------------------------------------------- restart
-    let restart = Instant::now();
-    let store = SqliteStore::open(&dir.0)?;
-    let server =
-        match Server::start(&format!("127.0.0.1:{port}"), store.clone() as Arc<dyn Store>, config.clone()).await {
-            Ok(s) => s,
-            Err(_) => Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await?,
+    let mut rounds = Vec::new();
+    for round in 1..=args.rounds {
+        let pb = bar(n as u64 * 2, "devices");
+        // ------------------------------------------------------ away
+        pb.set_message(format!("round {round}: {k} messages per group while the devices are away"));
+        send_while_away(addr, &convs, k, round).await?;
+        if logged_in.elapsed() > TOKEN_REFRESH_AFTER {
+            pb.set_message(format!("round {round}: logging in again (access tokens expire)"));
+            tokens = log_in(&Http::new(&format!("http://{addr}")), &users, &indicatif::ProgressBar::hidden()).await?;
+            logged_in = Instant::now();
+        }
+
+        // ------------------------------------------------------ restart
+        pb.set_message(format!("round {round}: SIGKILL and restart"));
+        let restart_secs;
+        (server, addr, restart_secs) = kill_and_restart(server, addr, &dir.0)?;
+        let ws_url = format!("ws://{addr}/v1/ws");
+
+        // ------------------------------------------------------ resume storm
+        pb.set_message(format!("round {round}: resume, all devices at once"));
+        let before = statements(addr).await?;
+        let start = Arc::new(tokio::sync::Barrier::new(n + 1));
+        let mut tasks = Vec::with_capacity(n);
+        for (token, &(generation, applied)) in tokens.iter().zip(&positions) {
+            let (ws_url, token, start, pb) = (ws_url.clone(), token.clone(), start.clone(), pb.clone());
+            let limit = args.limit;
+            tasks.push(tokio::spawn(async move {
+                start.wait().await;
+                let t = Instant::now();
+                let (ws, _events) = WsConn::connect(&ws_url, &token).await?;
+                let mut dev = Device { ws, generation, applied, pages: 0, acks: 0 };
+                let mut got = 0u64;
+                while got < k {
+                    dev.catch_up(limit, |ev| {
+                        if ev.kind == "message" {
+                            got += 1;
+                        }
+                    })
+                    .await?;
+                }
+                let requests = dev.pages + dev.acks;
+                let ms = t.elapsed().as_secs_f64() * 1000.0;
+                ensure!(got == k, "device got {got} of {k} events");
+                dev.ws.close().await;
+                pb.inc(1);
+                anyhow::Ok((ms, dev.pages, requests, (dev.generation, dev.applied)))
+            }));
+        }
+        start.wait().await;
+        let t = Instant::now();
+        let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("resume timed out")??;
+        let all_caught_up_secs = t.elapsed().as_secs_f64();
+        let after = statements(addr).await?;
+        let mut times = Vec::with_capacity(n);
+        let (mut pages, mut requests) = (0u64, 0u64);
+        for (i, r) in results.into_iter().enumerate() {
+            let (ms, p, q, pos) = r?;
+            times.push(ms);
+            pages += p;
+            requests += q;
+            positions[i] = pos;
+        }
+
+        // ------------------------------------------------------ baseline
+        pb.set_message(format!("round {round}: baseline, bare handshakes"));
+        // Let the server finish closing the resumed connections first.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let base_before = statements(addr).await?;
+        let start = Arc::new(tokio::sync::Barrier::new(n + 1));
+        let mut tasks = Vec::with_capacity(n);
+        for token in &tokens {
+            let (ws_url, token, start, pb) = (ws_url.clone(), token.clone(), start.clone(), pb.clone());
+            tasks.push(tokio::spawn(async move {
+                start.wait().await;
+                let t = Instant::now();
+                bare_handshake(&ws_url, &token).await?;
+                pb.inc(1);
+                anyhow::Ok(t.elapsed().as_secs_f64() * 1000.0)
+            }));
+        }
+        start.wait().await;
+        let t = Instant::now();
+        let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("baseline timed out")??;
+        let baseline_secs = t.elapsed().as_secs_f64();
+        let base_after = statements(addr).await?;
+        let mut base_times = results.into_iter().collect::<Result<Vec<_>>>()?;
+        pb.finish_and_clear();
+
+        times.sort_by(f64::total_cmp);
+        base_times.sort_by(f64::total_cmp);
+        let per = |a: f64, b: f64| (b - a) / n as f64;
+        let r = Round {
+            round,
+            restart_secs,
+            all_caught_up_secs,
+            device_p50_ms: median(times.clone()),
+            device_p99_ms: pct(&times, 0.99),
+            pages_per_resume: pages as f64 / n as f64,
+            requests_per_resume: requests as f64 / n as f64,
+            statements_per_resume: per(before.0, after.0),
+            read_statements_per_resume: per(before.1, after.1),
+            baseline_all_handshakes_secs: baseline_secs,
+            baseline_p50_ms: median(base_times.clone()),
+            baseline_p99_ms: pct(&base_times, 0.99),
+            baseline_statements_per_handshake: per(base_before.0, base_after.0),
         };
-    let restart_secs = restart.elapsed().as_secs_f64();
-    let ws_url = format!("ws://{}/v1/ws", server.addr);
-
-    // ---------------------------------------------------------- resume storm
-    let pb = bar(n as u64 * 2, "devices");
-    pb.set_message("resume: all devices at once");
-    let start = Arc::new(tokio::sync::Barrier::new(n + 1));
-    let mut tasks = Vec::with_capacity(n);
-    for (login, &(generation, applied)) in logins.iter().zip(&positions) {
-        let (ws_url, token, start, pb) = (ws_url.clone(), login.access_token.clone(), start.clone(), pb.clone());
-        let limit = args.limit;
-        tasks.push(tokio::spawn(async move {
-            start.wait().await;
-            let t = Instant::now();
-            let (ws, _events) = WsConn::connect(&ws_url, &token).await?;
-            let mut dev = Device { ws, generation, applied, pages: 0, acks: 0 };
-            let mut got = 0u64;
-            while got < k {
-                dev.catch_up(limit, |ev| {
-                    if ev.kind == "message" {
-                        got += 1;
-                    }
-                })
-                .await?;
-            }
-            let requests = dev.pages + dev.acks;
-            let ms = t.elapsed().as_secs_f64() * 1000.0;
-            ensure!(got == k, "device got {got} of {k} events");
-            dev.ws.close().await;
-            pb.inc(1);
-            anyhow::Ok((ms, dev.pages, requests))
-        }));
+        eprintln!(
+            "round {round}: all caught up in {:.2} s (handshakes alone {:.2} s), {:.1} statements per resume",
+            r.all_caught_up_secs, r.baseline_all_handshakes_secs, r.statements_per_resume
+        );
+        rounds.push(r);
     }
-    start.wait().await;
-    let t = Instant::now();
-    let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("resume timed out")??;
-    let all_caught_up_secs = t.elapsed().as_secs_f64();
-    let mut times = Vec::with_capacity(n);
-    let (mut pages, mut requests) = (0u64, 0u64);
-    for r in results {
-        let (ms, p, q) = r?;
-        times.push(ms);
-        pages += p;
-        requests += q;
-    }
+    drop(server);
 
-    // ---------------------------------------------------------- baseline
-    pb.set_message("baseline: bare handshakes");
-    // Let the server finish closing the resumed connections first.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    let start = Arc::new(tokio::sync::Barrier::new(n + 1));
-    let mut tasks = Vec::with_capacity(n);
-    for login in &logins {
-        let (ws_url, token, start, pb) = (ws_url.clone(), login.access_token.clone(), start.clone(), pb.clone());
-        tasks.push(tokio::spawn(async move {
-            start.wait().await;
-            let t = Instant::now();
-            bare_handshake(&ws_url, &token).await?;
-            pb.inc(1);
-            anyhow::Ok(t.elapsed().as_secs_f64() * 1000.0)
-        }));
-    }
-    start.wait().await;
-    let t = Instant::now();
-    let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("baseline timed out")??;
-    let baseline_secs = t.elapsed().as_secs_f64();
-    let mut base_times = results.into_iter().collect::<Result<Vec<_>>>()?;
-    pb.finish_and_clear();
-    server.stop().await;
-
-    times.sort_by(f64::total_cmp);
-    base_times.sort_by(f64::total_cmp);
-    let report = Report {
-        devices,
-        events_behind: args.events,
-        limit: args.limit,
-        groups: convs.len(),
-        open_files_soft_limit: soft,
-        setup_secs,
-        restart_secs,
-        all_caught_up_secs,
-        device_p50_ms: median(times.clone()),
-        device_p99_ms: pct(&times, 0.99),
-        pages_per_resume: pages as f64 / n as f64,
-        requests_per_resume: requests as f64 / n as f64,
-        read_queries_per_resume: None,
-        baseline_all_handshakes_secs: baseline_secs,
-        baseline_p50_ms: median(base_times.clone()),
-        baseline_p99_ms: pct(&base_times, 0.99),
+    let med = |f: fn(&Round) -> f64| median(rounds.iter().map(f).collect());
+    let summary = Round {
+        round: 0,
+        restart_secs: med(|r| r.restart_secs),
+        all_caught_up_secs: med(|r| r.all_caught_up_secs),
+        device_p50_ms: med(|r| r.device_p50_ms),
+        device_p99_ms: med(|r| r.device_p99_ms),
+        pages_per_resume: med(|r| r.pages_per_resume),
+        requests_per_resume: med(|r| r.requests_per_resume),
+        statements_per_resume: med(|r| r.statements_per_resume),
+        read_statements_per_resume: med(|r| r.read_statements_per_resume),
+        baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
+        baseline_p50_ms: med(|r| r.baseline_p50_ms),
+        baseline_p99_ms: med(|r| r.baseline_p99_ms),
+        baseline_statements_per_handshake: med(|r| r.baseline_statements_per_handshake),
     };
     println!(
-        "tidemark bench reconnect: {} devices, each {} events behind, server restarted on the same data dir \
-         ({:.2} s), all reconnect at once; pages of {}\n",
-        devices, args.events, restart_secs, args.limit
+        "tidemark bench reconnect: {} devices in {} groups, each {} events behind, `tidemark serve` SIGKILLed and \
+         restarted on the same data dir (median {:.2} s), all reconnect at once; pages of {}; median of {} rounds\n",
+        devices,
+        convs.len(),
+        args.events,
+        summary.restart_secs,
+        args.limit,
+        rounds.len()
     );
-    let r = &report;
+    let s = &summary;
+    let ratio = |a: f64, b: f64| format!("{:.2}x", a / b.max(f64::MIN_POSITIVE));
     print_table(
-        &["run", "all done s", "device p50 ms", "device p99 ms", "pages/resume", "requests/resume"],
+        &[
+            "run",
+            "all done s",
+            "device p50 ms",
+            "device p99 ms",
+            "pages/resume",
+            "requests/resume",
+            "SQL stmts/resume",
+            "of them reads",
+        ],
         &[
             vec![
                 "resume + catch up".into(),
-                format!("{:.3}", r.all_caught_up_secs),
-                format!("{:.1}", r.device_p50_ms),
-                format!("{:.1}", r.device_p99_ms),
-                format!("{:.2}", r.pages_per_resume),
-                format!("{:.2}", r.requests_per_resume),
+                format!("{:.3}", s.all_caught_up_secs),
+                format!("{:.1}", s.device_p50_ms),
+                format!("{:.1}", s.device_p99_ms),
+                format!("{:.2}", s.pages_per_resume),
+                format!("{:.2}", s.requests_per_resume),
+                format!("{:.1}", s.statements_per_resume),
+                format!("{:.1}", s.read_statements_per_resume),
             ],
             vec![
                 "baseline: bare handshakes".into(),
-                format!("{:.3}", r.baseline_all_handshakes_secs),
-                format!("{:.1}", r.baseline_p50_ms),
-                format!("{:.1}", r.baseline_p99_ms),
+                format!("{:.3}", s.baseline_all_handshakes_secs),
+                format!("{:.1}", s.baseline_p50_ms),
+                format!("{:.1}", s.baseline_p99_ms),
                 "-".into(),
                 "1 (auth)".into(),
+                format!("{:.1}", s.baseline_statements_per_handshake),
+                String::new(),
             ],
             vec![
                 "ratio".into(),
-                format!("{:.2}x", r.all_caught_up_secs / r.baseline_all_handshakes_secs.max(f64::MIN_POSITIVE)),
-                format!("{:.2}x", r.device_p50_ms / r.baseline_p50_ms.max(f64::MIN_POSITIVE)),
-                format!("{:.2}x", r.device_p99_ms / r.baseline_p99_ms.max(f64::MIN_POSITIVE)),
+                ratio(s.all_caught_up_secs, s.baseline_all_handshakes_secs),
+                ratio(s.device_p50_ms, s.baseline_p50_ms),
+                ratio(s.device_p99_ms, s.baseline_p99_ms),
+                String::new(),
+                String::new(),
                 String::new(),
                 String::new(),
             ],
         ],
     );
-    println!("\nstore read queries per resume: not counted (the store has no read counter); pages per resume instead");
+    println!("\nper round:");
+    print_table(
+        &["round", "restart s", "all done s", "device p50 ms", "device p99 ms", "stmts/resume", "handshakes s"],
+        &rounds
+            .iter()
+            .map(|r| {
+                vec![
+                    r.round.to_string(),
+                    format!("{:.2}", r.restart_secs),
+                    format!("{:.3}", r.all_caught_up_secs),
+                    format!("{:.1}", r.device_p50_ms),
+                    format!("{:.1}", r.device_p99_ms),
+                    format!("{:.1}", r.statements_per_resume),
+                    format!("{:.3}", r.baseline_all_handshakes_secs),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
     if let Some(parent) = args.out.parent() {
         std::fs::create_dir_all(parent)?;
     }
     let json = serde_json::json!({
         "scenario": "reconnect",
-        "note": "baseline = WebSocket connect + auth frame of the same devices at once against the same restarted \
-                 server; read queries are not counted (no counter in the store), pages per resume instead",
-        "report": report,
+        "note": "server = `tidemark serve` child process, SIGKILLed and restarted before each round's storm; \
+                 baseline = WebSocket connect + auth frame of the same devices at once against the same restarted \
+                 server; statements = SQLite statements started by the server's store connections (its \
+                 /metrics gauges), delta over the storm / devices; summary = median of the rounds",
+        "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": convs.len(),
+        "open_files_soft_limit": soft, "setup_secs": setup_secs,
+        "summary": summary, "rounds": rounds,
     });
     std::fs::write(&args.out, serde_json::to_string_pretty(&json)?)?;
     println!("wrote {}", args.out.display());

@@ -1,0 +1,109 @@
+//! The server under test as a child process: `tidemark serve` (or a
+//! baseline server, this binary with a hidden flag) started from the
+//! current executable, its resident set read from /proc, its `/metrics`
+//! scraped. A server in its own process keeps its memory and its open
+//! files apart from the benchmark's clients (10,000 connections need
+//! 10,000 descriptors on each side).
+
+use std::io::BufRead;
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+
+use anyhow::{Context, Result};
+
+/// Kills (SIGKILL) and reaps the child when dropped.
+pub(super) struct ChildGuard(pub Child);
+
+impl ChildGuard {
+    pub fn pid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `<this executable> args…` and reads its first stdout line, which
+/// must end with the listening address.
+pub(super) fn spawn_server(args: &[&str]) -> Result<(ChildGuard, SocketAddr)> {
+    let exe = std::env::current_exe()?;
+    let mut cmd = Command::new(exe);
+    cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    if std::env::var_os("RUST_LOG").is_none() {
+        // The server logs every login at info level.
+        cmd.env("RUST_LOG", "warn");
+    }
+    let mut child = ChildGuard(cmd.spawn()?);
+    let stdout = child.0.stdout.take().context("stdout")?;
+    let mut line = String::new();
+    std::io::BufReader::new(stdout).read_line(&mut line)?;
+    let addr = line.split_whitespace().last().with_context(|| format!("no address printed by {args:?}"))?.parse()?;
+    Ok((child, addr))
+}
+
+/// `tidemark serve` on `data`, listening on `listen`.
+pub(super) fn spawn_tidemark(data: &std::path::Path, listen: &str) -> Result<(ChildGuard, SocketAddr)> {
+    let data = data.display().to_string();
+    spawn_server(&["serve", "--listen", listen, "--data", &data])
+}
+
+pub(super) fn rss_kib(pid: u32) -> Result<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = text.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS")?;
+    Ok(line.split_whitespace().nth(1).context("VmRSS value")?.parse()?)
+}
+
+/// The soft limit on open files, from /proc/self/limits.
+pub(super) fn open_files_soft_limit() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let line = text.lines().find(|l| l.starts_with("Max open files"))?;
+    line.split_whitespace().nth(3)?.parse().ok()
+}
+
+/// The value of an unlabelled metric in a Prometheus text exposition.
+pub(super) fn metric_value(text: &str, name: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        let rest = l.strip_prefix(name)?;
+        rest.starts_with(' ').then(|| rest.trim().parse().ok()).flatten()
+    })
+}
+
+/// Scrapes `name` from the server's `/metrics`.
+pub(super) async fn scrape(addr: SocketAddr, name: &str) -> Result<f64> {
+    let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
+    metric_value(&text, name).with_context(|| format!("{name} not in /metrics"))
+}
+
+/// The value at quantile `q` of an ascending slice (0 if empty).
+pub(super) fn pct(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() as f64 * q) as usize).min(sorted.len() - 1)]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metric_value_reads_the_exact_name_only() {
+        let text = "# TYPE tidemark_store_statements gauge\ntidemark_store_statements 1234\n\
+                    tidemark_store_statements_extra 9\ntidemark_outbox_backlog 0\n";
+        assert_eq!(metric_value(text, "tidemark_store_statements"), Some(1234.0));
+        assert_eq!(metric_value(text, "tidemark_outbox_backlog"), Some(0.0));
+        assert_eq!(metric_value(text, "tidemark_store"), None);
+    }
+
+    #[test]
+    fn pct_picks_from_the_sorted_slice() {
+        let xs: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(pct(&xs, 0.5), 51.0);
+        assert_eq!(pct(&xs, 0.99), 100.0);
+        assert_eq!(pct(&[], 0.5), 0.0);
+    }
+}
