@@ -1,21 +1,43 @@
-//! The checker: given what the scenario sent, what the server accepted and
-//! what every device holds after the run settled, it lists every violation
-//! of the sync guarantees, message by message. It is pure: no IO, no
-//! clock, no client; the scenario collects the facts and hands them over.
+//! The checker: given what the scenario sent, what the server accepted or
+//! refused, every membership change with the `msg_seq` the server gave it,
+//! and what every device holds after the run settled, it lists every
+//! violation of the sync guarantees, message by message. It is pure: no IO,
+//! no clock, no client; the scenario collects the facts and hands them over.
 //!
-//! Per device, for every conversation of its user:
-//! - every accepted message is present exactly once, at the `msg_seq` and
-//!   with the `message_id` the server gave its sender (S1, S2);
-//! - events are in strictly increasing `msg_seq` with no hole above
-//!   `history_to` (a snapshot's history is not a hole), and the
-//!   conversation's contiguous cursor reaches its last event (K2);
-//! - nothing is held that nobody sent, or from a conversation the user is
-//!   not in (G1 for direct conversations).
+//! Membership periods come from the facts alone ([`periods`]): a direct
+//! conversation's two users and a group's creation members hold a period
+//! from `msg_seq` 1, each `conv.add` opens a new one at its `member.join`
+//! event and each `conv.remove`/`conv.leave` closes the open one at its
+//! `member.leave` event, both ends inclusive ([`Period::covers`], G1).
+//!
+//! Globally:
+//! - every queued send was accepted, or refused `NOT_MEMBER` in a group
+//!   its sender was out of at some point from the moment it was queued;
+//!   an accepted send lies inside one of its sender's periods (G1);
+//! - no two events share a `msg_seq`, and every `msg_seq` of a
+//!   conversation up to its last known one is accounted for by an accepted
+//!   send or a membership event (S2: a refused send leaves no hole).
+//!
+//! Per device, for every conversation its user ever had a period in:
+//! - every accepted message and every membership event whose `msg_seq` lies
+//!   inside one of the user's periods is present exactly once, at that
+//!   `msg_seq` (messages with the `message_id` the server gave their
+//!   sender: S1, S2);
+//! - every one outside all of the user's periods is absent (G1, F4);
+//! - events are in strictly increasing `msg_seq` with no hole inside a
+//!   period above `history_to` (a snapshot's history is not a hole, the gap
+//!   between two periods is not either), and the conversation's contiguous
+//!   cursor reaches its last event (K2);
+//! - the conversation is `active` exactly when the user's last period is
+//!   open;
+//! - nothing is held that nobody sent, or from a conversation the user never
+//!   had a period in.
 //!
 //! Cursor monotonicity is checked while the run goes (see
 //! [`crate::scenario`]), since only the change stream sees every move.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 
 use tidemark_client::{Conversation, Message};
 
@@ -28,6 +50,10 @@ pub struct Sent {
     pub user: String,
     pub device: String,
     pub client_msg_id: String,
+    /// The scenario step it was queued at (the index of the send phase's
+    /// loop): after every membership change of that step, before those of
+    /// later steps.
+    pub step: usize,
 }
 
 /// What the server answered for a send (`send.ok`).
@@ -48,87 +74,361 @@ pub struct DeviceView {
     pub events: BTreeMap<String, Vec<Message>>,
 }
 
+/// A group membership operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MemberOp {
+    /// `conv.add`: a `member.join` event opens a new period at its `msg_seq`.
+    Add,
+    /// `conv.remove` (by the owner): a `member.leave` event closes the
+    /// target's open period at its `msg_seq`.
+    Remove,
+    /// `conv.leave` (by the target): as a removal.
+    Leave,
+}
+
+impl MemberOp {
+    pub const ALL: [MemberOp; 3] = [MemberOp::Add, MemberOp::Remove, MemberOp::Leave];
+
+    /// The wire op.
+    pub fn op(self) -> &'static str {
+        match self {
+            MemberOp::Add => "conv.add",
+            MemberOp::Remove => "conv.remove",
+            MemberOp::Leave => "conv.leave",
+        }
+    }
+
+    /// The kind of the conversation event it makes (docs/protocol.md §3.4.1).
+    pub fn event_kind(self) -> &'static str {
+        match self {
+            MemberOp::Add => "member.join",
+            MemberOp::Remove | MemberOp::Leave => "member.leave",
+        }
+    }
+}
+
+/// A membership change the server made: the `msg_seq` is its reply's, the
+/// position of its `member.join`/`member.leave` event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MembershipChange {
+    pub conv: String,
+    pub op: MemberOp,
+    /// The user who joined or is out.
+    pub user: String,
+    /// The caller.
+    pub by: String,
+    pub msg_seq: u64,
+    /// The scenario step it was made at, before that step's send.
+    pub step: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConvKind {
+    Direct,
+    Group,
+}
+
+/// What the scenario knows of one conversation.
+#[derive(Debug, Clone)]
+pub struct ConvFacts {
+    pub kind: ConvKind,
+    /// Members from `msg_seq` 1: both users of a direct conversation; the
+    /// creator and the listed members of a group, whose `conv.created`
+    /// event is `msg_seq` 1 (docs/protocol.md §3.5).
+    pub members: Vec<String>,
+    /// A group's membership changes, any order.
+    pub changes: Vec<MembershipChange>,
+}
+
+/// One membership period `[join, leave]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Period {
+    pub join: u64,
+    /// `None` while open.
+    pub leave: Option<u64>,
+}
+
+impl Period {
+    /// The visibility rule (G1, F4; docs/protocol.md §3.4.2): a period
+    /// covers `seq` iff `join <= seq <= leave`, **both ends inclusive**, an
+    /// open period having no upper end. So the joiner sees its own
+    /// `member.join` event and everything after it, nothing before it (a
+    /// rejoin opens a new period and the gap between periods stays
+    /// invisible); the leaver sees its own `member.leave` event and nothing
+    /// after it. This is the server's rule in every path:
+    /// `tidemark_core::membership::Period::covers` (fan-out through
+    /// `recipients_at`), `periods_covering` in tidemark-sqlite's `lib.rs`
+    /// (fan-out's period query), `read::VISIBLE` (sync, history,
+    /// snapshots) and `events::change_membership`, which inserts the period
+    /// at the join event's `msg_seq` and sets `leave_seq` to the leave
+    /// event's `msg_seq`.
+    pub fn covers(&self, seq: u64) -> bool {
+        self.join <= seq && self.leave.is_none_or(|leave| seq <= leave)
+    }
+}
+
+/// Every user's periods in one conversation, in `msg_seq` order, derived
+/// from its facts; `Err` when the changes contradict each other (a join of
+/// a current member, a leave of a non-member, two changes at one
+/// `msg_seq`, a change at `msg_seq` 1).
+pub fn periods(conv: &ConvFacts) -> Result<BTreeMap<String, Vec<Period>>, String> {
+    let mut out: BTreeMap<String, Vec<Period>> = BTreeMap::new();
+    for m in &conv.members {
+        out.insert(m.clone(), vec![Period { join: 1, leave: None }]);
+    }
+    let mut changes: Vec<&MembershipChange> = conv.changes.iter().collect();
+    changes.sort_by_key(|c| c.msg_seq);
+    let mut last_seq = 1;
+    for c in changes {
+        if c.msg_seq <= last_seq {
+            return Err(format!("{} {} at msg_seq {}, not after msg_seq {last_seq}", c.op.op(), c.user, c.msg_seq));
+        }
+        last_seq = c.msg_seq;
+        let ps = out.entry(c.user.clone()).or_default();
+        let open = ps.last_mut().filter(|p| p.leave.is_none());
+        match (c.op, open) {
+            (MemberOp::Add, None) => ps.push(Period { join: c.msg_seq, leave: None }),
+            (MemberOp::Add, Some(p)) => {
+                return Err(format!("{} added at msg_seq {} while a member since {}", c.user, c.msg_seq, p.join))
+            }
+            (_, Some(p)) => p.leave = Some(c.msg_seq),
+            (op, None) => return Err(format!("{} {} at msg_seq {} while not a member", op.op(), c.user, c.msg_seq)),
+        }
+    }
+    Ok(out)
+}
+
+/// Was `user` out of the conversation at some point from `step` on (at the
+/// end of `step`'s membership changes, or after a later removal or leave)?
+/// A send queued at `step` may then be refused `NOT_MEMBER`: the server
+/// decides at its own linearisation point, which the scenario cannot see.
+fn out_at_or_after(conv: &ConvFacts, user: &str, step: usize) -> bool {
+    let mut mine: Vec<&MembershipChange> = conv.changes.iter().filter(|c| c.user == user).collect();
+    mine.sort_by_key(|c| (c.step, c.msg_seq));
+    let mut member = conv.members.iter().any(|m| m == user);
+    for c in mine {
+        if c.step <= step {
+            member = c.op == MemberOp::Add;
+        } else if c.op != MemberOp::Add {
+            return true;
+        }
+    }
+    !member
+}
+
 /// What the checker found.
 #[derive(Debug, Default, Clone)]
 pub struct Outcome {
-    /// (device, message) pairs found exactly right.
+    /// (device, message) pairs found exactly right, every conversation.
     pub verified: u64,
     /// Accepted messages at or below a device's `history_to` (delivered by
     /// a snapshot as history): not required locally.
     pub history_skipped: u64,
     pub devices: usize,
+    pub groups: usize,
+    pub membership_changes: usize,
+    /// Sends accepted in a group.
+    pub group_accepted: u64,
+    /// Group sends refused `NOT_MEMBER`, rightly: the sender was out at
+    /// some point after queueing them.
+    pub refused_not_member: u64,
+    /// (device, group message) pairs inside the user's periods found
+    /// exactly right (a part of `verified`).
+    pub group_verified: u64,
+    /// (device, `conv.created`/`member.join`/`member.leave` event) pairs
+    /// inside the user's periods found exactly once.
+    pub membership_events_verified: u64,
+    /// (device, group event) pairs outside every period of the device's
+    /// user, confirmed absent (users never in the group included).
+    pub out_of_period_absent: u64,
     pub violations: Vec<String>,
 }
 
 /// The facts of a run, as the checker needs them.
 pub struct Facts<'a> {
-    /// Conversation → its members (both users of a direct conversation).
-    pub members: &'a BTreeMap<String, Vec<String>>,
+    /// Every conversation the scenario made.
+    pub convs: &'a BTreeMap<String, ConvFacts>,
     pub sent: &'a [Sent],
     /// `client_msg_id` → the server's answer; a sent message missing here
     /// was never accepted.
     pub accepted: &'a HashMap<String, Accepted>,
+    /// `client_msg_id` → why the sender's outbox gave up on it (the
+    /// server's refusal, as the SDK words it).
+    pub refused: &'a HashMap<String, String>,
     pub views: &'a [DeviceView],
 }
 
-/// Checks every device against what was accepted.
+/// An event the checker expects at one `msg_seq` of a conversation.
+#[derive(Debug, Clone, Copy)]
+enum Expect<'a> {
+    Message(&'a Sent, &'a Accepted),
+    /// `conv.created` (no user), `member.join` or `member.leave` of `user`.
+    Control {
+        kind: &'static str,
+        user: Option<&'a str>,
+    },
+}
+
+impl fmt::Display for Expect<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Expect::Message(s, _) => write!(f, "{}", s.tag),
+            Expect::Control { kind, user: Some(u) } => write!(f, "{kind} of {u}"),
+            Expect::Control { kind, user: None } => write!(f, "{kind}"),
+        }
+    }
+}
+
+/// Conversation → its users' periods (empty when the facts contradict
+/// each other: that is reported, and nothing is judged against them).
+type AllPeriods = BTreeMap<String, BTreeMap<String, Vec<Period>>>;
+
+/// Conversation → `msg_seq` → the event expected there.
+type Expected<'a> = BTreeMap<&'a str, BTreeMap<u64, Expect<'a>>>;
+
+/// Expects `e` at `conv`'s `seq`; two events at one `msg_seq` break S2.
+fn place<'a>(expected: &mut Expected<'a>, out: &mut Outcome, conv: &'a str, seq: u64, e: Expect<'a>) {
+    if let Some(other) = expected.entry(conv).or_default().insert(seq, e) {
+        out.violations.push(format!("{other} and {e} are both at {conv} msg_seq {seq} (S2)"));
+    }
+}
+
+/// Checks every device against what was accepted and who was a member when.
 pub fn check(facts: &Facts<'_>) -> Outcome {
     let mut out = Outcome { devices: facts.views.len(), ..Outcome::default() };
-    // conv → msg_seq → (tag, accepted), from the senders' side.
-    let mut expected: BTreeMap<&str, BTreeMap<u64, (&Sent, &Accepted)>> = BTreeMap::new();
+    out.groups = facts.convs.values().filter(|c| c.kind == ConvKind::Group).count();
+    out.membership_changes = facts.convs.values().map(|c| c.changes.len()).sum();
+    let mut all: AllPeriods = BTreeMap::new();
+    for (conv, cf) in facts.convs {
+        let ps = periods(cf).unwrap_or_else(|e| {
+            out.violations.push(format!("membership of {conv} is inconsistent: {e} (G1)"));
+            BTreeMap::new()
+        });
+        all.insert(conv.clone(), ps);
+    }
+    let covered = |conv: &str, user: &str, seq: u64| {
+        all.get(conv).and_then(|ps| ps.get(user)).is_some_and(|ps| ps.iter().any(|p| p.covers(seq)))
+    };
+    // conv → msg_seq → the event, from the senders' and the scenario's side.
+    let mut expected: Expected<'_> = BTreeMap::new();
     let mut tags: HashMap<&str, (&Sent, &Accepted)> = HashMap::new();
+    for (conv, cf) in facts.convs.iter().filter(|(_, c)| c.kind == ConvKind::Group) {
+        place(&mut expected, &mut out, conv, 1, Expect::Control { kind: "conv.created", user: None });
+        for c in &cf.changes {
+            let e = Expect::Control { kind: c.op.event_kind(), user: Some(&c.user) };
+            place(&mut expected, &mut out, conv, c.msg_seq, e);
+        }
+    }
     for s in facts.sent {
+        let conv = facts.convs.get(&s.conv);
+        let group = conv.is_some_and(|c| c.kind == ConvKind::Group);
         let Some(a) = facts.accepted.get(&s.client_msg_id) else {
-            out.violations.push(format!("{} ({}/{}): queued but never accepted", s.tag, s.user, s.device));
+            match facts.refused.get(&s.client_msg_id) {
+                None => out.violations.push(format!("{} ({}/{}): queued but never accepted", s.tag, s.user, s.device)),
+                Some(why) if group && why.contains("NOT_MEMBER") => {
+                    if conv.is_some_and(|c| out_at_or_after(c, &s.user, s.step)) {
+                        out.refused_not_member += 1;
+                    } else {
+                        out.violations.push(format!(
+                            "{} ({}/{}) refused NOT_MEMBER in {}, but its sender was a member from step {} on: {why}",
+                            s.tag, s.user, s.device, s.conv, s.step
+                        ));
+                    }
+                }
+                Some(why) => out.violations.push(format!(
+                    "{} ({}/{}) in {}: outbox entry failed for good: {why}",
+                    s.tag, s.user, s.device, s.conv
+                )),
+            }
             continue;
         };
-        let by_seq = expected.entry(s.conv.as_str()).or_default();
-        if let Some((other, _)) = by_seq.insert(a.msg_seq, (s, a)) {
+        if facts.refused.contains_key(&s.client_msg_id) {
+            out.violations.push(format!("{} ({}/{}) both accepted and refused", s.tag, s.user, s.device));
+        }
+        if !covered(&s.conv, &s.user, a.msg_seq) {
             out.violations.push(format!(
-                "{} and {} were both accepted at {} msg_seq {} (S2)",
-                other.tag, s.tag, s.conv, a.msg_seq
+                "{} accepted from {} at {} msg_seq {}, outside the sender's periods {:?} (G1)",
+                s.tag,
+                s.user,
+                s.conv,
+                a.msg_seq,
+                all.get(&s.conv).and_then(|ps| ps.get(&s.user))
             ));
         }
+        if group {
+            out.group_accepted += 1;
+        }
+        place(&mut expected, &mut out, &s.conv, a.msg_seq, Expect::Message(s, a));
         tags.insert(s.tag.as_str(), (s, a));
     }
+    // A conversation's msg_seq is contiguous and a refused send leaves no
+    // hole (S2): every position up to the last one is somebody's event.
+    for (conv, by_seq) in &expected {
+        let mut want = 1;
+        for &seq in by_seq.keys() {
+            if seq > want {
+                out.violations.push(format!(
+                    "{conv} msg_seq {want}..={} accounted for by no accepted send and no membership change (S2)",
+                    seq - 1
+                ));
+            }
+            want = seq + 1;
+        }
+    }
     for view in facts.views {
-        check_device(facts, view, &expected, &tags, &mut out);
+        check_device(facts, &all, view, &expected, &tags, &mut out);
     }
     out
 }
 
 fn check_device(
     facts: &Facts<'_>,
+    all: &AllPeriods,
     view: &DeviceView,
-    expected: &BTreeMap<&str, BTreeMap<u64, (&Sent, &Accepted)>>,
+    expected: &Expected<'_>,
     tags: &HashMap<&str, (&Sent, &Accepted)>,
     out: &mut Outcome,
 ) {
     let who = format!("{}/{}", view.user, view.device);
-    let mine: HashSet<&str> =
-        facts.members.iter().filter(|(_, m)| m.contains(&view.user)).map(|(c, _)| c.as_str()).collect();
+    let user_periods = |conv: &str| all.get(conv).and_then(|ps| ps.get(&view.user)).filter(|ps| !ps.is_empty());
     for conv in &view.conversations {
-        if !mine.contains(conv.conv.as_str()) {
-            out.violations.push(format!("{who}: holds conversation {} it is not a member of", conv.conv));
+        if user_periods(&conv.conv).is_none() {
+            out.violations.push(format!("{who}: holds conversation {} it never was a member of", conv.conv));
         }
     }
-    for conv in &mine {
-        let Some(summary) = view.conversations.iter().find(|c| c.conv == *conv) else {
-            if expected.get(conv).is_some_and(|e| !e.is_empty()) {
+    for (conv, cf) in facts.convs {
+        let group = cf.kind == ConvKind::Group;
+        let want = expected.get(conv.as_str());
+        let summary = view.conversations.iter().find(|c| c.conv == *conv);
+        let Some(mine) = user_periods(conv) else {
+            // Never a member: the whole conversation is outside (the
+            // device holding it at all is reported above).
+            if group && summary.is_none() {
+                out.out_of_period_absent += want.map_or(0, |w| w.len() as u64);
+            }
+            continue;
+        };
+        let Some(summary) = summary else {
+            if want.is_some_and(|w| w.keys().any(|s| mine.iter().any(|p| p.covers(*s)))) {
                 out.violations.push(format!("{who}: conversation {conv} missing"));
             }
             continue;
         };
-        let events = view.events.get(*conv).map(Vec::as_slice).unwrap_or_default();
-        check_order(&who, summary, events, out);
-        let members = facts.members.get(*conv).map(Vec::as_slice).unwrap_or_default();
-        check_messages(&who, summary, events, members, expected.get(conv), tags, out);
+        let events = view.events.get(conv).map(Vec::as_slice).unwrap_or_default();
+        check_order(&who, summary, events, mine, out);
+        let open = mine.last().is_some_and(|p| p.leave.is_none());
+        if summary.active != open {
+            out.violations
+                .push(format!("{who}: {conv} is active={} but the user's periods are {mine:?} (G1)", summary.active));
+        }
+        let ctx = ConvCtx { who: &who, summary, group, mine, periods: &all[conv] };
+        check_events(&ctx, events, want, tags, out);
     }
 }
 
-/// Strictly increasing `msg_seq`, no hole above `history_to`, contiguous
-/// cursor at the last event.
-fn check_order(who: &str, summary: &Conversation, events: &[Message], out: &mut Outcome) {
+/// Strictly increasing `msg_seq`, no hole inside one of the user's periods
+/// above `history_to`, contiguous cursor at the last event.
+fn check_order(who: &str, summary: &Conversation, events: &[Message], mine: &[Period], out: &mut Outcome) {
     let conv = &summary.conv;
     let mut want = summary.history_to + 1;
     for e in events.iter().filter(|e| e.msg_seq > summary.history_to) {
@@ -140,8 +440,14 @@ fn check_order(who: &str, summary: &Conversation, events: &[Message], out: &mut 
             ));
             continue;
         }
-        if e.msg_seq > want {
-            out.violations.push(format!("{who}: {conv} hole at msg_seq {}..={}", want, e.msg_seq - 1));
+        // Only what the user's periods cover can be a hole: the gap before
+        // a join (or between two periods) is outside the user's view.
+        for p in mine {
+            let lo = want.max(p.join);
+            let hi = (e.msg_seq - 1).min(p.leave.unwrap_or(u64::MAX));
+            if lo <= hi {
+                out.violations.push(format!("{who}: {conv} hole at msg_seq {lo}..={hi}"));
+            }
         }
         want = e.msg_seq + 1;
     }
@@ -153,19 +459,48 @@ fn check_order(who: &str, summary: &Conversation, events: &[Message], out: &mut 
     }
 }
 
-fn check_messages(
-    who: &str,
-    summary: &Conversation,
+/// One device's conversation, as [`check_events`] judges it.
+struct ConvCtx<'a> {
+    who: &'a str,
+    summary: &'a Conversation,
+    group: bool,
+    /// The device's user's periods.
+    mine: &'a [Period],
+    /// Every user's periods in the conversation.
+    periods: &'a BTreeMap<String, Vec<Period>>,
+}
+
+fn check_events(
+    ctx: &ConvCtx<'_>,
     events: &[Message],
-    members: &[String],
-    expected: Option<&BTreeMap<u64, (&Sent, &Accepted)>>,
+    want: Option<&BTreeMap<u64, Expect<'_>>>,
     tags: &HashMap<&str, (&Sent, &Accepted)>,
     out: &mut Outcome,
 ) {
-    let conv = &summary.conv;
+    let (who, conv) = (ctx.who, &ctx.summary.conv);
     let mut held: HashMap<&str, Vec<&Message>> = HashMap::new();
-    for e in events.iter().filter(|e| !e.is_control()) {
-        if !members.contains(&e.sender) {
+    let mut held_control: BTreeMap<u64, Vec<&Message>> = BTreeMap::new();
+    for e in events {
+        if e.is_control() {
+            match want.and_then(|w| w.get(&e.msg_seq)) {
+                Some(Expect::Control { kind, user })
+                    if e.kind == *kind && e.content.get("user").and_then(|u| u.as_str()) == *user =>
+                {
+                    held_control.entry(e.msg_seq).or_default().push(e);
+                }
+                Some(other) => out.violations.push(format!(
+                    "{who}: {conv} holds a {} ({}) at msg_seq {}, where {other} is",
+                    e.kind, e.content, e.msg_seq
+                )),
+                None => out.violations.push(format!(
+                    "{who}: {conv} holds a {} ({}) at msg_seq {} that nobody made",
+                    e.kind, e.content, e.msg_seq
+                )),
+            }
+            continue;
+        }
+        let sender_in = ctx.periods.get(&e.sender).is_some_and(|ps| ps.iter().any(|p| p.covers(e.msg_seq)));
+        if !sender_in {
             out.violations.push(format!("{who}: {conv} msg_seq {} from non-member {}", e.msg_seq, e.sender));
         }
         let Some(tag) = e.content.get("tag").and_then(|t| t.as_str()) else {
@@ -182,22 +517,44 @@ fn check_messages(
             None => out.violations.push(format!("{who}: {conv} holds {tag}, which was never accepted")),
         }
     }
-    for (seq, (sent, acc)) in expected.into_iter().flatten() {
-        let copies = held.get(sent.tag.as_str()).map(Vec::as_slice).unwrap_or_default();
-        if *seq <= summary.history_to && copies.is_empty() {
+    for (&seq, exp) in want.into_iter().flatten() {
+        let copies: &[&Message] = match exp {
+            Expect::Message(s, _) => held.get(s.tag.as_str()).map(Vec::as_slice).unwrap_or_default(),
+            Expect::Control { .. } => held_control.get(&seq).map(Vec::as_slice).unwrap_or_default(),
+        };
+        if !ctx.mine.iter().any(|p| p.covers(seq)) {
+            // Outside every period of this user: must be absent (G1).
+            if copies.is_empty() {
+                if ctx.group {
+                    out.out_of_period_absent += 1;
+                }
+            } else {
+                out.violations.push(format!(
+                    "{who}: {conv} holds {exp} (msg_seq {seq}) from outside its periods {:?} (G1)",
+                    ctx.mine
+                ));
+            }
+            continue;
+        }
+        if seq <= ctx.summary.history_to && copies.is_empty() {
             out.history_skipped += 1;
             continue;
         }
-        match copies {
-            [] => out.violations.push(format!("{who}: {conv} lost {} (msg_seq {seq})", sent.tag)),
-            [m] if m.msg_seq == acc.msg_seq && m.message_id == acc.message_id => out.verified += 1,
-            [m] => out.violations.push(format!(
-                "{who}: {conv} {} held at msg_seq {} id {}, accepted at {} id {}",
-                sent.tag, m.msg_seq, m.message_id, acc.msg_seq, acc.message_id
+        match (exp, copies) {
+            (_, []) => out.violations.push(format!("{who}: {conv} lost {exp} (msg_seq {seq})")),
+            (Expect::Control { .. }, [_]) => out.membership_events_verified += 1,
+            (Expect::Message(_, acc), [m]) if m.msg_seq == acc.msg_seq && m.message_id == acc.message_id => {
+                out.verified += 1;
+                if ctx.group {
+                    out.group_verified += 1;
+                }
+            }
+            (Expect::Message(_, acc), [m]) => out.violations.push(format!(
+                "{who}: {conv} {exp} held at msg_seq {} id {}, accepted at {} id {}",
+                m.msg_seq, m.message_id, acc.msg_seq, acc.message_id
             )),
-            many => out.violations.push(format!(
-                "{who}: {conv} {} held {} times at msg_seqs {:?}",
-                sent.tag,
+            (_, many) => out.violations.push(format!(
+                "{who}: {conv} {exp} held {} times at msg_seqs {:?}",
                 many.len(),
                 many.iter().map(|m| m.msg_seq).collect::<Vec<_>>()
             )),
@@ -207,9 +564,7 @@ fn check_messages(
 
 #[cfg(test)]
 mod tests {
-    //! Negative controls: a checker that never fails proves nothing. One
-    //! device of `a` in conversation `c` (members `a`, `b`); `b` sent
-    //! m1..m3, accepted at msg_seq 1..3.
+    //! Negative controls: a checker that never fails proves nothing.
 
     use super::*;
 
@@ -226,6 +581,18 @@ mod tests {
             version: 1,
             reactions: serde_json::json!({}),
             sync_seq: Some(seq),
+        }
+    }
+
+    fn control(conv: &str, seq: u64, kind: &str, user: Option<&str>) -> Message {
+        Message {
+            kind: kind.into(),
+            message_id: format!("ev-{seq}"),
+            content: match user {
+                Some(u) => serde_json::json!({ "user": u, "by": "b", "op": "x" }),
+                None => serde_json::json!({ "owner": "b", "members": ["a", "b"] }),
+            },
+            ..msg(conv, seq, "")
         }
     }
 
@@ -246,28 +613,41 @@ mod tests {
         }
     }
 
-    /// Runs the checker on a device holding `held` (conversation → events);
-    /// returns its violations.
-    fn check_held(held: &[(&str, Vec<Message>)]) -> Vec<String> {
-        let members: BTreeMap<String, Vec<String>> = [("c".to_owned(), vec!["a".to_owned(), "b".to_owned()])].into();
-        let sent: Vec<Sent> = (1..=3)
-            .map(|i| Sent {
-                tag: format!("m{i}"),
-                conv: "c".into(),
-                user: "b".into(),
-                device: "d0".into(),
-                client_msg_id: format!("cm{i}"),
-            })
-            .collect();
-        let accepted: HashMap<String, Accepted> =
-            (1..=3).map(|i| (format!("cm{i}"), Accepted { msg_seq: i, message_id: format!("id-m{i}") })).collect();
-        let view = DeviceView {
+    fn sent(tag: &str, conv: &str, user: &str, step: usize) -> Sent {
+        Sent {
+            tag: tag.into(),
+            conv: conv.into(),
+            user: user.into(),
+            device: "d0".into(),
+            client_msg_id: format!("c{tag}"),
+            step,
+        }
+    }
+
+    fn view(held: &[(&str, Vec<Message>)]) -> DeviceView {
+        DeviceView {
             user: "a".into(),
             device: "d0".into(),
             conversations: held.iter().map(|(c, e)| summary(c, e)).collect(),
             events: held.iter().map(|(c, e)| (c.to_string(), e.clone())).collect(),
-        };
-        check(&Facts { members: &members, sent: &sent, accepted: &accepted, views: &[view] }).violations
+        }
+    }
+
+    /// Runs the checker on a device of `a` holding `held` (conversation →
+    /// events), in direct conversation `c` (members `a`, `b`) where `b`
+    /// sent m1..m3, accepted at msg_seq 1..3; returns its violations.
+    fn check_held(held: &[(&str, Vec<Message>)]) -> Vec<String> {
+        let convs: BTreeMap<String, ConvFacts> = [(
+            "c".to_owned(),
+            ConvFacts { kind: ConvKind::Direct, members: vec!["a".into(), "b".into()], changes: vec![] },
+        )]
+        .into();
+        let sent: Vec<Sent> = (1..=3).map(|i| sent(&format!("m{i}"), "c", "b", 0)).collect();
+        let accepted: HashMap<String, Accepted> =
+            (1..=3).map(|i| (format!("cm{i}"), Accepted { msg_seq: i, message_id: format!("id-m{i}") })).collect();
+        let facts =
+            Facts { convs: &convs, sent: &sent, accepted: &accepted, refused: &HashMap::new(), views: &[view(held)] };
+        check(&facts).violations
     }
 
     #[test]
@@ -298,11 +678,184 @@ mod tests {
         assert!(v.iter().any(|v| v.contains("accepted at 3 id id-m3")), "{v:?}");
 
         let v = check_held(&[("c", good()), ("elsewhere", vec![msg("elsewhere", 1, "x")])]);
-        assert!(v.iter().any(|v| v.contains("not a member of")), "{v:?}");
+        assert!(v.iter().any(|v| v.contains("never was a member of")), "{v:?}");
 
         let mut stranger = good();
         stranger[0].sender = "z".into();
         let v = check_held(&[("c", stranger)]);
         assert!(v.iter().any(|v| v.contains("non-member z")), "{v:?}");
+    }
+
+    /// Group `g` owned by `b`, created with `a` and `b`:
+    ///
+    /// | msg_seq | event                      | step |
+    /// |---------|----------------------------|------|
+    /// | 1       | conv.created               | -    |
+    /// | 2       | m1 (b)                     | 0    |
+    /// | 3       | member.leave a (b removes) | 1    |
+    /// | 4       | m2 (b)                     | 2    |
+    /// | 5       | member.join a (b adds)     | 3    |
+    /// | 6       | m3 (b)                     | 4    |
+    /// | 7       | m4 (a)                     | 5    |
+    ///
+    /// `a` queued m5 at step 2 (out of the group: refused `NOT_MEMBER`).
+    /// So `a` has the periods [1, 3] and [5, ∞): m2 is outside.
+    struct Group {
+        convs: BTreeMap<String, ConvFacts>,
+        sent: Vec<Sent>,
+        accepted: HashMap<String, Accepted>,
+        refused: HashMap<String, String>,
+    }
+
+    impl Group {
+        fn new() -> Group {
+            let change = |op, seq, step| MembershipChange {
+                conv: "g".into(),
+                op,
+                user: "a".into(),
+                by: "b".into(),
+                msg_seq: seq,
+                step,
+            };
+            let g = ConvFacts {
+                kind: ConvKind::Group,
+                members: vec!["a".into(), "b".into()],
+                changes: vec![change(MemberOp::Remove, 3, 1), change(MemberOp::Add, 5, 3)],
+            };
+            let sent = vec![
+                sent("m1", "g", "b", 0),
+                sent("m2", "g", "b", 2),
+                sent("m3", "g", "b", 4),
+                sent("m4", "g", "a", 5),
+                sent("m5", "g", "a", 2),
+            ];
+            let accepted = [("m1", 2), ("m2", 4), ("m3", 6), ("m4", 7)]
+                .into_iter()
+                .map(|(t, s)| (format!("c{t}"), Accepted { msg_seq: s, message_id: format!("id-{t}") }))
+                .collect();
+            let refused = [("cm5".to_owned(), "server refused: NOT_MEMBER (not a member)".to_owned())].into();
+            Group { convs: [("g".to_owned(), g)].into(), sent, accepted, refused }
+        }
+
+        /// What a device of `a` must hold.
+        fn good() -> Vec<Message> {
+            let mut m4 = msg("g", 7, "m4");
+            m4.sender = "a".into();
+            vec![
+                control("g", 1, "conv.created", None),
+                msg("g", 2, "m1"),
+                control("g", 3, "member.leave", Some("a")),
+                control("g", 5, "member.join", Some("a")),
+                msg("g", 6, "m3"),
+                m4,
+            ]
+        }
+
+        fn check(&self, events: Vec<Message>) -> Outcome {
+            let facts = Facts {
+                convs: &self.convs,
+                sent: &self.sent,
+                accepted: &self.accepted,
+                refused: &self.refused,
+                views: &[view(&[("g", events)])],
+            };
+            check(&facts)
+        }
+    }
+
+    #[test]
+    fn periods_are_closed_on_both_ends_and_a_rejoin_opens_a_new_one() {
+        let g = Group::new();
+        let ps = periods(&g.convs["g"]).unwrap();
+        assert_eq!(ps["a"], vec![Period { join: 1, leave: Some(3) }, Period { join: 5, leave: None }]);
+        assert_eq!(ps["b"], vec![Period { join: 1, leave: None }]);
+        let covered: Vec<u64> = (1..=7).filter(|s| ps["a"].iter().any(|p| p.covers(*s))).collect();
+        assert_eq!(covered, vec![1, 2, 3, 5, 6, 7], "the leave and the join events are inside, the gap is not");
+
+        let mut bad = g.convs["g"].clone();
+        bad.changes.push(MembershipChange { op: MemberOp::Add, msg_seq: 8, ..bad.changes[1].clone() });
+        assert!(periods(&bad).unwrap_err().contains("while a member"));
+    }
+
+    #[test]
+    fn a_group_device_is_checked_period_by_period() {
+        let g = Group::new();
+        let out = g.check(Group::good());
+        assert_eq!(out.violations, Vec::<String>::new());
+        assert_eq!(out.group_verified, 3, "m1, m3, m4");
+        assert_eq!(out.membership_events_verified, 3, "created, leave, join");
+        assert_eq!(out.out_of_period_absent, 1, "m2");
+        assert_eq!(out.refused_not_member, 1, "m5");
+        assert_eq!(out.group_accepted, 4);
+    }
+
+    #[test]
+    fn a_message_from_outside_the_period_is_flagged() {
+        let g = Group::new();
+        let mut leaked = Group::good();
+        leaked.insert(3, msg("g", 4, "m2"));
+        let out = g.check(leaked);
+        assert!(out.violations.iter().any(|v| v.contains("holds m2 (msg_seq 4) from outside its periods")), "{out:?}");
+        assert_eq!(out.out_of_period_absent, 0);
+
+        // A membership event of the gap is outside too.
+        let mut g2 = Group::new();
+        let other = MembershipChange {
+            user: "c".into(),
+            op: MemberOp::Add,
+            msg_seq: 4,
+            step: 2,
+            ..g.convs["g"].changes[0].clone()
+        };
+        g2.convs.get_mut("g").unwrap().changes.push(other);
+        g2.accepted.get_mut("cm2").unwrap().msg_seq = 8;
+        let mut leaked = Group::good();
+        leaked.insert(3, control("g", 4, "member.join", Some("c")));
+        let out = g2.check(leaked);
+        assert!(out.violations.iter().any(|v| v.contains("member.join of c (msg_seq 4) from outside")), "{out:?}");
+    }
+
+    #[test]
+    fn a_message_missing_inside_a_later_period_is_flagged() {
+        let g = Group::new();
+        let mut lost = Group::good();
+        lost.retain(|e| e.msg_seq != 6);
+        let out = g.check(lost);
+        assert!(out.violations.iter().any(|v| v.contains("lost m3 (msg_seq 6)")), "{out:?}");
+        assert!(out.violations.iter().any(|v| v.contains("hole at msg_seq 6..=6")), "{out:?}");
+
+        // Missing the rejoin event itself: the period's first msg_seq.
+        let mut lost = Group::good();
+        lost.retain(|e| e.msg_seq != 5);
+        let out = g.check(lost);
+        assert!(out.violations.iter().any(|v| v.contains("lost member.join of a (msg_seq 5)")), "{out:?}");
+        assert!(out.violations.iter().any(|v| v.contains("hole at msg_seq 5..=5")), "{out:?}");
+    }
+
+    #[test]
+    fn wrong_membership_outcomes_are_flagged() {
+        // A refusal while the sender was a member throughout.
+        let mut g = Group::new();
+        g.accepted.remove("cm3");
+        g.refused.insert("cm3".into(), "server refused: NOT_MEMBER (x)".into());
+        let out = g.check(Group::good());
+        assert!(out.violations.iter().any(|v| v.contains("m3 (b/d0) refused NOT_MEMBER")), "{out:?}");
+
+        // A send accepted inside the sender's gap.
+        let mut g = Group::new();
+        g.refused.clear();
+        g.accepted.insert("cm5".into(), Accepted { msg_seq: 8, message_id: "id-m5".into() });
+        g.convs.get_mut("g").unwrap().changes[1].msg_seq = 9;
+        let out = g.check(Group::good());
+        assert!(out.violations.iter().any(|v| v.contains("m5 accepted from a at g msg_seq 8, outside")), "{out:?}");
+
+        // A device that still calls the group active after a leave.
+        let mut g = Group::new();
+        g.convs.get_mut("g").unwrap().changes.pop();
+        let mut events = Group::good();
+        events.truncate(3);
+        g.sent.truncate(2);
+        let out = g.check(events);
+        assert!(out.violations.iter().any(|v| v.contains("is active=true")), "{out:?}");
     }
 }

@@ -4,10 +4,12 @@
 //!
 //! - [`proxy`]: the WebSocket proxy that drops, duplicates, delays, swaps
 //!   frames and cuts connections, counting every fault by kind;
-//! - [`scenario`]: the run (users, devices, direct conversations, server
-//!   restarts, client reopens and crashes at the SDK's crash points) and
-//!   the facts it collects;
-//! - [`check`]: the pure verdict over those facts.
+//! - [`scenario`]: the run (users, devices, direct conversations, groups
+//!   whose members are removed, added back and leave, server restarts,
+//!   client reopens and crashes at the SDK's crash points) and the facts it
+//!   collects, membership changes with their `msg_seq` included;
+//! - [`check`]: the pure verdict over those facts, membership period by
+//!   membership period in the groups.
 //!
 //! One seed drives every random choice of the proxy and the scenario; it is
 //! printed first so a failing run can be replayed with `--seed`.

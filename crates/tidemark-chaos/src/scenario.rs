@@ -1,8 +1,22 @@
 //! One chaos run: a server on a fixed SQLite directory, the proxy in front
 //! of it, users with several SDK devices each talking through the proxy in
-//! direct conversations, and a seeded schedule of faults on top of the
+//! direct conversations and in group conversations whose membership
+//! changes during the run, and a seeded schedule of faults on top of the
 //! proxy's: server restarts, clients stopped and reopened on their local
 //! store, clients killed at a crash point by the SDK's fault hook.
+//!
+//! Groups are created, and their membership changed, over each user's own
+//! authenticated HTTP connection straight to the server (`Http::rpc`, not
+//! through the proxy: the SDK has no call for them, and these operations
+//! are the scenario's ground truth, not what is under test). Each group's
+//! owner (its creator) stays in it; during the send phase, seeded steps
+//! make the owner remove a member, a member add a non-member (back: a new
+//! period), and a member leave. Every change is recorded with the `msg_seq`
+//! of its `member.join`/`member.leave` event from the server's reply, and
+//! the step it was made at. Sends go on from members throughout (a send
+//! racing a removal may still be refused `NOT_MEMBER`), and a few go on
+//! from non-members on purpose; a refusal is an outcome the checker judges,
+//! not an accepted message.
 //!
 //! The server runs in-process ([`ServerMode::InProcess`], the CI run): a
 //! "kill" is [`RunningServer::stop`] followed by a new [`Server::start`] on
@@ -11,12 +25,13 @@
 //! and started again on the same directory and address. This module owns
 //! the run's timeline and collects the facts; [`crate::check`] judges them.
 //!
-//! Every random choice of the scenario comes from one generator seeded
-//! with the run's seed; the proxy derives its own from the same seed. What
-//! the seed cannot fix is timing (and the SDK's own jitter), so a replay
-//! takes the same decisions but may interleave them differently.
+//! Every random choice of the scenario comes from generators seeded with
+//! the run's seed (one for the timeline and the sends, one for membership
+//! changes); the proxy derives its own from the same seed. What the seed
+//! cannot fix is timing (and the SDK's own jitter), so a replay takes the
+//! same decisions but may interleave them differently.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -26,15 +41,16 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq, ErrorCode, ErrorFrame};
 use tidemark_client::{
-    Change, Client, ClientConfig, ConnState, Conversation, Exit, FaultAction, FaultHook, FaultPoint, Http, OutboxState,
-    SyncPosition,
+    Change, Client, ClientConfig, ClientError, ConnState, Conversation, Exit, FaultAction, FaultHook, FaultPoint, Http,
+    OutboxState, SyncPosition,
 };
 use tidemark_server::{RunningServer, Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tokio::task::JoinHandle;
 
-use crate::check::{self, Accepted, DeviceView, Sent};
+use crate::check::{self, Accepted, ConvFacts, ConvKind, DeviceView, MemberOp, MembershipChange, Sent};
 use crate::proxy::{FaultConfig, FaultKind, Proxy};
 
 const ADMIN: &str = "chaos-admin";
@@ -50,6 +66,19 @@ const SETTLE_QUIET_POLLS: u32 = 3;
 /// Violations recorded while running, per device, before the rest are
 /// only counted (a broken cursor would otherwise flood the report).
 const LIVE_VIOLATIONS_MAX: usize = 50;
+/// The device id of each user's control connection (group operations,
+/// straight to the server); it never syncs.
+const CONTROL_DEVICE: &str = "chaos-ctl";
+/// Attempts at one control call (transport failures, server restarts).
+const CONTROL_ATTEMPTS_MAX: u32 = 50;
+/// One control request gives up after this long (and is retried).
+const CONTROL_WAIT: Duration = Duration::from_secs(5);
+/// The first membership steps of each group, so that even a short run
+/// removes a member, adds one back (a new period) and has one leave;
+/// later steps pick any feasible operation.
+const MEMBERSHIP_CYCLE: [MemberOp; 4] = [MemberOp::Remove, MemberOp::Add, MemberOp::Leave, MemberOp::Add];
+/// Mixed into the seed for the membership generator.
+const MEMBERSHIP_SEED: u64 = 0x6d65_6d62_6572_7321;
 
 /// Everything a run needs; [`ChaosConfig::short`] is the CI run.
 #[derive(Debug, Clone)]
@@ -66,6 +95,15 @@ pub struct ChaosConfig {
     pub client_aborts: usize,
     /// Pause between two sends, drawn from `0..=send_gap_ms_max`.
     pub send_gap_ms_max: u64,
+    /// Group conversations created at setup. Even-numbered ones start with
+    /// every user, odd ones with their owner and one other user (so an add
+    /// may be a first join, not only a rejoin).
+    pub groups: usize,
+    /// Membership changes (remove, add, leave) during the send phase.
+    pub membership_changes: usize,
+    /// Percent of sends a user makes to a group they are not in (refused
+    /// `NOT_MEMBER`, unless added back before the server sees the send).
+    pub stray_send_percent: u32,
     pub faults: FaultConfig,
     pub server: ServerMode,
     /// The SDK's request timeout: short, so a dropped frame costs little.
@@ -87,6 +125,9 @@ impl ChaosConfig {
             client_reopens: 2,
             client_aborts: 2,
             send_gap_ms_max: 30,
+            groups: 2,
+            membership_changes: 8,
+            stray_send_percent: 5,
             faults: FaultConfig::default(),
             server: ServerMode::InProcess,
             request_timeout: Duration::from_secs(1),
@@ -102,6 +143,7 @@ impl ChaosConfig {
             server_restarts: scale.clamp(1, 50),
             client_reopens: (scale * 2).clamp(2, 100),
             client_aborts: (scale * 2).clamp(2, 100),
+            membership_changes: (scale * 4).clamp(8, 400),
             settle_max: Duration::from_secs(60),
             ..ChaosConfig::short(seed)
         }
@@ -124,6 +166,10 @@ pub struct Report {
     pub messages_sent: usize,
     pub messages_accepted: usize,
     pub duplicate_accepts: usize,
+    /// Membership changes the server made, by operation.
+    pub membership: BTreeMap<&'static str, usize>,
+    /// Sends queued on purpose by a user out of the group.
+    pub stray_sends: usize,
     pub check: check::Outcome,
     pub cursor_moves_checked: u64,
     pub settled: bool,
@@ -163,6 +209,22 @@ impl fmt::Display for Report {
             self.check.verified,
             self.check.devices,
             self.check.history_skipped
+        )?;
+        let ops: Vec<String> = self.membership.iter().map(|(k, n)| format!("{k} {n}")).collect();
+        writeln!(
+            f,
+            "  groups: {} groups, {} membership changes ({}); {} group messages accepted, {} sends refused NOT_MEMBER ({} queued by non-members on purpose)",
+            self.check.groups,
+            self.check.membership_changes,
+            ops.join(", "),
+            self.check.group_accepted,
+            self.check.refused_not_member,
+            self.stray_sends
+        )?;
+        writeln!(
+            f,
+            "  periods: {} group messages and {} membership events verified inside periods, {} out-of-period events confirmed absent",
+            self.check.group_verified, self.check.membership_events_verified, self.check.out_of_period_absent
         )?;
         writeln!(f, "  cursor moves checked: {}; settled: {}", self.cursor_moves_checked, self.settled)?;
         for n in &self.notes {
@@ -209,7 +271,8 @@ impl CrashAt {
 struct DeviceLog {
     accepted: HashMap<String, Accepted>,
     duplicates: usize,
-    failed: Vec<String>,
+    /// `client_msg_id` → why the outbox gave up on it.
+    failed: HashMap<String, String>,
     /// `(generation, applied_sync_seq)` of the last page.
     applied: Option<(u64, u64)>,
     /// `(generation, acked_sync_seq)` of the last confirmed ACK.
@@ -320,7 +383,9 @@ impl DeviceLog {
                     }
                 }
             }
-            Change::OutboxFailed { client_msg_id, error, .. } => self.failed.push(format!("{client_msg_id}: {error}")),
+            Change::OutboxFailed { client_msg_id, error, .. } => {
+                self.failed.insert(client_msg_id, error);
+            }
             Change::Reset { .. } | Change::SnapshotInstalled { .. } => {
                 // A rebuild legitimately restarts the per-conversation
                 // cursors from the snapshot.
@@ -554,12 +619,223 @@ fn spawn_binary(bin: &std::path::Path, dir: &std::path::Path, listen: &str) -> a
     Ok((Running::Binary(process), addr))
 }
 
-/// What happens before message `at` is sent.
+/// One user's own authenticated connection straight to the server (not
+/// through the proxy, no faults), for the group operations the SDK has no
+/// call for. It logs in as its own device, which never syncs.
+struct Control {
+    http: Http,
+    user: String,
+    token: Option<String>,
+}
+
+impl Control {
+    fn new(url: &str, user: &str) -> Control {
+        Control { http: Http::new(url), user: user.to_owned(), token: None }
+    }
+
+    /// Calls `op` until the server answers it: transport failures, a
+    /// restarting server and an expired token are retried (every call the
+    /// scenario makes carries a `client_msg_id`, so a retry returns the
+    /// original event). `Ok(Err(..))` is a contract refusal.
+    async fn call(
+        &mut self,
+        op: &str,
+        body: serde_json::Value,
+    ) -> anyhow::Result<Result<serde_json::Value, ErrorFrame>> {
+        let mut last = String::new();
+        for attempt in 0..CONTROL_ATTEMPTS_MAX {
+            if attempt > 0 {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            let token = match &self.token {
+                Some(t) => t.clone(),
+                None => match tokio::time::timeout(CONTROL_WAIT, self.http.login(&self.user, PASSWORD, CONTROL_DEVICE))
+                    .await
+                {
+                    Ok(Ok(ok)) => {
+                        self.token = Some(ok.access_token.clone());
+                        ok.access_token
+                    }
+                    Ok(Err(e)) => {
+                        last = format!("login: {e}");
+                        continue;
+                    }
+                    Err(_) => {
+                        last = "login timed out".into();
+                        continue;
+                    }
+                },
+            };
+            match tokio::time::timeout(CONTROL_WAIT, self.http.rpc::<_, serde_json::Value>(&token, op, &body)).await {
+                Ok(Ok(v)) => return Ok(Ok(v)),
+                Ok(Err(ClientError::Server(f))) => match f.code {
+                    ErrorCode::Unauthenticated | ErrorCode::TokenInvalid => {
+                        self.token = None;
+                        last = format!("{} ({})", f.code, f.message);
+                    }
+                    ErrorCode::Unavailable | ErrorCode::RateLimited | ErrorCode::Internal => {
+                        last = format!("{} ({})", f.code, f.message);
+                    }
+                    _ => return Ok(Err(f)),
+                },
+                Ok(Err(e)) => last = e.to_string(),
+                Err(_) => last = "timed out".into(),
+            }
+        }
+        bail!("{} {op}: gave up after {CONTROL_ATTEMPTS_MAX} attempts: {last}", self.user)
+    }
+}
+
+/// One group as the scenario made it.
+struct GroupState {
+    conv: String,
+    /// The creator: the only user who may remove members. The scenario
+    /// never removes the owner and never makes it leave.
+    owner: String,
+    /// Members at creation (a period from `msg_seq` 1).
+    initial: Vec<String>,
+    /// Current members, as the server's answers say.
+    members: BTreeSet<String>,
+    /// Membership changes made so far.
+    steps: usize,
+}
+
+/// The groups, their control connections and every change made.
+struct Groups {
+    users: Vec<String>,
+    control: HashMap<String, Control>,
+    groups: Vec<GroupState>,
+    changes: Vec<MembershipChange>,
+    rng: StdRng,
+}
+
+impl Groups {
+    /// Creates `cfg.groups` groups over the owners' control connections.
+    async fn create(cfg: &ChaosConfig, url: &str, users: &[String]) -> anyhow::Result<Groups> {
+        let control = users.iter().map(|u| (u.clone(), Control::new(url, u))).collect();
+        let rng = StdRng::seed_from_u64(cfg.seed ^ MEMBERSHIP_SEED);
+        let mut g = Groups { users: users.to_vec(), control, groups: Vec::new(), changes: Vec::new(), rng };
+        for k in 0..cfg.groups {
+            let owner = users[k % users.len()].clone();
+            let others: Vec<String> = if k % 2 == 0 || users.len() < 3 {
+                users.iter().filter(|u| **u != owner).cloned().collect()
+            } else {
+                vec![users[(k + 1) % users.len()].clone()]
+            };
+            let req = ConvCreateReq {
+                kind: "group".into(),
+                members: others,
+                client_msg_id: Some(format!("chaos-group-{k}")),
+            };
+            let body = serde_json::to_value(&req)?;
+            let reply =
+                g.control.get_mut(&owner).expect("a control connection per user").call(op::CONV_CREATE, body).await?;
+            let reply = reply.map_err(|f| anyhow::anyhow!("{owner} creates group {k}: {} ({})", f.code, f.message))?;
+            let ok: ConvCreateOk = serde_json::from_value(reply).context("conv.create.ok")?;
+            g.groups.push(GroupState {
+                conv: ok.conv,
+                owner,
+                initial: ok.members.clone(),
+                members: ok.members.into_iter().collect(),
+                steps: 0,
+            });
+        }
+        Ok(g)
+    }
+
+    /// The groups `user` is in now, and those they are not in.
+    fn of(&self, user: &str) -> (Vec<&str>, Vec<&str>) {
+        let (inside, outside): (Vec<&GroupState>, Vec<&GroupState>) =
+            self.groups.iter().partition(|g| g.members.contains(user));
+        (inside.iter().map(|g| g.conv.as_str()).collect(), outside.iter().map(|g| g.conv.as_str()).collect())
+    }
+
+    /// One seeded membership step in group `g` at scenario step `step`:
+    /// the group's first steps follow [`MEMBERSHIP_CYCLE`], later ones any
+    /// feasible operation; targets and callers are drawn among who may.
+    async fn change(&mut self, g: usize, step: usize, report: &mut Report) -> anyhow::Result<()> {
+        let group = &self.groups[g];
+        let outsiders: Vec<String> = self.users.iter().filter(|u| !group.members.contains(*u)).cloned().collect();
+        let removable: Vec<String> = group.members.iter().filter(|u| **u != group.owner).cloned().collect();
+        let feasible = |op: &MemberOp| match op {
+            MemberOp::Add => !outsiders.is_empty(),
+            MemberOp::Remove | MemberOp::Leave => !removable.is_empty(),
+        };
+        let op = match MEMBERSHIP_CYCLE.get(group.steps) {
+            Some(op) if feasible(op) => *op,
+            _ => {
+                let ops: Vec<MemberOp> = MemberOp::ALL.into_iter().filter(feasible).collect();
+                let Some(op) = ops.get(self.rng.random_range(0..ops.len().max(1))) else {
+                    return Ok(());
+                };
+                *op
+            }
+        };
+        let members: Vec<&String> = group.members.iter().collect();
+        let (target, by) = match op {
+            MemberOp::Add => (
+                outsiders[self.rng.random_range(0..outsiders.len())].clone(),
+                members[self.rng.random_range(0..members.len())].clone(),
+            ),
+            MemberOp::Remove => (removable[self.rng.random_range(0..removable.len())].clone(), group.owner.clone()),
+            MemberOp::Leave => {
+                let t = removable[self.rng.random_range(0..removable.len())].clone();
+                (t.clone(), t)
+            }
+        };
+        let req = ConvMemberReq {
+            conv: group.conv.clone(),
+            user: (op != MemberOp::Leave).then(|| target.clone()),
+            client_msg_id: Some(format!("chaos-member-{g}-{}", group.steps)),
+        };
+        let conv = group.conv.clone();
+        let body = serde_json::to_value(&req)?;
+        let control = self.control.get_mut(&by).expect("a control connection per user");
+        match control.call(op.op(), body).await? {
+            Ok(reply) => {
+                let ok: ConvMemberOk = serde_json::from_value(reply).with_context(|| format!("{} reply", op.op()))?;
+                let group = &mut self.groups[g];
+                group.steps += 1;
+                if op == MemberOp::Add {
+                    group.members.insert(target.clone());
+                } else {
+                    group.members.remove(&target);
+                }
+                *report.membership.entry(op.op()).or_default() += 1;
+                self.changes.push(MembershipChange { conv, op, user: target, by, msg_seq: ok.msg_seq, step });
+            }
+            // Every change the scenario asks for is allowed by the
+            // contract (docs/protocol.md §3.7–§3.9): a refusal is a bug.
+            Err(f) => report.violations.push(format!(
+                "{by}: {} {target} in {conv} at step {step} refused: {} ({})",
+                op.op(),
+                f.code,
+                f.message
+            )),
+        }
+        Ok(())
+    }
+
+    /// Every group's facts for the checker.
+    fn facts(&self) -> Vec<(String, ConvFacts)> {
+        self.groups
+            .iter()
+            .map(|g| {
+                let changes = self.changes.iter().filter(|c| c.conv == g.conv).cloned().collect();
+                (g.conv.clone(), ConvFacts { kind: ConvKind::Group, members: g.initial.clone(), changes })
+            })
+            .collect()
+    }
+}
+
+/// What happens before message `at` is sent. `Membership` is one change
+/// in that group; which one is decided then ([`Groups::change`]).
 #[derive(Debug, Clone, Copy)]
 enum Event {
     RestartServer { down: Duration },
     ReopenClient { device: usize },
     ArmCrash { device: usize, at: CrashAt },
+    Membership { group: usize },
 }
 
 fn schedule(cfg: &ChaosConfig, devices: usize, rng: &mut StdRng) -> Vec<(usize, Event)> {
@@ -575,6 +851,12 @@ fn schedule(cfg: &ChaosConfig, devices: usize, rng: &mut StdRng) -> Vec<(usize, 
     for _ in 0..cfg.client_aborts {
         let at = CrashAt::ALL[rng.random_range(0..CrashAt::ALL.len())];
         events.push((rng.random_range(0..span), Event::ArmCrash { device: rng.random_range(0..devices), at }));
+    }
+    if cfg.groups > 0 {
+        for _ in 0..cfg.membership_changes {
+            let group = rng.random_range(0..cfg.groups);
+            events.push((rng.random_range(1..span.max(2)), Event::Membership { group }));
+        }
     }
     events.sort_by_key(|(i, _)| *i);
     events
@@ -609,13 +891,14 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         d.client().wait_state(ConnState::Ready, SETUP_WAIT).await.with_context(|| format!("{} ready", d.name()))?;
     }
     let members = create_conversations(&users, &devices).await?;
-    let convs_of: HashMap<&str, Vec<&str>> = users
+    let directs_of: HashMap<&str, Vec<&str>> = users
         .iter()
         .map(|u| {
             let convs = members.iter().filter(|(_, m)| m.contains(u)).map(|(c, _)| c.as_str()).collect();
             (u.as_str(), convs)
         })
         .collect();
+    let mut groups = Groups::create(&cfg, &server.url(), &users).await?;
 
     let server_kind = match cfg.server {
         ServerMode::InProcess => "in-process, graceful restarts",
@@ -628,7 +911,7 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
     proxy.set_faults(true);
     for i in 0..cfg.messages {
         while next_event < events.len() && events[next_event].0 <= i {
-            apply(events[next_event].1, &mut server, &mut devices, &mut report).await?;
+            apply(events[next_event].1, i, &mut server, &mut devices, &mut groups, &mut report).await?;
             next_event += 1;
         }
         reopen_dead(&mut devices, &mut report).await?;
@@ -636,8 +919,17 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
             d.poll().await;
         }
         let d = rng.random_range(0..devices.len());
-        let convs = &convs_of[devices[d].user.as_str()];
-        let conv = convs[rng.random_range(0..convs.len())].to_owned();
+        // A direct conversation or a group the user is in now; now and then
+        // on purpose a group the user is out of.
+        let (inside, outside) = groups.of(&devices[d].user);
+        let stray = !outside.is_empty() && rng.random_range(0..100) < cfg.stray_send_percent;
+        let conv = if stray {
+            outside[rng.random_range(0..outside.len())].to_owned()
+        } else {
+            let mut convs = directs_of[devices[d].user.as_str()].clone();
+            convs.extend(inside);
+            convs[rng.random_range(0..convs.len())].to_owned()
+        };
         let tag = format!("m{i}");
         let content = serde_json::json!({ "text": format!("chaos {tag}"), "tag": tag });
         let dev = &devices[d];
@@ -654,12 +946,14 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
             user: dev.user.clone(),
             device: dev.id.clone(),
             client_msg_id: entry.client_msg_id,
+            step: i,
         });
+        report.stray_sends += usize::from(stray);
         let gap = rng.random_range(0..=cfg.send_gap_ms_max);
         tokio::time::sleep(Duration::from_millis(gap)).await;
     }
     while next_event < events.len() {
-        apply(events[next_event].1, &mut server, &mut devices, &mut report).await?;
+        apply(events[next_event].1, cfg.messages, &mut server, &mut devices, &mut groups, &mut report).await?;
         next_event += 1;
     }
 
@@ -673,28 +967,55 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
     report.settled = settle(&cfg, &server, &mut devices, &mut report).await?;
 
     let mut accepted: HashMap<String, Accepted> = HashMap::new();
+    let mut refused: HashMap<String, String> = HashMap::new();
     let mut views = Vec::with_capacity(devices.len());
     for d in &devices {
         let log = d.log.lock().expect("log lock");
         accepted.extend(log.accepted.iter().map(|(k, v)| (k.clone(), v.clone())));
+        refused.extend(log.failed.iter().map(|(k, v)| (k.clone(), v.clone())));
     }
     for s in &sent {
         // The outbox is the sender's durable record: fill in what the
         // change stream missed (a lagged subscriber).
-        if accepted.contains_key(&s.client_msg_id) {
+        if accepted.contains_key(&s.client_msg_id) || refused.contains_key(&s.client_msg_id) {
             continue;
         }
         let dev = devices.iter().find(|d| d.user == s.user && d.id == s.device).expect("sender device");
         if let Ok(Some(e)) = dev.client().outbox_entry(&s.client_msg_id).await {
-            if let (OutboxState::Accepted, Some(seq), Some(id)) = (e.state, e.msg_seq, e.message_id) {
-                accepted.insert(s.client_msg_id.clone(), Accepted { msg_seq: seq, message_id: id });
+            match (e.state, e.msg_seq, e.message_id, e.error) {
+                (OutboxState::Accepted, Some(seq), Some(id), _) => {
+                    accepted.insert(s.client_msg_id.clone(), Accepted { msg_seq: seq, message_id: id });
+                }
+                (OutboxState::Failed, _, _, error) => {
+                    refused.insert(s.client_msg_id.clone(), error.unwrap_or_default());
+                }
+                _ => {}
             }
+        }
+    }
+    let queued: BTreeSet<&str> = sent.iter().map(|s| s.client_msg_id.as_str()).collect();
+    for (id, why) in &refused {
+        if !queued.contains(id.as_str()) {
+            report
+                .violations
+                .push(format!("outbox entry {id} failed for good, and the scenario never queued it: {why}"));
         }
     }
     for d in &devices {
         views.push(view(d).await?);
     }
-    let outcome = check::check(&check::Facts { members: &members, sent: &sent, accepted: &accepted, views: &views });
+    let mut convs: BTreeMap<String, ConvFacts> = members
+        .iter()
+        .map(|(c, m)| (c.clone(), ConvFacts { kind: ConvKind::Direct, members: m.clone(), changes: Vec::new() }))
+        .collect();
+    convs.extend(groups.facts());
+    let outcome = check::check(&check::Facts {
+        convs: &convs,
+        sent: &sent,
+        accepted: &accepted,
+        refused: &refused,
+        views: &views,
+    });
 
     report.messages_sent = sent.len();
     report.messages_accepted = sent.iter().filter(|s| accepted.contains_key(&s.client_msg_id)).count();
@@ -706,9 +1027,6 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         report.violations.extend(log.violations.iter().map(|v| format!("{}: {v}", d.name())));
         if log.violations_dropped > 0 {
             report.violations.push(format!("{}: {} more live violations", d.name(), log.violations_dropped));
-        }
-        for f in &log.failed {
-            report.violations.push(format!("{}: outbox entry failed for good: {f}", d.name()));
         }
         if log.lagged > 0 {
             report.notes.push(format!("{}: change stream lagged by {} (cursor checks partial)", d.name(), log.lagged));
@@ -780,10 +1098,13 @@ async fn retry_create(d: &Device, peer: &str) -> anyhow::Result<String> {
     bail!("{} create_direct({peer}): {last:?}", d.name())
 }
 
+/// Applies one timeline event at scenario step `step`.
 async fn apply(
     event: Event,
+    step: usize,
     server: &mut ServerSlot,
     devices: &mut [Device],
+    groups: &mut Groups,
     report: &mut Report,
 ) -> anyhow::Result<()> {
     match event {
@@ -803,6 +1124,7 @@ async fn apply(
             *devices[device].crash.lock().expect("crash plan lock") = Some(at);
             report.client_aborts_armed += 1;
         }
+        Event::Membership { group } => groups.change(group, step, report).await?,
     }
     Ok(())
 }

@@ -1,6 +1,8 @@
 //! The short chaos run, in CI: three users with two devices each, about 60
-//! messages through the fault-injecting proxy, one server restart, client
-//! reopens and crashes; every device checked message by message.
+//! messages through the fault-injecting proxy in direct conversations and
+//! two groups whose membership changes (removals, adds back, leaves), one
+//! server restart, client reopens and crashes; every device checked message
+//! by message, and period by period in the groups.
 //!
 //! `TIDEMARK_CHAOS_SEED` replays a seed; `TIDEMARK_CHAOS_MESSAGES` makes it
 //! a long run.
@@ -27,4 +29,9 @@ async fn short_chaos_run_loses_duplicates_and_misorders_nothing() {
     assert!(report.ok(), "seed {seed}: {} violations (see the summary above)", report.violations.len());
     assert!(report.check.verified > 0, "nothing verified");
     assert!(report.faults.iter().map(|(_, n)| n).sum::<u64>() > 0, "no fault injected");
+    for op in ["conv.add", "conv.remove", "conv.leave"] {
+        assert!(report.membership.get(op).is_some_and(|n| *n > 0), "no {op} made: {:?}", report.membership);
+    }
+    assert!(report.check.group_verified > 0, "no group message verified");
+    assert!(report.check.out_of_period_absent > 0, "no out-of-period event checked absent");
 }
