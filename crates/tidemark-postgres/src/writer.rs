@@ -5,7 +5,9 @@
 //!
 //! Each request runs inside its own SAVEPOINT, so a request that fails (a
 //! send to a conversation the sender left, a deadlock victim) rolls back
-//! alone and the rest of the batch commits. Replies are sent only after
+//! alone and the rest of the batch commits. The savepoint costs no round
+//! trip of its own: it is pipelined with the request's first statement,
+//! and released by the next request's savepoint or the COMMIT. Replies are sent only after
 //! COMMIT returned: a caller never hears "ok" for something that is not
 //! durable.
 //!
@@ -69,7 +71,9 @@ trait Job: Send {
     /// Runs the request inside the open transaction, in its own savepoint.
     /// Returns how to complete it after COMMIT, and whether the transaction
     /// is still usable (false if the savepoint itself could not be handled).
-    fn run<'c>(self: Box<Self>, c: &'c Conn) -> BoxFut<'c, (Completer, bool)>;
+    /// `after_savepoint`: an earlier request of this transaction left its
+    /// savepoint open (see [`in_savepoint`]).
+    fn run<'c>(self: Box<Self>, c: &'c Conn, after_savepoint: bool) -> BoxFut<'c, (Completer, bool)>;
     /// Answers the request without running it.
     fn fail(self: Box<Self>, e: StoreError);
 }
@@ -84,10 +88,10 @@ where
     T: Send + 'static,
     F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Send + 'static,
 {
-    fn run<'c>(self: Box<Self>, c: &'c Conn) -> BoxFut<'c, (Completer, bool)> {
+    fn run<'c>(self: Box<Self>, c: &'c Conn, after_savepoint: bool) -> BoxFut<'c, (Completer, bool)> {
         Box::pin(async move {
             let Request { f, reply } = *self;
-            let (result, healthy) = in_savepoint(c, f).await;
+            let (result, healthy) = in_savepoint(c, f, after_savepoint).await;
             let complete: Completer = Box::new(move |commit_error: Option<StoreError>| {
                 let _ = reply.send(match commit_error {
                     Some(e) => Err(e),
@@ -176,20 +180,61 @@ impl Writer {
 }
 
 /// Runs one request in a savepoint; an `Err` rolls back what it wrote.
-async fn in_savepoint<T, F>(c: &Conn, f: F) -> (StoreResult<T>, bool)
+///
+/// Two round trips are saved per request. The savepoint is opened in the
+/// same pipeline as the request's first statement (tokio-postgres sends
+/// requests in the order they are first polled, and the server runs them
+/// in that order: the `SAVEPOINT` is polled first, see [`both`]). And a
+/// request that succeeded leaves its savepoint open: the next request's
+/// `RELEASE SAVEPOINT job; SAVEPOINT job` or the batch's `COMMIT` releases
+/// it. `after_savepoint` says whether an earlier request of this
+/// transaction left one open. A failed request is rolled back to its
+/// savepoint at once, before anything else runs.
+async fn in_savepoint<T, F>(c: &Conn, f: F, after_savepoint: bool) -> (StoreResult<T>, bool)
 where
     F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>>,
 {
-    if let Err(e) = db::batch(c, "SAVEPOINT job").await {
+    let begin = if after_savepoint { "RELEASE SAVEPOINT job; SAVEPOINT job" } else { "SAVEPOINT job" };
+    let (opened, result) = both(db::batch(c, begin), f(c)).await;
+    if let Err(e) = opened {
+        // Nothing of the request can have run outside a savepoint: its
+        // statements queued behind the failed one failed too.
         return (Err(db::error(e)), false);
     }
-    let result = f(c).await;
-    let end =
-        if result.is_err() { "ROLLBACK TO SAVEPOINT job; RELEASE SAVEPOINT job" } else { "RELEASE SAVEPOINT job" };
-    match db::batch(c, end).await {
-        Ok(()) => (result, true),
-        Err(e) => (Err(db::error(e)), false),
+    if result.is_err() {
+        if let Err(e) = db::batch(c, "ROLLBACK TO SAVEPOINT job").await {
+            return (Err(db::error(e)), false);
+        }
     }
+    (result, true)
+}
+
+/// Runs two futures on this task, always polling `first` before `second`,
+/// so a request `first` sends on its first poll reaches the connection
+/// before any `second` sends (a join with a rotating start would not
+/// promise that).
+async fn both<A: Future, B: Future>(first: A, second: B) -> (A::Output, B::Output) {
+    let (mut first, mut second) = (std::pin::pin!(first), std::pin::pin!(second));
+    let (mut a, mut b) = (None, None);
+    std::future::poll_fn(|cx| {
+        if a.is_none() {
+            if let std::task::Poll::Ready(out) = first.as_mut().poll(cx) {
+                a = Some(out);
+            }
+        }
+        if b.is_none() {
+            if let std::task::Poll::Ready(out) = second.as_mut().poll(cx) {
+                b = Some(out);
+            }
+        }
+        if a.is_some() && b.is_some() {
+            std::task::Poll::Ready(())
+        } else {
+            std::task::Poll::Pending
+        }
+    })
+    .await;
+    (a.expect("polled to completion"), b.expect("polled to completion"))
 }
 
 /// Commits the open transaction. The `SELECT 1` first is a guard: PostgreSQL
@@ -231,12 +276,12 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
         }
         let mut completers: Vec<Completer> = Vec::with_capacity(batch.len());
         let mut broken: Option<StoreError> = None;
-        for job in batch.drain(..) {
+        for (i, job) in batch.drain(..).enumerate() {
             if let Some(e) = &broken {
                 job.fail(e.clone());
                 continue;
             }
-            let (complete, healthy) = job.run(&conn).await;
+            let (complete, healthy) = job.run(&conn, i > 0).await;
             completers.push(complete);
             if !healthy {
                 broken = Some(StoreError::Unavailable("store transaction broken; batch rolled back".into()));

@@ -41,6 +41,7 @@ where
     send_is_idempotent(&*fresh().await).await;
     concurrent_sends_get_contiguous_seqs(fresh().await).await;
     refused_send_leaves_no_hole(&*fresh().await).await;
+    refusals_inside_one_group_commit_roll_back_alone(fresh().await).await;
     fan_out_is_idempotent_and_projects_once(&*fresh().await).await;
     fan_out_next_claims_in_outbox_order(fresh().await).await;
     user_log_pages_are_ranges(&*fresh().await).await;
@@ -103,6 +104,57 @@ pub async fn refused_send_leaves_no_hole(store: &dyn Store) {
     assert!(matches!(store.accept_send(send("a", "no-such-conv", "3")).await, Err(StoreError::NotFound(_))));
     assert_eq!(store.accept_send(send("b", &conv, "4")).await.unwrap().msg_seq, 2, "S2: no hole after a refusal");
     assert_eq!(store.outbox_stats().await.unwrap().backlog, 2);
+}
+
+/// S2/S3 under group commit: sends queued together land in the same
+/// transactions, refusals (not a member, unknown conversation, an id reused
+/// for another conversation) interleaved with accepted sends and
+/// duplicates. Each refusal rolls back alone: the accepted sends keep
+/// contiguous msg_seqs, each has exactly one outbox record, duplicates get
+/// the first answer.
+pub async fn refusals_inside_one_group_commit_roll_back_alone(store: Arc<dyn Store>) {
+    users(&*store, &["a", "b", "c"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    let (other, _) = store.create_direct("a", "c", "c2", T0).await.unwrap();
+    store.accept_send(send("a", &other, "used")).await.unwrap();
+    let n = 120u64;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (store, conv) = (store.clone(), conv.clone());
+        tasks.spawn(async move {
+            let cmd = match i % 6 {
+                0 => send("c", &conv, &format!("x{i}")),
+                1 => send("a", "no-such-conv", &format!("x{i}")),
+                2 => send("a", &conv, "used"),
+                3 => send("b", &conv, "dup"),
+                _ => send("a", &conv, &format!("k{i}")),
+            };
+            (i % 6, store.accept_send(cmd).await)
+        });
+    }
+    let mut seqs = Vec::new();
+    let mut dup_seqs = std::collections::BTreeSet::new();
+    for (kind, r) in tasks.join_all().await {
+        match (kind, r) {
+            (0, r) => assert_eq!(r, Err(StoreError::NotMember)),
+            (1, r) => assert!(matches!(r, Err(StoreError::NotFound(_))), "{r:?}"),
+            (2, r) => assert!(matches!(r, Err(StoreError::Invalid(_))), "{r:?}"),
+            (3, r) => {
+                let ok = r.unwrap();
+                dup_seqs.insert(ok.msg_seq);
+                if !ok.duplicate {
+                    seqs.push(ok.msg_seq);
+                }
+            }
+            (_, r) => seqs.push(r.unwrap().msg_seq),
+        }
+    }
+    seqs.sort_unstable();
+    assert_eq!(dup_seqs.len(), 1, "S1: every duplicate gets the first answer");
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>(), "S2: no hole after refusals in a batch");
+    assert_eq!(seqs.len() as u64, n / 6 * 2 + 1);
+    let backlog = store.outbox_stats().await.unwrap().backlog;
+    assert_eq!(backlog, seqs.len() as u64 + 1, "S3: one outbox record per accepted send, none for a refusal");
 }
 
 /// F2, F3, R3: one event per recipient, contiguous sync_seq, a redelivered
