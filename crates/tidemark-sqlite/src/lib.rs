@@ -12,7 +12,8 @@
 //! followed a commit survives a process crash *and* a power loss. (With
 //! `NORMAL`, a power loss could drop the last commits, which would break the
 //! promise of `send.ok`.) Fsyncs per commit: one; a passive checkpoint every
-//! [`writer::CHECKPOINT_EVERY_COMMITS`] commits adds two.
+//! [`writer::CHECKPOINT_EVERY_COMMITS`] commits (or once the WAL file passes
+//! [`writer::WAL_TRUNCATE_BYTES`]) adds two.
 
 mod events;
 mod lifecycle;
@@ -109,6 +110,10 @@ impl SqliteStore {
         // Checkpoints are run and counted by the writer itself.
         conn.pragma_update(None, "wal_autocheckpoint", 0).map_err(internal)?;
         schema::migrate(&conn)?;
+        // Start with an empty log: a WAL left by a crash was just recovered
+        // (replayed into memory), so fold it into the database file now
+        // rather than carry it, and its recovery cost, into the next crash.
+        conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(())).map_err(internal)?;
         let mut readers = Vec::with_capacity(READERS_MAX);
         for _ in 0..READERS_MAX {
             let r =
