@@ -33,6 +33,26 @@
 //! - nothing is held that nobody sent, or from a conversation the user never
 //!   had a period in.
 //!
+//! Snapshots (D7). A device rebuilt from a snapshot holds, per
+//! conversation, the latest `snapshot_events_per_conv` events of the user's
+//! view at the snapshot's base, and sets `history_to` right below the first
+//! of them; everything after the base comes by sync. So, per conversation
+//! with `history_to` > 0:
+//! - the device installed a snapshot (nothing else sets `history_to`);
+//! - `history_to + 1` is an event of the user's view (the snapshot's first),
+//!   and if any event of the view lies at or below `history_to`, the
+//!   snapshot was full: at least `snapshot_events_per_conv` events of the
+//!   view lie above it, and exactly that many are held above it without a
+//!   `sync_seq` (installed by the snapshot, not delivered by the log; never
+//!   more than that many in any case);
+//! - above `history_to` the rules above hold unchanged: every event of the
+//!   user's periods once, in order, at its `msg_seq`, nothing outside them;
+//! - an event of the user's periods at or below `history_to` may be absent
+//!   locally only because it is history: `history` (fetched by the scenario
+//!   below `history_to + 1`) must serve it exactly once, as accepted; and
+//!   `history` serves nothing outside the user's periods (G1), nothing
+//!   above the boundary, newest first.
+//!
 //! Cursor monotonicity is checked while the run goes (see
 //! [`crate::scenario`]), since only the change stream sees every move.
 
@@ -72,6 +92,12 @@ pub struct DeviceView {
     /// Every event of each conversation of `conversations`, in the order
     /// the SDK returns them.
     pub events: BTreeMap<String, Vec<Message>>,
+    /// Snapshots the device installed during the run; `None` when its
+    /// change stream lagged and the count may be short.
+    pub snapshots_installed: Option<u64>,
+    /// For each conversation with `history_to` > 0: what `history` serves
+    /// the user below `history_to + 1`, newest first, or its refusal.
+    pub history: BTreeMap<String, Result<Vec<Message>, String>>,
 }
 
 /// A group membership operation.
@@ -221,9 +247,19 @@ fn out_at_or_after(conv: &ConvFacts, user: &str, step: usize) -> bool {
 pub struct Outcome {
     /// (device, message) pairs found exactly right, every conversation.
     pub verified: u64,
-    /// Accepted messages at or below a device's `history_to` (delivered by
-    /// a snapshot as history): not required locally.
-    pub history_skipped: u64,
+    /// (device, event) pairs of the user's periods at or below the device's
+    /// `history_to`, not held (left as history by a snapshot) and served
+    /// exactly once by `history`.
+    pub history_only: u64,
+    /// Conversations held from a snapshot's boundary (`history_to` > 0).
+    pub history_boundaries: u64,
+    /// Devices that installed a snapshot.
+    pub rebuilt_devices: usize,
+    /// (device, message) pairs found exactly right on rebuilt devices (a
+    /// part of `verified`)...
+    pub verified_after_snapshot: u64,
+    /// ...of which held without a `sync_seq`: installed by the snapshot.
+    pub from_snapshot: u64,
     pub devices: usize,
     pub groups: usize,
     pub membership_changes: usize,
@@ -256,6 +292,9 @@ pub struct Facts<'a> {
     /// server's refusal, as the SDK words it).
     pub refused: &'a HashMap<String, String>,
     pub views: &'a [DeviceView],
+    /// Events per conversation a snapshot carries
+    /// (`ServerConfig::snapshot_messages_per_conv`).
+    pub snapshot_events_per_conv: u64,
 }
 
 /// An event the checker expects at one `msg_seq` of a conversation.
@@ -390,6 +429,11 @@ fn check_device(
     out: &mut Outcome,
 ) {
     let who = format!("{}/{}", view.user, view.device);
+    let rebuilt = match view.snapshots_installed {
+        Some(n) => n > 0,
+        None => view.conversations.iter().any(|c| c.history_to > 0),
+    };
+    out.rebuilt_devices += usize::from(rebuilt);
     let user_periods = |conv: &str| all.get(conv).and_then(|ps| ps.get(&view.user)).filter(|ps| !ps.is_empty());
     for conv in &view.conversations {
         if user_periods(&conv.conv).is_none() {
@@ -421,23 +465,29 @@ fn check_device(
             out.violations
                 .push(format!("{who}: {conv} is active={} but the user's periods are {mine:?} (G1)", summary.active));
         }
-        let ctx = ConvCtx { who: &who, summary, group, mine, periods: &all[conv] };
-        check_events(&ctx, events, want, tags, out);
+        let ctx = ConvCtx { who: &who, summary, group, mine, periods: &all[conv], rebuilt };
+        check_boundary(&ctx, events, want, facts.snapshot_events_per_conv, view.snapshots_installed, out);
+        let served = check_history(&ctx, view.history.get(conv.as_str()), want, out);
+        check_events(&ctx, events, want, tags, &served, out);
     }
 }
 
-/// Strictly increasing `msg_seq`, no hole inside one of the user's periods
-/// above `history_to`, contiguous cursor at the last event.
+/// Strictly increasing `msg_seq` (history held below `history_to`
+/// included), no hole inside one of the user's periods above `history_to`,
+/// contiguous cursor at the last event.
 fn check_order(who: &str, summary: &Conversation, events: &[Message], mine: &[Period], out: &mut Outcome) {
     let conv = &summary.conv;
     let mut want = summary.history_to + 1;
-    for e in events.iter().filter(|e| e.msg_seq > summary.history_to) {
-        if e.msg_seq < want {
-            out.violations.push(format!(
-                "{who}: {conv} msg_seq {} out of order or twice (after {})",
-                e.msg_seq,
-                want - 1
-            ));
+    let mut last: Option<u64> = None;
+    for e in events {
+        if let Some(l) = last.filter(|l| e.msg_seq <= *l) {
+            out.violations.push(format!("{who}: {conv} msg_seq {} out of order or twice (after {l})", e.msg_seq));
+            continue;
+        }
+        last = Some(e.msg_seq);
+        if e.msg_seq <= summary.history_to {
+            // History: whatever of it is held, in order; absence is judged
+            // event by event against `history`.
             continue;
         }
         // Only what the user's periods cover can be a hole: the gap before
@@ -468,6 +518,119 @@ struct ConvCtx<'a> {
     mine: &'a [Period],
     /// Every user's periods in the conversation.
     periods: &'a BTreeMap<String, Vec<Period>>,
+    /// The device installed a snapshot during the run.
+    rebuilt: bool,
+}
+
+/// The events of the user's view in `want`, ascending.
+fn visible(ctx: &ConvCtx<'_>, want: Option<&BTreeMap<u64, Expect<'_>>>) -> Vec<u64> {
+    want.into_iter().flat_map(|w| w.keys().copied()).filter(|s| ctx.mine.iter().any(|p| p.covers(*s))).collect()
+}
+
+/// A snapshot's boundary (D7, docs/protocol.md §3.21): only a snapshot
+/// sets `history_to`, right below the first event it carries, and it
+/// carries the latest `per_conv` events of the user's view, so it leaves
+/// history behind only when it carries that many. What it carried is what
+/// is held above the boundary without a `sync_seq`: no log entry delivered
+/// it, while once the run settled every later event came through the log.
+fn check_boundary(
+    ctx: &ConvCtx<'_>,
+    events: &[Message],
+    want: Option<&BTreeMap<u64, Expect<'_>>>,
+    per_conv: u64,
+    snapshots: Option<u64>,
+    out: &mut Outcome,
+) {
+    let (who, conv, h) = (ctx.who, &ctx.summary.conv, ctx.summary.history_to);
+    if h == 0 {
+        return;
+    }
+    out.history_boundaries += 1;
+    if snapshots == Some(0) {
+        out.violations.push(format!(
+            "{who}: {conv} history_to {h}, but the device installed no snapshot: only a snapshot leaves history (D7)"
+        ));
+    }
+    let seen = visible(ctx, want);
+    if per_conv > 0 && !seen.contains(&(h + 1)) {
+        out.violations.push(format!(
+            "{who}: {conv} history_to {h}, but msg_seq {} is no event of the user's view: a snapshot's boundary lies right below the first event it carries (D7)",
+            h + 1
+        ));
+    }
+    let below = seen.iter().filter(|s| **s <= h).count() as u64;
+    let above = seen.len() as u64 - below;
+    if below > 0 && above < per_conv {
+        out.violations.push(format!(
+            "{who}: {conv} leaves {below} events of the user's view as history at or below history_to {h} with only {above} above it: a snapshot carries the latest {per_conv} (D7)"
+        ));
+    }
+    let carried = events.iter().filter(|e| e.msg_seq > h && e.sync_seq.is_none()).count() as u64;
+    if carried > per_conv || (below > 0 && carried < per_conv) {
+        out.violations.push(format!(
+            "{who}: {conv} holds {carried} events from its snapshot above history_to {h}, with {below} events of the user's view at or below it: a snapshot carries the latest {per_conv} (D7)"
+        ));
+    }
+}
+
+/// What `history` serves below the boundary: newest first, nothing above
+/// `history_to`, nothing outside the user's periods (G1), each event the
+/// one expected at its `msg_seq`. Returns how often each `msg_seq` was
+/// rightly served.
+fn check_history(
+    ctx: &ConvCtx<'_>,
+    served: Option<&Result<Vec<Message>, String>>,
+    want: Option<&BTreeMap<u64, Expect<'_>>>,
+    out: &mut Outcome,
+) -> BTreeMap<u64, usize> {
+    let (who, conv, h) = (ctx.who, &ctx.summary.conv, ctx.summary.history_to);
+    let mut at: BTreeMap<u64, usize> = BTreeMap::new();
+    let served = match served {
+        None => return at,
+        Some(Err(why)) => {
+            out.violations.push(format!("{who}: {conv} `history` below {} refused: {why}", h + 1));
+            return at;
+        }
+        Some(Ok(served)) => served,
+    };
+    let mut last: Option<u64> = None;
+    for e in served {
+        if let Some(l) = last.filter(|l| e.msg_seq >= *l) {
+            out.violations
+                .push(format!("{who}: {conv} `history` serves msg_seq {} after {l}, not newest first", e.msg_seq));
+        }
+        last = Some(e.msg_seq);
+        if e.msg_seq > h {
+            out.violations.push(format!("{who}: {conv} `history` below {} serves msg_seq {}", h + 1, e.msg_seq));
+            continue;
+        }
+        if !ctx.mine.iter().any(|p| p.covers(e.msg_seq)) {
+            out.violations.push(format!(
+                "{who}: {conv} `history` serves a {} at msg_seq {} outside the user's periods {:?} (G1)",
+                e.kind, e.msg_seq, ctx.mine
+            ));
+            continue;
+        }
+        let right = match want.and_then(|w| w.get(&e.msg_seq)) {
+            Some(Expect::Message(s, acc)) => {
+                e.message_id == acc.message_id && e.content.get("tag").and_then(|t| t.as_str()) == Some(s.tag.as_str())
+            }
+            Some(Expect::Control { kind, user }) => {
+                e.kind == *kind && e.content.get("user").and_then(|u| u.as_str()) == *user
+            }
+            None => false,
+        };
+        if !right {
+            let there = want.and_then(|w| w.get(&e.msg_seq)).map_or("nothing".to_owned(), |x| x.to_string());
+            out.violations.push(format!(
+                "{who}: {conv} `history` serves a {} ({}, {}) at msg_seq {}, where {there} is",
+                e.kind, e.message_id, e.content, e.msg_seq
+            ));
+            continue;
+        }
+        *at.entry(e.msg_seq).or_default() += 1;
+    }
+    at
 }
 
 fn check_events(
@@ -475,6 +638,7 @@ fn check_events(
     events: &[Message],
     want: Option<&BTreeMap<u64, Expect<'_>>>,
     tags: &HashMap<&str, (&Sent, &Accepted)>,
+    served: &BTreeMap<u64, usize>,
     out: &mut Outcome,
 ) {
     let (who, conv) = (ctx.who, &ctx.summary.conv);
@@ -537,7 +701,17 @@ fn check_events(
             continue;
         }
         if seq <= ctx.summary.history_to && copies.is_empty() {
-            out.history_skipped += 1;
+            // History, not a loss, only if `history` serves it (once).
+            match served.get(&seq).copied().unwrap_or(0) {
+                1 => out.history_only += 1,
+                0 => out.violations.push(format!(
+                    "{who}: {conv} lost {exp} (msg_seq {seq}): at or below history_to {}, not held and not served by `history`",
+                    ctx.summary.history_to
+                )),
+                n => out.violations.push(format!(
+                    "{who}: {conv} {exp} (msg_seq {seq}) is history here, and `history` serves it {n} times"
+                )),
+            }
             continue;
         }
         match (exp, copies) {
@@ -547,6 +721,10 @@ fn check_events(
                 out.verified += 1;
                 if ctx.group {
                     out.group_verified += 1;
+                }
+                if ctx.rebuilt {
+                    out.verified_after_snapshot += 1;
+                    out.from_snapshot += u64::from(m.sync_seq.is_none());
                 }
             }
             (Expect::Message(_, acc), [m]) => out.violations.push(format!(
@@ -630,6 +808,8 @@ mod tests {
             device: "d0".into(),
             conversations: held.iter().map(|(c, e)| summary(c, e)).collect(),
             events: held.iter().map(|(c, e)| (c.to_string(), e.clone())).collect(),
+            snapshots_installed: Some(0),
+            history: BTreeMap::new(),
         }
     }
 
@@ -645,9 +825,109 @@ mod tests {
         let sent: Vec<Sent> = (1..=3).map(|i| sent(&format!("m{i}"), "c", "b", 0)).collect();
         let accepted: HashMap<String, Accepted> =
             (1..=3).map(|i| (format!("cm{i}"), Accepted { msg_seq: i, message_id: format!("id-m{i}") })).collect();
-        let facts =
-            Facts { convs: &convs, sent: &sent, accepted: &accepted, refused: &HashMap::new(), views: &[view(held)] };
+        let facts = Facts {
+            convs: &convs,
+            sent: &sent,
+            accepted: &accepted,
+            refused: &HashMap::new(),
+            views: &[view(held)],
+            snapshot_events_per_conv: 3,
+        };
         check(&facts).violations
+    }
+
+    /// A device of `a` rebuilt from a snapshot (3 events per conversation)
+    /// holding `held` of direct conversation `c`, where `b` sent m1..m6 at
+    /// msg_seq 1..6, with `history_to`, what `history` serves below it, and
+    /// the snapshots its change stream counted.
+    fn check_rebuilt(
+        held: Vec<Message>,
+        history_to: u64,
+        served: Result<Vec<Message>, String>,
+        snapshots: Option<u64>,
+    ) -> Outcome {
+        let convs: BTreeMap<String, ConvFacts> = [(
+            "c".to_owned(),
+            ConvFacts { kind: ConvKind::Direct, members: vec!["a".into(), "b".into()], changes: vec![] },
+        )]
+        .into();
+        let sent: Vec<Sent> = (1..=6).map(|i| sent(&format!("m{i}"), "c", "b", 0)).collect();
+        let accepted: HashMap<String, Accepted> =
+            (1..=6).map(|i| (format!("cm{i}"), Accepted { msg_seq: i, message_id: format!("id-m{i}") })).collect();
+        let mut v = view(&[("c", held)]);
+        v.conversations[0].history_to = history_to;
+        v.snapshots_installed = snapshots;
+        v.history.insert("c".into(), served);
+        let facts = Facts {
+            convs: &convs,
+            sent: &sent,
+            accepted: &accepted,
+            refused: &HashMap::new(),
+            views: &[v],
+            snapshot_events_per_conv: 3,
+        };
+        check(&facts)
+    }
+
+    /// An event installed by a snapshot: no log entry delivered it.
+    fn snap(conv: &str, seq: u64, tag: &str) -> Message {
+        Message { sync_seq: None, ..msg(conv, seq, tag) }
+    }
+
+    /// What `history` serves, newest first.
+    fn served(seqs: &[u64]) -> Result<Vec<Message>, String> {
+        Ok(seqs.iter().map(|s| snap("c", *s, &format!("m{s}"))).collect())
+    }
+
+    fn has(out: &Outcome, what: &str) -> bool {
+        out.violations.iter().any(|v| v.contains(what))
+    }
+
+    #[test]
+    fn a_rebuilt_device_is_checked_against_its_boundary_and_history() {
+        // The snapshot's base had m1..m5: it carried m3..m5 (history_to 2);
+        // m6 came by sync after it.
+        let tail = || vec![snap("c", 3, "m3"), snap("c", 4, "m4"), snap("c", 5, "m5"), msg("c", 6, "m6")];
+        let out = check_rebuilt(tail(), 2, served(&[2, 1]), Some(1));
+        assert_eq!(out.violations, Vec::<String>::new());
+        assert_eq!((out.history_only, out.history_boundaries, out.rebuilt_devices), (2, 1, 1));
+        assert_eq!((out.verified, out.verified_after_snapshot, out.from_snapshot), (4, 4, 3));
+
+        let out = check_rebuilt(tail(), 2, served(&[2, 1]), Some(0));
+        assert!(has(&out, "installed no snapshot"), "{out:?}");
+
+        // A boundary above what a snapshot of 3 events leaves.
+        let out = check_rebuilt(vec![snap("c", 5, "m5"), msg("c", 6, "m6")], 4, served(&[4, 3, 2, 1]), Some(1));
+        assert!(has(&out, "with only 2 above it"), "{out:?}");
+        // A boundary one too high with traffic after the snapshot: enough
+        // events above it, but the snapshot's own are one short.
+        let mut late = vec![snap("c", 2, "m2"), snap("c", 3, "m3"), snap("c", 4, "m4"), msg("c", 5, "m5")];
+        late.push(msg("c", 6, "m6"));
+        let out = check_rebuilt(late, 2, served(&[1]), Some(1));
+        assert!(has(&out, "holds 2 events from its snapshot above history_to 2, with 2 events"), "{out:?}");
+
+        // A boundary not right below the first event held: a hole.
+        let out = check_rebuilt(tail()[1..].to_vec(), 2, served(&[2, 1]), Some(1));
+        assert!(has(&out, "hole at msg_seq 3..=3") && has(&out, "lost m3 (msg_seq 3)"), "{out:?}");
+
+        // History that does not serve an event, serves it twice, serves
+        // above the boundary, serves another event, or refuses.
+        let out = check_rebuilt(tail(), 2, served(&[2]), Some(1));
+        assert!(has(&out, "lost m1 (msg_seq 1): at or below history_to 2"), "{out:?}");
+        let out = check_rebuilt(tail(), 2, served(&[2, 1, 1]), Some(1));
+        assert!(has(&out, "serves it 2 times") && has(&out, "not newest first"), "{out:?}");
+        let out = check_rebuilt(tail(), 2, served(&[3, 2, 1]), Some(1));
+        assert!(has(&out, "below 3 serves msg_seq 3"), "{out:?}");
+        let out = check_rebuilt(tail(), 2, Ok(vec![snap("c", 2, "m2"), snap("c", 1, "m9")]), Some(1));
+        assert!(has(&out, "at msg_seq 1, where m1 is") && has(&out, "lost m1"), "{out:?}");
+        let out = check_rebuilt(tail(), 2, Err("NOT_MEMBER (x)".into()), Some(1));
+        assert!(has(&out, "`history` below 3 refused: NOT_MEMBER"), "{out:?}");
+
+        // History held below the boundary is still held once, in order.
+        let mut twice = vec![snap("c", 1, "m1"), snap("c", 1, "m1")];
+        twice.extend(tail());
+        let out = check_rebuilt(twice, 2, served(&[2, 1]), Some(1));
+        assert!(has(&out, "msg_seq 1 out of order or twice") && has(&out, "m1 held 2 times"), "{out:?}");
     }
 
     #[test]
@@ -752,12 +1032,17 @@ mod tests {
         }
 
         fn check(&self, events: Vec<Message>) -> Outcome {
+            self.check_view(view(&[("g", events)]))
+        }
+
+        fn check_view(&self, view: DeviceView) -> Outcome {
             let facts = Facts {
                 convs: &self.convs,
                 sent: &self.sent,
                 accepted: &self.accepted,
                 refused: &self.refused,
-                views: &[view(&[("g", events)])],
+                views: &[view],
+                snapshot_events_per_conv: 3,
             };
             check(&facts)
         }
@@ -813,6 +1098,38 @@ mod tests {
         leaked.insert(3, control("g", 4, "member.join", Some("c")));
         let out = g2.check(leaked);
         assert!(out.violations.iter().any(|v| v.contains("member.join of c (msg_seq 4) from outside")), "{out:?}");
+    }
+
+    #[test]
+    fn periods_hold_after_a_snapshot_and_in_history() {
+        // `a` rebuilt after m4: the latest 3 events of its view (5, 6, 7)
+        // are held, history_to 4; history serves 3, 2, 1 and never m2 at 4.
+        let g = Group::new();
+        let mut v =
+            view(&[("g", Group::good()[3..].iter().map(|m| Message { sync_seq: None, ..m.clone() }).collect())]);
+        v.conversations[0].history_to = 4;
+        v.snapshots_installed = Some(1);
+        let history =
+            vec![control("g", 3, "member.leave", Some("a")), msg("g", 2, "m1"), control("g", 1, "conv.created", None)];
+        v.history.insert("g".into(), Ok(history.clone()));
+        let out = g.check_view(v.clone());
+        assert_eq!(out.violations, Vec::<String>::new());
+        assert_eq!((out.history_only, out.group_verified, out.out_of_period_absent), (3, 2, 1));
+        assert_eq!(out.membership_events_verified, 1, "the join, held");
+
+        let mut leaked = v.clone();
+        let mut h = history.clone();
+        h.insert(0, msg("g", 4, "m2"));
+        leaked.history.insert("g".into(), Ok(h));
+        let out = g.check_view(leaked);
+        assert!(has(&out, "serves a text at msg_seq 4 outside the user's periods"), "{out:?}");
+
+        // The boundary inside the gap is right below the join: fine; one
+        // inside the period above the join is not.
+        let mut high = v;
+        high.conversations[0].history_to = 5;
+        let out = g.check_view(high);
+        assert!(has(&out, "with only 2 above it"), "{out:?}");
     }
 
     #[test]

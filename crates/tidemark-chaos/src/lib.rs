@@ -6,10 +6,13 @@
 //!   frames and cuts connections, counting every fault by kind;
 //! - [`scenario`]: the run (users, devices, direct conversations, groups
 //!   whose members are removed, added back and leave, server restarts,
-//!   client reopens and crashes at the SDK's crash points) and the facts it
-//!   collects, membership changes with their `msg_seq` included;
+//!   client reopens and crashes at the SDK's crash points, clients stopped
+//!   until they fall off the retained user log and rebuild from a snapshot)
+//!   and the facts it collects, membership changes with their `msg_seq`
+//!   included;
 //! - [`check`]: the pure verdict over those facts, membership period by
-//!   membership period in the groups.
+//!   membership period in the groups, and against each rebuilt device's
+//!   snapshot boundary and what `history` serves below it.
 //!
 //! One seed drives every random choice of the proxy and the scenario; it is
 //! printed first so a failing run can be replayed with `--seed`.

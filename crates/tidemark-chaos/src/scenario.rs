@@ -18,18 +18,44 @@
 //! from non-members on purpose; a refusal is an outcome the checker judges,
 //! not an accepted message.
 //!
+//! Snapshots (D7, L1–L2). In-process, the server runs with a user-log
+//! retention of a second ([`Retention`]: keep window, inactivity window, a
+//! pass every 100 ms) and small, short-lived snapshots (a few events per
+//! conversation, a few items per page, 5 s). Seeded fall-off steps stop a
+//! client whose user has another device running, let traffic and retention
+//! passes go on until the server's store shows the user's trim point above
+//! the stopped device's ACK (its cursor fell off the retained log), then
+//! reopen it while faults continue: its first sync must get
+//! `RESET_REQUIRED`, and the SDK rebuilds from a snapshot. Some of those rebuilds are armed with
+//! a snapshot fault (a crash after `snapshot.begin`, after a page, before
+//! or after the install's commit, or a corrupt page). Devices that lag
+//! under faults may fall off on their own too; every reset is judged the
+//! same way. While running, the change stream and polls of the local store
+//! check that a reset is a generation change (`RESET_REQUIRED` above the
+//! generation the device last synced at, a snapshot installed above it)
+//! and that within a generation nothing moves back; a fallen-off device
+//! must not apply any page before its snapshot (L2). After settling, each
+//! device's events at or below `history_to` that it does not hold are
+//! fetched with `history` over the user's control connection, for the
+//! checker.
+//!
 //! The server runs in-process ([`ServerMode::InProcess`], the CI run): a
 //! "kill" is [`RunningServer::stop`] followed by a new [`Server::start`] on
 //! the same data directory and address, a graceful stop and not a crash.
 //! With [`ServerMode::Binary`] it is the real `tidemark serve`, SIGKILLed
-//! and started again on the same directory and address. This module owns
-//! the run's timeline and collects the facts; [`crate::check`] judges them.
+//! and started again on the same directory and address. `tidemark serve`
+//! has no flag for the retention windows, the pass interval or the
+//! snapshot's shape, so the binary runs with its defaults (7 days, 30 days,
+//! 60 s, 100 events) and its fall-off steps are plain long stops: nobody
+//! falls off. This module owns the run's timeline and collects the facts;
+//! [`crate::check`] judges them.
 //!
 //! Every random choice of the scenario comes from generators seeded with
 //! the run's seed (one for the timeline and the sends, one for membership
-//! changes); the proxy derives its own from the same seed. What the seed
-//! cannot fix is timing (and the SDK's own jitter), so a replay takes the
-//! same decisions but may interleave them differently.
+//! changes, one for snapshot faults); the proxy derives its own from the
+//! same seed. What the seed cannot fix is timing (and the SDK's own
+//! jitter), so a replay takes the same decisions but may interleave them
+//! differently, and whether a lagging device falls off on its own.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt;
@@ -41,10 +67,13 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq, ErrorCode, ErrorFrame};
+use tidemark_client::proto::{
+    op, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq, Envelope, ErrorCode, ErrorFrame, HistoryOk,
+    HistoryReq,
+};
 use tidemark_client::{
     Change, Client, ClientConfig, ClientError, ConnState, Conversation, Exit, FaultAction, FaultHook, FaultPoint, Http,
-    OutboxState, SyncPosition,
+    Message, OutboxState, SyncPosition,
 };
 use tidemark_server::{RunningServer, Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
@@ -79,6 +108,13 @@ const CONTROL_WAIT: Duration = Duration::from_secs(5);
 const MEMBERSHIP_CYCLE: [MemberOp; 4] = [MemberOp::Remove, MemberOp::Add, MemberOp::Leave, MemberOp::Add];
 /// Mixed into the seed for the membership generator.
 const MEMBERSHIP_SEED: u64 = 0x6d65_6d62_6572_7321;
+/// Mixed into the seed for the snapshot-fault generator.
+const SNAPSHOT_FAULT_SEED: u64 = 0x736e_6170_7368_6f74;
+/// How often stopped devices are looked at once the sends are over.
+const FALLOFF_POLL: Duration = Duration::from_millis(50);
+/// Scenario steps a fall-off stop lasts when the server's store is out of
+/// reach ([`ServerMode::Binary`]): nobody can fall off there anyway.
+const FALLOFF_BINARY_STEPS: usize = 20;
 
 /// Everything a run needs; [`ChaosConfig::short`] is the CI run.
 #[derive(Debug, Clone)]
@@ -104,6 +140,16 @@ pub struct ChaosConfig {
     /// Percent of sends a user makes to a group they are not in (refused
     /// `NOT_MEMBER`, unless added back before the server sees the send).
     pub stray_send_percent: u32,
+    /// Fall-off steps: a client stopped until its cursor fell below the
+    /// user's retained log, then reopened (a snapshot rebuild follows).
+    pub falloffs: usize,
+    /// A stopped client is reopened after this long even if it did not
+    /// fall off (noted).
+    pub falloff_wait_max: Duration,
+    /// Percent of fall-off reopens armed with a snapshot fault.
+    pub snapshot_fault_percent: u32,
+    /// The server's retention and snapshot shape (in-process only).
+    pub retention: Retention,
     pub faults: FaultConfig,
     pub server: ServerMode,
     /// The SDK's request timeout: short, so a dropped frame costs little.
@@ -111,6 +157,67 @@ pub struct ChaosConfig {
     /// The settle phase gives up after this long (the checker then reports
     /// whatever did not arrive).
     pub settle_max: Duration,
+}
+
+/// The server's user-log retention (docs/protocol.md §3.25) and snapshot
+/// shape (§3.21) for the run: short enough that a client stopped for about
+/// a second falls off the retained log once its user's other device moved
+/// on. In-process only: `tidemark serve` has no flag for any of these.
+#[derive(Debug, Clone, Copy)]
+pub struct Retention {
+    /// `RetentionPolicy::keep_events_younger_than_ms`: log entries younger
+    /// than this are never trimmed (it also spares a running device that
+    /// is only a little late).
+    pub keep_events_ms: i64,
+    /// `RetentionPolicy::device_inactive_after_ms`: a device whose server
+    /// cursor did not move for this long stops holding the fence.
+    pub device_inactive_ms: i64,
+    /// `ServerConfig::retention_every`: how often the pass runs.
+    pub every: Duration,
+    /// `ServerConfig::snapshot_messages_per_conv`: small, so a snapshot
+    /// leaves the older events of a conversation as history (`history_to`).
+    pub snapshot_events_per_conv: u32,
+    /// `ServerConfig::snapshot_page_items`: small, so a snapshot has pages.
+    pub snapshot_page_items: usize,
+    /// `ServerConfig::snapshot_ttl`: short, because a snapshot that will
+    /// never be installed (its `snapshot.begin` reply was lost and the
+    /// device began another) still fences its user's log until it expires
+    /// (docs/protocol.md §3.21, §3.25); with the default 30 minutes, one
+    /// lost reply would keep that user from falling off for the rest of
+    /// the run. An install that outlives it is refused and begins anew.
+    pub snapshot_ttl: Duration,
+}
+
+impl Default for Retention {
+    fn default() -> Self {
+        Retention {
+            keep_events_ms: 1000,
+            device_inactive_ms: 1000,
+            every: Duration::from_millis(100),
+            snapshot_events_per_conv: 4,
+            snapshot_page_items: 7,
+            snapshot_ttl: Duration::from_secs(5),
+        }
+    }
+}
+
+impl Retention {
+    /// The in-process server's configuration.
+    fn server_config(&self) -> ServerConfig {
+        let mut config = ServerConfig {
+            admin_token: Some(ADMIN.into()),
+            retention_every: self.every,
+            snapshot_messages_per_conv: self.snapshot_events_per_conv,
+            snapshot_page_items: self.snapshot_page_items,
+            snapshot_ttl: self.snapshot_ttl,
+            ..ServerConfig::default()
+        };
+        if let Some(policy) = config.retention.as_mut() {
+            policy.keep_events_younger_than_ms = self.keep_events_ms;
+            policy.device_inactive_after_ms = self.device_inactive_ms;
+        }
+        config
+    }
 }
 
 impl ChaosConfig {
@@ -128,6 +235,10 @@ impl ChaosConfig {
             groups: 2,
             membership_changes: 8,
             stray_send_percent: 5,
+            falloffs: 2,
+            falloff_wait_max: Duration::from_secs(5),
+            snapshot_fault_percent: 50,
+            retention: Retention::default(),
             faults: FaultConfig::default(),
             server: ServerMode::InProcess,
             request_timeout: Duration::from_secs(1),
@@ -144,6 +255,7 @@ impl ChaosConfig {
             client_reopens: (scale * 2).clamp(2, 100),
             client_aborts: (scale * 2).clamp(2, 100),
             membership_changes: (scale * 4).clamp(8, 400),
+            falloffs: scale.clamp(2, 50),
             settle_max: Duration::from_secs(60),
             ..ChaosConfig::short(seed)
         }
@@ -170,6 +282,24 @@ pub struct Report {
     pub membership: BTreeMap<&'static str, usize>,
     /// Sends queued on purpose by a user out of the group.
     pub stray_sends: usize,
+    /// `RESET_REQUIRED` answers the devices got (change stream).
+    pub resets: u64,
+    /// Snapshots installed locally (change stream).
+    pub snapshots_installed: u64,
+    /// Snapshot install attempts that failed (refused, interrupted, corrupt).
+    pub snapshot_failures: u64,
+    /// Fall-off steps: clients stopped.
+    pub falloff_stops: usize,
+    /// Of those, reopened once the server's store showed their ACK below
+    /// the user's trim point.
+    pub fell_off: usize,
+    /// Of those, reopened without having fallen off (deadline, or binary).
+    pub falloff_timeouts: usize,
+    /// Snapshot faults armed at fall-off reopens, crashes they caused and
+    /// corrupt pages they made (digest mismatches).
+    pub snapshot_faults_armed: usize,
+    pub snapshot_aborts_fired: usize,
+    pub digest_mismatches: u64,
     pub check: check::Outcome,
     pub cursor_moves_checked: u64,
     pub settled: bool,
@@ -208,7 +338,29 @@ impl fmt::Display for Report {
             self.duplicate_accepts,
             self.check.verified,
             self.check.devices,
-            self.check.history_skipped
+            self.check.history_only
+        )?;
+        writeln!(
+            f,
+            "  snapshots: {} resets seen, {} snapshots installed on {} devices, {} install attempts failed; fall-offs: {} clients stopped, {} fell off the retained log, {} reopened without; snapshot faults: {} armed, {} crashes, {} corrupt pages",
+            self.resets,
+            self.snapshots_installed,
+            self.check.rebuilt_devices,
+            self.snapshot_failures,
+            self.falloff_stops,
+            self.fell_off,
+            self.falloff_timeouts,
+            self.snapshot_faults_armed,
+            self.snapshot_aborts_fired,
+            self.digest_mismatches
+        )?;
+        writeln!(
+            f,
+            "  after snapshots: {} messages verified on rebuilt devices ({} held from a snapshot, the rest synced after it); {} history-only events below {} history boundaries, each served once by `history`",
+            self.check.verified_after_snapshot,
+            self.check.from_snapshot,
+            self.check.history_only,
+            self.check.history_boundaries
         )?;
         let ops: Vec<String> = self.membership.iter().map(|(k, n)| format!("{k} {n}")).collect();
         writeln!(
@@ -242,17 +394,33 @@ impl fmt::Display for Report {
     }
 }
 
-/// Where the SDK's fault hook kills a client.
+/// Where the SDK's fault hook kills a client (or, for
+/// [`CrashAt::CorruptPage`], damages the first item of a snapshot page).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CrashAt {
     BeforeCommit,
     AfterCommit,
     BeforeSend,
     AfterSendOk,
+    SnapshotBegun,
+    SnapshotPage,
+    SnapshotBeforeCommit,
+    SnapshotAfterCommit,
+    CorruptPage,
 }
 
 impl CrashAt {
-    const ALL: [CrashAt; 4] = [CrashAt::BeforeCommit, CrashAt::AfterCommit, CrashAt::BeforeSend, CrashAt::AfterSendOk];
+    /// The points any client reaches: armed by the timeline.
+    const ROUTINE: [CrashAt; 4] =
+        [CrashAt::BeforeCommit, CrashAt::AfterCommit, CrashAt::BeforeSend, CrashAt::AfterSendOk];
+    /// The points of a snapshot install: armed at fall-off reopens.
+    const SNAPSHOT: [CrashAt; 5] = [
+        CrashAt::SnapshotBegun,
+        CrashAt::SnapshotPage,
+        CrashAt::SnapshotBeforeCommit,
+        CrashAt::SnapshotAfterCommit,
+        CrashAt::CorruptPage,
+    ];
 
     fn matches(self, p: &FaultPoint) -> bool {
         matches!(
@@ -261,8 +429,29 @@ impl CrashAt {
                 | (CrashAt::AfterCommit, FaultPoint::AfterCommit { .. })
                 | (CrashAt::BeforeSend, FaultPoint::BeforeSend { .. })
                 | (CrashAt::AfterSendOk, FaultPoint::AfterSendOk { .. })
+                | (CrashAt::SnapshotBegun, FaultPoint::SnapshotBegun { .. })
+                | (CrashAt::SnapshotPage | CrashAt::CorruptPage, FaultPoint::SnapshotPageFetched { .. })
+                | (CrashAt::SnapshotBeforeCommit, FaultPoint::SnapshotBeforeCommit { .. })
+                | (CrashAt::SnapshotAfterCommit, FaultPoint::SnapshotAfterCommit { .. })
         )
     }
+
+    fn action(self) -> FaultAction {
+        match self {
+            CrashAt::CorruptPage => FaultAction::Corrupt,
+            _ => FaultAction::Abort,
+        }
+    }
+}
+
+/// A stopped device the server's store showed fallen off the retained log.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FellOff {
+    /// The device's server cursor then: generation and ACK.
+    generation: u64,
+    acked: u64,
+    /// The user's trim point then, above `acked`.
+    trimmed_upto: u64,
 }
 
 /// What the change stream of one device showed, across all the client
@@ -273,31 +462,54 @@ struct DeviceLog {
     duplicates: usize,
     /// `client_msg_id` → why the outbox gave up on it.
     failed: HashMap<String, String>,
-    /// `(generation, applied_sync_seq)` of the last page.
+    /// `(generation, applied_sync_seq)` of the last page or installed
+    /// snapshot.
     applied: Option<(u64, u64)>,
     /// `(generation, acked_sync_seq)` of the last confirmed ACK.
     acked: Option<(u64, u64)>,
-    /// Conversation → contiguous cursor.
+    /// The highest generation the server confirmed this device synced at
+    /// (a page served, an ACK or a snapshot ACK answered): a
+    /// `RESET_REQUIRED` and a snapshot install must come above it.
+    synced_generation: Option<u64>,
+    /// Conversation → contiguous cursor, as the change stream reported it
+    /// since the last snapshot install.
     cursors: HashMap<String, u64>,
     moves_checked: u64,
     exited: Option<Exit>,
     aborts: usize,
+    /// Crashes at a snapshot install's fault points.
+    snapshot_aborts: usize,
     lagged: u64,
     resets: u64,
+    snapshots_installed: u64,
+    snapshot_failures: u64,
+    digest_mismatches: u64,
+    /// Why the last snapshot install attempt failed (for the notes).
+    last_snapshot_failure: Option<String>,
+    /// Set when the scenario reopened this device fallen off the retained
+    /// log; cleared by its next snapshot install. No page may apply
+    /// meanwhile (L2).
+    awaiting_snapshot: Option<FellOff>,
+    /// Every fall-off, with the local generation at the end of the run
+    /// checked above its generation.
+    fell_off: Vec<FellOff>,
     /// Cursor notifications that arrived after a later move's.
     reordered: u64,
     /// Polled from the local store: `(generation, applied, acked)`.
     durable_position: Option<(u64, u64, u64)>,
-    /// Polled from the local store: conversation → contiguous cursor.
+    /// Polled from the local store: conversation → contiguous cursor, in
+    /// the generation of `durable_position`.
     durable_cursors: HashMap<String, u64>,
     violations: Vec<String>,
     violations_dropped: u64,
 }
 
 impl DeviceLog {
-    /// Checks a poll of the local store against the previous one: within a
-    /// generation, neither the applied position, the ACK nor any
-    /// conversation's contiguous cursor moves back.
+    /// Checks a poll of the local store against the previous one: the
+    /// generation never moves back, and within a generation neither the
+    /// applied position, the ACK nor any conversation's contiguous cursor
+    /// moves back. Only a new generation (a reset, made visible by the
+    /// snapshot install that stores it) starts the cursors over.
     fn durable(&mut self, pos: SyncPosition, convs: &[Conversation]) {
         let now = (pos.generation.unwrap_or(0), pos.applied_sync_seq, pos.acked_sync_seq);
         self.moves_checked += 1;
@@ -317,8 +529,8 @@ impl DeviceLog {
             let last = self.durable_cursors.insert(c.conv.clone(), c.contiguous_msg_seq).unwrap_or(0);
             if c.contiguous_msg_seq < last {
                 self.violation(format!(
-                    "{} local contiguous cursor moved back: {last} → {}",
-                    c.conv, c.contiguous_msg_seq
+                    "{} local contiguous cursor moved back in generation {}: {last} → {}",
+                    c.conv, now.0, c.contiguous_msg_seq
                 ));
             }
         }
@@ -348,13 +560,32 @@ impl DeviceLog {
         }
     }
 
+    /// The server confirmed the device at `generation`.
+    fn synced_at(&mut self, generation: u64) {
+        self.synced_generation = self.synced_generation.max(Some(generation));
+    }
+
+    /// The scenario reopens this device, fallen off the retained log.
+    fn fall_off(&mut self, f: FellOff) {
+        self.awaiting_snapshot = Some(f);
+        self.fell_off.push(f);
+    }
+
     fn record(&mut self, change: Change) {
         match change {
             Change::PageApplied(p) => {
+                if let Some(f) = self.awaiting_snapshot {
+                    self.violation(format!(
+                        "applied a page (generation {}, resume_from {}, {} events) after falling off the retained log (ACK {} below trim point {}) and before any snapshot: the first sync must answer RESET_REQUIRED (L2)",
+                        p.sync_generation, p.resume_from, p.applied + p.skipped, f.acked, f.trimmed_upto
+                    ));
+                }
                 self.applied = self.forward("applied_sync_seq", self.applied, (p.sync_generation, p.applied_sync_seq));
+                self.synced_at(p.sync_generation);
             }
             Change::Acked { acked_sync_seq, generation, .. } => {
                 self.acked = self.forward("acked_sync_seq", self.acked, (generation, acked_sync_seq));
+                self.synced_at(generation);
             }
             Change::CursorMoved(m) => {
                 self.moves_checked += 1;
@@ -386,17 +617,52 @@ impl DeviceLog {
             Change::OutboxFailed { client_msg_id, error, .. } => {
                 self.failed.insert(client_msg_id, error);
             }
-            Change::Reset { .. } | Change::SnapshotInstalled { .. } => {
-                // A rebuild legitimately restarts the per-conversation
-                // cursors from the snapshot.
+            Change::Reset { generation } => {
+                // D5: the server bumps the generation before it answers
+                // RESET_REQUIRED, so the error names a generation above
+                // every one it confirmed this device at.
                 self.resets += 1;
+                self.moves_checked += 1;
+                match (generation, self.synced_generation) {
+                    (None, _) => self.violation("RESET_REQUIRED without a sync_generation".into()),
+                    (Some(g), Some(synced)) if g <= synced => self.violation(format!(
+                        "RESET_REQUIRED at generation {g}, not above generation {synced} the device synced at (D5)"
+                    )),
+                    _ => {}
+                }
+            }
+            Change::SnapshotInstalled { generation, base_sync_seq, .. } => {
+                // The install replaces the local state under the snapshot's
+                // generation: a reset is a generation change. Within that
+                // generation, a second install (the first one's ack was
+                // refused) stands at a base no lower.
+                self.snapshots_installed += 1;
+                self.moves_checked += 1;
+                if let Some(synced) = self.synced_generation.filter(|s| generation <= *s) {
+                    self.violation(format!(
+                        "snapshot installed at generation {generation}, not above generation {synced} the device synced at (D7)"
+                    ));
+                }
+                self.applied =
+                    self.forward("applied_sync_seq (snapshot base)", self.applied, (generation, base_sync_seq));
+                self.awaiting_snapshot = None;
                 self.cursors.clear();
-                self.durable_cursors.clear();
+            }
+            Change::SnapshotFailed { reason, .. } => {
+                self.snapshot_failures += 1;
+                if reason.contains("digest mismatch") {
+                    self.digest_mismatches += 1;
+                }
+                self.last_snapshot_failure = Some(reason);
             }
             Change::Lagged { missed } => self.lagged += missed,
             Change::Exited(exit) => {
-                if matches!(exit, Exit::Aborted(_)) {
-                    self.aborts += 1;
+                if let Exit::Aborted(point) = &exit {
+                    if CrashAt::SNAPSHOT.iter().any(|at| at.matches(point)) {
+                        self.snapshot_aborts += 1;
+                    } else {
+                        self.aborts += 1;
+                    }
                 }
                 self.exited = Some(exit);
             }
@@ -426,7 +692,7 @@ impl Device {
             match *plan {
                 Some(at) if at.matches(p) => {
                     *plan = None;
-                    FaultAction::Abort
+                    at.action()
                 }
                 _ => FaultAction::Continue,
             }
@@ -483,6 +749,11 @@ impl Device {
         self.client.as_ref().expect("device open")
     }
 
+    /// Open (not stopped by a fall-off step).
+    fn is_open(&self) -> bool {
+        self.client.is_some()
+    }
+
     /// Reads the local position and cursors and checks they only moved
     /// forward. A client killed at a crash point reads nothing more.
     async fn poll(&self) {
@@ -530,15 +801,69 @@ enum Running {
 /// The server, restartable on its directory and address.
 struct ServerSlot {
     mode: ServerMode,
+    retention: Retention,
     dir: PathBuf,
     addr: SocketAddr,
     running: Option<Running>,
 }
 
+/// A device's server cursor next to its user's trim point.
+#[derive(Debug, Clone)]
+struct Standing {
+    /// The device's state on the server.
+    state: String,
+    /// `ACTIVE` or `RECOVERING`: the device's ACK held the fence while it
+    /// was active (other states never hold it, docs/protocol.md §3.25).
+    fencing: bool,
+    generation: u64,
+    acked: u64,
+    trimmed_upto: u64,
+}
+
+impl Standing {
+    /// L2: the device's ACK is below the trim point, so what it has not
+    /// ACKed is gone and its next first page must be `RESET_REQUIRED`.
+    fn fell_off(&self) -> Option<FellOff> {
+        (self.fencing && self.acked < self.trimmed_upto).then_some(FellOff {
+            generation: self.generation,
+            acked: self.acked,
+            trimmed_upto: self.trimmed_upto,
+        })
+    }
+}
+
 impl ServerSlot {
-    async fn boot(mode: ServerMode, dir: PathBuf) -> anyhow::Result<ServerSlot> {
-        let (running, addr) = boot(&mode, &dir, "127.0.0.1:0").await?;
-        Ok(ServerSlot { mode, dir, addr, running: Some(running) })
+    async fn boot(mode: ServerMode, retention: Retention, dir: PathBuf) -> anyhow::Result<ServerSlot> {
+        let (running, addr) = boot(&mode, &retention, &dir, "127.0.0.1:0").await?;
+        Ok(ServerSlot { mode, retention, dir, addr, running: Some(running) })
+    }
+
+    /// Events per conversation a snapshot carries, as this server is
+    /// configured.
+    fn snapshot_events_per_conv(&self) -> u64 {
+        match self.mode {
+            ServerMode::InProcess => u64::from(self.retention.snapshot_events_per_conv),
+            ServerMode::Binary(_) => u64::from(ServerConfig::default().snapshot_messages_per_conv),
+        }
+    }
+
+    /// The device's server cursor and its user's trim point, when the
+    /// server's store is at hand (in-process only).
+    async fn standing(&self, user: &str, device: &str) -> anyhow::Result<Option<Standing>> {
+        let Some(Running::InProcess(s)) = &self.running else { return Ok(None) };
+        let store = &s.state.store;
+        let log = store.user_log(user).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        let Some(d) = store.device(user, device).await.map_err(|e| anyhow::anyhow!("{e}"))? else {
+            return Ok(None);
+        };
+        let state = d.cursor.state.as_str();
+        Ok(Some(Standing {
+            state: state.to_owned(),
+            fencing: state == "ACTIVE" || state == "RECOVERING",
+            generation: d.cursor.generation,
+            acked: d.cursor.acked_sync_seq,
+            trimmed_upto: log.trimmed_upto,
+        }))
     }
 
     fn url(&self) -> String {
@@ -570,18 +895,23 @@ impl ServerSlot {
 
     async fn start(&mut self) -> anyhow::Result<()> {
         if self.running.is_none() {
-            let (running, _) = boot(&self.mode, &self.dir, &self.addr.to_string()).await?;
+            let (running, _) = boot(&self.mode, &self.retention, &self.dir, &self.addr.to_string()).await?;
             self.running = Some(running);
         }
         Ok(())
     }
 }
 
-async fn boot(mode: &ServerMode, dir: &std::path::Path, listen: &str) -> anyhow::Result<(Running, SocketAddr)> {
+async fn boot(
+    mode: &ServerMode,
+    retention: &Retention,
+    dir: &std::path::Path,
+    listen: &str,
+) -> anyhow::Result<(Running, SocketAddr)> {
     match mode {
         ServerMode::InProcess => {
             let store = SqliteStore::open(dir).context("open the server store")?;
-            let config = ServerConfig { admin_token: Some(ADMIN.into()), ..ServerConfig::default() };
+            let config = retention.server_config();
             let s = Server::start(listen, store, config).await.context("start the server")?;
             let addr = s.addr;
             Ok((Running::InProcess(s), addr))
@@ -686,6 +1016,50 @@ impl Control {
     }
 }
 
+impl Control {
+    /// Every event `history` serves this user in `conv` below `before_seq`,
+    /// newest first, page after page; `Err` holds a refusal.
+    async fn history(&mut self, conv: &str, before_seq: u64) -> anyhow::Result<Result<Vec<Message>, String>> {
+        let mut out = Vec::new();
+        let mut before = before_seq;
+        loop {
+            let req = HistoryReq {
+                conv: conv.to_owned(),
+                before_seq: Some(before),
+                limit: Some(tidemark_client::proto::HISTORY_LIMIT_MAX),
+            };
+            let ok: HistoryOk = match self.call(op::HISTORY, serde_json::to_value(&req)?).await? {
+                Ok(reply) => serde_json::from_value(reply).context("history.ok")?,
+                Err(f) => return Ok(Err(format!("{} ({})", f.code, f.message))),
+            };
+            out.extend(ok.messages.into_iter().map(message_of));
+            match (ok.has_more, ok.next_cursor) {
+                (true, Some(next)) if next < before => before = next,
+                (true, next) => return Ok(Err(format!("has_more with next_cursor {next:?} below {before}"))),
+                (false, _) => return Ok(Ok(out)),
+            }
+        }
+    }
+}
+
+/// A served envelope as the checker reads events (no `sync_seq`: no log
+/// entry delivered it).
+fn message_of(e: Envelope) -> Message {
+    Message {
+        conv: e.conv,
+        msg_seq: e.msg_seq,
+        message_id: e.message_id,
+        kind: e.kind,
+        state: e.state,
+        sender: e.sender,
+        content: e.content,
+        created_at: e.created_at,
+        version: e.version,
+        reactions: serde_json::to_value(&e.reactions).unwrap_or_default(),
+        sync_seq: None,
+    }
+}
+
 /// One group as the scenario made it.
 struct GroupState {
     conv: String,
@@ -741,6 +1115,11 @@ impl Groups {
             });
         }
         Ok(g)
+    }
+
+    /// `user`'s control connection.
+    fn control(&mut self, user: &str) -> &mut Control {
+        self.control.get_mut(user).expect("a control connection per user")
     }
 
     /// The groups `user` is in now, and those they are not in.
@@ -830,12 +1209,15 @@ impl Groups {
 
 /// What happens before message `at` is sent. `Membership` is one change
 /// in that group; which one is decided then ([`Groups::change`]).
+/// `FallOff` stops `device`, or the next one that may be stopped
+/// ([`Falloffs::stop`]).
 #[derive(Debug, Clone, Copy)]
 enum Event {
     RestartServer { down: Duration },
     ReopenClient { device: usize },
     ArmCrash { device: usize, at: CrashAt },
     Membership { group: usize },
+    FallOff { device: usize },
 }
 
 fn schedule(cfg: &ChaosConfig, devices: usize, rng: &mut StdRng) -> Vec<(usize, Event)> {
@@ -849,7 +1231,7 @@ fn schedule(cfg: &ChaosConfig, devices: usize, rng: &mut StdRng) -> Vec<(usize, 
         events.push((rng.random_range(0..span), Event::ReopenClient { device: rng.random_range(0..devices) }));
     }
     for _ in 0..cfg.client_aborts {
-        let at = CrashAt::ALL[rng.random_range(0..CrashAt::ALL.len())];
+        let at = CrashAt::ROUTINE[rng.random_range(0..CrashAt::ROUTINE.len())];
         events.push((rng.random_range(0..span), Event::ArmCrash { device: rng.random_range(0..devices), at }));
     }
     if cfg.groups > 0 {
@@ -857,6 +1239,14 @@ fn schedule(cfg: &ChaosConfig, devices: usize, rng: &mut StdRng) -> Vec<(usize, 
             let group = rng.random_range(0..cfg.groups);
             events.push((rng.random_range(1..span.max(2)), Event::Membership { group }));
         }
+    }
+    // Early enough (some 40 steps before the end) that traffic goes on
+    // while the client is stopped, so its user's other device moves the
+    // fence past it, and after it rebuilt.
+    let last_stop = span.saturating_sub(40).clamp(span / 3, span * 3 / 4);
+    for _ in 0..cfg.falloffs {
+        let device = rng.random_range(0..devices);
+        events.push((rng.random_range(span / 20..=last_stop), Event::FallOff { device }));
     }
     events.sort_by_key(|(i, _)| *i);
     events
@@ -870,7 +1260,7 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
     }
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     let dir = tempfile::tempdir().context("temporary directory")?;
-    let mut server = ServerSlot::boot(cfg.server.clone(), dir.path().join("server")).await?;
+    let mut server = ServerSlot::boot(cfg.server.clone(), cfg.retention, dir.path().join("server")).await?;
     let admin = Http::new(&server.url());
     let proxy = Proxy::start(server.addr, cfg.faults, cfg.seed).await.context("start the proxy")?;
     let users: Vec<String> = (0..cfg.users).map(|u| format!("u{u}")).collect();
@@ -905,20 +1295,33 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         ServerMode::Binary(_) => "tidemark binary, SIGKILL restarts",
     };
     let mut report = Report { seed: cfg.seed, server: server_kind, ..Report::default() };
+    if matches!(cfg.server, ServerMode::Binary(_)) && cfg.falloffs > 0 {
+        report.notes.push(
+            "`tidemark serve` has no flag for the retention windows, the pass interval or the snapshot shape: \
+             the binary keeps its defaults, so fall-off steps are plain long stops and nobody falls off"
+                .into(),
+        );
+    }
     let events = schedule(&cfg, devices.len(), &mut rng);
     let mut next_event = 0;
     let mut sent: Vec<Sent> = Vec::with_capacity(cfg.messages);
+    let mut falloffs = Falloffs::new(&cfg);
     proxy.set_faults(true);
     for i in 0..cfg.messages {
         while next_event < events.len() && events[next_event].0 <= i {
-            apply(events[next_event].1, i, &mut server, &mut devices, &mut groups, &mut report).await?;
+            let mut world =
+                World { server: &mut server, devices: &mut devices, groups: &mut groups, falloffs: &mut falloffs };
+            apply(events[next_event].1, i, &mut world, &mut report).await?;
             next_event += 1;
         }
         reopen_dead(&mut devices, &mut report).await?;
+        falloffs.reopen(Some(i), &server, &mut devices, &mut report).await?;
         for d in &devices {
             d.poll().await;
         }
-        let d = rng.random_range(0..devices.len());
+        // Any device but a stopped one sends.
+        let open: Vec<usize> = (0..devices.len()).filter(|d| devices[*d].is_open()).collect();
+        let d = open[rng.random_range(0..open.len())];
         // A direct conversation or a group the user is in now; now and then
         // on purpose a group the user is out of.
         let (inside, outside) = groups.of(&devices[d].user);
@@ -953,8 +1356,23 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         tokio::time::sleep(Duration::from_millis(gap)).await;
     }
     while next_event < events.len() {
-        apply(events[next_event].1, cfg.messages, &mut server, &mut devices, &mut groups, &mut report).await?;
+        let mut world =
+            World { server: &mut server, devices: &mut devices, groups: &mut groups, falloffs: &mut falloffs };
+        apply(events[next_event].1, cfg.messages, &mut world, &mut report).await?;
         next_event += 1;
+    }
+    // Stopped clients wait, faults still on, until they fell off (or their
+    // deadline passed).
+    loop {
+        reopen_dead(&mut devices, &mut report).await?;
+        falloffs.reopen(None, &server, &mut devices, &mut report).await?;
+        if falloffs.stopped.is_empty() {
+            break;
+        }
+        for d in &devices {
+            d.poll().await;
+        }
+        tokio::time::sleep(FALLOFF_POLL).await;
     }
 
     // Settle: faults off, nobody crashes, everyone connected and syncing.
@@ -1002,7 +1420,7 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         }
     }
     for d in &devices {
-        views.push(view(d).await?);
+        views.push(view(d, &mut groups).await?);
     }
     let mut convs: BTreeMap<String, ConvFacts> = members
         .iter()
@@ -1015,15 +1433,37 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         accepted: &accepted,
         refused: &refused,
         views: &views,
+        snapshot_events_per_conv: server.snapshot_events_per_conv(),
     });
 
     report.messages_sent = sent.len();
     report.messages_accepted = sent.iter().filter(|s| accepted.contains_key(&s.client_msg_id)).count();
     for d in &devices {
+        let generation = d.client().position().await?.generation.unwrap_or(0);
         let log = d.log.lock().expect("log lock");
         report.duplicate_accepts += log.duplicates;
         report.client_aborts_fired += log.aborts;
+        report.snapshot_aborts_fired += log.snapshot_aborts;
+        report.resets += log.resets;
+        report.snapshots_installed += log.snapshots_installed;
+        report.snapshot_failures += log.snapshot_failures;
+        report.digest_mismatches += log.digest_mismatches;
         report.cursor_moves_checked += log.moves_checked;
+        // L2 and D5 for every device that fell off: a snapshot followed,
+        // under a generation above the one it fell off at.
+        if let Some(f) = log.awaiting_snapshot.filter(|_| log.lagged == 0) {
+            report.violations.push(format!(
+                "{}: fell off the retained log ({f:?}) and installed no snapshot since (L2, D7)",
+                d.name()
+            ));
+        }
+        if let Some(f) = log.fell_off.iter().find(|f| generation <= f.generation) {
+            report.violations.push(format!(
+                "{}: fell off the retained log at generation {} ({f:?}) and ends at generation {generation}: a reset is a generation change (D5)",
+                d.name(),
+                f.generation
+            ));
+        }
         report.violations.extend(log.violations.iter().map(|v| format!("{}: {v}", d.name())));
         if log.violations_dropped > 0 {
             report.violations.push(format!("{}: {} more live violations", d.name(), log.violations_dropped));
@@ -1037,9 +1477,6 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
                 d.name(),
                 log.reordered
             ));
-        }
-        if log.resets > 0 {
-            report.notes.push(format!("{}: {} reset/snapshot events", d.name(), log.resets));
         }
     }
     if !report.settled {
@@ -1098,42 +1535,163 @@ async fn retry_create(d: &Device, peer: &str) -> anyhow::Result<String> {
     bail!("{} create_direct({peer}): {last:?}", d.name())
 }
 
+/// What the timeline's events act on.
+struct World<'a> {
+    server: &'a mut ServerSlot,
+    devices: &'a mut [Device],
+    groups: &'a mut Groups,
+    falloffs: &'a mut Falloffs,
+}
+
 /// Applies one timeline event at scenario step `step`.
-async fn apply(
-    event: Event,
-    step: usize,
-    server: &mut ServerSlot,
-    devices: &mut [Device],
-    groups: &mut Groups,
-    report: &mut Report,
-) -> anyhow::Result<()> {
+async fn apply(event: Event, step: usize, w: &mut World<'_>, report: &mut Report) -> anyhow::Result<()> {
     match event {
         Event::RestartServer { down } => {
-            server.kill().await;
+            w.server.kill().await;
             tokio::time::sleep(down).await;
-            server.start().await?;
+            w.server.start().await?;
             report.server_restarts += 1;
         }
         Event::ReopenClient { device } => {
-            let d = &mut devices[device];
-            d.close().await;
-            d.open().await?;
-            report.client_reopens += 1;
+            let d = &mut w.devices[device];
+            // A stopped client is reopened by its fall-off step only.
+            if d.is_open() {
+                d.close().await;
+                d.open().await?;
+                report.client_reopens += 1;
+            }
         }
         Event::ArmCrash { device, at } => {
-            *devices[device].crash.lock().expect("crash plan lock") = Some(at);
+            *w.devices[device].crash.lock().expect("crash plan lock") = Some(at);
             report.client_aborts_armed += 1;
         }
-        Event::Membership { group } => groups.change(group, step, report).await?,
+        Event::Membership { group } => w.groups.change(group, step, report).await?,
+        Event::FallOff { device } => w.falloffs.stop(device, step, w.devices, report).await,
     }
     Ok(())
 }
 
+/// A client stopped by a fall-off step.
+struct Stop {
+    device: usize,
+    step: usize,
+    /// Reopened then even if it did not fall off.
+    deadline: tokio::time::Instant,
+}
+
+/// The fall-off steps: clients stopped until their cursor fell below their
+/// user's retained log, and the generator of the snapshot faults armed
+/// when they are reopened.
+struct Falloffs {
+    stopped: Vec<Stop>,
+    rng: StdRng,
+    wait_max: Duration,
+    fault_percent: u32,
+}
+
+impl Falloffs {
+    fn new(cfg: &ChaosConfig) -> Falloffs {
+        Falloffs {
+            stopped: Vec::new(),
+            rng: StdRng::seed_from_u64(cfg.seed ^ SNAPSHOT_FAULT_SEED),
+            wait_max: cfg.falloff_wait_max,
+            fault_percent: cfg.snapshot_fault_percent,
+        }
+    }
+
+    /// Stops `hint`, or the next device after it that may be stopped: one
+    /// whose user has another device and none stopped, so that another
+    /// device of the user keeps ACKing and moves the retention fence (a
+    /// user with no device holding the fence keeps the whole log).
+    async fn stop(&mut self, hint: usize, step: usize, devices: &mut [Device], report: &mut Report) {
+        let n = devices.len();
+        let may_stop = |d: usize| {
+            let user = &devices[d].user;
+            let mine = devices.iter().filter(|o| o.user == *user);
+            mine.clone().count() > 1 && mine.clone().all(Device::is_open)
+        };
+        let Some(d) = (0..n).map(|k| (hint + k) % n).find(|d| may_stop(*d)) else {
+            report.notes.push(format!("fall-off step at step {step} skipped: no user with two devices running"));
+            return;
+        };
+        devices[d].close().await;
+        self.stopped.push(Stop { device: d, step, deadline: tokio::time::Instant::now() + self.wait_max });
+        report.falloff_stops += 1;
+    }
+
+    /// Reopens every stopped client whose server cursor fell below its
+    /// user's trim point (recorded with the device, maybe with a snapshot
+    /// fault armed), and those that cannot or did not: one stopped in a
+    /// state that holds no fence at once, others at the deadline in-process;
+    /// [`FALLOFF_BINARY_STEPS`] steps, or the end of the sends (`step`
+    /// `None`), when the server's store is out of reach.
+    async fn reopen(
+        &mut self,
+        step: Option<usize>,
+        server: &ServerSlot,
+        devices: &mut [Device],
+        report: &mut Report,
+    ) -> anyhow::Result<()> {
+        let mut k = 0;
+        while k < self.stopped.len() {
+            let (device, stopped_at, deadline) = {
+                let s = &self.stopped[k];
+                (s.device, s.step, s.deadline)
+            };
+            let dev = &mut devices[device];
+            let standing = server.standing(&dev.user, &dev.id).await?;
+            let fell = standing.as_ref().and_then(Standing::fell_off);
+            let due = match (&standing, step) {
+                // Stopped mid-rebuild (`RESETTING`): it holds no fence and
+                // cannot fall off; it rebuilds once reopened anyway.
+                (Some(s), _) => !s.fencing || tokio::time::Instant::now() >= deadline,
+                (None, Some(step)) => step >= stopped_at + FALLOFF_BINARY_STEPS,
+                (None, None) => true,
+            };
+            if fell.is_none() && !due {
+                k += 1;
+                continue;
+            }
+            self.stopped.remove(k);
+            match fell {
+                Some(f) => {
+                    report.fell_off += 1;
+                    dev.log.lock().expect("log lock").fall_off(f);
+                    if self.rng.random_range(0..100) < self.fault_percent {
+                        let at = CrashAt::SNAPSHOT[self.rng.random_range(0..CrashAt::SNAPSHOT.len())];
+                        let mut plan = dev.crash.lock().expect("crash plan lock");
+                        if plan.is_none() {
+                            *plan = Some(at);
+                            report.snapshot_faults_armed += 1;
+                        }
+                    }
+                }
+                None => {
+                    report.falloff_timeouts += 1;
+                    if let Some(s) = standing {
+                        let why = if s.fencing {
+                            format!("after {:?}", self.wait_max)
+                        } else {
+                            "at once (it holds no retention fence)".to_owned()
+                        };
+                        report.notes.push(format!(
+                            "{}: stopped at step {stopped_at}, reopened {why} without falling off: {s:?}",
+                            dev.name()
+                        ));
+                    }
+                }
+            }
+            dev.open().await?;
+        }
+        Ok(())
+    }
+}
+
 /// Reopens every client that died (at a crash point, or otherwise; an exit
-/// other than a crash is noted).
+/// other than a crash is noted). A stopped client is not dead.
 async fn reopen_dead(devices: &mut [Device], report: &mut Report) -> anyhow::Result<()> {
     for d in devices.iter_mut() {
-        if !d.exited() {
+        if !d.is_open() || !d.exited() {
             continue;
         }
         let exit = d.log.lock().expect("log lock").exited.clone();
@@ -1147,7 +1705,9 @@ async fn reopen_dead(devices: &mut [Device], report: &mut Report) -> anyhow::Res
 }
 
 /// Waits until every outbox is drained and every device stands at its
-/// user's head, applied and ACKed, for a few polls in a row.
+/// user's head, applied and ACKed (the server's ACK when its store is at
+/// hand, else the local one), for a few polls in a row. Notes what keeps a
+/// device from it if the wait gives up.
 async fn settle(
     cfg: &ChaosConfig,
     server: &ServerSlot,
@@ -1157,11 +1717,17 @@ async fn settle(
     let deadline = tokio::time::Instant::now() + cfg.settle_max;
     let mut quiet = 0;
     let mut last_heads: Vec<(u64, u64)> = Vec::new();
+    // Why each device is not there yet, at the last poll.
+    let mut behind: Vec<String> = Vec::new();
+    // Devices at the head whose local ACK is behind the server's.
+    let mut stale_acks: Vec<String> = Vec::new();
     while tokio::time::Instant::now() < deadline {
         reopen_dead(devices, report).await?;
         // Each device's (applied, acked); in-process, the user's head too.
         let mut heads = Vec::with_capacity(devices.len());
         let mut done = true;
+        behind.clear();
+        stale_acks.clear();
         for d in devices.iter() {
             d.poll().await;
             let client = d.client();
@@ -1169,9 +1735,37 @@ async fn settle(
             let pos = client.position().await?;
             let head = server.head(&d.user).await?.unwrap_or(pos.applied_sync_seq);
             heads.push((head, pos.applied_sync_seq));
-            let pending = client.outbox().await?.iter().any(|e| e.state == OutboxState::Pending);
-            if pending || pos.applied_sync_seq != head || pos.acked_sync_seq != head {
+            let standing = server.standing(&d.user, &d.id).await?;
+            let pending = client.outbox().await?.iter().filter(|e| e.state == OutboxState::Pending).count();
+            // The server's cursor is the ACK (D4). The SDK records an ACK
+            // only from an `ack.ok`, not from the `server_acked_sync_seq` of
+            // a later `sync.ok`: after a lost `ack.ok`, its local ACK stays
+            // behind until a new event is ACKed. That is noted, not waited
+            // for.
+            let acked = match &standing {
+                Some(s) => s.state == "ACTIVE" && Some(s.generation) == pos.generation && s.acked == head,
+                None => pos.acked_sync_seq == head,
+            };
+            if acked && pos.acked_sync_seq != head {
+                stale_acks.push(format!(
+                    "{}: local ACK {} behind the server's {head} (generation {:?}): the SDK never learns an ACK whose ack.ok was lost",
+                    d.name(),
+                    pos.acked_sync_seq,
+                    pos.generation
+                ));
+            }
+            if pending > 0 || pos.applied_sync_seq != head || !acked {
                 done = false;
+                let log = d.log.lock().expect("log lock");
+                behind.push(format!(
+                    "{}: {pos:?}, head {head}, server cursor {standing:?}, {pending} pending outbox entries, {:?}; {} resets, {} snapshots installed, {} failed (last: {:?})",
+                    d.name(),
+                    client.state(),
+                    log.resets,
+                    log.snapshots_installed,
+                    log.snapshot_failures,
+                    log.last_snapshot_failure
+                ));
             }
         }
         // Without the server's head, the devices of one user must agree.
@@ -1184,19 +1778,149 @@ async fn settle(
         quiet = if done && heads == last_heads { quiet + 1 } else { 0 };
         last_heads = heads;
         if quiet >= SETTLE_QUIET_POLLS {
+            report.notes.append(&mut stale_acks);
             return Ok(true);
         }
         tokio::time::sleep(SETTLE_POLL).await;
     }
+    report.notes.extend(behind.into_iter().map(|b| format!("not settled: {b}")));
     Ok(false)
 }
 
-async fn view(d: &Device) -> anyhow::Result<DeviceView> {
+/// What `d` holds, and for each conversation it holds from a snapshot's
+/// boundary on, what `history` serves its user below that boundary.
+async fn view(d: &Device, groups: &mut Groups) -> anyhow::Result<DeviceView> {
     let client = d.client();
     let conversations = client.conversations().await?;
     let mut events = BTreeMap::new();
+    let mut history = BTreeMap::new();
     for c in &conversations {
         events.insert(c.conv.clone(), client.events(&c.conv).await?);
+        if c.history_to > 0 {
+            let served = groups.control(&d.user).history(&c.conv, c.history_to + 1).await?;
+            history.insert(c.conv.clone(), served);
+        }
     }
-    Ok(DeviceView { user: d.user.clone(), device: d.id.clone(), conversations, events })
+    let snapshots_installed = {
+        let log = d.log.lock().expect("log lock");
+        (log.lagged == 0).then_some(log.snapshots_installed)
+    };
+    Ok(DeviceView { user: d.user.clone(), device: d.id.clone(), conversations, events, snapshots_installed, history })
+}
+
+#[cfg(test)]
+mod tests {
+    //! Negative controls of the live checks: a reset must be a generation
+    //! change, and nothing moves back within a generation.
+
+    use super::*;
+    use tidemark_client::PageReport;
+
+    fn page(generation: u64, applied_sync_seq: u64) -> Change {
+        Change::PageApplied(PageReport {
+            sync_generation: generation,
+            applied: 1,
+            applied_sync_seq,
+            ..PageReport::default()
+        })
+    }
+
+    fn acked(generation: u64, acked_sync_seq: u64) -> Change {
+        Change::Acked { sync_seq: acked_sync_seq, acked_sync_seq, generation }
+    }
+
+    fn installed(generation: u64, base_sync_seq: u64) -> Change {
+        Change::SnapshotInstalled { generation, base_sync_seq, conversations: 1, messages: 1 }
+    }
+
+    fn conv(contiguous: u64) -> Conversation {
+        Conversation {
+            conv: "c".into(),
+            kind: "direct".into(),
+            contiguous_msg_seq: contiguous,
+            history_to: 0,
+            last_msg_seq: contiguous,
+            read_seq: 0,
+            unread: 0,
+            muted: false,
+            pinned: false,
+            active: true,
+            last_message: None,
+        }
+    }
+
+    fn pos(generation: u64, applied: u64, acked: u64) -> SyncPosition {
+        SyncPosition { generation: Some(generation), applied_sync_seq: applied, acked_sync_seq: acked }
+    }
+
+    /// The log after `changes`, starting synced at generation 2, ACK 10.
+    fn after(changes: Vec<Change>) -> DeviceLog {
+        let mut log = DeviceLog::default();
+        for c in [page(2, 10), acked(2, 10)].into_iter().chain(changes) {
+            log.record(c);
+        }
+        log
+    }
+
+    #[test]
+    fn a_reset_is_a_generation_change() {
+        // The ordinary path: RESET_REQUIRED above, a snapshot at it, sync on.
+        let log = after(vec![Change::Reset { generation: Some(3) }, installed(3, 12), acked(3, 12), page(3, 14)]);
+        assert_eq!(log.violations, Vec::<String>::new());
+        // A second install in one generation (the first one's ack refused),
+        // at a base no lower, is fine too.
+        let log = after(vec![Change::Reset { generation: Some(3) }, installed(3, 12), installed(3, 13)]);
+        assert_eq!(log.violations, Vec::<String>::new());
+
+        let log = after(vec![Change::Reset { generation: Some(2) }]);
+        assert!(
+            log.violations[0].contains("RESET_REQUIRED at generation 2, not above generation 2"),
+            "{:?}",
+            log.violations
+        );
+        let log = after(vec![Change::Reset { generation: None }]);
+        assert!(log.violations[0].contains("without a sync_generation"), "{:?}", log.violations);
+        let log = after(vec![installed(2, 12)]);
+        assert!(log.violations[0].contains("snapshot installed at generation 2"), "{:?}", log.violations);
+        let log = after(vec![Change::Reset { generation: Some(3) }, installed(3, 12), installed(3, 11)]);
+        assert!(log.violations[0].contains("moved back from 12 to 11 in generation 3"), "{:?}", log.violations);
+    }
+
+    #[test]
+    fn a_fallen_off_device_applies_no_page_before_its_snapshot() {
+        let f = FellOff { generation: 2, acked: 10, trimmed_upto: 15 };
+        let mut log = after(vec![]);
+        log.fall_off(f);
+        log.record(Change::Reset { generation: Some(3) });
+        log.record(installed(3, 20));
+        log.record(page(3, 22));
+        assert_eq!(log.violations, Vec::<String>::new());
+        assert_eq!(log.awaiting_snapshot, None);
+
+        let mut log = after(vec![]);
+        log.fall_off(f);
+        log.record(page(2, 12));
+        assert!(log.violations[0].contains("after falling off the retained log"), "{:?}", log.violations);
+    }
+
+    #[test]
+    fn durable_cursors_move_back_only_with_a_new_generation() {
+        let mut log = DeviceLog::default();
+        log.durable(pos(2, 10, 10), &[conv(7)]);
+        // A reset notification alone does not license a move back: the
+        // generation in the store must change.
+        log.record(Change::Reset { generation: Some(3) });
+        log.durable(pos(2, 10, 10), &[conv(5)]);
+        assert!(log.violations[0].contains("cursor moved back in generation 2: 7 → 5"), "{:?}", log.violations);
+
+        let mut log = DeviceLog::default();
+        log.durable(pos(2, 10, 10), &[conv(7)]);
+        log.durable(pos(3, 8, 0), &[conv(5)]);
+        log.durable(pos(3, 8, 8), &[conv(6)]);
+        assert_eq!(log.violations, Vec::<String>::new());
+        log.durable(pos(3, 7, 8), &[conv(6)]);
+        log.durable(pos(2, 9, 9), &[conv(6)]);
+        assert!(log.violations[0].contains("moved back"), "{:?}", log.violations);
+        assert!(log.violations[1].contains("generation moved back"), "{:?}", log.violations);
+    }
 }

@@ -1,8 +1,11 @@
 //! The short chaos run, in CI: three users with two devices each, about 60
 //! messages through the fault-injecting proxy in direct conversations and
 //! two groups whose membership changes (removals, adds back, leaves), one
-//! server restart, client reopens and crashes; every device checked message
-//! by message, and period by period in the groups.
+//! server restart, client reopens and crashes, and clients stopped until
+//! they fall off the retained user log (about a second of retention) and
+//! rebuild from a snapshot while faults go on; every device checked message
+//! by message, period by period in the groups, and against its snapshot's
+//! history boundary.
 //!
 //! `TIDEMARK_CHAOS_SEED` replays a seed; `TIDEMARK_CHAOS_MESSAGES` makes it
 //! a long run.
@@ -34,4 +37,8 @@ async fn short_chaos_run_loses_duplicates_and_misorders_nothing() {
     }
     assert!(report.check.group_verified > 0, "no group message verified");
     assert!(report.check.out_of_period_absent > 0, "no out-of-period event checked absent");
+    assert!(report.fell_off > 0, "no stopped client fell off the retained log");
+    assert!(report.snapshots_installed > 0, "no snapshot installed");
+    assert!(report.check.rebuilt_devices > 0 && report.check.verified_after_snapshot > 0, "no rebuilt device verified");
+    assert!(report.check.history_only > 0, "no event left as history by a snapshot checked against `history`");
 }
