@@ -759,6 +759,22 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
                 Flow::Stop(end) => return end,
             },
         };
+        // An `ack.ok` lost on the way (a crash or a cut after the server
+        // committed the ACK) leaves the local ACK behind the server's; the
+        // batch then resumes at the server's ACK with nothing to ACK again.
+        // The server's ACK in this generation, at or below what this device
+        // applied, is the ACK it confirmed: record it.
+        let server_acked = page.server_acked_sync_seq;
+        if position.generation == Some(page.sync_generation)
+            && server_acked > position.acked_sync_seq
+            && server_acked <= position.applied_sync_seq
+        {
+            let generation = page.sync_generation;
+            if let Err(e) = inner.db(move |s, _| s.record_ack(generation, server_acked)).await {
+                return RoundEnd::End(End::store(e));
+            }
+            inner.emit(Change::Acked { sync_seq: server_acked, acked_sync_seq: server_acked, generation });
+        }
         let token = page.batch_token.clone();
         // What this batch has ACKed so far. It starts at the batch's start,
         // not at the server's ACK: a recovery batch (D6) starts below the

@@ -29,8 +29,9 @@
 //!
 //! - `device` — one row: `user`, `device_id`, `sync_generation` (NULL until
 //!   the first page), `applied_sync_seq` (everything up to it is applied),
-//!   `acked_sync_seq` (the last `ack.ok`; below `applied_sync_seq` when an
-//!   ACK was lost), `refresh_token`.
+//!   `acked_sync_seq` (the last ACK the server confirmed: an `ack.ok`, or
+//!   the server's ACK a sync reports; below `applied_sync_seq` until an
+//!   ACK or its reply that was lost is made good), `refresh_token`.
 //! - `conversations` — key `conv`: `contiguous_msg_seq` (the K2 cursor),
 //!   `last_msg_seq`, `read_seq`, `unread`, settings (`muted`, `pinned`,
 //!   `settings_version`), `updated_sync_seq`, `active` (still a member),

@@ -127,3 +127,34 @@ async fn killed_between_commit_and_ack_the_batch_reapplies_idempotently_and_is_a
     assert_eq!((pos.applied_sync_seq, pos.acked_sync_seq), (3, 3));
     client.stop().await;
 }
+
+/// An `ack.ok` lost after the server committed the ACK: the next batch
+/// resumes at the server's ACK with nothing to ACK again, and the device
+/// still learns the server's ACK (from `sync.ok.server_acked_sync_seq`)
+/// instead of keeping a local ACK behind it for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ack_whose_reply_was_lost_is_learned_from_the_next_sync() {
+    let h = Harness::start().await;
+    let conv = three_messages(&h).await;
+    let exit = crash_at(&h, |p| matches!(p, FaultPoint::AfterCommit { .. })).await;
+    assert_eq!(exit, Exit::Aborted(FaultPoint::AfterCommit { applied_sync_seq: 3 }));
+    // The ACK reaches the server, its reply never reaches the client: the
+    // same device ACKs over HTTP while the client is down.
+    let login = h.http.login("bob", PASSWORD, "phone").await.unwrap();
+    let req = serde_json::json!({ "sync_generation": 1, "local_applied_sync_seq": 3 });
+    let page: tidemark_client::proto::SyncOk = h.http.rpc(&login.access_token, "sync", &req).await.unwrap();
+    let ack = serde_json::json!({ "batch_token": page.batch_token, "sync_seq": 3 });
+    let _: serde_json::Value = h.http.rpc(&login.access_token, "ack", &ack).await.unwrap();
+    assert_eq!(h.server_ack("bob", "phone").await, (1, 3));
+
+    let client = Client::open(h.config("bob", "phone")).unwrap();
+    assert_eq!(client.position().await.unwrap().acked_sync_seq, 0, "the client never saw the ack.ok");
+    let mut changes = client.subscribe();
+    client.start().await.unwrap();
+    let seen = collect_until(&mut changes, |c| matches!(c, Change::Acked { acked_sync_seq: 3, .. })).await;
+    assert_eq!(acks(&seen), vec![3]);
+    let pos = client.position().await.unwrap();
+    assert_eq!((pos.generation, pos.applied_sync_seq, pos.acked_sync_seq), (Some(1), 3, 3));
+    assert_eq!(client.messages(&conv).await.unwrap().len(), 3);
+    client.stop().await;
+}
