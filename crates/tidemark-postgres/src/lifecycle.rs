@@ -205,8 +205,25 @@ pub(crate) async fn ack_snapshot(
         DeviceCursor { generation: meta.generation, acked_sync_seq: meta.base_sync_seq, state: DeviceState::Active };
     write_cursor(c, user, device, new, now_ms).await?;
     exec(c, "UPDATE snapshots SET state = 'INSTALLED' WHERE snapshot_id = $1", &[&snapshot_id]).await?;
-    // Its items are no longer needed by anyone.
-    exec(c, "DELETE FROM snapshot_items WHERE snapshot_id = $1", &[&snapshot_id]).await?;
+    // The device's other live snapshots (one whose `snapshot.begin` reply
+    // was lost, say) can never be installed now: the device is ACTIVE and a
+    // later reset takes a new generation. Expire them, or each would pin
+    // the user's log for retention until its TTL (L1).
+    exec(
+        c,
+        "UPDATE snapshots SET state = 'EXPIRED'
+         WHERE user_id = $1 AND device_id = $2 AND state IN ('BUILDING','READY') AND snapshot_id <> $3",
+        &[&user, &device, &snapshot_id],
+    )
+    .await?;
+    // Their items and the installed one's are no longer needed by anyone.
+    exec(
+        c,
+        "DELETE FROM snapshot_items WHERE snapshot_id IN
+         (SELECT snapshot_id FROM snapshots WHERE user_id = $1 AND device_id = $2 AND state IN ('INSTALLED','EXPIRED'))",
+        &[&user, &device],
+    )
+    .await?;
     Ok((true, new))
 }
 

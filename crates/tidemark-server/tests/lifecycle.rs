@@ -400,3 +400,48 @@ async fn history_retention_says_so_and_tombstones_outlive_it() {
     assert!(!serde_json::to_string(&phone.log).unwrap().contains("old-0"), "expired content is gone");
     ts.stop().await;
 }
+
+/// L1 with a lost `snapshot.begin` reply: the device begins a second
+/// snapshot and installs it; the first, never installable now, stops
+/// fencing the user's log at once instead of until its TTL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_snapshot_stops_fencing_once_its_device_installs_another() {
+    let ts = TestServer::start_with(ServerConfig { retention: None, ..Default::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let mut fast = ts.device("ben", "fast").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    for i in 0..10 {
+        say(&ann, &conv, &format!("a{i}")).await;
+    }
+    fast.sync_until(10, 10).await;
+    let store = ts.running().state.store.clone();
+    let policy =
+        RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 3_600_000, history_keep_ms: None };
+    let now = || tidemark_server::util::now_ms() + 1;
+    store.trim_user_logs(policy, now()).await.unwrap();
+    assert_eq!(store.user_log("ben").await.unwrap().trimmed_upto, 10);
+
+    let mut tablet = ts.device("ben", "tablet").await;
+    assert_eq!(code(tablet.sync_page(10).await), ErrorCode::ResetRequired);
+    // The first begin's reply is "lost": the tablet never sees it.
+    let lost: tidemark_client::proto::SnapshotBeginOk = tablet.ws.request("snapshot.begin", &json!({})).await.unwrap();
+    for i in 10..15 {
+        say(&ann, &conv, &format!("a{i}")).await;
+    }
+    fast.sync_until(15, 10).await;
+    store.trim_user_logs(policy, now()).await.unwrap();
+    assert_eq!(store.user_log("ben").await.unwrap().trimmed_upto, lost.base_sync_seq, "a live snapshot fences");
+    // The tablet begins again and installs the second snapshot.
+    let base = tablet.install_snapshot(false).await.unwrap();
+    assert!(base > lost.base_sync_seq, "the second snapshot is newer ({base} vs {})", lost.base_sync_seq);
+    store.trim_user_logs(policy, now()).await.unwrap();
+    assert_eq!(
+        store.user_log("ben").await.unwrap().trimmed_upto,
+        base,
+        "the abandoned snapshot no longer holds the log back"
+    );
+    assert_eq!(store.snapshot(&lost.snapshot_id).await.unwrap().unwrap().state, "EXPIRED");
+    ts.stop().await;
+}

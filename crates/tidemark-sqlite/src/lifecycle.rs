@@ -177,8 +177,23 @@ pub(crate) fn ack_snapshot(
     crate::write_cursor(c, user, device, new, now_ms)?;
     c.execute("UPDATE snapshots SET state = 'INSTALLED' WHERE snapshot_id = ?1", params![snapshot_id])
         .map_err(internal)?;
-    // Its items are no longer needed by anyone.
-    c.execute("DELETE FROM snapshot_items WHERE snapshot_id = ?1", params![snapshot_id]).map_err(internal)?;
+    // The device's other live snapshots (one whose `snapshot.begin` reply
+    // was lost, say) can never be installed now: the device is ACTIVE and a
+    // later reset takes a new generation. Expire them, or each would pin
+    // the user's log for retention until its TTL (L1).
+    c.execute(
+        "UPDATE snapshots SET state = 'EXPIRED'
+         WHERE user_id = ?1 AND device_id = ?2 AND state IN ('BUILDING','READY') AND snapshot_id <> ?3",
+        params![user, device, snapshot_id],
+    )
+    .map_err(internal)?;
+    // Their items and the installed one's are no longer needed by anyone.
+    c.execute(
+        "DELETE FROM snapshot_items WHERE snapshot_id IN
+         (SELECT snapshot_id FROM snapshots WHERE user_id = ?1 AND device_id = ?2 AND state IN ('INSTALLED','EXPIRED'))",
+        params![user, device],
+    )
+    .map_err(internal)?;
     Ok((true, new))
 }
 

@@ -47,6 +47,7 @@ where
     user_log_pages_are_ranges(&*fresh().await).await;
     ack_is_a_monotonic_cas_per_device(&*fresh().await).await;
     cursor_cas_refuses_a_stale_expectation(&*fresh().await).await;
+    installing_a_snapshot_expires_the_devices_other_snapshots(&*fresh().await).await;
     refresh_tokens_are_used_once(&*fresh().await).await;
     revocation_is_durable(&*fresh().await).await;
     history_retention_moves_the_boundary(&*fresh().await).await;
@@ -273,6 +274,31 @@ pub async fn cursor_cas_refuses_a_stale_expectation(store: &dyn Store) {
     let (won, now) = store.cas_device_cursor("b", "phone", rec.cursor, other, T0).await.unwrap();
     assert!(!won, "the expectation is stale");
     assert_eq!(now, bumped);
+}
+
+/// L1: once a device installs a snapshot, its other live snapshots (one
+/// whose `snapshot.begin` reply was lost) can never be installed, and stop
+/// fencing retention at once; another device's snapshot is untouched.
+pub async fn installing_a_snapshot_expires_the_devices_other_snapshots(store: &dyn Store) {
+    users(store, &["b"]).await;
+    let resetting = DeviceCursor { generation: 2, acked_sync_seq: 0, state: DeviceState::Resetting };
+    for device in ["phone", "desk"] {
+        let rec = store.login_device("b", device, device, T0).await.unwrap();
+        assert!(store.cas_device_cursor("b", device, rec.cursor, resetting, T0).await.unwrap().0);
+    }
+    let later = T0 + 3_600_000;
+    for (device, id) in [("phone", "lost"), ("desk", "other-device"), ("phone", "second")] {
+        store.begin_snapshot("b", device, 2, id, 4, later, T0).await.unwrap();
+        store.finish_snapshot(id, "digest", vec![]).await.unwrap();
+    }
+    let (installed, cursor) = store.ack_snapshot("b", "phone", "second", T0).await.unwrap();
+    assert!(installed);
+    assert_eq!(cursor.state, DeviceState::Active);
+    let state = |id: &'static str| async move { store.snapshot(id).await.unwrap().unwrap().state };
+    assert_eq!(state("second").await, "INSTALLED");
+    assert_eq!(state("lost").await, "EXPIRED", "L1: the abandoned snapshot stops fencing");
+    assert_eq!(state("other-device").await, "READY", "another device's snapshot is its own");
+    assert!(!store.ack_snapshot("b", "phone", "lost", T0).await.unwrap().0, "an expired snapshot never installs");
 }
 
 /// P1: refresh tokens rotate.
