@@ -10,8 +10,6 @@
 //! statements per page rather than three per message. This module never
 //! writes.
 
-use std::collections::{HashMap, HashSet};
-
 use deadpool_postgres::{Object, Pool};
 use tidemark_core::convsync::{ConvSnapshot, ConvSyncRefusal};
 use tidemark_store::*;
@@ -185,19 +183,17 @@ pub(crate) async fn decorate(c: &Conn, reader: &str, msgs: &mut [(StoredMessage,
     if msgs.is_empty() {
         return Ok(());
     }
+    let mut d = Decorations::default();
     let ids: Vec<String> = msgs.iter().map(|(m, _)| m.message_id.clone()).collect();
     let rows =
         query(c, "SELECT message_id FROM user_deleted WHERE user_id = $1 AND message_id = ANY($2)", &[&reader, &ids])
             .await?;
-    let deleted = rows.iter().map(|r| col::<String>(r, 0)).collect::<R<HashSet<String>>>()?;
+    d.deleted = rows.iter().map(|r| col::<String>(r, 0)).collect::<R<_>>()?;
 
     let quoted: Vec<String> = msgs.iter().filter_map(|(_, q)| q.clone()).collect();
-    let mut quote_states: HashMap<String, String> = HashMap::new();
     if !quoted.is_empty() {
         let rows = query(c, "SELECT message_id, state FROM messages WHERE message_id = ANY($1)", &[&quoted]).await?;
-        for r in &rows {
-            quote_states.insert(col(r, 0)?, col(r, 1)?);
-        }
+        d.quote_states = rows.iter().map(|r| Ok((col(r, 0)?, col(r, 1)?))).collect::<R<_>>()?;
     }
 
     let convs: Vec<String> = msgs.iter().map(|(m, _)| m.conv.clone()).collect();
@@ -209,32 +205,10 @@ pub(crate) async fn decorate(c: &Conn, reader: &str, msgs: &mut [(StoredMessage,
         &[&convs, &ids],
     )
     .await?;
-    let mut reactions: HashMap<String, Vec<(String, Vec<String>)>> = HashMap::new();
     for r in &rows {
-        let (id, reaction, user): (String, String, String) = (col(r, 0)?, col(r, 1)?, col(r, 2)?);
-        let list = reactions.entry(id).or_default();
-        match list.last_mut() {
-            Some((last, users)) if *last == reaction => users.push(user),
-            _ => list.push((reaction, vec![user])),
-        }
+        d.add_reaction(col(r, 0)?, col(r, 1)?, col(r, 2)?);
     }
-
-    for (m, quote_id) in msgs.iter_mut() {
-        if deleted.contains(&m.message_id) {
-            m.state = STATE_DELETED.into();
-            m.content = "{}".into();
-        }
-        // A wiped message (recalled, or deleted for this reader) shows
-        // neither its quote nor its reactions.
-        let wiped = m.state == STATE_DELETED || m.state == STATE_RECALLED;
-        if let Some(q) = quote_id.take().filter(|_| !wiped) {
-            let recalled = quote_states.get(&q).map(String::as_str) == Some(STATE_RECALLED);
-            m.quote = Some((q, recalled));
-        }
-        if !wiped {
-            m.reactions = reactions.remove(&m.message_id).unwrap_or_default();
-        }
-    }
+    d.apply(msgs);
     Ok(())
 }
 

@@ -427,19 +427,26 @@ async fn a_sync_page_costs_the_same_statements_for_one_message_or_forty() {
     let ann = ts.device("ann", "phone").await;
     let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
     let mut ben = ts.device("ben", "phone").await;
+    // Background work (the relay's re-hint sweep, retention) may run a few
+    // statements inside a window; it only adds, so the least of three
+    // windows is the batch's own cost.
     let mut cost = Vec::new();
-    for (round, n) in [(0, 1), (1, 40)] {
-        for i in 0..n {
-            ann.ws.send(&send_req(&conv, &format!("r{round}-{i}"))).await.unwrap();
+    for n in [1, 40] {
+        let mut least = f64::MAX;
+        for round in 0..3 {
+            for i in 0..n {
+                ann.ws.send(&send_req(&conv, &format!("n{n}-r{round}-{i}"))).await.unwrap();
+            }
+            let before = statements_when_idle(&ts).await;
+            let had = ben.log.len();
+            ben.sync_batch(100).await;
+            assert_eq!(ben.log.len(), had + n, "one batch brings all {n}");
+            // The second scrape's own reads are in `after`, as the first
+            // scrape's were not: the same offset every time.
+            let after = statements_when_idle(&ts).await;
+            least = least.min(after - before);
         }
-        let before = statements_when_idle(&ts).await;
-        let had = ben.log.len();
-        ben.sync_batch(100).await;
-        assert_eq!(ben.log.len(), had + n, "one batch brings all {n}");
-        // The second scrape's own reads are in `after`, as the first
-        // scrape's were not: the same offset both times.
-        let after = statements_when_idle(&ts).await;
-        cost.push(after - before);
+        cost.push(least);
     }
     assert!(
         cost[1] <= cost[0] + 4.0,

@@ -1,7 +1,6 @@
 //! Reads: a small pool of read-only connections used from blocking tasks.
 //! Each read sees the last committed state; readers never block the writer.
 
-use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Mutex;
 
@@ -152,8 +151,9 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
     }
     // Three reads for the whole page, not three per message: the ids go in
     // as one `rarray` parameter (loaded on every connection, see `configure`).
+    let mut d = Decorations::default();
     let ids: Array = Rc::new(msgs.iter().map(|(m, _)| Value::from(m.message_id.clone())).collect());
-    let deleted: HashSet<String> = c
+    d.deleted = c
         .prepare_cached("SELECT message_id FROM user_deleted WHERE user_id = ?1 AND message_id IN rarray(?2)")
         .map_err(internal)?
         .query_map(params![reader, ids], |r| r.get(0))
@@ -162,52 +162,28 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
         .map_err(internal)?;
 
     let quoted: Array = Rc::new(msgs.iter().filter_map(|(_, q)| q.clone().map(Value::from)).collect());
-    let mut quote_states: HashMap<String, String> = HashMap::new();
     if !quoted.is_empty() {
-        let mut stmt = c
+        d.quote_states = c
             .prepare_cached("SELECT message_id, state FROM messages WHERE message_id IN rarray(?1)")
+            .map_err(internal)?
+            .query_map(params![quoted], |r| Ok((r.get(0)?, r.get(1)?)))
+            .map_err(internal)?
+            .collect::<rusqlite::Result<_>>()
             .map_err(internal)?;
-        for row in stmt.query_map(params![quoted], |r| Ok((r.get(0)?, r.get(1)?))).map_err(internal)? {
-            let (id, state) = row.map_err(internal)?;
-            quote_states.insert(id, state);
-        }
     }
 
-    let mut reactions: HashMap<String, Vec<(String, Vec<String>)>> = HashMap::new();
     let mut stmt = c
         .prepare_cached(
             "SELECT message_id, reaction, user_id FROM reactions WHERE message_id IN rarray(?1)
              ORDER BY message_id, reaction, user_id",
         )
         .map_err(internal)?;
-    let rows = stmt
-        .query_map(params![ids], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)))
-        .map_err(internal)?;
+    let rows = stmt.query_map(params![ids], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
     for row in rows {
         let (id, reaction, user) = row.map_err(internal)?;
-        let list = reactions.entry(id).or_default();
-        match list.last_mut() {
-            Some((last, users)) if *last == reaction => users.push(user),
-            _ => list.push((reaction, vec![user])),
-        }
+        d.add_reaction(id, reaction, user);
     }
-
-    for (m, quote_id) in msgs.iter_mut() {
-        if deleted.contains(&m.message_id) {
-            m.state = STATE_DELETED.into();
-            m.content = "{}".into();
-        }
-        // A wiped message (recalled, or deleted for this reader) shows
-        // neither its quote nor its reactions.
-        let wiped = m.state == STATE_DELETED || m.state == STATE_RECALLED;
-        if let Some(q) = quote_id.take().filter(|_| !wiped) {
-            let recalled = quote_states.get(&q).map(String::as_str) == Some(STATE_RECALLED);
-            m.quote = Some((q, recalled));
-        }
-        if !wiped {
-            m.reactions = reactions.remove(&m.message_id).unwrap_or_default();
-        }
-    }
+    d.apply(msgs);
     Ok(())
 }
 

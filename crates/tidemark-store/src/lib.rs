@@ -156,6 +156,48 @@ pub struct ClaimedFanout {
     pub report: FanoutReport,
 }
 
+/// What rendering a page of messages for one reader needs besides the
+/// messages, read by a backend in a few batched queries: the ids the reader
+/// deleted for itself, the state of every quoted message, the reactions.
+#[derive(Debug, Default)]
+pub struct Decorations {
+    pub deleted: std::collections::HashSet<String>,
+    pub quote_states: std::collections::HashMap<String, String>,
+    reactions: std::collections::HashMap<String, Vec<(String, Vec<String>)>>,
+}
+
+impl Decorations {
+    /// One reaction row; rows come ordered by (message, reaction, user).
+    pub fn add_reaction(&mut self, message_id: String, reaction: String, user: String) {
+        let list = self.reactions.entry(message_id).or_default();
+        match list.last_mut() {
+            Some((last, users)) if *last == reaction => users.push(user),
+            _ => list.push((reaction, vec![user])),
+        }
+    }
+
+    /// Renders `msgs` (each with its quoted message id) for the reader:
+    /// deleted-for-me becomes a placeholder, a quote says whether its target
+    /// was recalled, reactions are attached. A wiped message (recalled, or
+    /// deleted for this reader) shows neither its quote nor its reactions.
+    pub fn apply(mut self, msgs: &mut [(StoredMessage, Option<String>)]) {
+        for (m, quote_id) in msgs.iter_mut() {
+            if self.deleted.contains(&m.message_id) {
+                m.state = STATE_DELETED.into();
+                m.content = "{}".into();
+            }
+            let wiped = m.state == STATE_DELETED || m.state == STATE_RECALLED;
+            if let Some(q) = quote_id.take().filter(|_| !wiped) {
+                let recalled = self.quote_states.get(&q).map(String::as_str) == Some(STATE_RECALLED);
+                m.quote = Some((q, recalled));
+            }
+            if !wiped {
+                m.reactions = self.reactions.remove(&m.message_id).unwrap_or_default();
+            }
+        }
+    }
+}
+
 /// A committed message as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredMessage {
