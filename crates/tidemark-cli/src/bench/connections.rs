@@ -30,7 +30,7 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-use super::fanout::{bar, cheap_hash, PASSWORD};
+use super::fanout::{bar, cheap_hash};
 use super::proc::{open_files_soft_limit, rss_kib, spawn_server, spawn_tidemark};
 use super::{init_logs, median, print_table, wait_store_closed, TempDir};
 
@@ -222,18 +222,7 @@ pub async fn run(args: ConnectionsArgs) -> Result<()> {
     let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: logins");
-    let tokens: Vec<String> = futures_util::stream::iter(users.iter().map(|u| {
-        let (http, pb) = (http.clone(), pb.clone());
-        async move {
-            let l = http.login(u, PASSWORD, "phone").await;
-            pb.inc(1);
-            l.map(|l| l.access_token)
-        }
-    }))
-    .buffered(SETUP_CONCURRENCY)
-    .try_collect()
-    .await
-    .context("log in")?;
+    let tokens = super::reconnect::log_in(&http, &users, &pb).await?;
     drop(server);
     pb.finish_and_clear();
     // Each round starts both servers afresh (an allocator keeps freed

@@ -111,8 +111,9 @@ async fn bare_handshake(url: &str, token: &str) -> Result<()> {
     bail!("closed before auth.ok")
 }
 
-/// Logs every user in (device "phone") and returns the access tokens.
-async fn log_in(http: &Http, users: &[String], pb: &indicatif::ProgressBar) -> Result<Vec<String>> {
+/// Logs every user in (device "phone", 64 at a time) and returns the
+/// access tokens.
+pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::ProgressBar) -> Result<Vec<String>> {
     futures_util::stream::iter(users.iter().map(|u| {
         let (http, pb) = (http.clone(), pb.clone());
         async move {
