@@ -63,6 +63,27 @@ enum Command {
         /// default history is kept forever.
         #[arg(long)]
         history_keep_days: Option<u32>,
+        /// User-log retention (L1): entries younger than this many seconds
+        /// are never trimmed, whatever the device fences.
+        #[arg(long, default_value_t = 7 * 24 * 3600)]
+        log_keep_secs: u64,
+        /// A device whose server cursor has not moved for this many seconds
+        /// stops holding the user's log back; when it returns behind the
+        /// trim point it rebuilds from a snapshot (L2).
+        #[arg(long, default_value_t = 30 * 24 * 3600)]
+        device_inactive_secs: u64,
+        /// How often the retention pass runs, milliseconds.
+        #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(10..))]
+        retention_every_ms: u64,
+        /// Keep every user-log entry (no retention pass at all).
+        #[arg(long, conflicts_with_all = ["log_keep_secs", "device_inactive_secs"])]
+        keep_all_logs: bool,
+        /// Lifetime of a snapshot, and of its retention fence, seconds.
+        #[arg(long, default_value_t = 30 * 60)]
+        snapshot_ttl_secs: u64,
+        /// Latest messages per conversation a snapshot carries.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+        snapshot_messages_per_conv: u32,
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
@@ -143,6 +164,12 @@ async fn main() -> Result<()> {
             admin_token,
             access_ttl_secs,
             history_keep_days,
+            log_keep_secs,
+            device_inactive_secs,
+            retention_every_ms,
+            keep_all_logs,
+            snapshot_ttl_secs,
+            snapshot_messages_per_conv,
             hold_fanout,
         } => {
             init_logs();
@@ -158,10 +185,14 @@ async fn main() -> Result<()> {
             let config = ServerConfig {
                 admin_token: admin_token.filter(|t| !t.is_empty()),
                 access_token_ttl: std::time::Duration::from_secs(access_ttl_secs),
-                retention: defaults.retention.map(|r| tidemark_store::RetentionPolicy {
+                retention: (!keep_all_logs).then(|| tidemark_store::RetentionPolicy {
+                    keep_events_younger_than_ms: secs_to_ms(log_keep_secs),
+                    device_inactive_after_ms: secs_to_ms(device_inactive_secs),
                     history_keep_ms: history_keep_days.map(|d| i64::from(d) * 24 * 3600 * 1000),
-                    ..r
                 }),
+                retention_every: std::time::Duration::from_millis(retention_every_ms),
+                snapshot_ttl: std::time::Duration::from_secs(snapshot_ttl_secs),
+                snapshot_messages_per_conv,
                 hold_fanout,
                 hint_bus,
                 ..defaults
@@ -196,4 +227,9 @@ async fn main() -> Result<()> {
         Command::Demo => demo::run().await,
         Command::Chat(args) => chat::run(args).await,
     }
+}
+
+/// Seconds from a flag as the store's milliseconds, saturating.
+fn secs_to_ms(secs: u64) -> i64 {
+    i64::try_from(secs.saturating_mul(1000)).unwrap_or(i64::MAX)
 }

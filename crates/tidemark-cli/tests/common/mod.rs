@@ -61,9 +61,28 @@ pub struct Seen {
 /// until `count` message events arrived or `wait` passed. Checks that the
 /// log only moves forward.
 pub async fn pull(http: &Http, token: &str, count: usize, wait: Duration, limit: u32) -> Vec<Seen> {
+    pull_from(http, token, &mut Position::default(), count, wait, limit).await
+}
+
+/// A device's local position: its generation and what it applied.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Position {
+    pub generation: Option<u64>,
+    pub applied: u64,
+}
+
+/// [`pull`] from a device's position, which it moves: a device that keeps
+/// syncing where it left off.
+pub async fn pull_from(
+    http: &Http,
+    token: &str,
+    pos: &mut Position,
+    count: usize,
+    wait: Duration,
+    limit: u32,
+) -> Vec<Seen> {
     let mut seen: Vec<Seen> = Vec::new();
-    let mut applied = 0;
-    let mut generation = None;
+    let Position { mut generation, mut applied } = *pos;
     let deadline = tokio::time::Instant::now() + wait;
     while seen.len() < count && tokio::time::Instant::now() < deadline {
         let req = SyncReq {
@@ -102,6 +121,7 @@ pub async fn pull(http: &Http, token: &str, count: usize, wait: Duration, limit:
                 .await
                 .unwrap();
         }
+        *pos = Position { generation, applied };
         if seen.len() < count {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
