@@ -18,15 +18,15 @@
 //! from non-members on purpose; a refusal is an outcome the checker judges,
 //! not an accepted message.
 //!
-//! Snapshots (D7, L1–L2). In-process, the server runs with a user-log
-//! retention of a second ([`Retention`]: keep window, inactivity window, a
-//! pass every 100 ms) and small, short-lived snapshots (a few events per
-//! conversation, a few items per page, 5 s). Seeded fall-off steps stop a
-//! client whose user has another device running, let traffic and retention
-//! passes go on until the server's store shows the user's trim point above
-//! the stopped device's ACK (its cursor fell off the retained log), then
-//! reopen it while faults continue: its first sync must get
-//! `RESET_REQUIRED`, and the SDK rebuilds from a snapshot. Some of those rebuilds are armed with
+//! Snapshots (D7, L1–L2). The server runs with a user-log retention of
+//! about a second ([`Retention`]: keep window, inactivity window, a pass
+//! every 100 ms) and small, short-lived snapshots (a few events per
+//! conversation, 5 s; in-process, a few items per page too). Seeded fall-off steps stop a client whose
+//! user has another device running, let traffic and retention passes go on
+//! until the server's store shows the user's trim point above the stopped
+//! device's ACK (its cursor fell off the retained log), then reopen it
+//! while faults continue: its first sync must get `RESET_REQUIRED`, and
+//! the SDK rebuilds from a snapshot. Some of those rebuilds are armed with
 //! a snapshot fault (a crash after `snapshot.begin`, after a page, before
 //! or after the install's commit, or a corrupt page). Devices that lag
 //! under faults may fall off on their own too; every reset is judged the
@@ -41,14 +41,19 @@
 //!
 //! The server runs in-process ([`ServerMode::InProcess`], the CI run): a
 //! "kill" is [`RunningServer::stop`] followed by a new [`Server::start`] on
-//! the same data directory and address, a graceful stop and not a crash.
-//! With [`ServerMode::Binary`] it is the real `tidemark serve`, SIGKILLed
-//! and started again on the same directory and address. `tidemark serve`
-//! has no flag for the retention windows, the pass interval or the
-//! snapshot's shape, so the binary runs with its defaults (7 days, 30 days,
-//! 60 s, 100 events) and its fall-off steps are plain long stops: nobody
-//! falls off. This module owns the run's timeline and collects the facts;
-//! [`crate::check`] judges them.
+//! the same data directory and address, a graceful stop and not a crash;
+//! the server's store is read through its own API. With
+//! [`ServerMode::Binary`] it is the real `tidemark serve`, SIGKILLed and
+//! started again on the same directory and address, with the same
+//! retention passed as flags ([`Retention::serve_args`]: the windows and
+//! the snapshot lifetime in whole seconds, rounded up); its store (the
+//! device's cursor, the user's head and trim point) is read from a
+//! read-only SQLite connection to its database file, beside the live
+//! server (WAL allows a reader in another process). `tidemark serve` has
+//! no flag for the snapshot's page size, so the binary's snapshots have
+//! its default pages (200 items: a snapshot is usually one page). This
+//! module owns the run's timeline and collects the facts; [`crate::check`]
+//! judges them.
 //!
 //! Every random choice of the scenario comes from generators seeded with
 //! the run's seed (one for the timeline and the sends, one for membership
@@ -112,9 +117,11 @@ const MEMBERSHIP_SEED: u64 = 0x6d65_6d62_6572_7321;
 const SNAPSHOT_FAULT_SEED: u64 = 0x736e_6170_7368_6f74;
 /// How often stopped devices are looked at once the sends are over.
 const FALLOFF_POLL: Duration = Duration::from_millis(50);
-/// Scenario steps a fall-off stop lasts when the server's store is out of
-/// reach ([`ServerMode::Binary`]): nobody can fall off there anyway.
-const FALLOFF_BINARY_STEPS: usize = 20;
+/// Scenario steps a fall-off stop lasts when the server's store has no
+/// cursor for the device (it never logged in): it cannot fall off.
+const FALLOFF_UNKNOWN_STEPS: usize = 20;
+/// A read of the binary server's store waits this long for a lock.
+const STORE_READ_BUSY: Duration = Duration::from_secs(2);
 
 /// Everything a run needs; [`ChaosConfig::short`] is the CI run.
 #[derive(Debug, Clone)]
@@ -148,7 +155,7 @@ pub struct ChaosConfig {
     pub falloff_wait_max: Duration,
     /// Percent of fall-off reopens armed with a snapshot fault.
     pub snapshot_fault_percent: u32,
-    /// The server's retention and snapshot shape (in-process only).
+    /// The server's retention and snapshot shape.
     pub retention: Retention,
     pub faults: FaultConfig,
     pub server: ServerMode,
@@ -162,7 +169,9 @@ pub struct ChaosConfig {
 /// The server's user-log retention (docs/protocol.md §3.25) and snapshot
 /// shape (§3.21) for the run: short enough that a client stopped for about
 /// a second falls off the retained log once its user's other device moved
-/// on. In-process only: `tidemark serve` has no flag for any of these.
+/// on. In-process it is the server's configuration; the binary gets it as
+/// flags ([`Retention::serve_args`]), but for the page size, which has no
+/// flag (the binary keeps its default).
 #[derive(Debug, Clone, Copy)]
 pub struct Retention {
     /// `RetentionPolicy::keep_events_younger_than_ms`: log entries younger
@@ -177,7 +186,8 @@ pub struct Retention {
     /// `ServerConfig::snapshot_messages_per_conv`: small, so a snapshot
     /// leaves the older events of a conversation as history (`history_to`).
     pub snapshot_events_per_conv: u32,
-    /// `ServerConfig::snapshot_page_items`: small, so a snapshot has pages.
+    /// `ServerConfig::snapshot_page_items`: small, so a snapshot has pages
+    /// (in-process only: `tidemark serve` has no flag for it).
     pub snapshot_page_items: usize,
     /// `ServerConfig::snapshot_ttl`: short, because a snapshot that will
     /// never be installed (its `snapshot.begin` reply was lost and the
@@ -217,6 +227,31 @@ impl Retention {
             policy.device_inactive_after_ms = self.device_inactive_ms;
         }
         config
+    }
+
+    /// The same retention as `tidemark serve` flags. The windows and the
+    /// snapshot lifetime are whole seconds there: rounded up, so never
+    /// shorter (the default 1000 ms windows and 5 s lifetime are exact).
+    /// The page size has no flag.
+    pub fn serve_args(&self) -> Vec<String> {
+        let ms_to_secs = |ms: u128| ms.div_ceil(1000);
+        let keep = ms_to_secs(u128::try_from(self.keep_events_ms.max(0)).unwrap_or(0));
+        let inactive = ms_to_secs(u128::try_from(self.device_inactive_ms.max(0)).unwrap_or(0));
+        let ttl = ms_to_secs(self.snapshot_ttl.as_millis());
+        // `--retention-every-ms` takes 10 at least.
+        let every = self.every.as_millis().max(10);
+        vec![
+            "--log-keep-secs".into(),
+            keep.to_string(),
+            "--device-inactive-secs".into(),
+            inactive.to_string(),
+            "--retention-every-ms".into(),
+            every.to_string(),
+            "--snapshot-ttl-secs".into(),
+            ttl.to_string(),
+            "--snapshot-messages-per-conv".into(),
+            self.snapshot_events_per_conv.to_string(),
+        ]
     }
 }
 
@@ -839,45 +874,59 @@ impl ServerSlot {
     }
 
     /// Events per conversation a snapshot carries, as this server is
-    /// configured.
+    /// configured (the binary gets it as `--snapshot-messages-per-conv`).
     fn snapshot_events_per_conv(&self) -> u64 {
-        match self.mode {
-            ServerMode::InProcess => u64::from(self.retention.snapshot_events_per_conv),
-            ServerMode::Binary(_) => u64::from(ServerConfig::default().snapshot_messages_per_conv),
-        }
+        u64::from(self.retention.snapshot_events_per_conv)
     }
 
-    /// The device's server cursor and its user's trim point, when the
-    /// server's store is at hand (in-process only).
+    /// The device's server cursor and its user's trim point while the
+    /// server runs: from its store in-process, from a read-only connection
+    /// to the binary's database file ([`read_store`]). `None` while the
+    /// server is down, or when it has no cursor for the device.
     async fn standing(&self, user: &str, device: &str) -> anyhow::Result<Option<Standing>> {
-        let Some(Running::InProcess(s)) = &self.running else { return Ok(None) };
-        let store = &s.state.store;
-        let log = store.user_log(user).await.map_err(|e| anyhow::anyhow!("{e}"))?;
-        let Some(d) = store.device(user, device).await.map_err(|e| anyhow::anyhow!("{e}"))? else {
-            return Ok(None);
+        let (state, generation, acked, trimmed_upto) = match &self.running {
+            None => return Ok(None),
+            Some(Running::InProcess(s)) => {
+                let store = &s.state.store;
+                let log = store.user_log(user).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                let Some(d) = store.device(user, device).await.map_err(|e| anyhow::anyhow!("{e}"))? else {
+                    return Ok(None);
+                };
+                (d.cursor.state.as_str().to_owned(), d.cursor.generation, d.cursor.acked_sync_seq, log.trimmed_upto)
+            }
+            Some(Running::Binary(_)) => {
+                let Some(read) = read_store(self.db_file(), user, Some(device)).await? else { return Ok(None) };
+                let Some((state, generation, acked)) = read.device else { return Ok(None) };
+                (state, generation, acked, read.trimmed_upto)
+            }
         };
-        let state = d.cursor.state.as_str();
         Ok(Some(Standing {
-            state: state.to_owned(),
             fencing: state == "ACTIVE" || state == "RECOVERING",
-            generation: d.cursor.generation,
-            acked: d.cursor.acked_sync_seq,
-            trimmed_upto: log.trimmed_upto,
+            state,
+            generation,
+            acked,
+            trimmed_upto,
         }))
+    }
+
+    /// The binary server's database file.
+    fn db_file(&self) -> PathBuf {
+        self.dir.join(tidemark_sqlite::DB_FILE)
     }
 
     fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
-    /// The user's head on the server, when the server's store is at hand
-    /// (in-process only).
+    /// The user's head on the server while it runs (in-process from its
+    /// store, from the binary's database file read-only).
     async fn head(&self, user: &str) -> anyhow::Result<Option<u64>> {
         match &self.running {
             Some(Running::InProcess(s)) => {
                 Ok(Some(s.state.store.user_high_watermark(user).await.map_err(|e| anyhow::anyhow!("{e}"))?))
             }
-            _ => Ok(None),
+            Some(Running::Binary(_)) => Ok(read_store(self.db_file(), user, None).await?.map(|r| r.high_watermark)),
+            None => Ok(None),
         }
     }
 
@@ -917,19 +966,78 @@ async fn boot(
             Ok((Running::InProcess(s), addr))
         }
         ServerMode::Binary(bin) => {
-            let (bin, dir, listen) = (bin.clone(), dir.to_owned(), listen.to_owned());
-            tokio::task::spawn_blocking(move || spawn_binary(&bin, &dir, &listen)).await?
+            let (bin, dir, listen, retention) = (bin.clone(), dir.to_owned(), listen.to_owned(), *retention);
+            tokio::task::spawn_blocking(move || spawn_binary(&bin, &dir, &listen, &retention)).await?
         }
     }
 }
 
-/// Starts `tidemark serve` and reads its "listening on" line.
-fn spawn_binary(bin: &std::path::Path, dir: &std::path::Path, listen: &str) -> anyhow::Result<(Running, SocketAddr)> {
+/// What [`read_store`] reads of one user on the binary server.
+struct StoreRead {
+    high_watermark: u64,
+    trimmed_upto: u64,
+    /// The device's state, generation and ACK, when asked for one and it
+    /// has a cursor.
+    device: Option<(String, u64, u64)>,
+}
+
+/// Reads the user's head and trim point (`user_heads`) and the device's
+/// cursor (`devices`), the columns the store's own `user_log` and `device`
+/// read, from the live binary server's database file, in one read
+/// transaction over a read-only connection of this process. Not through
+/// `SqliteStore::open`, which migrates, checkpoints and starts a writer:
+/// this connection writes nothing (WAL lets it read beside the server's
+/// writer, which it never blocks). `None` if the file is not there yet.
+async fn read_store(db: PathBuf, user: &str, device: Option<&str>) -> anyhow::Result<Option<StoreRead>> {
+    use rusqlite::{params, OpenFlags, OptionalExtension};
+    let (user, device) = (user.to_owned(), device.map(str::to_owned));
+    tokio::task::spawn_blocking(move || -> anyhow::Result<Option<StoreRead>> {
+        if !db.is_file() {
+            return Ok(None);
+        }
+        let flags = OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX;
+        let c = rusqlite::Connection::open_with_flags(&db, flags)
+            .with_context(|| format!("open {} read-only", db.display()))?;
+        c.busy_timeout(STORE_READ_BUSY)?;
+        let tx = c.unchecked_transaction()?;
+        let (high_watermark, trimmed_upto) = tx
+            .query_row("SELECT high_watermark, trimmed_upto FROM user_heads WHERE user_id = ?1", params![user], |r| {
+                Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64))
+            })
+            .optional()
+            .context("read user_heads")?
+            .unwrap_or((0, 0));
+        let device = match device {
+            None => None,
+            Some(device) => tx
+                .query_row(
+                    "SELECT state, sync_generation, acked_sync_seq FROM devices WHERE user_id = ?1 AND device_id = ?2",
+                    params![user, device],
+                    |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64, r.get::<_, i64>(2)? as u64)),
+                )
+                .optional()
+                .context("read devices")?,
+        };
+        tx.finish()?;
+        Ok(Some(StoreRead { high_watermark, trimmed_upto, device }))
+    })
+    .await?
+}
+
+/// Starts `tidemark serve` with the run's retention and reads its
+/// "listening on" line.
+fn spawn_binary(
+    bin: &std::path::Path,
+    dir: &std::path::Path,
+    listen: &str,
+    retention: &Retention,
+) -> anyhow::Result<(Running, SocketAddr)> {
     use std::io::BufRead;
     use std::process::{Command, Stdio};
     let mut child = Command::new(bin)
         .args(["serve", "--listen", listen, "--data"])
         .arg(dir)
+        .args(retention.serve_args())
         .env("TIDEMARK_ADMIN_TOKEN", ADMIN)
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())
@@ -1295,12 +1403,12 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         ServerMode::Binary(_) => "tidemark binary, SIGKILL restarts",
     };
     let mut report = Report { seed: cfg.seed, server: server_kind, ..Report::default() };
-    if matches!(cfg.server, ServerMode::Binary(_)) && cfg.falloffs > 0 {
-        report.notes.push(
-            "`tidemark serve` has no flag for the retention windows, the pass interval or the snapshot shape: \
-             the binary keeps its defaults, so fall-off steps are plain long stops and nobody falls off"
-                .into(),
-        );
+    if matches!(cfg.server, ServerMode::Binary(_)) {
+        report.notes.push(format!(
+            "tidemark serve {}; snapshot pages: the binary's default {} items (no flag)",
+            cfg.retention.serve_args().join(" "),
+            ServerConfig::default().snapshot_page_items
+        ));
     }
     let events = schedule(&cfg, devices.len(), &mut rng);
     let mut next_event = 0;
@@ -1622,9 +1730,9 @@ impl Falloffs {
     /// Reopens every stopped client whose server cursor fell below its
     /// user's trim point (recorded with the device, maybe with a snapshot
     /// fault armed), and those that cannot or did not: one stopped in a
-    /// state that holds no fence at once, others at the deadline in-process;
-    /// [`FALLOFF_BINARY_STEPS`] steps, or the end of the sends (`step`
-    /// `None`), when the server's store is out of reach.
+    /// state that holds no fence at once, others at the deadline;
+    /// [`FALLOFF_UNKNOWN_STEPS`] steps, or the end of the sends (`step`
+    /// `None`), when the server's store has no cursor for it.
     async fn reopen(
         &mut self,
         step: Option<usize>,
@@ -1645,7 +1753,7 @@ impl Falloffs {
                 // Stopped mid-rebuild (`RESETTING`): it holds no fence and
                 // cannot fall off; it rebuilds once reopened anyway.
                 (Some(s), _) => !s.fencing || tokio::time::Instant::now() >= deadline,
-                (None, Some(step)) => step >= stopped_at + FALLOFF_BINARY_STEPS,
+                (None, Some(step)) => step >= stopped_at + FALLOFF_UNKNOWN_STEPS,
                 (None, None) => true,
             };
             if fell.is_none() && !due {
@@ -1922,5 +2030,26 @@ mod tests {
         log.durable(pos(2, 9, 9), &[conv(6)]);
         assert!(log.violations[0].contains("moved back"), "{:?}", log.violations);
         assert!(log.violations[1].contains("generation moved back"), "{:?}", log.violations);
+    }
+
+    #[test]
+    fn the_binary_gets_the_retention_in_whole_seconds_rounded_up() {
+        let args = Retention::default().serve_args().join(" ");
+        assert_eq!(
+            args,
+            "--log-keep-secs 1 --device-inactive-secs 1 --retention-every-ms 100 --snapshot-ttl-secs 5 --snapshot-messages-per-conv 4"
+        );
+        let odd = Retention {
+            keep_events_ms: 1500,
+            device_inactive_ms: 1,
+            every: Duration::from_millis(3),
+            snapshot_ttl: Duration::from_millis(2001),
+            ..Retention::default()
+        };
+        let args = odd.serve_args().join(" ");
+        assert_eq!(
+            args,
+            "--log-keep-secs 2 --device-inactive-secs 1 --retention-every-ms 10 --snapshot-ttl-secs 3 --snapshot-messages-per-conv 4"
+        );
     }
 }
