@@ -16,23 +16,20 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context, Result};
 use futures_util::{SinkExt, StreamExt, TryStreamExt};
 use serde::Serialize;
 use tidemark_client::Http;
-use tidemark_sqlite::SqliteStore;
-use tidemark_store::Store;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-use super::fanout::{bar, cheap_hash};
-use super::proc::{open_files_soft_limit, rss_kib, spawn_server, spawn_tidemark};
-use super::{init_logs, median, print_table, wait_store_closed, TempDir};
+use super::fanout::bar;
+use super::proc::{create_users, open_files_soft_limit, rss_kib, spawn_server, spawn_tidemark};
+use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ConnectionsArgs {
@@ -205,20 +202,7 @@ pub async fn run(args: ConnectionsArgs) -> Result<()> {
     // Users with a cheap password hash, written before the server starts.
     pb.set_message("setup: users");
     let users: Vec<String> = (0..m).map(|i| format!("cn-u{i}")).collect();
-    {
-        let store = SqliteStore::open(&dir.0)?;
-        let hash = cheap_hash()?;
-        futures_util::stream::iter(users.iter().map(|u| {
-            let (store, hash) = (store.clone(), hash.clone());
-            async move { store.create_user(u, &hash, 0).await }
-        }))
-        .buffer_unordered(SETUP_CONCURRENCY)
-        .try_collect::<Vec<_>>()
-        .await?;
-        let weak = Arc::downgrade(&store);
-        drop(store);
-        wait_store_closed(weak, &dir.0).await;
-    }
+    create_users(&dir.0, &users, &indicatif::ProgressBar::hidden()).await?;
     let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: logins");

@@ -78,6 +78,29 @@ pub(super) async fn scrape(addr: SocketAddr, name: &str) -> Result<f64> {
     metric_value(&text, name).with_context(|| format!("{name} not in /metrics"))
 }
 
+/// Writes `users` (cheap password hash, 64 at a time) into the SQLite
+/// store in `dir` before any server starts, then closes the store.
+pub(super) async fn create_users(dir: &std::path::Path, users: &[String], pb: &indicatif::ProgressBar) -> Result<()> {
+    use futures_util::{StreamExt, TryStreamExt};
+    use tidemark_store::Store;
+    let store = tidemark_sqlite::SqliteStore::open(dir)?;
+    let hash = super::fanout::cheap_hash()?;
+    futures_util::stream::iter(users.iter().map(|u| {
+        let (store, hash, pb) = (store.clone(), hash.clone(), pb.clone());
+        async move {
+            pb.inc(1);
+            store.create_user(u, &hash, 0).await
+        }
+    }))
+    .buffer_unordered(64)
+    .try_collect::<Vec<_>>()
+    .await?;
+    let weak = std::sync::Arc::downgrade(&store);
+    drop(store);
+    super::wait_store_closed(weak, dir).await;
+    Ok(())
+}
+
 /// The value at quantile `q` of an ascending slice (0 if empty).
 pub(super) fn pct(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {

@@ -32,13 +32,11 @@ use futures_util::{SinkExt, StreamExt, TryStreamExt};
 use serde::Serialize;
 use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, SendReq};
 use tidemark_client::{Http, WsConn};
-use tidemark_sqlite::SqliteStore;
-use tidemark_store::Store;
 use tokio_tungstenite::tungstenite::Message;
 
-use super::fanout::{bar, cheap_hash, Device, PASSWORD};
-use super::proc::{open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard};
-use super::{init_logs, median, print_table, wait_store_closed, TempDir};
+use super::fanout::{bar, Device, PASSWORD};
+use super::proc::{create_users, open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard};
+use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct ReconnectArgs {
@@ -205,24 +203,9 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     let pb = bar(n as u64 * 3, "setup steps");
     pb.set_message("setup: users");
     let users: Vec<String> = (0..n).map(|i| format!("rc-u{i}")).collect();
-    {
-        let store = SqliteStore::open(&dir.0)?;
-        let hash = cheap_hash()?;
-        store.create_user("rc-sender", &hash, 0).await?;
-        futures_util::stream::iter(users.iter().map(|u| {
-            let (store, hash, pb) = (store.clone(), hash.clone(), pb.clone());
-            async move {
-                pb.inc(1);
-                store.create_user(u, &hash, 0).await
-            }
-        }))
-        .buffer_unordered(SETUP_CONCURRENCY)
-        .try_collect::<Vec<_>>()
-        .await?;
-        let weak = Arc::downgrade(&store);
-        drop(store);
-        wait_store_closed(weak, &dir.0).await;
-    }
+    let mut accounts = vec!["rc-sender".to_owned()];
+    accounts.extend(users.iter().cloned());
+    create_users(&dir.0, &accounts, &pb).await?;
     let (mut server, mut addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: groups");
