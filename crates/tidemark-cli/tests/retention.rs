@@ -65,8 +65,13 @@ async fn run(extra: &[&str]) -> (Http, Option<ErrorCode>, tempfile::TempDir, com
     assert_eq!(slow_pos.applied, fast_pos.applied);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     traffic(&http, &ann, (&fast, &mut fast_pos), &conv, 5, 10).await;
-    // A few passes run; fast keeps its ACK moving at the head.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    // Traffic goes on for 2.4 s and fast keeps up (a device counts as
+    // active while its ACK moves): the older entries leave the keep window
+    // while fast holds the fence at the head and slow holds nothing.
+    for i in 15..23 {
+        traffic(&http, &ann, (&fast, &mut fast_pos), &conv, i, 1).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
     let code = first_sync_code(&http, &slow, slow_pos.applied).await;
     (http, code, dir, server)
 }
@@ -74,8 +79,11 @@ async fn run(extra: &[&str]) -> (Http, Option<ErrorCode>, tempfile::TempDir, com
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_device_away_past_the_flags_windows_rebuilds_from_a_snapshot() {
     let flags = [
+        // A second of keep window: nothing is trimmed before slow's first
+        // sync, which follows fast's by milliseconds (a device that never
+        // synced does not hold the fence).
         "--log-keep-secs",
-        "0",
+        "1",
         "--device-inactive-secs",
         "1",
         "--retention-every-ms",
