@@ -741,7 +741,7 @@ fn check_events(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     //! Negative controls: a checker that never fails proves nothing.
 
     use super::*;
@@ -775,7 +775,12 @@ mod tests {
     }
 
     fn summary(conv: &str, events: &[Message]) -> Conversation {
-        let last = events.iter().map(|e| e.msg_seq).max().unwrap_or(0);
+        direct_conv(conv, events.iter().map(|e| e.msg_seq).max().unwrap_or(0))
+    }
+
+    /// An active direct conversation whose cursor and last message are at
+    /// `last` (also the scenario's tests' fixture).
+    pub(crate) fn direct_conv(conv: &str, last: u64) -> Conversation {
         Conversation {
             conv: conv.into(),
             kind: "direct".into(),

@@ -1942,19 +1942,7 @@ mod tests {
     }
 
     fn conv(contiguous: u64) -> Conversation {
-        Conversation {
-            conv: "c".into(),
-            kind: "direct".into(),
-            contiguous_msg_seq: contiguous,
-            history_to: 0,
-            last_msg_seq: contiguous,
-            read_seq: 0,
-            unread: 0,
-            muted: false,
-            pinned: false,
-            active: true,
-            last_message: None,
-        }
+        crate::check::tests::direct_conv("c", contiguous)
     }
 
     fn pos(generation: u64, applied: u64, acked: u64) -> SyncPosition {

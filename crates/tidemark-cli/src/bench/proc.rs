@@ -74,8 +74,14 @@ pub(super) fn metric_value(text: &str, name: &str) -> Option<f64> {
 
 /// Scrapes `name` from the server's `/metrics`.
 pub(super) async fn scrape(addr: SocketAddr, name: &str) -> Result<f64> {
+    Ok(scrape_all(addr, &[name]).await?[0])
+}
+
+/// Scrapes every one of `names` from one read of the server's `/metrics`
+/// (one consistent set of values, one request).
+pub(super) async fn scrape_all(addr: SocketAddr, names: &[&str]) -> Result<Vec<f64>> {
     let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
-    metric_value(&text, name).with_context(|| format!("{name} not in /metrics"))
+    names.iter().map(|name| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"))).collect()
 }
 
 /// Writes `users` (cheap password hash, 64 at a time) into the SQLite

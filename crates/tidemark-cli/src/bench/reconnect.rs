@@ -35,7 +35,7 @@ use tidemark_client::{Http, WsConn};
 use tokio_tungstenite::tungstenite::Message;
 
 use super::fanout::{bar, Device, PASSWORD};
-use super::proc::{create_users, open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard};
+use super::proc::{create_users, open_files_soft_limit, pct, scrape, scrape_all, spawn_tidemark, ChildGuard};
 use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -126,9 +126,10 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
     .context("log in")
 }
 
-/// The server's store statements (all, reads) from `/metrics`.
+/// The server's store statements (all, reads) from one read of `/metrics`.
 async fn statements(addr: SocketAddr) -> Result<(f64, f64)> {
-    Ok((scrape(addr, STATEMENTS).await?, scrape(addr, READ_STATEMENTS).await?))
+    let v = scrape_all(addr, &[STATEMENTS, READ_STATEMENTS]).await?;
+    Ok((v[0], v[1]))
 }
 
 /// Every group gets `k` messages from the sender; returns once the server's
