@@ -39,6 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
+use tidemark_store::metric_names as names;
 use tidemark_store::{StoreError, StoreResult};
 use tokio::sync::{mpsc, oneshot};
 
@@ -150,12 +151,12 @@ impl Writer {
                 Err(e) if db::is_lock_conflict(&e) => {
                     if attempt >= WRITE_ATTEMPTS_MAX {
                         self.stats.conflict_give_ups.fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!("tidemark_store_conflict_give_ups_total").increment(1);
+                        metrics::counter!(names::CONFLICT_GIVE_UPS).increment(1);
                         tracing::warn!(error = %e, attempts = attempt, "store request aborted by lock conflicts");
                         return Err(e);
                     }
                     self.stats.conflict_retries.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!("tidemark_store_conflict_retries_total").increment(1);
+                    metrics::counter!(names::CONFLICT_RETRIES).increment(1);
                     tracing::debug!(error = %e, attempt, "store request aborted by a lock conflict; retrying");
                     let jitter = rand::random_range(0..=WRITE_RETRY_PAUSE_MS);
                     tokio::time::sleep(Duration::from_millis(WRITE_RETRY_PAUSE_MS * u64::from(attempt) + jitter)).await;
@@ -306,8 +307,8 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
         if commit_error.is_none() {
             stats.commits.fetch_add(1, Ordering::Relaxed);
             stats.writes.fetch_add(size, Ordering::Relaxed);
-            metrics::counter!("tidemark_store_commits_total").increment(1);
-            metrics::histogram!("tidemark_store_commit_batch_size").record(size as f64);
+            metrics::counter!(names::COMMITS).increment(1);
+            metrics::histogram!(names::COMMIT_BATCH_REQUESTS).record(size as f64);
         }
         for complete in completers {
             complete(commit_error.clone());

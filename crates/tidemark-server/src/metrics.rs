@@ -1,63 +1,71 @@
 //! Prometheus metrics. Names carry their unit and stage (O1); labels carry
-//! codes and results, never user ids or message content (O2).
+//! codes and results, never user ids or message content (O2). Conventions:
+//! counters end in `_total`, units come last (`_seconds`, `_requests`),
+//! histograms have buckets in their own unit, and every family has a HELP
+//! line and exists from start-up (registered at zero), so a zero and a
+//! missing family can be told apart. `tests/metrics.rs` lints the exposition.
 //!
 //! The recorder is process-global (the `metrics` facade is), installed once;
 //! several servers in one test process share it.
 
 use std::sync::OnceLock;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+use tidemark_core::cursor::AckDecision;
 use tidemark_proto::ErrorCode;
+use tidemark_store::metric_names as store;
 
 static HANDLE: OnceLock<PrometheusHandle> = OnceLock::new();
 
+/// Bucket bounds of every histogram measured in seconds.
+const SECONDS_BUCKETS: &[f64] = &[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+
 /// Installs the recorder if none is installed yet and returns its handle.
+/// Every family is described (HELP) and registered here, at start.
 pub fn install() -> PrometheusHandle {
     HANDLE
         .get_or_init(|| {
             let recorder = PrometheusBuilder::new()
-                .set_buckets(&[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0])
+                .set_buckets(SECONDS_BUCKETS)
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(store::COMMIT_BATCH_REQUESTS.to_owned()),
+                        store::COMMIT_BATCH_BUCKETS,
+                    )
+                })
                 .expect("static buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
             // Another recorder may already be installed by an embedding
             // program; metrics then go there and this handle renders empty.
             let _ = metrics::set_global_recorder(recorder);
-            describe();
+            register_all();
             handle
         })
         .clone()
 }
 
-fn describe() {
-    use metrics::{describe_counter, describe_gauge, describe_histogram};
-    describe_counter!(SENDS_ACCEPTED, "Messages accepted (new, committed with their outbox record).");
-    describe_counter!(SENDS_DUPLICATE, "Sends answered with an earlier message (same sender and client_msg_id).");
-    describe_gauge!(OUTBOX_BACKLOG, "Outbox records not yet fanned out.");
-    describe_gauge!(OUTBOX_OLDEST_AGE, "Age of the oldest outbox record, seconds.");
-    describe_histogram!(FANOUT_LAG, "Time from acceptance to the user events being committed, seconds.");
-    describe_counter!(FANOUT_EVENTS, "User events written by fan-out.");
-    describe_counter!(FANOUT_DUPLICATES, "Fan-out deliveries skipped because the user already had the event.");
-    describe_counter!(
-        FANOUT_QUARANTINED,
-        "Fan-out items quarantined: two membership periods of one user (integrity error)."
-    );
-    describe_counter!(SYNC_PAGES, "Sync pages served.");
-    describe_counter!(ACKS, "Sync ACKs by result.");
-    describe_counter!(REFUSALS, "Requests refused, by error code.");
-    describe_counter!(GENERATION_BUMPS, "Device generations bumped (resets).");
-    describe_counter!(HINTS, "Hint frames sent to connected devices.");
-    describe_counter!(HINTS_BUS_PUBLISHED, "Hints published to the other nodes (NATS hint bus).");
-    describe_counter!(HINTS_BUS_RECEIVED, "Hints received from the other nodes (NATS hint bus).");
-    describe_counter!(HINTS_BUS_DROPPED, "Hints not published: queue full or NATS error (only latency is lost).");
-    describe_counter!(SLOW_CONSUMERS, "WebSocket connections closed because their send queue filled.");
-    describe_counter!(TRIMMED_EVENTS, "User-log events removed by retention.");
-    describe_counter!(SNAPSHOTS, "Snapshots by outcome (built, installed).");
-    describe_gauge!(WS_CONNECTIONS, "Open authenticated WebSocket connections.");
-    describe_gauge!(STORE_COMMITS, "Store write transactions committed since start.");
-    describe_gauge!(STORE_WRITES, "Store write requests carried by those transactions.");
-    describe_gauge!(STORE_STATEMENTS, "SQL statements the store's connections ran since start (reads and writes).");
-    describe_gauge!(STORE_READ_STATEMENTS, "Of those, statements on read connections (SQLite only).");
+/// The kind of a family, and the label values it is registered with.
+#[derive(Debug, Clone, Copy)]
+pub enum Kind {
+    Counter,
+    /// A counter with one label; registered at zero for every value the
+    /// function lists.
+    CounterBy(&'static str, fn() -> Vec<&'static str>),
+    Gauge,
+    Histogram,
+}
+
+/// One metric family: its name, kind and HELP text.
+#[derive(Debug, Clone, Copy)]
+pub struct Family {
+    pub name: &'static str,
+    pub kind: Kind,
+    pub help: &'static str,
+}
+
+const fn family(name: &'static str, kind: Kind, help: &'static str) -> Family {
+    Family { name, kind, help }
 }
 
 pub const SENDS_ACCEPTED: &str = "tidemark_sends_accepted_total";
@@ -80,10 +88,122 @@ pub const SLOW_CONSUMERS: &str = "tidemark_slow_consumer_disconnects_total";
 pub const TRIMMED_EVENTS: &str = "tidemark_retention_trimmed_events_total";
 pub const SNAPSHOTS: &str = "tidemark_snapshots_total";
 pub const WS_CONNECTIONS: &str = "tidemark_ws_connections";
-pub const STORE_COMMITS: &str = "tidemark_store_commits";
-pub const STORE_WRITES: &str = "tidemark_store_writes";
-pub const STORE_STATEMENTS: &str = "tidemark_store_statements";
-pub const STORE_READ_STATEMENTS: &str = "tidemark_store_read_statements";
+/// Write requests carried by the store's committed transactions, read from
+/// the store's own counters at scrape time.
+pub const STORE_WRITE_REQUESTS: &str = "tidemark_store_write_requests_total";
+/// SQL statements the store's connections ran (reads and writes).
+pub const STORE_STATEMENTS: &str = "tidemark_store_statements_total";
+/// Of those, statements on read connections (SQLite only).
+pub const STORE_READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
+
+/// Values of the `result` label of [`ACKS`]: every [`AckDecision`] (see
+/// [`ack_result`]) and the refusal of an ACK above its batch's watermark.
+pub const ACK_RESULTS: &[&str] = &[
+    "advanced",
+    "unchanged",
+    "stale_generation",
+    "resetting",
+    "revoked",
+    "recovery_completed",
+    "recovery_expired",
+    "beyond_watermark",
+];
+
+/// Values of the `outcome` label of [`SNAPSHOTS`].
+pub const SNAPSHOT_OUTCOMES: &[&str] = &["built", "installed"];
+
+/// The `result` label of an ACK the store decided.
+pub fn ack_result(decision: &AckDecision) -> &'static str {
+    match decision {
+        AckDecision::Advance { .. } => "advanced",
+        AckDecision::Unchanged { .. } => "unchanged",
+        AckDecision::StaleGeneration { .. } => "stale_generation",
+        AckDecision::Resetting { .. } => "resetting",
+        AckDecision::Revoked => "revoked",
+        AckDecision::CompleteRecovery { .. } => "recovery_completed",
+        AckDecision::RecoveryExpired { .. } => "recovery_expired",
+    }
+}
+
+/// Every family, in exposition order. Labelled families list their labels'
+/// values so that each series exists from start-up.
+pub const FAMILIES: &[Family] = &[
+    family(SENDS_ACCEPTED, Kind::Counter, "Messages accepted (new, committed with their outbox record)."),
+    family(SENDS_DUPLICATE, Kind::Counter, "Sends answered with an earlier message (same sender and client_msg_id)."),
+    family(OUTBOX_BACKLOG, Kind::Gauge, "Outbox records not yet fanned out."),
+    family(OUTBOX_OLDEST_AGE, Kind::Gauge, "Age of the oldest outbox record, in seconds."),
+    family(FANOUT_LAG, Kind::Histogram, "Time from acceptance to the user events being committed, in seconds."),
+    family(FANOUT_EVENTS, Kind::Counter, "User events written by fan-out."),
+    family(FANOUT_DUPLICATES, Kind::Counter, "Fan-out deliveries skipped because the user already had the event."),
+    family(
+        FANOUT_QUARANTINED,
+        Kind::Counter,
+        "Fan-out items quarantined: two membership periods of one user (integrity error).",
+    ),
+    family(SYNC_PAGES, Kind::Counter, "Sync pages served."),
+    family(ACKS, Kind::CounterBy("result", || ACK_RESULTS.to_vec()), "Sync ACKs, by result."),
+    family(
+        REFUSALS,
+        Kind::CounterBy("code", || ErrorCode::ALL.iter().map(|c| c.as_str()).collect()),
+        "Requests refused, by error code.",
+    ),
+    family(GENERATION_BUMPS, Kind::Counter, "Device generations bumped (resets and recovery sessions)."),
+    family(HINTS, Kind::Counter, "Hint frames sent to connected devices."),
+    family(HINTS_BUS_PUBLISHED, Kind::Counter, "Hints published to the other nodes (NATS hint bus)."),
+    family(HINTS_BUS_RECEIVED, Kind::Counter, "Hints received from the other nodes (NATS hint bus)."),
+    family(HINTS_BUS_DROPPED, Kind::Counter, "Hints not published: queue full or NATS error (only latency is lost)."),
+    family(SLOW_CONSUMERS, Kind::Counter, "WebSocket connections closed because their send queue filled."),
+    family(TRIMMED_EVENTS, Kind::Counter, "User-log events removed by retention."),
+    family(
+        SNAPSHOTS,
+        Kind::CounterBy("outcome", || SNAPSHOT_OUTCOMES.to_vec()),
+        "Snapshots, by outcome (built, installed).",
+    ),
+    family(WS_CONNECTIONS, Kind::Gauge, "Open authenticated WebSocket connections."),
+    family(store::COMMITS, Kind::Counter, "Store write transactions committed."),
+    family(
+        store::COMMIT_BATCH_REQUESTS,
+        Kind::Histogram,
+        "Write requests per committed store transaction (group commit), in requests.",
+    ),
+    family(STORE_WRITE_REQUESTS, Kind::Counter, "Write requests carried by committed store transactions."),
+    family(STORE_STATEMENTS, Kind::Counter, "SQL statements the store's connections ran (reads and writes)."),
+    family(STORE_READ_STATEMENTS, Kind::Counter, "Of those, statements on read connections (SQLite only)."),
+    family(store::CHECKPOINTS, Kind::Counter, "SQLite WAL checkpoints (two fsyncs each)."),
+    family(
+        store::WAL_TRUNCATIONS,
+        Kind::CounterBy("done", || store::WAL_TRUNCATION_RESULTS.to_vec()),
+        "Truncating SQLite WAL checkpoints, by whether readers let them finish.",
+    ),
+    family(store::CONFLICT_RETRIES, Kind::Counter, "PostgreSQL write requests re-run after a serialization conflict."),
+    family(store::CONFLICT_GIVE_UPS, Kind::Counter, "PostgreSQL write requests given up after repeated conflicts."),
+];
+
+fn register_all() {
+    for f in FAMILIES {
+        match f.kind {
+            Kind::Counter => {
+                metrics::describe_counter!(f.name, f.help);
+                metrics::counter!(f.name).increment(0);
+            }
+            Kind::CounterBy(label, values) => {
+                metrics::describe_counter!(f.name, f.help);
+                for value in values() {
+                    metrics::counter!(f.name, label => value).increment(0);
+                }
+            }
+            Kind::Gauge => {
+                metrics::describe_gauge!(f.name, f.help);
+                metrics::gauge!(f.name).increment(0.0);
+            }
+            Kind::Histogram => {
+                metrics::describe_histogram!(f.name, f.help);
+                // A handle registers the family; it renders with zero counts.
+                let _ = metrics::histogram!(f.name);
+            }
+        }
+    }
+}
 
 pub fn refusal(code: ErrorCode) {
     metrics::counter!(REFUSALS, "code" => code.as_str()).increment(1);

@@ -397,7 +397,7 @@ async fn lost_ack_replays_from_the_server_ack() {
     ts.stop().await;
 }
 
-/// The store's statement gauge from `/metrics`, once fan-out is idle.
+/// The store's statement counter from `/metrics`, once fan-out is idle.
 async fn statements_when_idle(ts: &TestServer) -> f64 {
     let url = format!("{}/metrics", ts.running().url());
     let value = |text: &str, name: &str| -> f64 {
@@ -408,7 +408,7 @@ async fn statements_when_idle(ts: &TestServer) -> f64 {
     for _ in 0..200 {
         let text = reqwest::get(&url).await.unwrap().text().await.unwrap();
         if value(&text, "tidemark_outbox_backlog") == 0.0 {
-            return value(&text, "tidemark_store_statements");
+            return value(&text, "tidemark_store_statements_total");
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

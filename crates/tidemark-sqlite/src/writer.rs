@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use rusqlite::Connection;
+use tidemark_store::metric_names as names;
 use tidemark_store::{StoreError, StoreResult};
 use tokio::sync::{mpsc, oneshot};
 
@@ -104,7 +105,7 @@ fn checkpoint(conn: &Connection, wal: &std::path::Path, stats: &WriterStats) {
     match conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
         Ok(()) => {
             stats.checkpoints.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("tidemark_store_checkpoints_total").increment(1);
+            metrics::counter!(names::CHECKPOINTS).increment(1);
         }
         Err(e) => tracing::warn!(error = %e, "passive checkpoint failed"),
     }
@@ -115,9 +116,9 @@ fn checkpoint(conn: &Connection, wal: &std::path::Path, stats: &WriterStats) {
     match conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get::<_, i64>(0)) {
         Ok(busy) => {
             stats.checkpoints.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!("tidemark_store_checkpoints_total").increment(1);
+            metrics::counter!(names::CHECKPOINTS).increment(1);
             let done = if busy == 0 { "yes" } else { "busy" };
-            metrics::counter!("tidemark_store_wal_truncations_total", "done" => done).increment(1);
+            metrics::counter!(names::WAL_TRUNCATIONS, "done" => done).increment(1);
         }
         Err(e) => tracing::warn!(error = %e, "truncating checkpoint failed"),
     }
@@ -140,6 +141,7 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats) {
             }
         }
         let size = batch.len() as u64;
+        let changes_before = conn.total_changes();
         if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
             // Nothing ran. Dropping a job drops its reply channel, so each
             // caller gets `Unavailable` and may retry; pause rather than spin.
@@ -157,11 +159,13 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats) {
                 Some(StoreError::Unavailable(format!("commit: {e}")))
             }
         };
-        if commit_error.is_none() {
+        // A transaction that changed no row (the relay's poll of an empty
+        // outbox) writes no WAL frame and costs no fsync: it is not counted.
+        if commit_error.is_none() && conn.total_changes() != changes_before {
             stats.commits.fetch_add(1, Ordering::Relaxed);
             stats.writes.fetch_add(size, Ordering::Relaxed);
-            metrics::counter!("tidemark_store_commits_total").increment(1);
-            metrics::histogram!("tidemark_store_commit_batch_size").record(size as f64);
+            metrics::counter!(names::COMMITS).increment(1);
+            metrics::histogram!(names::COMMIT_BATCH_REQUESTS).record(size as f64);
             since_checkpoint += 1;
         }
         for complete in completers {

@@ -17,6 +17,7 @@
 
 #[cfg(feature = "conformance")]
 pub mod conformance;
+pub mod metric_names;
 
 use async_trait::async_trait;
 use tidemark_core::cursor::{AckDecision, DeviceCursor};

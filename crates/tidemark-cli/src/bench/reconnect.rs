@@ -5,7 +5,7 @@
 //! has all K events. Measured per round: time until every device is caught
 //! up, per-device catch-up time, sync pages and requests per resume, and
 //! the SQL statements the server's store ran per resume (the
-//! `tidemark_store_statements` and `tidemark_store_read_statements` gauges
+//! `tidemark_store_statements_total` and `tidemark_store_read_statements_total` counters
 //! of `/metrics`, read before and after the storm; they count every
 //! statement SQLite starts, `BEGIN`/`COMMIT` of the ACKs' group commits
 //! included). Several rounds (each sends K more messages, kills and
@@ -69,8 +69,8 @@ const RUN_TIMEOUT: Duration = Duration::from_secs(600);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(600);
 /// Access tokens live 15 minutes; log in again when older than this.
 const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
-const STATEMENTS: &str = "tidemark_store_statements";
-const READ_STATEMENTS: &str = "tidemark_store_read_statements";
+const STATEMENTS: &str = "tidemark_store_statements_total";
+const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
 const BACKLOG: &str = "tidemark_outbox_backlog";
 
 #[derive(Debug, Clone, Serialize)]

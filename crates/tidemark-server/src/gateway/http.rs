@@ -203,11 +203,11 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         metrics::gauge!(m::OUTBOX_OLDEST_AGE).set(age);
     }
     let st = state.store.stats();
-    metrics::gauge!(m::STORE_COMMITS).set(st.commits as f64);
-    metrics::gauge!(m::STORE_WRITES).set(st.writes as f64);
-    metrics::gauge!(m::STORE_STATEMENTS).set(st.statements as f64);
+    // The store keeps its own totals; the counters take them as they are.
+    metrics::counter!(m::STORE_WRITE_REQUESTS).absolute(st.writes);
+    metrics::counter!(m::STORE_STATEMENTS).absolute(st.statements);
     if let Some(reads) = st.read_statements {
-        metrics::gauge!(m::STORE_READ_STATEMENTS).set(reads as f64);
+        metrics::counter!(m::STORE_READ_STATEMENTS).absolute(reads);
     }
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }

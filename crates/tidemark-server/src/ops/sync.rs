@@ -249,16 +249,7 @@ pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckO
         .store
         .ack(&ctx.user, &ctx.device, claims.generation, claims.recovery_session.as_deref(), req.sync_seq, now)
         .await?;
-    let label = match result.decision {
-        AckDecision::Advance { .. } => "advanced",
-        AckDecision::Unchanged { .. } => "unchanged",
-        AckDecision::StaleGeneration { .. } => "stale_generation",
-        AckDecision::Resetting { .. } => "resetting",
-        AckDecision::Revoked => "revoked",
-        AckDecision::CompleteRecovery { .. } => "recovery_completed",
-        AckDecision::RecoveryExpired { .. } => "recovery_expired",
-    };
-    metrics::counter!(m::ACKS, "result" => label).increment(1);
+    metrics::counter!(m::ACKS, "result" => m::ack_result(&result.decision)).increment(1);
     match result.decision {
         AckDecision::Advance { .. } | AckDecision::Unchanged { .. } | AckDecision::CompleteRecovery { .. } => {
             state.hub.on_ack(&ctx.user, &ctx.device, result.cursor.acked_sync_seq);
