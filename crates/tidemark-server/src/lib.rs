@@ -20,6 +20,7 @@ pub mod config;
 pub mod error;
 pub mod gateway;
 pub mod hub;
+pub mod limits;
 pub mod metrics;
 pub mod ops;
 pub mod relay;

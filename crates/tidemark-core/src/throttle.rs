@@ -1,0 +1,82 @@
+//! The failed-login policy (P1, seed §17.1 risk controls), pure.
+//!
+//! A password guesser is slowed by growing delays, never by a lockout an
+//! attacker could impose on the real user: after `free_failures`
+//! consecutive failures, the next attempt must wait `first_delay_ms`,
+//! doubling with each further failure, up to `max_delay_ms`. A success
+//! forgets the failures. The server keeps one such count per account and
+//! source address (the guesser's own budget, with a long cap) and one per
+//! account across addresses (a short cap: at worst the real user waits that
+//! long once, and logs in).
+
+/// How the delay after failed logins grows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoginBackoff {
+    /// Consecutive failures allowed before any delay.
+    pub free_failures: u32,
+    /// The delay after the first failure past the free ones.
+    pub first_delay_ms: u64,
+    /// The delay never grows past this.
+    pub max_delay_ms: u64,
+}
+
+impl LoginBackoff {
+    /// The shortest wait, after `failures` consecutive failures, before the
+    /// next attempt is heard (0: at once).
+    pub fn delay_ms(&self, failures: u32) -> u64 {
+        let Some(over) = failures.checked_sub(self.free_failures) else { return 0 };
+        if over == 0 {
+            return 0;
+        }
+        let doublings = (over - 1).min(63);
+        self.first_delay_ms.saturating_mul(1u64 << doublings).min(self.max_delay_ms)
+    }
+
+    /// The wait still owed at `now_ms` by a key with `failures` consecutive
+    /// failures, the last at `last_failure_ms`.
+    pub fn wait_ms(&self, failures: u32, last_failure_ms: i64, now_ms: i64) -> u64 {
+        let until = last_failure_ms.saturating_add(self.delay_ms(failures) as i64);
+        (until - now_ms).max(0) as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const POLICY: LoginBackoff = LoginBackoff { free_failures: 5, first_delay_ms: 1_000, max_delay_ms: 30_000 };
+
+    fn check(failures: u32, expect_delay_ms: u64) {
+        assert_eq!(POLICY.delay_ms(failures), expect_delay_ms, "delay after {failures} failures");
+    }
+
+    #[test]
+    fn delays_start_after_the_free_failures_and_double_up_to_the_cap() {
+        check(0, 0);
+        check(4, 0);
+        check(5, 0);
+        check(6, 1_000);
+        check(7, 2_000);
+        check(8, 4_000);
+        check(10, 16_000);
+        check(11, 30_000);
+        check(1_000, 30_000);
+        check(u32::MAX, 30_000);
+    }
+
+    #[test]
+    fn the_wait_runs_from_the_last_failure() {
+        let cases: &[(u32, i64, i64, u64)] = &[
+            // failures, last failure at, now, wait owed
+            (6, 10_000, 10_000, 1_000),
+            (6, 10_000, 10_400, 600),
+            (6, 10_000, 11_000, 0),
+            (6, 10_000, 99_000, 0),
+            (3, 10_000, 10_000, 0),
+            (11, 0, 29_999, 1),
+        ];
+        for &(failures, last, now, expect) in cases {
+            assert_eq!(POLICY.wait_ms(failures, last, now), expect, "{failures} failures, last {last}, now {now}");
+        }
+    }
+}

@@ -1,0 +1,486 @@
+//! Rate limits and the password-hash bound (P1, P3; seed §9.4, §15.4, §17.1).
+//!
+//! Every operation belongs to one [`OpClass`]; each class has a quota per
+//! device, per user and (before authentication) per source address, kept
+//! in GCRA limiters (`governor`). A request over a quota is refused with
+//! `RATE_LIMITED` and `retry_after_ms` *before* it reaches the store, so a
+//! limited request changes nothing: a throttled sync or ACK moves no cursor
+//! and a throttled send is not accepted. Logins are bounded twice: a named
+//! number of password hashes run at once (Argon2 costs ~19 MiB each), and
+//! failed logins grow a delay per account and address
+//! (`tidemark_core::throttle`). Limiter state is swept periodically, so its
+//! memory is bounded by the keys active within a sweep period.
+//!
+//! This module knows no operation's semantics and no storage.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::num::NonZeroU32;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use governor::clock::{Clock, DefaultClock};
+use governor::state::keyed::DefaultKeyedStateStore;
+use governor::{Quota, RateLimiter};
+use tidemark_core::throttle::LoginBackoff;
+use tidemark_proto::{op, ErrorCode};
+use tokio::sync::{Semaphore, SemaphorePermit};
+
+use crate::error::ApiError;
+
+/// What an operation costs the server, for its quota.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OpClass {
+    /// Sends and every other write of a conversation fact (recall, edit,
+    /// react, delete-for-me).
+    Send,
+    /// Pulls of the user log and their ACKs, snapshots, reads, deliveries.
+    Sync,
+    /// `history`, `conv.sync`, `conv.list`: reads of conversation logs.
+    Read,
+    /// Creating conversations and changing membership or settings.
+    Change,
+    /// Cheap operations that are never limited (`ping`, `device.revoke`:
+    /// revoking a device must work while it floods).
+    Free,
+}
+
+impl OpClass {
+    /// The class of operation `name` (unknown names are refused elsewhere;
+    /// they cost like a read).
+    pub fn of(name: &str) -> OpClass {
+        match name {
+            op::SEND | op::RECALL | op::EDIT | op::REACT | op::MESSAGE_DELETE => OpClass::Send,
+            op::SYNC
+            | op::ACK
+            | op::READ
+            | op::DELIVERY_ACK
+            | op::SNAPSHOT_BEGIN
+            | op::SNAPSHOT_PAGE
+            | op::SNAPSHOT_ACK => OpClass::Sync,
+            op::HISTORY | op::CONV_SYNC | op::CONV_LIST => OpClass::Read,
+            op::CONV_CREATE | op::CONV_ADD | op::CONV_REMOVE | op::CONV_LEAVE | op::CONV_SETTINGS => OpClass::Change,
+            op::PING | op::DEVICE_REVOKE => OpClass::Free,
+            _ => OpClass::Read,
+        }
+    }
+}
+
+/// A sustained rate and the burst allowed above it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rate {
+    pub per_second: u32,
+    pub burst: u32,
+}
+
+impl Rate {
+    pub const fn new(per_second: u32, burst: u32) -> Rate {
+        Rate { per_second, burst }
+    }
+
+    fn quota(self) -> Quota {
+        let per_second = NonZeroU32::new(self.per_second.max(1)).expect("non-zero");
+        let burst = NonZeroU32::new(self.burst.max(1)).expect("non-zero");
+        Quota::per_second(per_second).allow_burst(burst)
+    }
+}
+
+/// Every quota, named. Defaults are generous for a person on several
+/// devices and tight for a script: a person types far below 20 messages a
+/// second; a reconnecting device pulls a few pages and ACKs each.
+#[derive(Debug, Clone)]
+pub struct LimitsConfig {
+    /// Off: nothing is limited (benchmarks of the store's own speed).
+    pub enabled: bool,
+    pub send_per_device: Rate,
+    pub send_per_user: Rate,
+    pub sync_per_device: Rate,
+    pub read_per_device: Rate,
+    pub change_per_user: Rate,
+    /// Login and refresh attempts per source address.
+    pub login_per_address: Rate,
+    /// WebSocket upgrades per source address.
+    pub connect_per_address: Rate,
+    /// Password hashes (login, password change, user creation) running at
+    /// once, and how long a login waits for one before `RATE_LIMITED`.
+    pub password_hashes_concurrent_max: usize,
+    pub password_hash_wait: Duration,
+    /// Failed logins of one account from one address: the guesser's budget.
+    pub login_backoff_per_address: LoginBackoff,
+    /// Failed logins of one account from anywhere: a short cap, so an
+    /// attacker can delay the real user by at most that, never lock them out.
+    pub login_backoff_per_account: LoginBackoff,
+    /// Failure counts forget a key this long after its last failure.
+    pub login_failures_forget_after: Duration,
+    /// Failure keys kept at most (the oldest are forgotten first).
+    pub login_failure_keys_max: usize,
+}
+
+pub const SEND_PER_DEVICE_DEFAULT: Rate = Rate::new(20, 50);
+pub const SEND_PER_USER_DEFAULT: Rate = Rate::new(40, 100);
+pub const SYNC_PER_DEVICE_DEFAULT: Rate = Rate::new(50, 200);
+pub const READ_PER_DEVICE_DEFAULT: Rate = Rate::new(20, 100);
+pub const CHANGE_PER_USER_DEFAULT: Rate = Rate::new(5, 30);
+pub const LOGIN_PER_ADDRESS_DEFAULT: Rate = Rate::new(5, 30);
+pub const CONNECT_PER_ADDRESS_DEFAULT: Rate = Rate::new(50, 500);
+/// Two hashes at once: one per core of the reference machine, ~38 MiB.
+pub const PASSWORD_HASHES_CONCURRENT_MAX: usize = 2;
+pub const PASSWORD_HASH_WAIT: Duration = Duration::from_secs(2);
+pub const LOGIN_BACKOFF_PER_ADDRESS: LoginBackoff =
+    LoginBackoff { free_failures: 5, first_delay_ms: 1_000, max_delay_ms: 15 * 60 * 1_000 };
+pub const LOGIN_BACKOFF_PER_ACCOUNT: LoginBackoff =
+    LoginBackoff { free_failures: 20, first_delay_ms: 1_000, max_delay_ms: 30_000 };
+pub const LOGIN_FAILURES_FORGET_AFTER: Duration = Duration::from_secs(30 * 60);
+pub const LOGIN_FAILURE_KEYS_MAX: usize = 100_000;
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            enabled: true,
+            send_per_device: SEND_PER_DEVICE_DEFAULT,
+            send_per_user: SEND_PER_USER_DEFAULT,
+            sync_per_device: SYNC_PER_DEVICE_DEFAULT,
+            read_per_device: READ_PER_DEVICE_DEFAULT,
+            change_per_user: CHANGE_PER_USER_DEFAULT,
+            login_per_address: LOGIN_PER_ADDRESS_DEFAULT,
+            connect_per_address: CONNECT_PER_ADDRESS_DEFAULT,
+            password_hashes_concurrent_max: PASSWORD_HASHES_CONCURRENT_MAX,
+            password_hash_wait: PASSWORD_HASH_WAIT,
+            login_backoff_per_address: LOGIN_BACKOFF_PER_ADDRESS,
+            login_backoff_per_account: LOGIN_BACKOFF_PER_ACCOUNT,
+            login_failures_forget_after: LOGIN_FAILURES_FORGET_AFTER,
+            login_failure_keys_max: LOGIN_FAILURE_KEYS_MAX,
+        }
+    }
+}
+
+type Keyed<K> = RateLimiter<K, DefaultKeyedStateStore<K>, DefaultClock>;
+
+/// Failed logins of one key: how many in a row, and when the last was.
+#[derive(Debug, Clone, Copy)]
+struct Failures {
+    count: u32,
+    last_ms: i64,
+}
+
+/// The limiter state of one server.
+pub struct Limits {
+    config: LimitsConfig,
+    send_device: Keyed<(String, String)>,
+    send_user: Keyed<String>,
+    sync_device: Keyed<(String, String)>,
+    read_device: Keyed<(String, String)>,
+    change_user: Keyed<String>,
+    login_address: Keyed<IpAddr>,
+    connect_address: Keyed<IpAddr>,
+    hashes: Semaphore,
+    failures_by_address: Mutex<HashMap<(String, IpAddr), Failures>>,
+    failures_by_account: Mutex<HashMap<String, Failures>>,
+}
+
+/// IPv6 clients are limited by their /64 (one subscriber's block), so an
+/// attacker cannot get a fresh quota per address of its block.
+pub fn address_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => {
+                let s = v6.segments();
+                IpAddr::V6(std::net::Ipv6Addr::new(s[0], s[1], s[2], s[3], 0, 0, 0, 0))
+            }
+        },
+    }
+}
+
+pub fn rate_limited(retry_after_ms: u64, what: &str) -> ApiError {
+    ApiError {
+        retry_after_ms: Some(retry_after_ms.max(1)),
+        ..ApiError::new(ErrorCode::RateLimited, format!("{what}: slow down"))
+    }
+}
+
+fn check<K: std::hash::Hash + Eq + Clone>(limiter: &Keyed<K>, key: &K, what: &str) -> Result<(), ApiError> {
+    limiter.check_key(key).map_err(|not_until| {
+        let wait = not_until.wait_time_from(limiter.clock().now());
+        rate_limited(wait.as_millis() as u64, what)
+    })
+}
+
+impl Limits {
+    pub fn new(config: LimitsConfig) -> Limits {
+        Limits {
+            send_device: RateLimiter::keyed(config.send_per_device.quota()),
+            send_user: RateLimiter::keyed(config.send_per_user.quota()),
+            sync_device: RateLimiter::keyed(config.sync_per_device.quota()),
+            read_device: RateLimiter::keyed(config.read_per_device.quota()),
+            change_user: RateLimiter::keyed(config.change_per_user.quota()),
+            login_address: RateLimiter::keyed(config.login_per_address.quota()),
+            connect_address: RateLimiter::keyed(config.connect_per_address.quota()),
+            hashes: Semaphore::new(config.password_hashes_concurrent_max.max(1)),
+            failures_by_address: Mutex::new(HashMap::new()),
+            failures_by_account: Mutex::new(HashMap::new()),
+            config,
+        }
+    }
+
+    /// Admits one operation of `user`'s `device`, or says how long to wait.
+    pub fn admit_op(&self, name: &str, user: &str, device: &str) -> Result<(), ApiError> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        let device_key = || (user.to_owned(), device.to_owned());
+        match OpClass::of(name) {
+            OpClass::Send => {
+                check(&self.send_device, &device_key(), "sends of this device")?;
+                check(&self.send_user, &user.to_owned(), "sends of this user")
+            }
+            OpClass::Sync => check(&self.sync_device, &device_key(), "syncs of this device"),
+            OpClass::Read => check(&self.read_device, &device_key(), "reads of this device"),
+            OpClass::Change => check(&self.change_user, &user.to_owned(), "conversation changes of this user"),
+            OpClass::Free => Ok(()),
+        }
+    }
+
+    /// Admits a login or refresh attempt from `ip`.
+    pub fn admit_login_attempt(&self, ip: IpAddr) -> Result<(), ApiError> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        check(&self.login_address, &address_key(ip), "logins from this address")
+    }
+
+    /// Admits a WebSocket upgrade from `ip`.
+    pub fn admit_connect(&self, ip: IpAddr) -> Result<(), ApiError> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        check(&self.connect_address, &address_key(ip), "connections from this address")
+    }
+
+    /// Refuses a login of `account` from `ip` while its failed-login delay
+    /// runs (checked before any password is hashed).
+    pub fn admit_login(&self, account: &str, ip: IpAddr, now_ms: i64) -> Result<(), ApiError> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        let ip = address_key(ip);
+        let by_address = self.failures_by_address.lock().expect("limits lock");
+        let by_account = self.failures_by_account.lock().expect("limits lock");
+        let wait_address = by_address
+            .get(&(account.to_owned(), ip))
+            .map_or(0, |f| self.config.login_backoff_per_address.wait_ms(f.count, f.last_ms, now_ms));
+        let wait_account = by_account
+            .get(account)
+            .map_or(0, |f| self.config.login_backoff_per_account.wait_ms(f.count, f.last_ms, now_ms));
+        match wait_address.max(wait_account) {
+            0 => Ok(()),
+            wait => Err(rate_limited(wait, "failed logins of this account")),
+        }
+    }
+
+    /// Records the outcome of a login of `account` from `ip`.
+    pub fn login_outcome(&self, account: &str, ip: IpAddr, succeeded: bool, now_ms: i64) {
+        let ip = address_key(ip);
+        let mut by_address = self.failures_by_address.lock().expect("limits lock");
+        let mut by_account = self.failures_by_account.lock().expect("limits lock");
+        if succeeded {
+            by_address.remove(&(account.to_owned(), ip));
+            by_account.remove(account);
+            return;
+        }
+        let forget_ms = self.config.login_failures_forget_after.as_millis() as i64;
+        let max = self.config.login_failure_keys_max.max(1);
+        bump(&mut by_address, (account.to_owned(), ip), now_ms, forget_ms, max);
+        bump(&mut by_account, account.to_owned(), now_ms, forget_ms, max);
+    }
+
+    /// A permit to hash one password, waiting at most the configured time.
+    pub async fn password_hash_permit(&self) -> Result<SemaphorePermit<'_>, ApiError> {
+        match tokio::time::timeout(self.config.password_hash_wait, self.hashes.acquire()).await {
+            Ok(Ok(permit)) => Ok(permit),
+            Ok(Err(_)) => Err(ApiError::new(ErrorCode::Unavailable, "shutting down")),
+            Err(_) => Err(rate_limited(1_000, "password checks")),
+        }
+    }
+
+    /// Forgets limiter keys whose quota is whole again and failure counts
+    /// past their forget window, so memory follows the active keys.
+    pub fn sweep(&self, now_ms: i64) {
+        for l in [&self.send_device, &self.sync_device, &self.read_device] {
+            l.retain_recent();
+            l.shrink_to_fit();
+        }
+        for l in [&self.send_user, &self.change_user] {
+            l.retain_recent();
+            l.shrink_to_fit();
+        }
+        for l in [&self.login_address, &self.connect_address] {
+            l.retain_recent();
+            l.shrink_to_fit();
+        }
+        let forget_ms = self.config.login_failures_forget_after.as_millis() as i64;
+        self.failures_by_address.lock().expect("limits lock").retain(|_, f| now_ms - f.last_ms < forget_ms);
+        self.failures_by_account.lock().expect("limits lock").retain(|_, f| now_ms - f.last_ms < forget_ms);
+    }
+
+    /// Keys held across every limiter (for tests and a gauge).
+    pub fn keys(&self) -> usize {
+        self.send_device.len()
+            + self.sync_device.len()
+            + self.read_device.len()
+            + self.send_user.len()
+            + self.change_user.len()
+            + self.login_address.len()
+            + self.connect_address.len()
+            + self.failures_by_address.lock().expect("limits lock").len()
+            + self.failures_by_account.lock().expect("limits lock").len()
+    }
+}
+
+/// Counts one more failure for `key`, keeping the map within `max` keys:
+/// expired keys go first, then the stalest.
+fn bump<K: std::hash::Hash + Eq + Clone>(
+    map: &mut HashMap<K, Failures>,
+    key: K,
+    now_ms: i64,
+    forget_ms: i64,
+    max: usize,
+) {
+    if !map.contains_key(&key) && map.len() >= max {
+        map.retain(|_, f| now_ms - f.last_ms < forget_ms);
+        if map.len() >= max {
+            if let Some(stalest) = map.iter().min_by_key(|(_, f)| f.last_ms).map(|(k, _)| k.clone()) {
+                map.remove(&stalest);
+            }
+        }
+    }
+    let entry = map.entry(key).or_insert(Failures { count: 0, last_ms: now_ms });
+    if now_ms - entry.last_ms >= forget_ms {
+        entry.count = 0;
+    }
+    entry.count = entry.count.saturating_add(1);
+    entry.last_ms = now_ms;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn every_operation_has_a_class() {
+        let cases: &[(&str, OpClass)] = &[
+            (op::SEND, OpClass::Send),
+            (op::RECALL, OpClass::Send),
+            (op::SYNC, OpClass::Sync),
+            (op::ACK, OpClass::Sync),
+            (op::HISTORY, OpClass::Read),
+            (op::CONV_SYNC, OpClass::Read),
+            (op::CONV_CREATE, OpClass::Change),
+            (op::CONV_LEAVE, OpClass::Change),
+            (op::PING, OpClass::Free),
+            (op::DEVICE_REVOKE, OpClass::Free),
+        ];
+        for (name, class) in cases {
+            assert_eq!(OpClass::of(name), *class, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_device_over_its_send_quota_is_told_when_to_retry_and_others_are_not_affected() {
+        let limits = Limits::new(LimitsConfig { send_per_device: Rate::new(1, 3), ..Default::default() });
+        for _ in 0..3 {
+            limits.admit_op(op::SEND, "ann", "phone").unwrap();
+        }
+        let refused = limits.admit_op(op::SEND, "ann", "phone").unwrap_err();
+        assert_eq!(refused.code, ErrorCode::RateLimited);
+        let wait = refused.retry_after_ms.unwrap();
+        assert!((1..=1_000).contains(&wait), "retry_after_ms {wait}");
+        // Another device, another user, and another class go on.
+        limits.admit_op(op::SEND, "ann", "laptop").unwrap();
+        limits.admit_op(op::SEND, "ben", "phone").unwrap();
+        limits.admit_op(op::SYNC, "ann", "phone").unwrap();
+        limits.admit_op(op::DEVICE_REVOKE, "ann", "phone").unwrap();
+    }
+
+    #[test]
+    fn a_disabled_configuration_limits_nothing() {
+        let limits =
+            Limits::new(LimitsConfig { enabled: false, send_per_device: Rate::new(1, 1), ..Default::default() });
+        for _ in 0..100 {
+            limits.admit_op(op::SEND, "ann", "phone").unwrap();
+        }
+    }
+
+    #[test]
+    fn ipv6_addresses_share_their_slash_64() {
+        assert_eq!(address_key(ip("2001:db8:1:2:aaaa::1")), address_key(ip("2001:db8:1:2:bbbb::9")));
+        assert_ne!(address_key(ip("2001:db8:1:2::1")), address_key(ip("2001:db8:1:3::1")));
+        assert_eq!(address_key(ip("::ffff:10.0.0.1")), ip("10.0.0.1"));
+    }
+
+    #[test]
+    fn failed_logins_grow_a_delay_that_a_success_clears() {
+        let limits = Limits::new(LimitsConfig::default());
+        let (a, b) = (ip("127.0.0.2"), ip("127.0.0.3"));
+        for i in 0..5 {
+            limits.admit_login("ann", a, 1_000 + i).unwrap();
+            limits.login_outcome("ann", a, false, 1_000 + i);
+        }
+        limits.admit_login("ann", a, 2_000).unwrap();
+        limits.login_outcome("ann", a, false, 2_000);
+        let refused = limits.admit_login("ann", a, 2_100).unwrap_err();
+        assert_eq!(refused.code, ErrorCode::RateLimited);
+        assert_eq!(refused.retry_after_ms, Some(900));
+        // The same account from another address is not delayed yet (the
+        // account-wide count allows 20), and the delay runs out.
+        limits.admit_login("ann", b, 2_100).unwrap();
+        limits.admit_login("ann", a, 3_000).unwrap();
+        // A success forgets the failures.
+        limits.login_outcome("ann", a, true, 3_000);
+        limits.admit_login("ann", a, 3_000).unwrap();
+    }
+
+    #[test]
+    fn an_attacker_on_many_addresses_delays_the_account_by_the_short_cap_only() {
+        let limits = Limits::new(LimitsConfig::default());
+        for i in 0..200u32 {
+            let attacker = IpAddr::V4(std::net::Ipv4Addr::from(0x0a00_0000 + i));
+            limits.login_outcome("ann", attacker, false, 10_000);
+        }
+        let refused = limits.admit_login("ann", ip("127.0.0.9"), 10_000).unwrap_err();
+        assert!(refused.retry_after_ms.unwrap() <= LOGIN_BACKOFF_PER_ACCOUNT.max_delay_ms);
+        limits.admit_login("ann", ip("127.0.0.9"), 10_000 + 30_000).unwrap();
+    }
+
+    #[test]
+    fn failure_keys_stay_within_their_bound_and_sweeps_forget_them() {
+        let limits = Limits::new(LimitsConfig { login_failure_keys_max: 10, ..Default::default() });
+        for i in 0..100u32 {
+            limits.login_outcome(&format!("user{i}"), ip("127.0.0.2"), false, i as i64);
+        }
+        assert!(limits.failures_by_address.lock().unwrap().len() <= 10);
+        assert!(limits.failures_by_account.lock().unwrap().len() <= 10);
+        limits.sweep(100 + LOGIN_FAILURES_FORGET_AFTER.as_millis() as i64);
+        assert_eq!(limits.failures_by_address.lock().unwrap().len(), 0);
+    }
+
+    #[tokio::test]
+    async fn password_hashes_are_bounded_and_the_excess_is_refused_after_its_wait() {
+        let limits = Limits::new(LimitsConfig {
+            password_hashes_concurrent_max: 2,
+            password_hash_wait: Duration::from_millis(50),
+            ..Default::default()
+        });
+        let p1 = limits.password_hash_permit().await.unwrap();
+        let _p2 = limits.password_hash_permit().await.unwrap();
+        let refused = limits.password_hash_permit().await.unwrap_err();
+        assert_eq!(refused.code, ErrorCode::RateLimited);
+        drop(p1);
+        let _permit = limits.password_hash_permit().await.unwrap();
+    }
+}
