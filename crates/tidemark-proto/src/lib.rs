@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 pub mod error;
+pub mod push;
 pub use error::{ErrorCode, ErrorFrame};
 
 /// Largest WebSocket frame or HTTP body the server accepts, in bytes.
