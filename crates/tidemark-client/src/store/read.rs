@@ -1,0 +1,122 @@
+//! What the app reads from the local store: conversations with their
+//! summaries and latest message, the messages and events of one
+//! conversation, and the conversations waiting on a gap.
+
+use rusqlite::{params, OptionalExtension};
+use serde_json::{json, Value};
+
+use super::schema::CONTROL_KINDS_SQL;
+use super::{Conversation, LocalStore, Message, StoreResult};
+
+impl LocalStore {
+    /// Conversations, pinned first, then by their latest message.
+    pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
+        let mut stmt = self.conn.prepare(&format!(
+            "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
+                    c.history_to, c.active
+             FROM conversations c
+             ORDER BY c.pinned DESC,
+                      COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
+                                AND m.kind NOT IN {CONTROL_KINDS_SQL} ORDER BY m.msg_seq DESC LIMIT 1), 0) DESC,
+                      c.conv"
+        ))?;
+        let rows = stmt
+            .query_map([], |r| {
+                Ok(Conversation {
+                    conv: r.get(0)?,
+                    kind: r.get(1)?,
+                    contiguous_msg_seq: r.get::<_, i64>(2)? as u64,
+                    last_msg_seq: r.get::<_, i64>(3)? as u64,
+                    read_seq: r.get::<_, i64>(4)? as u64,
+                    unread: r.get::<_, i64>(5)? as u64,
+                    muted: r.get(6)?,
+                    pinned: r.get(7)?,
+                    history_to: r.get::<_, i64>(8)? as u64,
+                    active: r.get(9)?,
+                    last_message: None,
+                })
+            })?
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut out = Vec::with_capacity(rows.len());
+        for mut c in rows {
+            c.last_message = self
+                .conn
+                .query_row(
+                    &format!(
+                        "{MESSAGE_SELECT} WHERE conv = ?1 AND kind NOT IN {CONTROL_KINDS_SQL}
+                         ORDER BY msg_seq DESC LIMIT 1"
+                    ),
+                    params![c.conv],
+                    message_row,
+                )
+                .optional()?;
+            out.push(c);
+        }
+        Ok(out)
+    }
+
+    pub fn conversation(&self, conv: &str) -> StoreResult<Option<Conversation>> {
+        Ok(self.conversations()?.into_iter().find(|c| c.conv == conv))
+    }
+
+    /// The user messages of `conv` held locally, in `msg_seq` order (those
+    /// above a gap included; [`Conversation::contiguous_msg_seq`] says where
+    /// the complete prefix ends). Recalled messages stay, as placeholders.
+    pub fn messages(&self, conv: &str) -> StoreResult<Vec<Message>> {
+        self.query_messages(
+            &format!("{MESSAGE_SELECT} WHERE conv = ?1 AND kind NOT IN {CONTROL_KINDS_SQL} ORDER BY msg_seq"),
+            conv,
+        )
+    }
+
+    /// Every conversation event of `conv` held locally (messages and control
+    /// events), in `msg_seq` order.
+    pub fn events(&self, conv: &str) -> StoreResult<Vec<Message>> {
+        self.query_messages(&format!("{MESSAGE_SELECT} WHERE conv = ?1 ORDER BY msg_seq"), conv)
+    }
+
+    fn query_messages(&self, sql: &str, conv: &str) -> StoreResult<Vec<Message>> {
+        let mut stmt = self.conn.prepare(sql)?;
+        let rows = stmt.query_map(params![conv], message_row)?.collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    }
+
+    /// Conversations whose cursor waits below an event held above a gap.
+    pub fn conversations_with_gap(&self) -> StoreResult<Vec<String>> {
+        let mut stmt = self
+            .conn
+            .prepare("SELECT conv FROM conversations WHERE contiguous_msg_seq < last_msg_seq ORDER BY conv")?;
+        let rows = stmt.query_map([], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    }
+
+    /// Events of kinds this client keeps verbatim: `(sync_seq, kind, conv)`.
+    pub fn kept_verbatim(&self) -> StoreResult<Vec<(u64, String, String)>> {
+        let mut stmt = self.conn.prepare("SELECT sync_seq, kind, conv FROM control_events ORDER BY sync_seq")?;
+        let rows = stmt
+            .query_map([], |r| Ok((r.get::<_, i64>(0)? as u64, r.get(1)?, r.get(2)?)))?
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    }
+}
+
+const MESSAGE_SELECT: &str = "SELECT conv, msg_seq, message_id, kind, state, sender, content, created_at, version,
+                                     reactions, sync_seq FROM messages";
+
+fn message_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
+    let content: String = r.get(6)?;
+    let reactions: String = r.get(9)?;
+    Ok(Message {
+        conv: r.get(0)?,
+        msg_seq: r.get::<_, i64>(1)? as u64,
+        message_id: r.get(2)?,
+        kind: r.get(3)?,
+        state: r.get(4)?,
+        sender: r.get(5)?,
+        content: serde_json::from_str(&content).unwrap_or(Value::Null),
+        created_at: r.get(7)?,
+        version: r.get::<_, i64>(8)? as u64,
+        reactions: serde_json::from_str(&reactions).unwrap_or_else(|_| json!({})),
+        sync_seq: r.get::<_, Option<i64>>(10)?.map(|s| s as u64),
+    })
+}

@@ -1,0 +1,110 @@
+//! The local schema: every table of the device's store (documented in the
+//! store's module header), the columns added since its first release and
+//! the migration that adds them, and the kind and state names the SQL
+//! shares with the code.
+
+use rusqlite::Connection;
+
+use super::StoreResult;
+
+/// Envelope kinds of control events (docs/protocol.md §3.4.1): they take a
+/// `msg_seq` but are not user content and never count as unread.
+pub const CONTROL_KINDS: &[&str] = &["conv.created", "member.join", "member.leave", "recall", "edit", "reaction"];
+/// The same list as an SQL tuple (checked against [`CONTROL_KINDS`] by a test).
+pub(super) const CONTROL_KINDS_SQL: &str =
+    "('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction')";
+
+pub const STATE_NORMAL: &str = "normal";
+pub const STATE_EDITED: &str = "edited";
+pub const STATE_RECALLED: &str = "recalled";
+pub const STATE_DELETED: &str = "deleted";
+
+pub const SCHEMA: &str = "
+CREATE TABLE IF NOT EXISTS device (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    user TEXT NOT NULL,
+    device_id TEXT NOT NULL,
+    sync_generation INTEGER,
+    applied_sync_seq INTEGER NOT NULL DEFAULT 0,
+    acked_sync_seq INTEGER NOT NULL DEFAULT 0,
+    refresh_token TEXT
+);
+CREATE TABLE IF NOT EXISTS conversations (
+    conv TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    contiguous_msg_seq INTEGER NOT NULL DEFAULT 0,
+    last_msg_seq INTEGER NOT NULL DEFAULT 0,
+    read_seq INTEGER NOT NULL DEFAULT 0,
+    unread INTEGER NOT NULL DEFAULT 0,
+    muted INTEGER NOT NULL DEFAULT 0,
+    pinned INTEGER NOT NULL DEFAULT 0,
+    settings_version INTEGER NOT NULL DEFAULT 0,
+    updated_sync_seq INTEGER NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS messages (
+    conv TEXT NOT NULL,
+    msg_seq INTEGER NOT NULL,
+    message_id TEXT NOT NULL UNIQUE,
+    kind TEXT NOT NULL,
+    state TEXT NOT NULL,
+    sender TEXT NOT NULL,
+    content TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    version INTEGER NOT NULL DEFAULT 1,
+    reactions TEXT NOT NULL DEFAULT '{}',
+    sync_seq INTEGER,
+    PRIMARY KEY (conv, msg_seq)
+);
+CREATE TABLE IF NOT EXISTS control_events (
+    sync_seq INTEGER PRIMARY KEY,
+    kind TEXT NOT NULL,
+    conv TEXT NOT NULL,
+    msg_seq INTEGER,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS outbox (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    client_msg_id TEXT NOT NULL UNIQUE,
+    op TEXT NOT NULL,
+    conv TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    content TEXT NOT NULL,
+    state TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    message_id TEXT,
+    msg_seq INTEGER,
+    duplicate INTEGER,
+    error TEXT
+);
+CREATE INDEX IF NOT EXISTS outbox_by_state ON outbox (state, id);
+CREATE TABLE IF NOT EXISTS snapshot_install (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    snapshot_id TEXT NOT NULL,
+    token TEXT NOT NULL,
+    generation INTEGER NOT NULL,
+    base_sync_seq INTEGER NOT NULL,
+    manifest_digest TEXT NOT NULL,
+    pages INTEGER NOT NULL,
+    installed INTEGER NOT NULL DEFAULT 0
+);
+";
+
+/// Columns added to `conversations` after the first release of the schema;
+/// [`LocalStore::open`] adds the missing ones to an older database.
+const CONVERSATION_COLUMNS: &[(&str, &str)] = &[
+    ("history_to", "INTEGER NOT NULL DEFAULT 0"),
+    ("unread_below", "INTEGER NOT NULL DEFAULT 0"),
+    ("active", "INTEGER NOT NULL DEFAULT 1"),
+];
+
+/// Adds the columns of [`CONVERSATION_COLUMNS`] that an older database lacks.
+pub(super) fn migrate(conn: &Connection) -> StoreResult<()> {
+    let mut stmt = conn.prepare("SELECT name FROM pragma_table_info('conversations')")?;
+    let have = stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
+    for (name, decl) in CONVERSATION_COLUMNS {
+        if !have.iter().any(|h| h == name) {
+            conn.execute_batch(&format!("ALTER TABLE conversations ADD COLUMN {name} {decl}"))?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,250 @@
+use serde_json::{json, Value};
+use tidemark_proto::{SendOk, SyncOk, UserEvent};
+
+use super::*;
+
+// Built from JSON, as they arrive on the wire, so fields the protocol
+// adds later take their defaults here too.
+fn conv_event(sync_seq: u64, conv: &str, msg_seq: u64, kind: &str, sender: &str, content: Value) -> UserEvent {
+    let event_kind = match kind {
+        "recall" | "edit" | "reaction" => kind,
+        "member.join" | "member.leave" | "conv.created" => "membership",
+        _ => "message",
+    };
+    serde_json::from_value(json!({
+        "sync_seq": sync_seq, "kind": event_kind, "conv": conv, "msg_seq": msg_seq,
+        "message": {
+            "message_id": format!("m-{conv}-{msg_seq}"), "conv": conv, "msg_seq": msg_seq, "kind": kind,
+            "state": "normal", "sender": sender, "content": content, "created_at": 1000 + msg_seq, "version": 1,
+        },
+    }))
+    .unwrap()
+}
+
+fn event(sync_seq: u64, conv: &str, msg_seq: u64, sender: &str) -> UserEvent {
+    conv_event(sync_seq, conv, msg_seq, "text", sender, json!({ "n": msg_seq }))
+}
+
+fn page_at(generation: u64, resume_from: u64, events: Vec<UserEvent>, hw: u64) -> SyncOk {
+    serde_json::from_value(json!({
+        "sync_generation": generation, "resume_from": resume_from, "batch_high_watermark": hw,
+        "server_acked_sync_seq": resume_from, "events": events, "next_cursor": null, "has_more": false,
+        "batch_token": "t",
+    }))
+    .unwrap()
+}
+
+fn page(events: Vec<UserEvent>, hw: u64) -> SyncOk {
+    page_at(1, 0, events, hw)
+}
+
+fn open() -> (tempfile::TempDir, LocalStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let s = LocalStore::open(&dir.path().join("local.db"), "bob", "phone").unwrap();
+    (dir, s)
+}
+
+const GO: &dyn Fn(&FaultPoint) -> FaultAction = &|_| FaultAction::Continue;
+
+#[test]
+fn control_kinds_sql_matches_the_list() {
+    let listed: Vec<String> = CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect();
+    assert_eq!(CONTROL_KINDS_SQL, format!("({})", listed.join(", ")));
+}
+
+#[test]
+fn a_page_and_its_replay_apply_once() {
+    let (_d, mut s) = open();
+    let p = page(vec![event(1, "c1", 1, "ann"), event(2, "c1", 2, "bob"), event(3, "c1", 3, "ann")], 3);
+    let r = s.apply_page(&p, GO).unwrap();
+    assert_eq!((r.applied, r.skipped, r.applied_sync_seq), (3, 0, 3));
+    assert_eq!(r.cursors, vec![CursorMove { conv: "c1".into(), from: 0, to: 3 }]);
+    let r = s.apply_page(&p, GO).unwrap();
+    assert_eq!((r.applied, r.skipped), (0, 3), "a replayed batch is skipped");
+    let c = s.conversation("c1").unwrap().unwrap();
+    assert_eq!((c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread), (3, 3, 2, 1));
+    assert_eq!(s.messages("c1").unwrap().len(), 3);
+}
+
+#[test]
+fn a_hole_in_the_user_log_applies_nothing() {
+    let (_d, mut s) = open();
+    let err = s.apply_page(&page(vec![event(1, "c1", 1, "ann"), event(3, "c1", 2, "ann")], 3), GO).unwrap_err();
+    assert_eq!(err, ApplyError::Hole { expected: 2, got: 3 });
+    assert_eq!(s.position().unwrap(), SyncPosition::default(), "rolled back");
+    assert!(s.messages("c1").unwrap().is_empty());
+}
+
+#[test]
+fn an_aborted_page_leaves_nothing() {
+    let (_d, mut s) = open();
+    let abort: &dyn Fn(&FaultPoint) -> FaultAction = &|_| FaultAction::Abort;
+    let err = s.apply_page(&page(vec![event(1, "c1", 1, "ann")], 1), abort).unwrap_err();
+    assert!(matches!(err, ApplyError::Store(StoreError::Aborted(FaultPoint::BeforeCommit { .. }))));
+    assert_eq!(s.position().unwrap(), SyncPosition::default());
+    assert!(s.conversations().unwrap().is_empty());
+}
+
+#[test]
+fn a_newer_generation_is_adopted_only_when_it_skips_nothing() {
+    let (_d, mut s) = open();
+    s.apply_page(&page(vec![event(1, "c1", 1, "ann"), event(2, "c1", 2, "ann")], 2), GO).unwrap();
+    // A replay from above what is applied would skip sync_seq 3.
+    let err = s.apply_page(&page_at(2, 3, vec![event(4, "c1", 4, "ann")], 4), GO).unwrap_err();
+    assert!(matches!(err, ApplyError::GenerationMismatch { local: 1, page: 2, .. }));
+    // An older generation is stale.
+    let err = s.apply_page(&page_at(0, 0, vec![], 2), GO).unwrap_err();
+    assert!(matches!(err, ApplyError::GenerationMismatch { local: 1, page: 0, .. }));
+    // A recovery replay from this device's own position (D6).
+    let r = s.apply_page(&page_at(2, 2, vec![event(3, "c1", 3, "ann")], 3), GO).unwrap();
+    assert_eq!(r.applied, 1);
+    assert_eq!(s.position().unwrap().generation, Some(2));
+}
+
+#[test]
+fn own_send_above_a_gap_waits_then_the_log_fills_it() {
+    let (_d, mut s) = open();
+    s.apply_page(&page(vec![event(1, "c1", 1, "ann")], 1), GO).unwrap();
+    let e = s.enqueue("cm-1", OutboxOp::Send, "c1", "text", &json!({"n": 3})).unwrap();
+    let ok: SendOk = serde_json::from_value(
+        json!({"message_id": "m-c1-3", "conv": "c1", "msg_seq": 3, "created_at": 5, "duplicate": false}),
+    )
+    .unwrap();
+    let rec = s.record_send_ok(e.id, &ok).unwrap();
+    assert_eq!(rec.cursor, None, "3 is above the gap at 2");
+    assert_eq!(rec.gap.as_ref().map(|g| (g.missing_from, g.missing_to)), Some((2, 2)));
+    let p = page_at(1, 1, vec![event(2, "c1", 2, "ann"), event(3, "c1", 3, "bob")], 3);
+    let r = s.apply_page(&p, GO).unwrap();
+    assert_eq!(r.cursors, vec![CursorMove { conv: "c1".into(), from: 1, to: 3 }]);
+    assert!(r.gaps.is_empty());
+    let msgs = s.messages("c1").unwrap();
+    assert_eq!(msgs.iter().map(|m| m.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3]);
+    assert_eq!(msgs[2].sync_seq, Some(3), "the log's copy records its sync_seq");
+}
+
+#[test]
+fn a_recall_leaves_a_placeholder_and_late_edits_do_not_revive_it() {
+    let (_d, mut s) = open();
+    let target = "m-c1-1";
+    let events = vec![
+        event(1, "c1", 1, "ann"),
+        conv_event(
+            2,
+            "c1",
+            2,
+            "edit",
+            "ann",
+            json!({"target_message_id": target, "target_msg_seq": 1,
+                                                      "version": 2, "content": {"text": "edited"}}),
+        ),
+        conv_event(3, "c1", 3, "recall", "ann", json!({"target_message_id": target, "target_msg_seq": 1})),
+        conv_event(
+            4,
+            "c1",
+            4,
+            "reaction",
+            "bob",
+            json!({"target_message_id": target, "target_msg_seq": 1,
+                                                          "reaction": "+1", "op": "add", "user": "bob",
+                                                          "version": 9}),
+        ),
+    ];
+    let r = s.apply_page(&page(events, 4), GO).unwrap();
+    assert_eq!(r.recalled, vec![("c1".to_owned(), 1)]);
+    assert_eq!(r.cursors, vec![CursorMove { conv: "c1".into(), from: 0, to: 4 }], "control events hold seqs");
+    let msgs = s.messages("c1").unwrap();
+    assert_eq!(msgs.len(), 1, "control events are not messages");
+    assert_eq!((msgs[0].state.as_str(), &msgs[0].content, &msgs[0].reactions), ("recalled", &json!({}), &json!({})));
+    let edit = s.events("c1").unwrap().into_iter().find(|m| m.kind == "edit").unwrap();
+    assert!(edit.content.get("content").is_none(), "the edit's text is discarded too");
+    let c = s.conversation("c1").unwrap().unwrap();
+    assert_eq!(c.unread, 0, "a placeholder is not unread");
+}
+
+#[test]
+fn edits_and_reactions_apply_only_above_the_version_held() {
+    let (_d, mut s) = open();
+    let t = "m-c1-1";
+    let edit = |seq, version, text: &str| {
+        conv_event(
+            seq,
+            "c1",
+            seq,
+            "edit",
+            "ann",
+            json!({"target_message_id": t, "target_msg_seq": 1,
+                                                          "version": version, "content": {"text": text}}),
+        )
+    };
+    let events = vec![event(1, "c1", 1, "ann"), edit(2, 3, "newer"), edit(3, 2, "older")];
+    s.apply_page(&page(events, 3), GO).unwrap();
+    let m = &s.messages("c1").unwrap()[0];
+    assert_eq!((m.content["text"].as_str(), m.version, m.state.as_str()), (Some("newer"), 3, "edited"));
+}
+
+#[test]
+fn a_join_starts_the_cursor_at_the_period() {
+    let (_d, mut s) = open();
+    let join = conv_event(1, "g1", 7, "member.join", "ann", json!({"user": "bob", "by": "ann", "op": "add"}));
+    let r = s.apply_page(&page(vec![join, event(2, "g1", 8, "ann")], 2), GO).unwrap();
+    assert_eq!(r.cursors, vec![CursorMove { conv: "g1".into(), from: 0, to: 8 }]);
+    assert!(r.gaps.is_empty(), "msg_seq 1..=6 are outside bob's period, not a gap");
+    // Someone else's join is just an event.
+    let other = conv_event(3, "g1", 10, "member.join", "ann", json!({"user": "cat", "by": "ann", "op": "add"}));
+    let r = s.apply_page(&page_at(1, 2, vec![other], 3), GO).unwrap();
+    assert_eq!(r.gaps.len(), 1, "msg_seq 9 is missing");
+}
+
+#[test]
+fn per_user_events_move_the_read_position_and_settings() {
+    let (_d, mut s) = open();
+    let events = vec![
+        event(1, "c1", 1, "ann"),
+        event(2, "c1", 2, "ann"),
+        serde_json::from_value(json!({"sync_seq": 3, "kind": "read", "conv": "c1", "msg_seq": 1,
+                                      "data": {"read_seq": 1, "unread": 1}}))
+        .unwrap(),
+        serde_json::from_value(json!({"sync_seq": 4, "kind": "settings", "conv": "c1",
+                                      "data": {"muted": true, "pinned": false, "version": 1}}))
+        .unwrap(),
+        serde_json::from_value(json!({"sync_seq": 5, "kind": "future.kind", "conv": "c1"})).unwrap(),
+    ];
+    let r = s.apply_page(&page(events, 5), GO).unwrap();
+    assert_eq!((r.applied, r.kept_verbatim, r.reads.clone()), (5, 1, vec![("c1".to_owned(), 1)]));
+    let c = s.conversation("c1").unwrap().unwrap();
+    assert_eq!((c.read_seq, c.unread, c.muted), (1, 1, true));
+    assert_eq!(s.kept_verbatim().unwrap(), vec![(5, "future.kind".to_owned(), "c1".to_owned())]);
+}
+
+#[test]
+fn reset_keeps_the_outbox() {
+    let (_d, mut s) = open();
+    s.apply_page(&page(vec![event(1, "c1", 1, "ann")], 1), GO).unwrap();
+    s.enqueue("cm-1", OutboxOp::Send, "c1", "text", &json!({})).unwrap();
+    s.reset(Some(7)).unwrap();
+    assert_eq!(s.position().unwrap(), SyncPosition { generation: Some(7), applied_sync_seq: 0, acked_sync_seq: 0 });
+    assert!(s.conversations().unwrap().is_empty());
+    assert_eq!(s.next_pending().unwrap().unwrap().client_msg_id, "cm-1");
+}
+
+#[test]
+fn the_manifest_digest_is_the_documented_one() {
+    // docs/protocol.md §3.22: the empty input, then keys sorted, no
+    // whitespace, one newline per item.
+    assert_eq!(manifest_digest([]), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+    let item = json!({"type": "conv", "conv": "c1", "active": true});
+    use sha2::Digest;
+    let want: String = sha2::Sha256::digest(b"{\"active\":true,\"conv\":\"c1\",\"type\":\"conv\"}\n")
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(manifest_digest([&item]), want);
+}
+
+#[test]
+fn a_store_belongs_to_one_device() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("local.db");
+    drop(LocalStore::open(&path, "bob", "phone").unwrap());
+    assert!(matches!(LocalStore::open(&path, "bob", "desktop"), Err(StoreError::WrongOwner { .. })));
+}
