@@ -305,7 +305,7 @@ struct EngineSlot {
 /// One device of one user: a local store, an outbox, and (once started) a
 /// connection that keeps them in sync.
 pub struct Client {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
     cmds: mpsc::Sender<Command>,
     engine: tokio::sync::Mutex<EngineSlot>,
     shutdown: Mutex<Option<watch::Sender<bool>>>,
@@ -470,7 +470,11 @@ impl Client {
         self.command(Command::ServerConversations { reply }, rx).await
     }
 
-    async fn command<T>(&self, cmd: Command, rx: oneshot::Receiver<Result<T, SdkError>>) -> Result<T, SdkError> {
+    pub(crate) async fn command<T>(
+        &self,
+        cmd: Command,
+        rx: oneshot::Receiver<Result<T, SdkError>>,
+    ) -> Result<T, SdkError> {
         if self.cmds.send(cmd).await.is_err() {
             return Err(SdkError::NotRunning);
         }

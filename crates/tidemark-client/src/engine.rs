@@ -53,8 +53,20 @@ type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// What an app asks of the engine's connection.
 pub(crate) enum Command {
-    CreateDirect { peer: String, reply: oneshot::Sender<Result<String, SdkError>> },
-    ServerConversations { reply: oneshot::Sender<Result<Vec<ConvSummary>, SdkError>> },
+    CreateDirect {
+        peer: String,
+        reply: oneshot::Sender<Result<String, SdkError>>,
+    },
+    ServerConversations {
+        reply: oneshot::Sender<Result<Vec<ConvSummary>, SdkError>>,
+    },
+    /// One operation on the connection, reply as JSON (the typed calls of
+    /// `crate::calls` build the request and parse the reply).
+    Request {
+        op: &'static str,
+        body: serde_json::Value,
+        reply: oneshot::Sender<Result<serde_json::Value, SdkError>>,
+    },
 }
 
 /// State shared by the app handle and the engine task.
@@ -250,6 +262,9 @@ fn refuse_offline(cmd: Command) {
             let _ = reply.send(Err(SdkError::Offline));
         }
         Command::ServerConversations { reply } => {
+            let _ = reply.send(Err(SdkError::Offline));
+        }
+        Command::Request { reply, .. } => {
             let _ = reply.send(Err(SdkError::Offline));
         }
     }
@@ -479,6 +494,10 @@ async fn serve(inner: &Arc<Inner>, ws: &WsConn, cmd: Command) {
         }
         Command::ServerConversations { reply } => {
             let result = inner.call(ws.conv_list()).await.map(|ok| ok.conversations).map_err(SdkError::Refused);
+            let _ = reply.send(result);
+        }
+        Command::Request { op, body, reply } => {
+            let result = inner.call(ws.request::<_, serde_json::Value>(op, &body)).await.map_err(SdkError::Refused);
             let _ = reply.send(result);
         }
     }

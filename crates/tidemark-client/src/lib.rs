@@ -109,6 +109,7 @@
 //! # }
 //! ```
 
+mod calls;
 pub mod client;
 pub mod cursor;
 mod engine;
@@ -117,6 +118,7 @@ pub mod policy;
 pub mod store;
 mod ws;
 
+pub use calls::HistoryPage;
 pub use client::{Change, Changes, Client, ClientConfig, ConnState, Exit, FaultHook, SdkError};
 pub use http::Http;
 pub use store::{

@@ -249,11 +249,29 @@ pub(super) fn insert_message(tx: &Transaction<'_>, msg: &Message) -> StoreResult
     Ok(())
 }
 
+/// The local row of a server envelope; `sync_seq` is the user-log position
+/// that delivered it (`None` for a history page).
+pub(super) fn message_of(env: &Envelope, sync_seq: Option<u64>) -> Message {
+    Message {
+        conv: env.conv.clone(),
+        msg_seq: env.msg_seq,
+        message_id: env.message_id.clone(),
+        kind: env.kind.clone(),
+        state: env.state.clone(),
+        sender: env.sender.clone(),
+        content: env.content.clone(),
+        created_at: env.created_at,
+        version: env.version.max(1),
+        reactions: serde_json::to_value(&env.reactions).unwrap_or_else(|_| json!({})),
+        sync_seq,
+    }
+}
+
 /// Stores a conversation event's envelope. The envelope is read when the
 /// page is served, so it replaces what is held when its version is not
 /// lower (E2); a placeholder is final (`recalled`), and `deleted` (for this
 /// user) wins over everything.
-fn store_envelope(tx: &Transaction<'_>, msg: &Message) -> StoreResult<()> {
+pub(super) fn store_envelope(tx: &Transaction<'_>, msg: &Message) -> StoreResult<()> {
     let Some((version, state)) = held(tx, &msg.conv, msg.msg_seq, &msg.message_id)? else {
         return insert_message(tx, msg);
     };
@@ -397,22 +415,7 @@ fn apply_conv_event(
         )
         .map_err(StoreError::from)?;
     }
-    store_envelope(
-        tx,
-        &Message {
-            conv: env.conv.clone(),
-            msg_seq: env.msg_seq,
-            message_id: env.message_id.clone(),
-            kind: env.kind.clone(),
-            state: env.state.clone(),
-            sender: env.sender.clone(),
-            content: env.content.clone(),
-            created_at: env.created_at,
-            version: env.version.max(1),
-            reactions: serde_json::to_value(&env.reactions).unwrap_or_else(|_| json!({})),
-            sync_seq: Some(e.sync_seq),
-        },
-    )?;
+    store_envelope(tx, &message_of(env, Some(e.sync_seq)))?;
     // The outcome is read back from the cursor once the page is done, so
     // the report names each conversation's move once.
     cursor.offer(env.msg_seq);

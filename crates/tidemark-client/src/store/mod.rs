@@ -63,17 +63,24 @@ use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
 use serde_json::Value;
 
 mod apply;
+mod history;
 mod outbox;
 mod read;
 mod schema;
 mod snapshot;
 
 pub use apply::{AppliedMessage, ApplyError, CursorMove, Gap, PageReport};
+pub use history::LocalHistory;
 pub use outbox::{OutboxEntry, OutboxOp, OutboxRecord, OutboxState, OUTBOX_DONE_KEEP, OUTBOX_PENDING_MAX};
 pub use schema::{CONTROL_KINDS, SCHEMA, STATE_DELETED, STATE_EDITED, STATE_NORMAL, STATE_RECALLED};
 pub use snapshot::{manifest_digest, PendingSnapshot, SnapshotReport};
 
 use schema::migrate;
+
+/// The local form of a server envelope (as a history page holds it).
+pub fn message_of_envelope(env: &tidemark_proto::Envelope) -> Message {
+    apply::message_of(env, None)
+}
 #[cfg(test)]
 use schema::CONTROL_KINDS_SQL;
 

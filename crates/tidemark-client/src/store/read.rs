@@ -100,10 +100,11 @@ impl LocalStore {
     }
 }
 
-const MESSAGE_SELECT: &str = "SELECT conv, msg_seq, message_id, kind, state, sender, content, created_at, version,
+pub(super) const MESSAGE_SELECT: &str =
+    "SELECT conv, msg_seq, message_id, kind, state, sender, content, created_at, version,
                                      reactions, sync_seq FROM messages";
 
-fn message_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
+pub(super) fn message_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
     let content: String = r.get(6)?;
     let reactions: String = r.get(9)?;
     Ok(Message {

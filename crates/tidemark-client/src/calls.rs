@@ -1,0 +1,209 @@
+//! The SDK's calls for what a user's device does beyond sending, recalling,
+//! reading and syncing: history paging (C3), groups (G1), edits and
+//! reactions (E2), conversation settings and delete-for-me (E3), delivery
+//! receipts (R1) and device revocation (P5).
+//!
+//! Each call needs the connection: it goes to the engine as one request
+//! on the live WebSocket and answers [`SdkError::Offline`] when there is
+//! none (the outbox, for sends, recalls and reads, is what works offline).
+//! A refusal comes back as [`SdkError::Refused`] with the contract's code
+//! (`NOT_MEMBER`, `FORBIDDEN`, `CONFLICT`, `NOT_FOUND`, `BAD_REQUEST`…, see
+//! docs/protocol.md §3). Facts the call creates (a membership event, an
+//! edit, a reaction, a settings or delete event) reach this device like
+//! every other event, through the user log; only `history` writes the
+//! local store directly, and it moves no cursor.
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use tidemark_proto::{
+    op, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, DeliveryAckOk,
+    DeliveryAckReq, DeviceRevokeOk, DeviceRevokeReq, EditOk, EditReq, HistoryOk, HistoryReq, MessageDeleteReq, ReactOk,
+    ReactReq, HISTORY_LIMIT_MAX,
+};
+use tokio::sync::oneshot;
+
+use crate::client::{Client, SdkError};
+use crate::engine::Command;
+use crate::store::{message_of_envelope, Message};
+
+/// One page of a conversation's history, newest first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HistoryPage {
+    pub messages: Vec<Message>,
+    /// `before_seq` of the next (older) page; `None` at the end.
+    pub next_cursor: Option<u64>,
+    pub has_more: bool,
+    /// The lowest `msg_seq` the server retains for this conversation (L3).
+    pub history_start: u64,
+    /// The page stopped at the retention boundary: older history of the
+    /// user's view existed and was removed by the server's policy.
+    pub trimmed: bool,
+    /// Answered from the local store (which held the page whole); then
+    /// `history_start` is 0 and `trimmed` false: the server was not asked.
+    pub local: bool,
+}
+
+fn new_key() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+fn encode<B: Serialize>(body: &B) -> Result<Value, SdkError> {
+    serde_json::to_value(body).map_err(|e| SdkError::Invalid(e.to_string()))
+}
+
+impl Client {
+    /// Sends `op` with `body` on the connection and parses the reply.
+    async fn request<B: Serialize, T: DeserializeOwned>(&self, op: &'static str, body: &B) -> Result<T, SdkError> {
+        let (reply, rx) = oneshot::channel();
+        let value = self.command(Command::Request { op, body: encode(body)?, reply }, rx).await?;
+        serde_json::from_value(value).map_err(|e| SdkError::Invalid(format!("{op} reply: {e}")))
+    }
+
+    /// Pages back through `conv`'s history (C3): the `limit` (1..=50)
+    /// messages before `before_seq` (or the newest, when `None`), newest
+    /// first, within the user's membership periods, recalled ones as
+    /// placeholders. Local first: a page the local store holds whole is
+    /// answered from it (offline too); otherwise the server's page is
+    /// stored locally in one transaction, moving no cursor. Follow
+    /// `next_cursor` while `has_more`; `trimmed` says the server's
+    /// retention removed what lies below `history_start`.
+    pub async fn history(&self, conv: &str, before_seq: Option<u64>, limit: u32) -> Result<HistoryPage, SdkError> {
+        if !(1..=HISTORY_LIMIT_MAX).contains(&limit) {
+            return Err(SdkError::Invalid(format!("limit must be 1..={HISTORY_LIMIT_MAX}")));
+        }
+        let c = conv.to_owned();
+        if let Some(local) = self.inner.db(move |s, _| s.local_history(&c, before_seq, limit)).await? {
+            let next_cursor = local.messages.last().map(|m| m.msg_seq).filter(|_| local.has_more);
+            return Ok(HistoryPage {
+                has_more: next_cursor.is_some(),
+                next_cursor,
+                messages: local.messages,
+                history_start: 0,
+                trimmed: false,
+                local: true,
+            });
+        }
+        let req = HistoryReq { conv: conv.to_owned(), before_seq, limit: Some(limit) };
+        let page: HistoryOk = self.request(op::HISTORY, &req).await?;
+        let covered_to = match page.messages.last() {
+            Some(oldest) if page.has_more => oldest.msg_seq,
+            _ => page.history_start.max(1),
+        };
+        let (c, envelopes) = (conv.to_owned(), page.messages.clone());
+        self.inner.db(move |s, _| s.store_history(&c, before_seq, covered_to, &envelopes)).await?;
+        self.inner.committed();
+        Ok(HistoryPage {
+            messages: page.messages.iter().map(message_of_envelope).collect(),
+            next_cursor: page.next_cursor,
+            has_more: page.has_more,
+            history_start: page.history_start,
+            trimmed: page.trimmed,
+            local: false,
+        })
+    }
+
+    /// Creates a group with `members` (the caller is its owner and a member
+    /// whether listed or not). One idempotency key per call.
+    pub async fn create_group(&self, members: &[&str]) -> Result<ConvCreateOk, SdkError> {
+        let req = ConvCreateReq {
+            kind: "group".into(),
+            members: members.iter().map(|m| (*m).to_owned()).collect(),
+            client_msg_id: Some(new_key()),
+        };
+        let ok: ConvCreateOk = self.request(op::CONV_CREATE, &req).await?;
+        let (conv, kind) = (ok.conv.clone(), ok.kind.clone());
+        self.inner.db(move |s, _| s.ensure_conversation(&conv, &kind)).await?;
+        self.inner.committed();
+        Ok(ok)
+    }
+
+    async fn membership(&self, op: &'static str, conv: &str, user: Option<&str>) -> Result<u64, SdkError> {
+        let req =
+            ConvMemberReq { conv: conv.to_owned(), user: user.map(str::to_owned), client_msg_id: Some(new_key()) };
+        let ok: ConvMemberOk = self.request(op, &req).await?;
+        Ok(ok.msg_seq)
+    }
+
+    /// Adds `user` to the group; returns the join event's `msg_seq`.
+    pub async fn add_member(&self, conv: &str, user: &str) -> Result<u64, SdkError> {
+        self.membership(op::CONV_ADD, conv, Some(user)).await
+    }
+
+    /// Removes `user` from the group (the owner's right); returns the leave
+    /// event's `msg_seq`.
+    pub async fn remove_member(&self, conv: &str, user: &str) -> Result<u64, SdkError> {
+        self.membership(op::CONV_REMOVE, conv, Some(user)).await
+    }
+
+    /// Leaves the group; its history up to the leave stays readable.
+    pub async fn leave(&self, conv: &str) -> Result<u64, SdkError> {
+        self.membership(op::CONV_LEAVE, conv, None).await
+    }
+
+    /// Replaces the content of one of the user's messages (E2): a CAS on
+    /// `base_version` (the version this device holds); `CONFLICT` when the
+    /// server's is newer, and the newer version arrives through sync.
+    pub async fn edit(
+        &self,
+        conv: &str,
+        message_id: &str,
+        content: Value,
+        base_version: u64,
+    ) -> Result<EditOk, SdkError> {
+        let req = EditReq {
+            conv: conv.to_owned(),
+            message_id: message_id.to_owned(),
+            content,
+            base_version,
+            client_msg_id: Some(new_key()),
+        };
+        self.request(op::EDIT, &req).await
+    }
+
+    /// Adds (or with `add == false` removes) the user's `reaction` to a
+    /// message; idempotent: `changed` is false when nothing moved.
+    pub async fn react(&self, conv: &str, message_id: &str, reaction: &str, add: bool) -> Result<ReactOk, SdkError> {
+        let req = ReactReq {
+            conv: conv.to_owned(),
+            message_id: message_id.to_owned(),
+            reaction: reaction.to_owned(),
+            op: if add { "add" } else { "remove" }.to_owned(),
+            client_msg_id: Some(new_key()),
+        };
+        self.request(op::REACT, &req).await
+    }
+
+    /// Changes the user's settings of `conv` (E3); `None` leaves one as it
+    /// is. The user's other devices learn it from a `settings` event.
+    pub async fn set_conversation_settings(
+        &self,
+        conv: &str,
+        muted: Option<bool>,
+        pinned: Option<bool>,
+    ) -> Result<ConvSettingsOk, SdkError> {
+        let req = ConvSettingsReq { conv: conv.to_owned(), muted, pinned };
+        self.request(op::CONV_SETTINGS, &req).await
+    }
+
+    /// Deletes a message for this user only (E3): a `delete` event hides it
+    /// on the user's devices; the other members keep it.
+    pub async fn delete_for_me(&self, conv: &str, message_id: &str) -> Result<(), SdkError> {
+        let req = MessageDeleteReq { conv: conv.to_owned(), message_id: message_id.to_owned() };
+        let _: Value = self.request(op::MESSAGE_DELETE, &req).await?;
+        Ok(())
+    }
+
+    /// Tells the server this device holds these messages (R1: a delivery
+    /// receipt, neither a sync ACK nor a read).
+    pub async fn delivery_ack(&self, message_ids: &[String]) -> Result<DeliveryAckOk, SdkError> {
+        self.request(op::DELIVERY_ACK, &DeliveryAckReq { message_ids: message_ids.to_vec() }).await
+    }
+
+    /// Revokes one of the user's devices (P5): its connections end and every
+    /// later operation of it is refused. Revoking this device ends this
+    /// client (`DEVICE_REVOKED`).
+    pub async fn revoke_device(&self, device_id: &str) -> Result<DeviceRevokeOk, SdkError> {
+        self.request(op::DEVICE_REVOKE, &DeviceRevokeReq { device_id: device_id.to_owned() }).await
+    }
+}

@@ -1,0 +1,216 @@
+//! The SDK's calls beyond send and sync, each against a real server with
+//! its refusals: history paging past a snapshot boundary (C3, D7), groups
+//! (G1), edit and react (E2), settings and delete-for-me (E3), delivery
+//! receipts (R1) and device revocation (P5).
+
+mod common;
+
+use common::*;
+use serde_json::json;
+use tidemark_client::proto::ErrorCode;
+use tidemark_client::{Client, ConnState, SdkError};
+use tidemark_server::ServerConfig;
+
+fn refused(r: Result<impl std::fmt::Debug, SdkError>) -> ErrorCode {
+    match r {
+        Err(SdkError::Refused(e)) => e.code().unwrap_or_else(|| panic!("not a server refusal: {e}")),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
+fn texts(msgs: &[tidemark_client::Message]) -> Vec<(u64, String)> {
+    msgs.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap_or_default().to_owned())).collect()
+}
+
+/// Snapshots carry the latest 3 messages of a conversation; retention keeps
+/// nothing an ACK does not fence and runs only when a test calls it.
+fn snapshot_config() -> ServerConfig {
+    let mut c = ServerConfig {
+        retention_every: std::time::Duration::from_secs(3600),
+        snapshot_messages_per_conv: 3,
+        ..ServerConfig::default()
+    };
+    c.retention.as_mut().expect("retention on by default").keep_events_younger_than_ms = 0;
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_pages_back_past_a_snapshot_boundary_once_each_and_then_reads_locally() {
+    let h = Harness::start_with(snapshot_config()).await;
+    h.user("alice").await;
+    h.user("bob").await;
+    let alice = h.ready("alice", "phone").await;
+    let conv = alice.create_direct("bob").await.unwrap();
+    let laptop = h.ready("bob", "laptop").await;
+    for i in 1..=8 {
+        send_ok(&alice, &conv, &format!("m{i}")).await;
+    }
+    wait_messages(&laptop, &conv, 8).await;
+    h.wait_log("bob", 8).await;
+    h.wait_server_ack("bob", "laptop", 8).await;
+    // Every valid device has ACKed the whole log: trimming it means a new
+    // device cannot replay it and must start from a snapshot.
+    let state = &h.server().state;
+    let policy = state.config.retention.unwrap();
+    state.store.trim_user_logs(policy, tidemark_server::util::now_ms() + 1).await.unwrap();
+    assert_eq!(state.store.user_log("bob").await.unwrap().trimmed_upto, 8);
+
+    let tablet = Client::open(h.config("bob", "tablet")).unwrap();
+    tablet.start().await.unwrap();
+    tablet
+        .wait_for(WAIT, || async { Ok(tablet.conversation(&conv).await?.is_some_and(|c| c.history_to == 5)) })
+        .await
+        .unwrap();
+    tablet.wait_state(ConnState::Ready, WAIT).await.unwrap();
+    assert_eq!(
+        texts(&tablet.messages(&conv).await.unwrap()),
+        vec![(6, "m6".into()), (7, "m7".into()), (8, "m8".into())]
+    );
+
+    // Page back from the boundary, two at a time: each older message once,
+    // newest first, from the server, stored as it comes.
+    let mut paged = Vec::new();
+    let mut before = Some(6);
+    let mut pages = 0;
+    loop {
+        let page = tablet.history(&conv, before, 2).await.unwrap();
+        assert!(!page.local, "below the snapshot boundary the server answers");
+        assert!(!page.trimmed);
+        paged.extend(texts(&page.messages));
+        pages += 1;
+        if !page.has_more {
+            break;
+        }
+        before = page.next_cursor;
+        assert!(pages < 10, "paging never ended");
+    }
+    assert_eq!(paged, (1..=5).rev().map(|i| (i, format!("m{i}"))).collect::<Vec<_>>());
+    // Now the whole conversation is held: the local store answers, and the
+    // stored pages joined the held run without moving any cursor.
+    let summary = tablet.conversation(&conv).await.unwrap().unwrap();
+    assert_eq!((summary.history_to, summary.contiguous_msg_seq), (0, 8));
+    let all = tablet.history(&conv, None, 50).await.unwrap();
+    assert!(all.local && !all.has_more);
+    assert_eq!(texts(&all.messages), (1..=8).rev().map(|i| (i, format!("m{i}"))).collect::<Vec<_>>());
+    let page = tablet.history(&conv, Some(5), 2).await.unwrap();
+    assert!(page.local && page.has_more);
+    assert_eq!(page.next_cursor, Some(3));
+    assert_eq!(texts(&tablet.messages(&conv).await.unwrap()).len(), 8);
+    assert!(matches!(tablet.history(&conv, None, 0).await, Err(SdkError::Invalid(_))));
+    // A conversation the user is not in.
+    h.user("carol").await;
+    let carol = h.ready("carol", "phone").await;
+    assert_eq!(refused(carol.history(&conv, None, 10).await), ErrorCode::NotMember);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_are_created_changed_and_left_through_the_sdk() {
+    let h = Harness::start().await;
+    for u in ["ann", "ben", "cat"] {
+        h.user(u).await;
+    }
+    let ann = h.ready("ann", "phone").await;
+    let ben = h.ready("ben", "phone").await;
+    let cat = h.ready("cat", "phone").await;
+    let group = ann.create_group(&["ben"]).await.unwrap();
+    assert_eq!(group.kind, "group");
+    let conv = group.conv.clone();
+    send_ok(&ann, &conv, "g1").await;
+    wait_messages(&ben, &conv, 1).await;
+
+    // Only members change membership, and only the owner removes others.
+    assert_eq!(refused(cat.add_member(&conv, "cat").await), ErrorCode::NotMember);
+    let join = ann.add_member(&conv, "cat").await.unwrap();
+    assert!(join > 0);
+    send_ok(&ann, &conv, "g2").await;
+    // Cat's view starts at its join: g1 is outside it, on the device and
+    // in history.
+    cat.wait_for(WAIT, || async { Ok(cat.messages(&conv).await?.iter().any(|m| m.content["text"] == "g2")) })
+        .await
+        .unwrap();
+    let cat_history = cat.history(&conv, None, 50).await.unwrap();
+    assert_eq!(cat_history.messages.iter().map(|m| m.content["text"].clone()).collect::<Vec<_>>(), vec![json!("g2")]);
+    assert_eq!(refused(ben.remove_member(&conv, "cat").await), ErrorCode::Forbidden);
+    let removed = ann.remove_member(&conv, "cat").await.unwrap();
+    assert!(removed > join);
+    cat.wait_for(WAIT, || async { Ok(cat.conversation(&conv).await?.is_some_and(|c| !c.active)) }).await.unwrap();
+    assert_eq!(refused(cat.leave(&conv).await), ErrorCode::NotMember);
+    let left = ben.leave(&conv).await.unwrap();
+    assert!(left > removed);
+    ben.wait_for(WAIT, || async { Ok(ben.conversation(&conv).await?.is_some_and(|c| !c.active)) }).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn edits_reactions_settings_deletes_and_receipts_through_the_sdk() {
+    let h = Harness::start().await;
+    h.user("ann").await;
+    h.user("ben").await;
+    let ann = h.ready("ann", "phone").await;
+    let ann_laptop = h.ready("ann", "laptop").await;
+    let ben = h.ready("ben", "phone").await;
+    let conv = ann.create_direct("ben").await.unwrap();
+    send_ok(&ann, &conv, "helo").await;
+    let held = wait_messages(&ben, &conv, 1).await;
+    let id = held[0].message_id.clone();
+
+    // Edit: a CAS on the version this device holds.
+    let edited = ann.edit(&conv, &id, json!({"text": "hello"}), 1).await.unwrap();
+    assert_eq!(edited.version, 2);
+    assert_eq!(refused(ann.edit(&conv, &id, json!({"text": "stale"}), 1).await), ErrorCode::Conflict);
+    assert_eq!(refused(ben.edit(&conv, &id, json!({"text": "not mine"}), 2).await), ErrorCode::Forbidden);
+    ben.wait_for(WAIT, || async {
+        Ok(ben.messages(&conv).await?.iter().any(|m| m.message_id == id && m.content["text"] == "hello"))
+    })
+    .await
+    .unwrap();
+
+    // React: idempotent; the other side sees it.
+    assert!(ben.react(&conv, &id, "👍", true).await.unwrap().changed);
+    assert!(!ben.react(&conv, &id, "👍", true).await.unwrap().changed);
+    ann.wait_for(WAIT, || async {
+        Ok(ann.messages(&conv).await?.iter().any(|m| m.message_id == id && m.reactions["👍"] == json!(["ben"])))
+    })
+    .await
+    .unwrap();
+    assert!(ben.react(&conv, &id, "👍", false).await.unwrap().changed);
+    assert_eq!(refused(ben.react(&conv, "no-such-message", "👍", true).await), ErrorCode::NotFound);
+
+    // Settings reach the user's other device only.
+    let settings = ann.set_conversation_settings(&conv, Some(true), None).await.unwrap();
+    assert!(settings.muted && !settings.pinned);
+    ann_laptop
+        .wait_for(WAIT, || async { Ok(ann_laptop.conversation(&conv).await?.is_some_and(|c| c.muted)) })
+        .await
+        .unwrap();
+    assert!(!ben.conversation(&conv).await.unwrap().unwrap().muted);
+
+    // Delete-for-me hides it on the user's devices, not on the other side.
+    ann.delete_for_me(&conv, &id).await.unwrap();
+    ann_laptop
+        .wait_for(WAIT, || async {
+            Ok(ann_laptop.messages(&conv).await?.iter().any(|m| m.message_id == id && m.state == "deleted"))
+        })
+        .await
+        .unwrap();
+    assert!(ben.messages(&conv).await.unwrap().iter().any(|m| m.message_id == id && m.state != "deleted"));
+
+    // Delivery receipts are recorded once per device.
+    assert_eq!(ben.delivery_ack(std::slice::from_ref(&id)).await.unwrap().recorded, 1);
+    assert_eq!(ben.delivery_ack(std::slice::from_ref(&id)).await.unwrap().recorded, 0);
+
+    // Revoking the laptop ends it; revoking a device twice changes nothing.
+    assert!(ann.revoke_device("laptop").await.unwrap().revoked);
+    assert!(!ann.revoke_device("laptop").await.unwrap().revoked);
+    let exit = tokio::time::timeout(WAIT, ann_laptop.closed()).await.expect("the revoked device stops");
+    assert!(format!("{exit:?}").to_lowercase().contains("revoked"), "{exit:?}");
+
+    // Without a connection, a call says so at once.
+    let mut h = h;
+    h.stop_server().await;
+    let mut state = ben.watch_state();
+    tokio::time::timeout(WAIT, state.wait_for(|s| *s == ConnState::Offline))
+        .await
+        .expect("the device notices the server is gone")
+        .unwrap();
+    assert!(matches!(ben.react(&conv, &id, "👍", true).await, Err(SdkError::Offline)));
+}
