@@ -232,6 +232,8 @@ struct Chat {
     /// `/to USER` asked while offline for a peer not opened before: opened
     /// once connected.
     pending_peer: Option<String>,
+    /// Lines typed for `pending_peer`, sent once its conversation opens.
+    held: Vec<String>,
 }
 
 impl Chat {
@@ -280,15 +282,26 @@ impl Chat {
             Ok(conv) => {
                 self.peers.remember(peer, &conv)?;
                 println!("[chat] talking to {peer} in {}", short(&conv));
-                self.current = Some(conv);
+                self.current = Some(conv.clone());
                 self.pending_peer = None;
+                let held = std::mem::take(&mut self.held);
+                for line in &held {
+                    self.client.send(&conv, json!({ "text": line })).await.map_err(sdk)?;
+                }
+                if !held.is_empty() {
+                    println!("[chat] {} held line(s) queued in the outbox", held.len());
+                }
             }
             Err(SdkError::Offline | SdkError::Timeout | SdkError::NotRunning) => {
                 if let Some(conv) = self.peers.map.get(peer).cloned() {
                     println!("[chat] talking to {peer} in {} (offline: lines queue in the outbox)", short(&conv));
                     self.current = Some(conv);
+                    self.pending_peer = None;
                 } else {
-                    println!("[chat] offline: the conversation with {peer} opens once connected");
+                    println!(
+                        "[chat] offline: the conversation with {peer} opens once connected; lines typed until then are held"
+                    );
+                    self.current = None;
                     self.pending_peer = Some(peer.to_owned());
                 }
             }
@@ -418,8 +431,12 @@ impl Chat {
                 bail!("{cmd} {rest}: unknown command or missing argument; /help lists the commands")
             }
             _ => {
-                if self.current.is_none() && self.pending_peer.is_some() {
-                    bail!("not sent: the conversation opens once connected (offline, new peer)");
+                if let (None, Some(peer)) = (&self.current, &self.pending_peer) {
+                    // No conversation id yet, so not in the outbox: held
+                    // here until it opens (lost if the chat stops first).
+                    self.held.push(line.to_owned());
+                    println!("[chat] held until the conversation with {peer} opens");
+                    return Ok(true);
                 }
                 let conv = self.current()?.to_owned();
                 self.client.send(&conv, json!({"text": line})).await.map_err(sdk)?;
@@ -435,17 +452,20 @@ impl Chat {
     async fn change(&mut self, change: Change) -> Result<Option<Exit>> {
         match change {
             Change::State(s) => {
+                // Once per change that matters: connecting at start,
+                // offline once however often a reconnect fails, connected
+                // once per connection.
                 let line = match (s, self.shown) {
-                    (ConnState::Connecting, Some(ConnState::Connecting)) | (ConnState::Syncing, _) => None,
-                    (ConnState::Connecting, _) => {
+                    (ConnState::Connecting, None) => {
                         Some(format!("[status] connecting to {}", self.client.config().server_url))
                     }
-                    (ConnState::Ready, Some(ConnState::Ready)) => None,
-                    (ConnState::Ready, _) => Some(format!("{} (connected)", self.status().await?)),
-                    (ConnState::Offline, Some(ConnState::Offline)) => None,
-                    (ConnState::Offline, _) => {
+                    (ConnState::Ready, shown) if shown != Some(ConnState::Ready) => {
+                        Some(format!("{} (connected)", self.status().await?))
+                    }
+                    (ConnState::Offline, shown) if shown != Some(ConnState::Offline) => {
                         Some("[status] offline; sends queue in the local outbox, reconnecting".to_string())
                     }
+                    _ => None,
                 };
                 if let Some(line) = line {
                     println!("{line}");
@@ -524,6 +544,7 @@ pub async fn run(args: ChatArgs) -> Result<()> {
         printed: HashMap::new(),
         shown: None,
         pending_peer: None,
+        held: Vec::new(),
     };
     // What the local store held before this start is history (/history),
     // not news.

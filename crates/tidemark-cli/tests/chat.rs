@@ -236,7 +236,7 @@ async fn chat_survives_mistakes_and_drives_messages_and_groups() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_started_offline_queues_and_delivers_later() {
     let dir = tempfile::tempdir().unwrap();
-    let server = server_with(dir.path(), &["ann", "ben"]).await;
+    let server = server_with(dir.path(), &["ann", "ben", "cat"]).await;
     let addr = server.addr;
     let url = server.url();
     let mut ann = Session::new(chat(&url, "ann", dir.path(), Some("ben")));
@@ -250,6 +250,12 @@ async fn chat_started_offline_queues_and_delivers_later() {
     ann.expect("(offline: lines queue in the outbox)").await;
     ann.type_line("written while the server was down").await;
     ann.expect("[chat] queued in the outbox").await;
+    // Cat never talked to Ben: no conversation id offline, so her line is
+    // held and queued once the conversation opens.
+    let mut cat = Session::new(chat(&url, "cat", dir.path(), Some("ben")));
+    cat.expect("opens once connected").await;
+    cat.type_line("cat was here").await;
+    cat.expect("[chat] held until the conversation with ben opens").await;
 
     let store = tidemark_sqlite::SqliteStore::open(&dir.path().join("server")).unwrap();
     let config = ServerConfig { admin_token: Some(ADMIN.into()), ..Default::default() };
@@ -258,6 +264,10 @@ async fn chat_started_offline_queues_and_delivers_later() {
     let mut ben = Session::new(chat(&url, "ben", dir.path(), None));
     let line = ben.expect("written while the server was down").await;
     assert!(line.ends_with("#1] ann: written while the server was down"), "{line}");
+    cat.expect("[chat] 1 held line(s) queued in the outbox").await;
+    let line = ben.expect("cat was here").await;
+    assert!(line.ends_with("#1] cat: cat was here"), "{line}");
+    cat.quit().await;
     ann.quit().await;
     ben.quit().await;
     server.stop().await;
