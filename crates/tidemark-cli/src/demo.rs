@@ -13,12 +13,13 @@
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::json;
-use tidemark_client::{Change, Client, ClientConfig, ConnState, Http, Message, OutboxOp, OutboxState};
+use tidemark_client::{Change, Client, ClientConfig, ConnState, Exit, Http, Message, OutboxOp, OutboxState};
 use tidemark_server::{RunningServer, Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tokio::task::JoinSet;
@@ -44,13 +45,24 @@ fn temp_dir() -> Result<PathBuf> {
     Ok(dir)
 }
 
-/// A device of the story: its label and its client.
+/// A device of the story: its label and its client (shared, weakly, with
+/// the task that prints its changes).
 struct Device {
     label: &'static str,
     user: &'static str,
     device: &'static str,
-    client: Client,
+    client: Arc<Client>,
 }
+
+/// Said once, before the story: the two numbers every line uses.
+const SEQUENCES: &str = "\
+Two sequence numbers run through this story:
+  msg_seq  numbers the events of one conversation: #1, #2, ... are the same on every
+           device of every member (messages and control events such as a recall);
+  sync_seq numbers the entries of one user's sync log, across all the user's
+           conversations. Each device pulls its user's log in batches and ACKs its own
+           position in it, so Bob's two devices share one log but not one cursor.
+Lines show a conversation event as c1234567#N and a log entry as sync_seq N.";
 
 async fn play(dir: &Path) -> Result<()> {
     let started = Instant::now();
@@ -69,24 +81,35 @@ async fn play(dir: &Path) -> Result<()> {
             ClientConfig::new(&url, user, device, dir.join(format!("{user}-{device}.db"))).with_password(PASSWORD);
         config.backoff =
             tidemark_client::policy::Backoff { base: Duration::from_millis(50), cap: Duration::from_secs(1) };
-        Ok(Device { label, user, device, client: Client::open(config)? })
+        Ok(Device { label, user, device, client: Arc::new(Client::open(config)?) })
     };
     let alice = device("alice/phone", "alice", "phone")?;
     let desktop = device("bob/desktop", "bob", "desktop")?;
     let phone = device("bob/phone", "bob", "phone")?;
-    let timeline = Arc::new(Timeline { started, states: Mutex::new(HashMap::new()) });
+    let timeline = Arc::new(Timeline {
+        started,
+        states: Mutex::new(HashMap::new()),
+        // The story is about Bob's devices: Alice's phone also syncs its
+        // own events back, which would double every line.
+        senders_only: HashSet::from([alice.label]),
+        done: AtomicBool::new(false),
+    });
+    println!("{SEQUENCES}");
+    println!("(alice/phone syncs her own events back too; those lines are left out.)");
     let mut printers = JoinSet::new();
     for d in [&alice, &desktop, &phone] {
         let mut changes = d.client.subscribe();
-        let (timeline, label) = (timeline.clone(), d.label);
+        let (timeline, label, client) = (timeline.clone(), d.label, Arc::downgrade(&d.client));
         printers.spawn(async move {
             while let Some(change) = changes.recv().await {
-                timeline.change(label, &change);
+                timeline.change(label, &client, &change).await;
             }
         });
     }
 
     let outcome = story(&server, &timeline, &alice, &desktop, &phone).await;
+    // Shutting the clients down is not part of the story.
+    timeline.done.store(true, Ordering::Relaxed);
     for d in [&alice, &desktop, &phone] {
         d.client.stop().await;
     }
@@ -115,17 +138,17 @@ async fn story(
         d.client.wait_state(ConnState::Ready, STEP_WAIT).await.with_context(|| format!("{} ready", d.label))?;
     }
     phone.client.stop().await;
-    t.note("bob/phone", "offline (its cursor stays where it was)");
+    t.note("bob/phone", "offline (its server cursor stays where it was)");
     let conv = alice.client.create_direct("bob").await.context("conv.create")?;
-    t.note("alice/phone", &format!("direct conversation with bob: {}", short(&conv)));
+    t.note("alice/phone", &format!("opened the direct conversation with bob: {}", short(&conv)));
 
-    t.step("2. Alice's phone sends to Bob. Bob's desktop is online and receives it at once.");
+    t.step("2. Alice's phone sends \"hi Bob!\". Bob's desktop is online and receives it at once.");
     send(alice, &conv, "hi Bob!").await?;
     wait_events(desktop, &conv, 1).await?;
     let bob_head = server.state.store.user_high_watermark("bob").await?;
     wait_acked(server, desktop, bob_head).await?;
 
-    t.step("3. More messages arrive while Bob's phone is offline.");
+    t.step("3. More messages, one from Bob's desktop, while Bob's phone is offline.");
     send(alice, &conv, "are you around?").await?;
     send(desktop, &conv, "yes, at my desk").await?;
     send(alice, &conv, "lunch at 1?").await?;
@@ -157,6 +180,7 @@ async fn story(
     wait_accepted(desktop, &read.client_msg_id).await?;
 
     t.step("6. Bob's phone reconnects and catches up.");
+    t.note("bob/phone", "back online: syncs from its server cursor");
     let bob_head = server.state.store.user_high_watermark("bob").await?;
     phone.client.start().await?;
     wait_acked(server, phone, bob_head).await?;
@@ -306,11 +330,28 @@ fn short(id: &str) -> &str {
     &id[..id.len().min(8)]
 }
 
-/// Prints the story's lines with the time since the start.
+/// Prints the story's lines with the time since the start, one fact each.
 struct Timeline {
     started: Instant,
     /// The last connection state printed per device.
     states: Mutex<HashMap<String, ConnState>>,
+    /// Devices shown only sending: their sync-side lines are left out.
+    senders_only: HashSet<&'static str>,
+    /// The story is over: shutdown noise is not printed.
+    done: AtomicBool,
+}
+
+/// The text of `conv`#`msg_seq` as `client` holds it now, quoted; a recalled
+/// message is a placeholder.
+async fn text_at(client: &Weak<Client>, conv: &str, msg_seq: u64) -> String {
+    let Some(client) = client.upgrade() else { return String::new() };
+    let held = client.events(conv).await.ok().and_then(|m| m.into_iter().find(|m| m.msg_seq == msg_seq));
+    match held {
+        Some(m) if m.state == "recalled" => ": (recalled placeholder)".into(),
+        Some(m) if m.kind == "recall" => format!(": recalls #{}", m.content["target_msg_seq"]),
+        Some(m) => m.content.get("text").map(|t| format!(": {t}")).unwrap_or_default(),
+        None => String::new(),
+    }
 }
 
 impl Timeline {
@@ -327,45 +368,62 @@ impl Timeline {
         self.line(who, text);
     }
 
-    fn change(&self, who: &str, change: &Change) {
+    async fn change(&self, who: &str, client: &Weak<Client>, change: &Change) {
+        if self.done.load(Ordering::Relaxed) {
+            return;
+        }
+        let sync_side = matches!(
+            change,
+            Change::Hint { .. }
+                | Change::PageApplied(_)
+                | Change::Acked { .. }
+                | Change::CursorMoved(_)
+                | Change::Gap(_)
+        );
+        if sync_side && self.senders_only.contains(who) {
+            return;
+        }
+        for text in self.describe(who, client, change).await {
+            self.line(who, &text);
+        }
+    }
+
+    /// The lines one change prints (none for those the story leaves out).
+    async fn describe(&self, who: &str, client: &Weak<Client>, change: &Change) -> Vec<String> {
         let text = match change {
             Change::State(s) => {
                 let mut states = self.states.lock().expect("timeline lock");
                 let last = states.get(who).copied().unwrap_or(ConnState::Offline);
                 // Syncing and ready flip on every sync round (the pages
-                // say more): print ready only once per connection.
-                let show = match s {
-                    ConnState::Syncing => false,
-                    ConnState::Ready => last == ConnState::Connecting,
-                    _ => true,
-                };
-                if !show {
-                    return;
-                }
+                // say more), and the story says when a device goes
+                // offline: print ready once per connection.
                 states.insert(who.to_owned(), *s);
-                format!("connection: {}", format!("{s:?}").to_lowercase())
+                if *s != ConnState::Ready || last == ConnState::Ready {
+                    return Vec::new();
+                }
+                "connected and caught up".to_string()
             }
             Change::Hint { high_watermark, reason } => {
-                format!("hint: log reached sync_seq {high_watermark} ({reason})")
+                format!("hint: the log reached sync_seq {high_watermark} ({reason}); syncing")
             }
             Change::PageApplied(p) if p.applied == 0 => format!(
                 "sync page (resume_from {}, watermark {}): {} event(s) already applied, skipped",
                 p.resume_from, p.batch_high_watermark, p.skipped
             ),
             Change::PageApplied(p) => {
-                let mut text = format!(
+                let mut lines = vec![format!(
                     "sync page (generation {}, resume_from {}, watermark {}): applied sync_seq {}..={} in one transaction",
                     p.sync_generation,
                     p.resume_from,
                     p.batch_high_watermark,
                     p.first_sync_seq.unwrap_or_default(),
                     p.last_sync_seq.unwrap_or_default()
-                );
+                )];
                 for m in &p.messages {
                     let what = if m.kind == "text" { String::new() } else { format!(" ({})", m.kind) };
-                    text.push_str(&format!(
-                        "\n{:>24}sync_seq {} = {}#{} from {}{what}",
-                        "",
+                    let text = text_at(client, &m.conv, m.msg_seq).await;
+                    lines.push(format!(
+                        "  sync_seq {} = {}#{} from {}{what}{text}",
                         m.sync_seq,
                         short(&m.conv),
                         m.msg_seq,
@@ -373,9 +431,9 @@ impl Timeline {
                     ));
                 }
                 for (conv, read_seq) in &p.reads {
-                    text.push_str(&format!("\n{:>24}read event: {} read up to #{read_seq}", "", short(conv)));
+                    lines.push(format!("  read event: {} read up to #{read_seq}", short(conv)));
                 }
-                text
+                return lines;
             }
             Change::Acked { sync_seq, acked_sync_seq, generation } => {
                 format!("ACK sync_seq {sync_seq} (server ACK now {acked_sync_seq}, generation {generation})")
@@ -396,14 +454,14 @@ impl Timeline {
             Change::SnapshotFailed { reason, retrying } => {
                 format!("snapshot failed: {reason}{}", if *retrying { "; retrying" } else { "" })
             }
-            Change::OutboxQueued { op, client_msg_id, .. } => {
-                format!("{} queued in the outbox ({})", op.as_str(), short(client_msg_id))
-            }
+            // The acceptance says it all (every operation here is online).
+            Change::OutboxQueued { .. } => return Vec::new(),
             Change::OutboxAccepted { op: OutboxOp::Send, conv, msg_seq, duplicate, client_msg_id, .. } => format!(
-                "send accepted: {}#{msg_seq} ({}{})",
+                "send accepted: {}#{msg_seq} ({}{}){}",
                 short(conv),
                 short(client_msg_id),
-                if *duplicate { ", duplicate of an earlier send" } else { "" }
+                if *duplicate { ", duplicate of an earlier send" } else { "" },
+                text_at(client, conv, *msg_seq).await
             ),
             Change::OutboxAccepted { op: OutboxOp::Recall, conv, msg_seq, .. } => {
                 format!("recall accepted: recall event {}#{msg_seq}", short(conv))
@@ -424,8 +482,10 @@ impl Timeline {
             ),
             Change::Kicked { reason } => format!("kicked: {reason}"),
             Change::Lagged { missed } => format!("({missed} notifications missed)"),
+            // The story says when a device stops.
+            Change::Exited(Exit::Stopped) => return Vec::new(),
             Change::Exited(exit) => format!("engine stopped: {exit:?}"),
         };
-        self.line(who, &text);
+        vec![text]
     }
 }

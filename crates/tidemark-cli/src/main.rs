@@ -4,7 +4,7 @@ mod bench;
 mod chat;
 mod demo;
 
-use std::io::BufRead;
+use std::io::{BufRead, IsTerminal};
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -16,7 +16,13 @@ use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
 
 #[derive(Parser)]
-#[command(name = "tidemark", version, about = "Instant messaging that never loses, duplicates or misorders a message")]
+#[command(
+    name = "tidemark",
+    version,
+    about = "Instant messaging that never loses, duplicates or misorders a message",
+    after_help = "Logs go to stderr; RUST_LOG sets their level and filter (default info), e.g. \
+                  RUST_LOG=debug or RUST_LOG=tidemark_server=debug,warn."
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -29,6 +35,8 @@ struct StoreArgs {
     data: PathBuf,
     /// PostgreSQL URL (cluster mode), e.g. postgres://user@host:5432/db;
     /// replaces --data. Every node of a cluster names the same database.
+    /// Give a URL with a password through TIDEMARK_DATABASE (or use
+    /// ~/.pgpass), not on the command line, where `ps` shows it.
     #[arg(long, env = "TIDEMARK_DATABASE", hide_env_values = true)]
     database: Option<String>,
     /// PostgreSQL schema holding the tables (created if absent); default:
@@ -40,7 +48,12 @@ struct StoreArgs {
 #[derive(Subcommand)]
 enum Command {
     /// Run the server.
+    #[command(after_help = "The admin token (enables /v1/admin/*) comes from TIDEMARK_ADMIN_TOKEN or \
+                            --admin-token-file, never from the command line. RUST_LOG sets the log \
+                            level (default info).")]
     Serve {
+        /// Address to listen on (HTTP and WebSocket); port 0 picks a free
+        /// one, printed on stdout as `tidemark listening on ADDR`.
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: String,
         #[command(flatten)]
@@ -53,23 +66,25 @@ enum Command {
         /// for user U goes to `<prefix>.U`.
         #[arg(long, default_value = tidemark_server::bus::HINT_SUBJECT_PREFIX_DEFAULT, requires = "nats")]
         nats_prefix: String,
-        /// Enables the admin endpoints.
-        #[arg(long, env = "TIDEMARK_ADMIN_TOKEN", hide_env_values = true)]
-        admin_token: Option<String>,
+        /// Read the admin token from the first line of this file (instead
+        /// of TIDEMARK_ADMIN_TOKEN); without either the admin endpoints
+        /// are disabled.
+        #[arg(long)]
+        admin_token_file: Option<PathBuf>,
         /// Access token lifetime, seconds.
         #[arg(long, default_value_t = 900)]
         access_ttl_secs: u64,
-        /// Message history older than this many days expires (L3); by
-        /// default history is kept forever.
+        /// Message history older than this many days expires; by default
+        /// history is kept forever.
         #[arg(long)]
         history_keep_days: Option<u32>,
-        /// User-log retention (L1): entries younger than this many seconds
-        /// are never trimmed, whatever the device fences.
+        /// User sync log retention: entries younger than this many seconds
+        /// are never trimmed, even behind every device's cursor.
         #[arg(long, default_value_t = 7 * 24 * 3600)]
         log_keep_secs: u64,
         /// A device whose server cursor has not moved for this many seconds
         /// stops holding the user's log back; when it returns behind the
-        /// trim point it rebuilds from a snapshot (L2).
+        /// trim point it rebuilds from a snapshot.
         #[arg(long, default_value_t = 30 * 24 * 3600)]
         device_inactive_secs: u64,
         /// How often the retention pass runs, milliseconds.
@@ -98,7 +113,8 @@ enum Command {
         #[command(subcommand)]
         command: bench::BenchCommand,
     },
-    /// Play the multi-device sync story on an in-process server and check it.
+    /// Play the multi-device sync story on an in-process server and check
+    /// its invariants (exit code 1 if one fails).
     Demo,
     /// Chat interactively as one device of a user (the SDK with its local store).
     Chat(chat::ChatArgs),
@@ -108,6 +124,7 @@ enum Command {
 enum UserCommand {
     /// Create a user; the password is read from the first line of stdin.
     Add {
+        /// The user name (1..=64 bytes, no `|` or control characters).
         name: String,
         #[command(flatten)]
         store: StoreArgs,
@@ -132,9 +149,31 @@ async fn open_store(args: &StoreArgs) -> Result<Arc<dyn Store>> {
     Ok(store)
 }
 
-fn init_logs() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+/// The admin token's environment variable.
+const ADMIN_TOKEN_ENV: &str = "TIDEMARK_ADMIN_TOKEN";
+
+/// The admin token from `--admin-token-file` or TIDEMARK_ADMIN_TOKEN (an
+/// empty one disables the admin endpoints, as an absent one does).
+fn admin_token(file: Option<&std::path::Path>) -> Result<Option<String>> {
+    let token = match file {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+            text.lines().next().unwrap_or_default().to_owned()
+        }
+        None => std::env::var(ADMIN_TOKEN_ENV).unwrap_or_default(),
+    };
+    Ok(Some(token).filter(|t| !t.is_empty()))
+}
+
+/// Logs on stderr, filtered by RUST_LOG (else `default`).
+fn init_logs(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    // Colour codes only for a person at a terminal, never in a log file.
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
 }
 
 async fn wait_for_signal() {
@@ -161,7 +200,7 @@ async fn main() -> Result<()> {
             store,
             nats,
             nats_prefix,
-            admin_token,
+            admin_token_file,
             access_ttl_secs,
             history_keep_days,
             log_keep_secs,
@@ -172,7 +211,8 @@ async fn main() -> Result<()> {
             snapshot_messages_per_conv,
             hold_fanout,
         } => {
-            init_logs();
+            init_logs("info");
+            let admin_token = admin_token(admin_token_file.as_deref())?;
             if nats.is_some() && store.database.is_none() {
                 bail!("--nats joins a cluster, which needs the shared PostgreSQL store (--database)");
             }
@@ -183,7 +223,7 @@ async fn main() -> Result<()> {
             };
             let defaults = ServerConfig::default();
             let config = ServerConfig {
-                admin_token: admin_token.filter(|t| !t.is_empty()),
+                admin_token,
                 access_token_ttl: std::time::Duration::from_secs(access_ttl_secs),
                 retention: (!keep_all_logs).then(|| tidemark_store::RetentionPolicy {
                     keep_events_younger_than_ms: secs_to_ms(log_keep_secs),
@@ -224,8 +264,15 @@ async fn main() -> Result<()> {
             }
         }
         Command::Bench { command } => bench::run(command).await,
-        Command::Demo => demo::run().await,
-        Command::Chat(args) => chat::run(args).await,
+        Command::Demo => {
+            init_logs("warn");
+            demo::run().await
+        }
+        Command::Chat(args) => {
+            // Warnings only: the chat's own lines are on stdout.
+            init_logs("warn");
+            chat::run(args).await
+        }
     }
 }
 

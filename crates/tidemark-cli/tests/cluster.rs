@@ -38,7 +38,7 @@ const SEND_ATTEMPTS_MAX: usize = 50;
 /// A group's creation is its event 1; its messages start at 2.
 const FIRST_MESSAGE_SEQ: u64 = 2;
 
-/// Both service URLs, or `None` (with the reason on stderr) when either
+/// Both service URLs, or `None` (with the reason on stdout) when either
 /// variable is unset. A set variable whose service does not answer fails.
 async fn services(test: &str) -> Option<(String, String)> {
     let mut urls = Vec::new();
@@ -47,7 +47,7 @@ async fn services(test: &str) -> Option<(String, String)> {
             Ok(url) if !url.is_empty() => urls.push(url),
             Ok(_) => panic!("{var} is set but empty"),
             Err(std::env::VarError::NotPresent) => {
-                eprintln!("skipping {test}: {var} is not set (e.g. {var}={example})");
+                println!("SKIPPED {test}: {var} is not set (e.g. {var}={example})");
                 return None;
             }
             Err(e) => panic!("{var}: {e}"),

@@ -45,6 +45,18 @@ fn the_demo_plays_the_story_and_every_invariant_holds() {
     assert!(has("sync_seq 1 = "), "the page lists its events:\n{stdout}");
     assert!(has("(recall)") && has("read event: "), "control and per-user events are shown:\n{stdout}");
     assert!(has("ACKs are not reads"), "{stdout}");
+    // A story: the texts are shown, the recalled one never on the phone
+    // that caught up afterwards, and the two sequences explained once.
+    assert!(
+        stdout.lines().any(|l| l.contains("alice/phone") && l.contains("send accepted") && l.contains("\"hi Bob!\"")),
+        "{stdout}"
+    );
+    assert!(stdout.lines().any(|l| l.contains("bob/desktop") && l.contains("from alice: \"lunch at 1?\"")), "{stdout}");
+    assert!(stdout.lines().any(|l| l.contains("bob/phone") && l.contains("(recalled placeholder)")), "{stdout}");
+    assert!(!stdout.lines().any(|l| l.contains("bob/phone") && l.contains("lunch at 1?")), "{stdout}");
+    assert_eq!(stdout.matches("msg_seq  numbers").count(), 1, "msg_seq explained once:\n{stdout}");
+    assert_eq!(stdout.matches("sync_seq numbers").count(), 1, "sync_seq explained once:\n{stdout}");
+    assert!(!has("queued in the outbox") && !has("engine stopped"), "no noise lines:\n{stdout}");
     assert!(!has("FAIL"), "{stdout}");
     assert!(has("all invariants hold"), "{stdout}");
 }

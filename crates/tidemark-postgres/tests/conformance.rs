@@ -18,7 +18,7 @@ use tidemark_store::*;
 
 const URL_VAR: &str = "TIDEMARK_TEST_PG_URL";
 
-/// The database URL, or `None` (with the reason on stderr) when unset.
+/// The database URL, or `None` (with the reason on stdout) when unset.
 fn pg_url(test: &str) -> Option<String> {
     match std::env::var(URL_VAR) {
         Ok(url) => {
@@ -26,7 +26,7 @@ fn pg_url(test: &str) -> Option<String> {
             Some(url)
         }
         Err(std::env::VarError::NotPresent) => {
-            eprintln!("skipping {test}: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
+            println!("SKIPPED {test}: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
             None
         }
         Err(e) => panic!("{URL_VAR}: {e}"),
