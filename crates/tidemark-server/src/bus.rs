@@ -1,7 +1,7 @@
 //! The hint bus: how "user U's log reached high watermark W" reaches the
 //! hubs of every node, not just the one whose relay committed the fan-out.
 //!
-//! The relay hints its own [`Hub`](crate::hub::Hub) directly and then
+//! The relay hints its own [`Hub`] directly and then
 //! [`HintBus::publish`]es the same pair. With [`HintBusConfig::Local`] (one
 //! node, the default) publishing does nothing. With [`HintBusConfig::Nats`]
 //! each node holds its own NATS connection (with `no_echo`, so it never hears
