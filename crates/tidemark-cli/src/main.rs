@@ -253,7 +253,7 @@ async fn main() -> Result<()> {
             if password.is_empty() {
                 bail!("empty password: write it to stdin");
             }
-            let hash = tidemark_server::gateway::auth::hash_password(password).map_err(anyhow::Error::msg)?;
+            let hash = tidemark_server::accounts::hash_password(password).map_err(anyhow::Error::msg)?;
             let store = open_store(&store).await?;
             let now = tidemark_server::util::now_ms();
             if store.create_user(&name, &hash, now).await? {

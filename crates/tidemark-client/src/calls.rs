@@ -23,7 +23,8 @@ use tidemark_proto::{
 };
 use tokio::sync::oneshot;
 
-use crate::client::{Client, SdkError};
+use crate::client::Client;
+use crate::types::SdkError;
 use crate::engine::Command;
 use crate::store::{message_of_envelope, Message};
 

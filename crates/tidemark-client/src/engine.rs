@@ -30,12 +30,12 @@ use tidemark_proto::{
 use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::time::{Instant, MissedTickBehavior, Sleep};
 
-use crate::client::{Change, ClientConfig, ConnState, Exit, SdkError};
 use crate::policy::{action_for, action_for_kick, Action, Op, SyncGate};
 use crate::store::{
     ApplyError, FaultAction, FaultPoint, LocalStore, OutboxEntry, OutboxOp, OutboxRecord, PageReport, PendingSnapshot,
     StoreError, StoreResult,
 };
+use crate::types::{Change, ClientConfig, ConnState, Exit, SdkError};
 use crate::{ClientError, ClientResult, Http, ServerEvent, WsConn};
 
 /// Commands from the app to the engine waiting to be served.

@@ -42,6 +42,8 @@
 //! Module map:
 //! - [`client`]: the app-facing API (open, start, send, recall, mark read,
 //!   read the local store, subscribe to changes);
+//! - `types`: what the client and the engine share (configuration,
+//!   connection states, changes, errors);
 //! - `engine`: the state machine, sync rounds and the outbox pump;
 //! - [`store`]: the local SQLite schema and its transactions (sync pages,
 //!   snapshot installs, the outbox);
@@ -116,16 +118,18 @@ mod engine;
 mod http;
 pub mod policy;
 pub mod store;
+mod types;
 mod ws;
 
 pub use calls::HistoryPage;
-pub use client::{Change, Changes, Client, ClientConfig, ConnState, Exit, FaultHook, SdkError};
+pub use client::{Changes, Client};
 pub use http::Http;
 pub use store::{
     manifest_digest, Conversation, CursorMove, FaultAction, FaultPoint, Gap, Message, OutboxEntry, OutboxOp,
     OutboxState, PageReport, PendingSnapshot, SnapshotReport, StoreError, SyncPosition,
 };
 pub use tidemark_proto as proto;
+pub use types::{Change, ClientConfig, ConnState, Exit, FaultHook, SdkError};
 pub use ws::{ServerEvent, WsConn};
 
 use tidemark_proto::{ErrorCode, ErrorFrame};

@@ -1,7 +1,7 @@
 //! The hint bus: how "user U's log reached high watermark W" reaches the
 //! hubs of every node, not just the one whose relay committed the fan-out.
 //!
-//! The relay hints its own [`Hub`](crate::hub::Hub) directly and then
+//! The relay hints its own [`Hub`] directly and then
 //! [`HintBus::publish`]es the same pair. With [`HintBusConfig::Local`] (one
 //! node, the default) publishing does nothing. With [`HintBusConfig::Nats`]
 //! each node holds its own NATS connection (with `no_echo`, so it never hears
@@ -24,8 +24,9 @@ use futures_util::StreamExt;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
+pub use crate::config::HintBusConfig;
+use crate::hub::Hub;
 use crate::metrics as m;
-use crate::server::AppState;
 
 /// Hints waiting for the publisher task; beyond this they are dropped
 /// (counted in `tidemark_hints_bus_dropped_total`).
@@ -37,22 +38,6 @@ pub const HINT_PAYLOAD_BYTES_MAX: usize = 512;
 /// The default subject prefix; a hint for user `u` goes to `tidemark.hint.u`.
 pub const HINT_SUBJECT_PREFIX_DEFAULT: &str = "tidemark.hint";
 
-/// Which bus a node uses.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum HintBusConfig {
-    /// One node: hints stay in this process.
-    #[default]
-    Local,
-    /// Several nodes: hints cross over NATS.
-    Nats {
-        /// e.g. `nats://127.0.0.1:4222`.
-        url: String,
-        /// Subject prefix shared by every node of one cluster (dot-separated
-        /// tokens of ASCII letters, digits, `_` and `-`).
-        subject_prefix: String,
-    },
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
     #[error("invalid NATS subject prefix {0:?}")]
@@ -63,7 +48,7 @@ pub enum BusError {
     Subscribe { subject: String, reason: String },
 }
 
-/// The publishing side, held in [`AppState`].
+/// The publishing side, held in [`AppState`](crate::state::AppState).
 #[derive(Debug, Default)]
 pub struct HintBus {
     /// `None` for the local bus.
@@ -155,10 +140,10 @@ pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>
 
 impl Pending {
     /// Starts the publisher and the subscriber; both stop on `shutdown`.
-    pub fn spawn(self, state: Arc<AppState>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+    pub fn spawn(self, hub: Arc<Hub>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
         let Pending { client, subscriber, prefix, rx } = self;
         let publisher = tokio::spawn(publish_loop(client, prefix, rx, shutdown.clone()));
-        let listener = tokio::spawn(subscribe_loop(subscriber, state, shutdown));
+        let listener = tokio::spawn(subscribe_loop(subscriber, hub, shutdown));
         vec![publisher, listener]
     }
 }
@@ -190,11 +175,7 @@ async fn publish_loop(
     }
 }
 
-async fn subscribe_loop(
-    mut subscriber: async_nats::Subscriber,
-    state: Arc<AppState>,
-    mut shutdown: watch::Receiver<bool>,
-) {
+async fn subscribe_loop(mut subscriber: async_nats::Subscriber, hub: Arc<Hub>, mut shutdown: watch::Receiver<bool>) {
     loop {
         let message = tokio::select! {
             next = subscriber.next() => match next {
@@ -212,7 +193,7 @@ async fn subscribe_loop(
         match decode(&message.payload) {
             Some((user, hw)) => {
                 metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
-                state.hub.notify_user(&user, hw);
+                hub.notify_user(&user, hw);
             }
             None => tracing::warn!(subject = %message.subject, "malformed hint on the bus ignored"),
         }

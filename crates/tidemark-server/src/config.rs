@@ -46,7 +46,7 @@ pub struct ServerConfig {
     /// Used to prove that a crash before fan-out loses nothing.
     pub hold_fanout: bool,
     /// How hints reach the other nodes: in-process only (one node), or NATS.
-    pub hint_bus: crate::bus::HintBusConfig,
+    pub hint_bus: HintBusConfig,
 }
 
 impl Default for ServerConfig {
@@ -75,7 +75,23 @@ impl Default for ServerConfig {
             }),
             retention_every: Duration::from_secs(60),
             hold_fanout: false,
-            hint_bus: crate::bus::HintBusConfig::Local,
+            hint_bus: HintBusConfig::Local,
         }
     }
+}
+
+/// Which bus a node uses.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum HintBusConfig {
+    /// One node: hints stay in this process.
+    #[default]
+    Local,
+    /// Several nodes: hints cross over NATS.
+    Nats {
+        /// e.g. `nats://127.0.0.1:4222`.
+        url: String,
+        /// Subject prefix shared by every node of one cluster (dot-separated
+        /// tokens of ASCII letters, digits, `_` and `-`).
+        subject_prefix: String,
+    },
 }

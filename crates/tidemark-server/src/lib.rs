@@ -1,5 +1,7 @@
 //! The Tidemark server: gateway, services and background workers.
 //!
+//! - [`accounts`]: the account rules (names, password bounds, hashing,
+//!   verification), used by the gateway, the CLI and the benchmarks.
 //! - [`gateway`]: WebSocket `/v1/ws` and HTTP `/v1/rpc/<op>`, both calling
 //!   the same handler per operation ([`ops`]); login, refresh, admin,
 //!   health, metrics and the OpenAPI document.
@@ -15,6 +17,7 @@
 //! store, hints are only hints (D8), and two servers can run in one process
 //! because every dependency is passed in explicitly.
 
+pub mod accounts;
 pub mod bus;
 pub mod config;
 pub mod error;
@@ -25,7 +28,9 @@ pub mod metrics;
 pub mod ops;
 pub mod relay;
 pub mod server;
+pub mod state;
 pub mod util;
 
 pub use config::ServerConfig;
-pub use server::{AppState, RunningServer, Server};
+pub use server::{RunningServer, Server};
+pub use state::AppState;

@@ -18,7 +18,7 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use crate::metrics as m;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::now_ms;
 
 /// Pause after a failed fan-out before trying again.

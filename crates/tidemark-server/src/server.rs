@@ -1,49 +1,19 @@
-//! Wiring: the shared state, the listener and the background workers, each
-//! with one owner that awaits it and a shutdown signal.
+//! Wiring: the listener and the background workers, each with one owner
+//! that awaits it and a shutdown signal, around the shared [`AppState`].
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
-use metrics_exporter_prometheus::PrometheusHandle;
 use tidemark_core::token::TokenKeys;
 use tidemark_store::Store;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Notify};
 use tokio::task::JoinHandle;
 
-use crate::bus::HintBus;
 use crate::config::ServerConfig;
 use crate::hub::Hub;
-
-/// Everything a request handler may use, passed explicitly (no globals).
-pub struct AppState {
-    pub store: Arc<dyn Store>,
-    pub keys: TokenKeys,
-    pub config: ServerConfig,
-    pub hub: Hub,
-    /// Carries this node's hints to the other nodes' hubs.
-    pub bus: HintBus,
-    /// Wakes the outbox relay after a send commits (a hint: it also polls).
-    pub relay_wake: Notify,
-    /// Revoked devices, fenced in memory so no request of theirs runs.
-    pub revoked: RwLock<HashSet<(String, String)>>,
-    pub metrics: PrometheusHandle,
-    pub shutdown: watch::Receiver<bool>,
-}
-
-impl AppState {
-    /// A user's log now reaches `hw`: hints this node's connections and
-    /// the other nodes' (through the bus).
-    pub fn hint_user(&self, user: &str, hw: u64) {
-        self.hub.notify_user(user, hw);
-        self.bus.publish(user, hw);
-    }
-
-    pub fn is_revoked(&self, user: &str, device: &str) -> bool {
-        self.revoked.read().expect("revoked lock").contains(&(user.to_owned(), device.to_owned()))
-    }
-}
+use crate::state::AppState;
 
 pub struct Server;
 
@@ -67,7 +37,7 @@ impl Server {
             store,
             keys: TokenKeys::from_secret(&secret),
             config,
-            hub: Hub::default(),
+            hub: Arc::new(Hub::default()),
             bus,
             relay_wake: Notify::new(),
             revoked: RwLock::new(revoked),
@@ -97,7 +67,7 @@ impl Server {
         let retention = tokio::spawn(crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
         let mut tasks = vec![http, relay, rehint, retention];
         if let Some(pending) = bus_pending {
-            tasks.extend(pending.spawn(state.clone(), shutdown_rx));
+            tasks.extend(pending.spawn(state.hub.clone(), shutdown_rx));
         }
         tracing::info!(%addr, "tidemark listening");
         Ok(RunningServer { addr, state, shutdown: shutdown_tx, tasks })

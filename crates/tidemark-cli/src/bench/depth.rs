@@ -96,10 +96,10 @@ async fn measure(parent: &Path, events: u64, args: &DepthArgs) -> Result<DepthRu
     let built = Instant::now();
     let store = SqliteStore::open(&dir.0)?;
     store
-        .create_user("alice", &tidemark_server::gateway::auth::hash_password(PASSWORD).map_err(anyhow::Error::msg)?, 0)
+        .create_user("alice", &tidemark_server::accounts::hash_password(PASSWORD).map_err(anyhow::Error::msg)?, 0)
         .await?;
     store
-        .create_user("bob", &tidemark_server::gateway::auth::hash_password(PASSWORD).map_err(anyhow::Error::msg)?, 0)
+        .create_user("bob", &tidemark_server::accounts::hash_password(PASSWORD).map_err(anyhow::Error::msg)?, 0)
         .await?;
     let (conv, _) = store.create_direct("alice", "bob", "c-depth", 0).await?;
     {

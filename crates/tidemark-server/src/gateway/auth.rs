@@ -1,29 +1,16 @@
-//! Accounts: password hashing (argon2), login, refresh and the bearer check.
-//! Tokens and passwords never reach a log line.
+//! Sessions: login, refresh and the bearer check (the account rules they
+//! apply are in [`crate::accounts`]). Tokens and passwords never reach a
+//! log line.
 
-use argon2::password_hash::rand_core::OsRng;
-use argon2::password_hash::{PasswordHash, PasswordHasher, PasswordVerifier, SaltString};
-use argon2::Argon2;
 use tidemark_core::token::AccessClaims;
 use tidemark_proto::{ErrorCode, LoginOk, LoginReq, RefreshReq};
 use tidemark_store::RefreshRecord;
 
+use crate::accounts;
 use crate::error::{ApiError, ApiResult};
 use crate::ops::AuthCtx;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::{new_secret, now_ms, sha256_hex};
-
-/// Longest accepted password, in bytes (argon2 cost is bounded by input).
-pub const PASSWORD_BYTES_MAX: usize = 1024;
-
-pub fn hash_password(password: &str) -> Result<String, String> {
-    let salt = SaltString::generate(&mut OsRng);
-    Argon2::default().hash_password(password.as_bytes(), &salt).map(|h| h.to_string()).map_err(|e| e.to_string())
-}
-
-pub fn verify_password(password: &str, phc: &str) -> bool {
-    PasswordHash::new(phc).is_ok_and(|h| Argon2::default().verify_password(password.as_bytes(), &h).is_ok())
-}
 
 fn unauthenticated(message: &str) -> ApiError {
     ApiError::new(ErrorCode::Unauthenticated, message)
@@ -39,19 +26,6 @@ pub fn authenticate(state: &AppState, token: &str) -> ApiResult<AuthCtx> {
         return Err(ApiError::device_revoked());
     }
     Ok(AuthCtx { user: claims.user, device: claims.device, expires_at_ms: claims.expires_at_ms })
-}
-
-pub async fn create_user(state: &AppState, user: &str, password: &str) -> ApiResult<bool> {
-    tidemark_core::ids::check_user(user).map_err(ApiError::bad_request)?;
-    if password.is_empty() || password.len() > PASSWORD_BYTES_MAX {
-        return Err(ApiError::bad_request(format!("password must be 1..={PASSWORD_BYTES_MAX} bytes")));
-    }
-    let password = password.to_owned();
-    let hash = tokio::task::spawn_blocking(move || hash_password(&password))
-        .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
-    Ok(state.store.create_user(user, &hash, now_ms()).await?)
 }
 
 async fn issue(state: &AppState, user: &str, device: &str) -> ApiResult<LoginOk> {
@@ -75,22 +49,14 @@ async fn issue(state: &AppState, user: &str, device: &str) -> ApiResult<LoginOk>
 pub async fn login(state: &AppState, req: LoginReq) -> ApiResult<LoginOk> {
     tidemark_core::ids::check_user(&req.user).map_err(|_| unauthenticated("wrong user or password"))?;
     tidemark_core::ids::check_device_id(&req.device_id).map_err(ApiError::bad_request)?;
-    if req.password.len() > PASSWORD_BYTES_MAX {
+    if req.password.len() > accounts::PASSWORD_BYTES_MAX {
         return Err(unauthenticated("wrong user or password"));
     }
     let hash = state.store.password_hash(&req.user).await?;
     let password = req.password.clone();
-    // Verify even for an unknown user so timing does not reveal which
-    // names exist.
-    let ok = tokio::task::spawn_blocking(move || match hash {
-        Some(h) => verify_password(&password, &h),
-        None => {
-            let _ = hash_password(&password);
-            false
-        }
-    })
-    .await
-    .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    let ok = tokio::task::spawn_blocking(move || accounts::verify_login(&password, hash.as_deref()))
+        .await
+        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
     if !ok {
         return Err(unauthenticated("wrong user or password"));
     }

@@ -18,7 +18,7 @@ use super::auth;
 use crate::error::ApiError;
 use crate::metrics as m;
 use crate::ops::{self, parse};
-use crate::server::AppState;
+use crate::state::AppState;
 
 pub(super) fn error_response(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -175,7 +175,7 @@ pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: Head
         Ok(r) => r,
         Err(r) => return *r,
     };
-    match auth::create_user(&state, &req.user, &req.password).await {
+    match crate::accounts::create_user(&state, &req.user, &req.password).await {
         Ok(created) => {
             tracing::info!(user = %req.user, created, "admin created user");
             Json(AdminUserOk { user: req.user, created }).into_response()

@@ -15,7 +15,7 @@ use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::server::AppState;
+use crate::state::AppState;
 
 pub fn router(state: Arc<AppState>) -> Router {
     let body_max = state.config.frame_bytes_max;

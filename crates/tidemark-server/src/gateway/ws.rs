@@ -38,7 +38,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::hub::ConnEntry;
 use crate::metrics as m;
 use crate::ops::{self, AuthCtx};
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// Read buffer of a WebSocket. tungstenite's default (128 KiB) is read
 /// into whole, so every connection, idle or not, kept 128 KiB resident

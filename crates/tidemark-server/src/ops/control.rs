@@ -9,7 +9,7 @@ use tidemark_proto::{
 use super::conv::event_cmd;
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::now_ms;
 
 /// Longest reaction, in bytes.

@@ -12,7 +12,7 @@ use tidemark_store::{ConvEventCmd, MembershipChange, CONV_DIRECT, CONV_GROUP};
 use super::render::envelope;
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::{new_id, now_ms};
 
 fn check_conv(conv: &str) -> ApiResult<()> {

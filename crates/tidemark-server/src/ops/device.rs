@@ -6,7 +6,7 @@ use tidemark_proto::{reason, DeviceRevokeOk, DeviceRevokeReq};
 
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::now_ms;
 
 pub async fn revoke(state: &AppState, ctx: &AuthCtx, req: DeviceRevokeReq) -> ApiResult<DeviceRevokeOk> {

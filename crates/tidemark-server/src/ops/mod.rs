@@ -19,7 +19,7 @@ use tidemark_proto::{op, ErrorCode};
 use tidemark_store::MembershipChange;
 
 use crate::error::{ApiError, ApiResult};
-use crate::server::AppState;
+use crate::state::AppState;
 
 /// The caller, taken from a verified access token and nothing else (P1).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -8,7 +8,7 @@ use tidemark_store::SendCmd;
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
 use crate::metrics as m;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::{new_id, now_ms};
 
 pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<SendOk> {

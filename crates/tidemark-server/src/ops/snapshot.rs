@@ -21,7 +21,7 @@ use super::render::envelope;
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
 use crate::metrics as m;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::{new_id, now_ms};
 
 fn token_error(e: TokenError) -> ApiError {

@@ -18,7 +18,7 @@ use tidemark_proto::{
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
 use crate::metrics as m;
-use crate::server::AppState;
+use crate::state::AppState;
 use crate::util::now_ms;
 
 /// Attempts at the device-cursor compare-and-set before answering

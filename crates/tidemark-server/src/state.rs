@@ -1,0 +1,45 @@
+//! The shared state: everything a request handler or background worker may
+//! use, built once by [`crate::server::Server::start`] and passed
+//! explicitly (no globals). It sits below every module that uses it, so no
+//! import circles through the wiring.
+
+use std::collections::HashSet;
+use std::sync::{Arc, RwLock};
+
+use metrics_exporter_prometheus::PrometheusHandle;
+use tidemark_core::token::TokenKeys;
+use tidemark_store::Store;
+use tokio::sync::{watch, Notify};
+
+use crate::bus::HintBus;
+use crate::config::ServerConfig;
+use crate::hub::Hub;
+
+/// Everything a request handler may use, passed explicitly (no globals).
+pub struct AppState {
+    pub store: Arc<dyn Store>,
+    pub keys: TokenKeys,
+    pub config: ServerConfig,
+    pub hub: Arc<Hub>,
+    /// Carries this node's hints to the other nodes' hubs.
+    pub bus: HintBus,
+    /// Wakes the outbox relay after a send commits (a hint: it also polls).
+    pub relay_wake: Notify,
+    /// Revoked devices, fenced in memory so no request of theirs runs.
+    pub revoked: RwLock<HashSet<(String, String)>>,
+    pub metrics: PrometheusHandle,
+    pub shutdown: watch::Receiver<bool>,
+}
+
+impl AppState {
+    /// A user's log now reaches `hw`: hints this node's connections and
+    /// the other nodes' (through the bus).
+    pub fn hint_user(&self, user: &str, hw: u64) {
+        self.hub.notify_user(user, hw);
+        self.bus.publish(user, hw);
+    }
+
+    pub fn is_revoked(&self, user: &str, device: &str) -> bool {
+        self.revoked.read().expect("revoked lock").contains(&(user.to_owned(), device.to_owned()))
+    }
+}
