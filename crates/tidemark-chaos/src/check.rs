@@ -792,6 +792,7 @@ pub(crate) mod tests {
             muted: false,
             pinned: false,
             active: true,
+            needs_repair: false,
             last_message: None,
         }
     }

@@ -492,6 +492,10 @@ impl Chat {
                 println!("[status] rebuilt from a snapshot: {conversations} conversation(s), {messages} event(s)")
             }
             Change::Kicked { reason } => println!("[status] disconnected by the server: {reason}"),
+            Change::RepairQueued { conv, from_msg_seq } => {
+                println!("[status] {conv} needs repair from #{from_msg_seq}; it is fetched again, the rest syncs on")
+            }
+            Change::Repaired { conv } => println!("[status] {conv} repaired"),
             Change::Exited(exit) => return Ok(Some(exit)),
             _ => {}
         }

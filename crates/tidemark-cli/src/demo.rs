@@ -482,6 +482,13 @@ impl Timeline {
             ),
             Change::Kicked { reason } => format!("kicked: {reason}"),
             Change::Lagged { missed } => format!("({missed} notifications missed)"),
+            Change::RepairQueued { conv, from_msg_seq } => {
+                format!("{} needs repair from #{from_msg_seq}; the rest syncs on", short(conv))
+            }
+            Change::RepairFailed { conv, attempts, retry_in_ms, .. } => {
+                format!("repair of {} failed ({attempts}x); retry in {retry_in_ms} ms", short(conv))
+            }
+            Change::Repaired { conv } => format!("{} repaired", short(conv)),
             // The story says when a device stops.
             Change::Exited(Exit::Stopped) => return Vec::new(),
             Change::Exited(exit) => format!("engine stopped: {exit:?}"),

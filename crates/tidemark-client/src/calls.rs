@@ -24,9 +24,9 @@ use tidemark_proto::{
 use tokio::sync::oneshot;
 
 use crate::client::Client;
-use crate::types::SdkError;
 use crate::engine::Command;
 use crate::store::{message_of_envelope, Message};
+use crate::types::SdkError;
 
 /// One page of a conversation's history, newest first.
 #[derive(Debug, Clone, PartialEq)]

@@ -668,7 +668,7 @@ async fn install(
                     first.insert("corrupted".into(), serde_json::Value::Bool(true));
                 }
             }
-            FaultAction::Continue => {}
+            FaultAction::Continue | FaultAction::Fail => {}
         }
         inner.emit(Change::SnapshotPage { fetched: page + 1, pages: snap.pages, items: got.len() });
         items.extend(got);
@@ -849,6 +849,9 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
                 }
             }
             if !page.has_more {
+                if let Err(e) = run_repairs(&inner, &ws).await {
+                    return RoundEnd::End(End::store(e));
+                }
                 let gaps_left = match inner.db(|s, _| s.conversations_with_gap()).await {
                     Ok(convs) => !convs.is_empty(),
                     Err(e) => return RoundEnd::End(End::store(e)),
@@ -875,13 +878,105 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
     }
 }
 
+/// Repairs started at the end of one sync round, at most (K5).
+pub(crate) const REPAIRS_PER_ROUND_MAX: usize = 4;
+/// `conv.sync` pages one repair fetches, at most; a longer conversation is
+/// repaired over several rounds.
+pub(crate) const REPAIR_PAGES_MAX: usize = 20;
+
+fn wall_ms() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis() as i64).unwrap_or(0)
+}
+
+/// Runs the repairs that are due (K5): each conversation is fetched with
+/// `conv.sync` from its first unapplied `msg_seq` and applied in one local
+/// transaction that also clears its record. A refused or failed attempt
+/// waits its backoff; the account's sync is never held up by it. Only a
+/// local store failure ends the round.
+async fn run_repairs(inner: &Arc<Inner>, ws: &WsConn) -> StoreResult<()> {
+    let due = inner.db(|s, _| s.due_repairs(wall_ms(), REPAIRS_PER_ROUND_MAX)).await?;
+    for repair in due {
+        let conv = repair.conv.clone();
+        let fetched = if inner.fault(&FaultPoint::BeforeRepair { conv: conv.clone() }) == FaultAction::Fail {
+            Err("the fault hook failed this attempt".to_owned())
+        } else {
+            fetch_conversation(inner, ws, &conv, repair.from_msg_seq).await
+        };
+        let outcome = match fetched {
+            Ok((events, complete, next_from)) => {
+                let c = conv.clone();
+                match inner.db(move |s, _| Ok(s.apply_repair(&c, &events, complete, next_from))).await? {
+                    Ok(moved) => {
+                        if let Some(m) = moved {
+                            inner.emit(Change::CursorMoved(m));
+                        }
+                        if complete {
+                            inner.emit(Change::Repaired { conv: conv.clone() });
+                        }
+                        inner.committed();
+                        Ok(())
+                    }
+                    Err(ApplyError::Store(e)) => return Err(e),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(error) = outcome {
+            tracing::warn!(conv = %conv, attempts = repair.attempts + 1, "conversation repair failed; will retry");
+            let (c, err) = (conv.clone(), error.clone());
+            let now = wall_ms();
+            let after = inner.db(move |s, _| s.repair_failed(&c, now, &err)).await?;
+            inner.emit(Change::RepairFailed {
+                conv,
+                attempts: after.attempts,
+                retry_in_ms: (after.next_attempt_at_ms - now).max(0) as u64,
+                error,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// `conv`'s events from `from_msg_seq` on, by `conv.sync` pages:
+/// `(events, complete, next_from)`; `complete` once the head is reached.
+async fn fetch_conversation(
+    inner: &Arc<Inner>,
+    ws: &WsConn,
+    conv: &str,
+    from_msg_seq: u64,
+) -> Result<(Vec<tidemark_proto::Envelope>, bool, u64), String> {
+    let mut events = Vec::new();
+    let mut after = from_msg_seq.saturating_sub(1);
+    for _ in 0..REPAIR_PAGES_MAX {
+        let req = tidemark_proto::ConvSyncReq {
+            conv: conv.to_owned(),
+            after,
+            limit: Some(tidemark_proto::CONV_SYNC_LIMIT_MAX),
+            epoch: None,
+        };
+        let page: tidemark_proto::ConvSyncOk =
+            inner.call(ws.request(op::CONV_SYNC, &req)).await.map_err(|e| e.to_string())?;
+        events.extend(page.events);
+        after = page.next_after.max(after);
+        if !page.has_more {
+            return Ok((events, true, after + 1));
+        }
+    }
+    Ok((events, false, after + 1))
+}
+
 /// Notifies first, then bumps the version: whoever wakes on the version
 /// finds the notifications already sent.
 fn announce_page(inner: &Inner, report: PageReport) {
     let applied = report.applied;
     let (cursors, gaps) = (report.cursors.clone(), report.gaps.clone());
     let (recalled, reads) = (report.recalled.clone(), report.reads.clone());
+    let repairs = report.repairs.clone();
     inner.emit(Change::PageApplied(report));
+    for (conv, from_msg_seq) in repairs {
+        inner.emit(Change::RepairQueued { conv, from_msg_seq });
+    }
     for m in cursors {
         inner.emit(Change::CursorMoved(m));
     }

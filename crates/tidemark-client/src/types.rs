@@ -222,6 +222,24 @@ pub enum Change {
     CursorMoved(CursorMove),
     /// A message is held above a gap; a sync was requested.
     Gap(Gap),
+    /// An event of `conv` could not be applied; the conversation is in the
+    /// repair queue from `from_msg_seq` (K5) and shows `needs_repair` until
+    /// [`Change::Repaired`]. The rest of the account syncs on.
+    RepairQueued {
+        conv: String,
+        from_msg_seq: u64,
+    },
+    /// A repair attempt failed; the next waits `retry_in_ms`.
+    RepairFailed {
+        conv: String,
+        attempts: u32,
+        retry_in_ms: u64,
+        error: String,
+    },
+    /// `conv` was fetched from the server and applied: nothing is missing.
+    Repaired {
+        conv: String,
+    },
     Kicked {
         reason: String,
     },

@@ -65,6 +65,9 @@ pub struct PageReport {
     pub kept_verbatim: usize,
     pub cursors: Vec<CursorMove>,
     pub gaps: Vec<Gap>,
+    /// Conversations put into the repair queue by this page (K5), with the
+    /// first `msg_seq` to repair.
+    pub repairs: Vec<(String, u64)>,
 }
 
 /// Why a page could not be applied. Nothing of it was committed.
@@ -132,7 +135,7 @@ impl LocalStore {
                 return Err(ApplyError::Hole { expected: next + 1, got: e.sync_seq });
             }
             match &e.message {
-                Some(env) => apply_conv_event(&tx, &user, e, env, &mut touched, &mut report)?,
+                Some(env) => apply_or_queue_repair(&tx, &user, e, env, &mut touched, &mut report, fault)?,
                 None => apply_user_event(&tx, e, &mut touched, &mut report)?,
             }
             report.first_sync_seq.get_or_insert(e.sync_seq);
@@ -375,7 +378,56 @@ fn apply_versioned(tx: &Transaction<'_>, conv: &str, kind: &str, content: &Value
     Ok(())
 }
 
-type Touched = BTreeMap<String, Option<(u64, ConvCursor)>>;
+pub(super) type Touched = BTreeMap<String, Option<(u64, ConvCursor)>>;
+
+/// Applies one conversation event in a savepoint. If this event cannot be
+/// applied (it contradicts itself or what is held), its conversation goes
+/// into the repair queue in this same transaction instead (K5, seed §7.3),
+/// and the page goes on: the rest of the account keeps syncing, and the
+/// ACK may pass the event because the repair record holds its place. Only
+/// an error the queue cannot absorb (the database itself failing, a fault
+/// hook's abort) fails the page, and then nothing of it commits.
+fn apply_or_queue_repair(
+    tx: &Transaction<'_>,
+    user: &str,
+    e: &UserEvent,
+    env: &Envelope,
+    touched: &mut Touched,
+    report: &mut PageReport,
+    fault: &dyn Fn(&FaultPoint) -> FaultAction,
+) -> Result<(), ApplyError> {
+    let cursor_before = touched.get(&e.conv).cloned();
+    let (recalled_before, messages_before) = (report.recalled.len(), report.messages.len());
+    tx.execute_batch("SAVEPOINT event").map_err(StoreError::from)?;
+    let point = FaultPoint::ApplyEvent { conv: e.conv.clone(), msg_seq: env.msg_seq };
+    let outcome = match fault(&point) {
+        FaultAction::Fail => Err(ApplyError::Store(StoreError::Integrity(format!("fault hook refused {point:?}")))),
+        _ => apply_conv_event(tx, user, e, env, touched, report),
+    };
+    let reason = match outcome {
+        Ok(()) => {
+            tx.execute_batch("RELEASE event").map_err(StoreError::from)?;
+            return Ok(());
+        }
+        Err(ApplyError::Malformed { why, .. }) => why,
+        Err(ApplyError::Store(StoreError::Integrity(why))) => why,
+        Err(other) => {
+            tx.execute_batch("ROLLBACK TO event; RELEASE event").map_err(StoreError::from)?;
+            return Err(other);
+        }
+    };
+    tx.execute_batch("ROLLBACK TO event; RELEASE event").map_err(StoreError::from)?;
+    // What the failed event did to the in-memory state goes with it.
+    match cursor_before {
+        Some(c) => touched.insert(e.conv.clone(), c),
+        None => touched.remove(&e.conv),
+    };
+    report.recalled.truncate(recalled_before);
+    report.messages.truncate(messages_before);
+    super::repair::queue_repair(tx, &e.conv, env.msg_seq.max(1), e.sync_seq, &reason)?;
+    report.repairs.push((e.conv.clone(), env.msg_seq.max(1)));
+    Ok(())
+}
 
 /// A conversation event (a message or a control event) with its envelope.
 fn apply_conv_event(
@@ -396,6 +448,21 @@ fn apply_conv_event(
     if env.msg_seq == 0 {
         return Err(malformed("msg_seq 0"));
     }
+    apply_envelope(tx, user, env, Some(e.sync_seq), touched, report)
+}
+
+/// Stores one conversation event's envelope through its conversation's
+/// cursor and applies its effects (a recall, an edit, a reaction, the
+/// user's own join or leave), in the caller's transaction. `sync_seq` is
+/// the user-log position that delivered it (`None` for a repair).
+pub(super) fn apply_envelope(
+    tx: &Transaction<'_>,
+    user: &str,
+    env: &Envelope,
+    sync_seq: Option<u64>,
+    touched: &mut Touched,
+    report: &mut PageReport,
+) -> Result<(), ApplyError> {
     ensure_conv(tx, &env.conv)?;
     let slot = touched.entry(env.conv.clone()).or_insert(None);
     if slot.is_none() {
@@ -415,7 +482,7 @@ fn apply_conv_event(
         )
         .map_err(StoreError::from)?;
     }
-    store_envelope(tx, &message_of(env, Some(e.sync_seq)))?;
+    store_envelope(tx, &message_of(env, sync_seq))?;
     // The outcome is read back from the cursor once the page is done, so
     // the report names each conversation's move once.
     cursor.offer(env.msg_seq);
@@ -429,7 +496,7 @@ fn apply_conv_event(
         _ => {}
     }
     report.messages.push(AppliedMessage {
-        sync_seq: e.sync_seq,
+        sync_seq: sync_seq.unwrap_or(0),
         conv: env.conv.clone(),
         msg_seq: env.msg_seq,
         kind: env.kind.clone(),

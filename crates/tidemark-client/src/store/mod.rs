@@ -66,12 +66,14 @@ mod apply;
 mod history;
 mod outbox;
 mod read;
+mod repair;
 mod schema;
 mod snapshot;
 
 pub use apply::{AppliedMessage, ApplyError, CursorMove, Gap, PageReport};
 pub use history::LocalHistory;
 pub use outbox::{OutboxEntry, OutboxOp, OutboxRecord, OutboxState, OUTBOX_DONE_KEEP, OUTBOX_PENDING_MAX};
+pub use repair::{Repair, REPAIR_BACKOFF_FIRST_MS, REPAIR_BACKOFF_MAX_MS};
 pub use schema::{CONTROL_KINDS, SCHEMA, STATE_DELETED, STATE_EDITED, STATE_NORMAL, STATE_RECALLED};
 pub use snapshot::{manifest_digest, PendingSnapshot, SnapshotReport};
 
@@ -109,7 +111,12 @@ pub enum StoreError {
 
 impl From<rusqlite::Error> for StoreError {
     fn from(e: rusqlite::Error) -> Self {
-        StoreError::Sqlite(e.to_string())
+        // A constraint the data breaks (one message id at two positions…)
+        // is about the data, not the database: an integrity error.
+        match e.sqlite_error_code() {
+            Some(rusqlite::ErrorCode::ConstraintViolation) => StoreError::Integrity(e.to_string()),
+            _ => StoreError::Sqlite(e.to_string()),
+        }
     }
 }
 
@@ -137,6 +144,14 @@ pub enum FaultPoint {
     BeforeSend { client_msg_id: String },
     /// The server accepted an outbox entry; that is not recorded locally yet.
     AfterSendOk { client_msg_id: String, msg_seq: u64 },
+    /// A conversation event of a sync page is about to be applied. The hook
+    /// may answer [`FaultAction::Fail`] to have the store reject it (as a
+    /// corrupt local row would).
+    ApplyEvent { conv: String, msg_seq: u64 },
+    /// A repair of `conv` (K5) is about to fetch from the server. The hook
+    /// may answer [`FaultAction::Fail`] to make this attempt fail (as a
+    /// server that cannot serve the conversation yet would).
+    BeforeRepair { conv: String },
 }
 
 /// What a fault hook tells the client to do at a [`FaultPoint`].
@@ -149,6 +164,9 @@ pub enum FaultAction {
     /// At [`FaultPoint::SnapshotPageFetched`] only: damage the first item of
     /// the page just received (a corrupt transfer). Elsewhere, `Continue`.
     Corrupt,
+    /// At [`FaultPoint::ApplyEvent`] and [`FaultPoint::BeforeRepair`] only:
+    /// that step fails. Elsewhere, `Continue`.
+    Fail,
 }
 
 /// The device's position in its user's sync log.
@@ -218,6 +236,9 @@ pub struct Conversation {
     pub pinned: bool,
     /// The user is a member now (false once they left or were removed).
     pub active: bool,
+    /// An event of this conversation could not be applied and waits in the
+    /// repair queue (K5): what is shown may lack it until it is repaired.
+    pub needs_repair: bool,
     /// The latest user message (control events are not messages).
     pub last_message: Option<Message>,
 }

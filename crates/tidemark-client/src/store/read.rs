@@ -13,7 +13,7 @@ impl LocalStore {
     pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
         let mut stmt = self.conn.prepare(&format!(
             "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
-                    c.history_to, c.active
+                    c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv)
              FROM conversations c
              ORDER BY c.pinned DESC,
                       COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
@@ -33,6 +33,7 @@ impl LocalStore {
                     pinned: r.get(7)?,
                     history_to: r.get::<_, i64>(8)? as u64,
                     active: r.get(9)?,
+                    needs_repair: r.get(10)?,
                     last_message: None,
                 })
             })?

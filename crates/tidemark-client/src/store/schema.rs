@@ -77,6 +77,15 @@ CREATE TABLE IF NOT EXISTS outbox (
     error TEXT
 );
 CREATE INDEX IF NOT EXISTS outbox_by_state ON outbox (state, id);
+CREATE TABLE IF NOT EXISTS repairs (
+    conv TEXT PRIMARY KEY,
+    from_msg_seq INTEGER NOT NULL,
+    sync_seq INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    next_attempt_at INTEGER NOT NULL DEFAULT 0,
+    last_error TEXT
+);
 CREATE TABLE IF NOT EXISTS snapshot_install (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     snapshot_id TEXT NOT NULL,

@@ -1,0 +1,154 @@
+//! The repair queue (K5, seed §7.3, §12.3): a conversation whose event
+//! could not be applied is recorded here in the transaction that advances
+//! `applied_sync_seq` past that event, so the ACK may pass it and the rest
+//! of the account keeps syncing, while this record holds the conversation's
+//! place. A repair fetches the conversation from the server (`conv.sync`
+//! from the first unapplied `msg_seq`) and applies it in one transaction
+//! that also deletes the record; where a held row contradicts the server
+//! (one `msg_seq`, two message ids) the server's fact wins, since the
+//! conversation log is the truth. A failed attempt waits a growing delay.
+//! Until the record is gone the app sees the conversation as needing repair.
+
+use rusqlite::{params, Transaction};
+use tidemark_proto::Envelope;
+
+use super::apply::{
+    apply_envelope, ensure_conv, load_cursor, refresh_summary, save_cursor, ApplyError, PageReport, Touched,
+};
+use super::{CursorMove, LocalStore, StoreError, StoreResult};
+
+/// First wait after a failed repair; it doubles per attempt up to the cap.
+pub const REPAIR_BACKOFF_FIRST_MS: i64 = 500;
+pub const REPAIR_BACKOFF_MAX_MS: i64 = 5 * 60 * 1000;
+
+/// A conversation waiting for repair.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Repair {
+    pub conv: String,
+    /// The first `msg_seq` that was not applied.
+    pub from_msg_seq: u64,
+    /// The user-log position of the event that failed.
+    pub sync_seq: u64,
+    pub reason: String,
+    pub attempts: u32,
+    pub next_attempt_at_ms: i64,
+    pub last_error: Option<String>,
+}
+
+/// Records (or widens) the repair of `conv` from `from_msg_seq`, in the
+/// caller's transaction.
+pub(super) fn queue_repair(
+    tx: &Transaction<'_>,
+    conv: &str,
+    from_msg_seq: u64,
+    sync_seq: u64,
+    reason: &str,
+) -> StoreResult<()> {
+    ensure_conv(tx, conv)?;
+    tx.execute(
+        "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (conv) DO UPDATE SET from_msg_seq = MIN(from_msg_seq, excluded.from_msg_seq),
+                                          sync_seq = MIN(sync_seq, excluded.sync_seq)",
+        params![conv, from_msg_seq as i64, sync_seq as i64, reason],
+    )?;
+    Ok(())
+}
+
+fn repair_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Repair> {
+    Ok(Repair {
+        conv: r.get(0)?,
+        from_msg_seq: r.get::<_, i64>(1)? as u64,
+        sync_seq: r.get::<_, i64>(2)? as u64,
+        reason: r.get(3)?,
+        attempts: r.get::<_, i64>(4)? as u32,
+        next_attempt_at_ms: r.get(5)?,
+        last_error: r.get(6)?,
+    })
+}
+
+const REPAIR_SELECT: &str =
+    "SELECT conv, from_msg_seq, sync_seq, reason, attempts, next_attempt_at, last_error FROM repairs";
+
+impl LocalStore {
+    /// Every conversation waiting for repair.
+    pub fn repairs(&self) -> StoreResult<Vec<Repair>> {
+        let mut stmt = self.conn.prepare_cached(&format!("{REPAIR_SELECT} ORDER BY conv"))?;
+        let rows = stmt.query_map([], repair_row)?.collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    }
+
+    /// At most `max` repairs whose wait is over at `now_ms`, oldest first.
+    pub fn due_repairs(&self, now_ms: i64, max: usize) -> StoreResult<Vec<Repair>> {
+        let mut stmt = self
+            .conn
+            .prepare_cached(&format!("{REPAIR_SELECT} WHERE next_attempt_at <= ?1 ORDER BY sync_seq LIMIT ?2"))?;
+        let rows = stmt.query_map(params![now_ms, max as i64], repair_row)?.collect::<Result<Vec<_>, _>>()?;
+        Ok(rows)
+    }
+
+    /// Records a failed attempt: the next one waits twice as long.
+    pub fn repair_failed(&mut self, conv: &str, now_ms: i64, error: &str) -> StoreResult<Repair> {
+        let attempts: i64 =
+            self.conn.query_row("SELECT attempts FROM repairs WHERE conv = ?1", params![conv], |r| r.get(0))?;
+        let wait = REPAIR_BACKOFF_FIRST_MS.saturating_mul(1i64 << attempts.min(20)).min(REPAIR_BACKOFF_MAX_MS);
+        self.conn.execute(
+            "UPDATE repairs SET attempts = attempts + 1, next_attempt_at = ?2, last_error = ?3 WHERE conv = ?1",
+            params![conv, now_ms.saturating_add(wait), error],
+        )?;
+        Ok(self.conn.query_row(&format!("{REPAIR_SELECT} WHERE conv = ?1"), params![conv], repair_row)?)
+    }
+
+    /// Applies what the server served for a repaired conversation (its
+    /// events from the repair's `from_msg_seq`, in order) in one
+    /// transaction and, when `complete`, deletes the repair record; else
+    /// the record moves up to `next_from`. A held row that contradicts the
+    /// server is replaced by the server's. Returns the cursor's move.
+    pub fn apply_repair(
+        &mut self,
+        conv: &str,
+        events: &[Envelope],
+        complete: bool,
+        next_from: u64,
+    ) -> Result<Option<CursorMove>, ApplyError> {
+        let user = self.user.clone();
+        let tx = self.conn.transaction().map_err(StoreError::from)?;
+        let applied: i64 = tx
+            .query_row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))
+            .map_err(StoreError::from)?;
+        let mut touched = Touched::new();
+        let cursor = load_cursor(&tx, conv)?;
+        touched.insert(conv.to_owned(), Some((cursor.position(), cursor)));
+        let mut report = PageReport::default();
+        for env in events.iter().filter(|e| e.conv == conv && e.msg_seq > 0) {
+            // The conversation log is the truth: a contradicting local row
+            // at this position goes.
+            tx.execute(
+                "DELETE FROM messages WHERE conv = ?1 AND msg_seq = ?2 AND message_id <> ?3",
+                params![conv, env.msg_seq as i64, env.message_id],
+            )
+            .map_err(StoreError::from)?;
+            tx.execute(
+                "DELETE FROM messages WHERE message_id = ?1 AND NOT (conv = ?2 AND msg_seq = ?3)",
+                params![env.message_id, conv, env.msg_seq as i64],
+            )
+            .map_err(StoreError::from)?;
+            apply_envelope(&tx, &user, env, None, &mut touched, &mut report)?;
+        }
+        let mut moved = None;
+        if let Some(Some((before, cursor))) = touched.remove(conv) {
+            moved = save_cursor(&tx, conv, before, &cursor)?.0;
+        }
+        refresh_summary(&tx, &user, conv, applied as u64)?;
+        if complete {
+            tx.execute("DELETE FROM repairs WHERE conv = ?1", params![conv]).map_err(StoreError::from)?;
+        } else {
+            tx.execute(
+                "UPDATE repairs SET from_msg_seq = MAX(from_msg_seq, ?2) WHERE conv = ?1",
+                params![conv, next_from as i64],
+            )
+            .map_err(StoreError::from)?;
+        }
+        tx.commit().map_err(StoreError::from)?;
+        Ok(moved)
+    }
+}
