@@ -846,4 +846,8 @@ impl Store for PgStore {
             read_statements: None,
         }
     }
+
+    fn health(&self) -> tidemark_store::StoreHealth {
+        self.writer.health()
+    }
 }

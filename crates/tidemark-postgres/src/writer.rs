@@ -31,16 +31,21 @@
 //! nodes): sequences are assigned under row locks held until COMMIT (see
 //! the crate docs for the lock order). This module knows nothing about the
 //! requests themselves.
+//!
+//! A batch that gets no connection, cannot begin or cannot commit marks the
+//! writer unhealthy until a later one commits ([`Writer::health`], which
+//! `/healthz` reports). A panic inside the writer task aborts the process
+//! (a broken invariant), in debug builds and tests as in release ones.
 
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tidemark_store::metric_names as names;
-use tidemark_store::{StoreError, StoreResult};
+use tidemark_store::{StoreError, StoreHealth, StoreResult};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::db::{self, Conn};
@@ -60,6 +65,29 @@ pub const WRITE_RETRY_PAUSE_MS: u64 = 10;
 /// Pause after the writer could not get a connection or begin a transaction,
 /// so a database outage does not turn into a busy loop.
 pub const WRITER_RETRY_PAUSE_MS: u64 = 50;
+
+tokio::task_local! {
+    /// Set while the writer task runs; a panic inside it aborts the process.
+    static IN_WRITER: ();
+}
+
+/// Makes a panic inside the writer task abort the process at the panic,
+/// before it unwinds: unwinding would drop the queued requests' reply
+/// channels, their callers would answer `UNAVAILABLE`, and the node would
+/// run on without a writer. Installed once, after the hook already in place
+/// (which still prints the panic).
+fn abort_on_writer_panic() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            if IN_WRITER.try_with(|_| ()).is_ok() {
+                std::process::abort();
+            }
+        }));
+    });
+}
 
 /// A boxed future borrowing the connection.
 pub(crate) type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
@@ -119,10 +147,25 @@ pub struct WriterStats {
     pub conflict_give_ups: AtomicU64,
 }
 
+/// Why the last batch could not begin or commit, until one commits.
+#[derive(Debug, Default)]
+struct WriteFailure(Mutex<Option<String>>);
+
+impl WriteFailure {
+    fn set(&self, why: Option<String>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = why;
+    }
+
+    fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 #[derive(Clone)]
 pub(crate) struct Writer {
     jobs: mpsc::Sender<Box<dyn Job>>,
     pub(crate) stats: Arc<WriterStats>,
+    failure: Arc<WriteFailure>,
 }
 
 impl Writer {
@@ -131,8 +174,21 @@ impl Writer {
     pub(crate) fn start(pool: Pool) -> (Writer, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel::<Box<dyn Job>>(WRITE_QUEUE_MAX);
         let stats = Arc::new(WriterStats::default());
-        let handle = tokio::spawn(run(pool, rx, stats.clone()));
-        (Writer { jobs: tx, stats }, handle)
+        let failure = Arc::new(WriteFailure::default());
+        abort_on_writer_panic();
+        let handle = tokio::spawn(IN_WRITER.scope((), run(pool, rx, stats.clone(), failure.clone())));
+        (Writer { jobs: tx, stats, failure }, handle)
+    }
+
+    /// Whether writes commit: the last batch's failure, if none has
+    /// committed since, or a stopped writer.
+    pub(crate) fn health(&self) -> StoreHealth {
+        let write_failure = match self.failure.get() {
+            Some(why) => Some(why),
+            None if self.jobs.is_closed() => Some("store writer stopped".into()),
+            None => None,
+        };
+        StoreHealth { write_failure }
     }
 
     /// Runs `f` inside the next group-committed transaction and returns its
@@ -245,7 +301,7 @@ async fn both<A: Future, B: Future>(first: A, second: B) -> (A::Output, B::Outpu
 /// of the string is skipped.
 const COMMIT_SQL: &str = "SELECT 1; COMMIT";
 
-async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<WriterStats>) {
+async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<WriterStats>, failure: Arc<WriteFailure>) {
     let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(WRITE_BATCH_MAX);
     let pause = Duration::from_millis(WRITER_RETRY_PAUSE_MS);
     while let Some(first) = rx.recv().await {
@@ -263,6 +319,7 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
             Ok(conn) => conn,
             Err(e) => {
                 tracing::error!(error = %e, "store writer has no connection");
+                failure.set(Some(format!("no connection: {e}")));
                 fail_all(&mut batch, db::pool_error(e));
                 tokio::time::sleep(pause).await;
                 continue;
@@ -270,6 +327,7 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
         };
         if let Err(e) = db::batch(&conn, "BEGIN ISOLATION LEVEL READ COMMITTED").await {
             tracing::error!(error = %e, "store writer could not begin a transaction");
+            failure.set(Some(format!("begin: {e}")));
             fail_all(&mut batch, db::error(e));
             drop(conn);
             tokio::time::sleep(pause).await;
@@ -304,6 +362,7 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
             },
         };
         drop(conn);
+        failure.set(commit_error.as_ref().map(|e| e.to_string()));
         if commit_error.is_none() {
             stats.commits.fetch_add(1, Ordering::Relaxed);
             stats.writes.fetch_add(size, Ordering::Relaxed);

@@ -2,6 +2,13 @@
 
 use std::time::Duration;
 
+/// Default cap on one node's WebSocket connections: an idle connection
+/// costs ~15 KiB (`tidemark bench connections`), so this many hold about
+/// 1.5 GiB, and each holds a file descriptor.
+pub const WS_CONNECTIONS_MAX_DEFAULT: usize = 100_000;
+/// `retry_after_ms` of the refusal a full node answers an upgrade with.
+pub const WS_FULL_RETRY_AFTER_MS: u64 = 1_000;
+
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
     /// Enables `POST /v1/admin/users` when set.
@@ -17,6 +24,11 @@ pub struct ServerConfig {
     pub ws_send_queue_max: usize,
     /// Requests of one WebSocket being processed at once.
     pub ws_inflight_max: usize,
+    /// WebSocket connections one node holds at once; an upgrade past it is
+    /// refused with `UNAVAILABLE` (HTTP 503, `retry_after_ms`
+    /// [`WS_FULL_RETRY_AFTER_MS`]) so the device backs off and may reach
+    /// another node.
+    pub ws_connections_max: usize,
     /// Outbox items fanned out per transaction.
     pub relay_batch_max: u32,
     /// The relay also polls the outbox this often (wake-ups are hints).
@@ -59,6 +71,7 @@ impl Default for ServerConfig {
             frame_bytes_max: tidemark_proto::FRAME_BYTES_MAX,
             ws_send_queue_max: 256,
             ws_inflight_max: 64,
+            ws_connections_max: WS_CONNECTIONS_MAX_DEFAULT,
             relay_batch_max: 512,
             relay_poll: Duration::from_secs(1),
             rehint_after: Duration::from_secs(5),

@@ -21,8 +21,22 @@ use crate::metrics as m;
 use crate::state::AppState;
 use crate::util::now_ms;
 
-/// Pause after a failed fan-out before trying again.
+/// Pause after a failed fan-out before trying again (a shutdown ends it).
 const RELAY_RETRY_BACKOFF: Duration = Duration::from_millis(200);
+/// Batches one drain claims before the relay looks at its shutdown flag
+/// again; a larger backlog is drained over several rounds with no pause in
+/// between.
+pub const RELAY_DRAIN_BATCHES_MAX: usize = 64;
+
+/// How a drain ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Drained {
+    /// The outbox is empty: wait for a wake-up or the poll.
+    Empty,
+    /// [`RELAY_DRAIN_BATCHES_MAX`] batches were claimed (or shutdown was
+    /// asked for) and there may be more: go on at once unless stopping.
+    More,
+}
 
 pub async fn run(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
     if state.config.hold_fanout {
@@ -31,12 +45,15 @@ pub async fn run(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
         return;
     }
     loop {
-        match drain(&state).await {
-            Ok(()) => {}
+        match drain(&state, &shutdown).await {
+            Ok(Drained::More) if !is_stopped(&shutdown) => continue,
+            Ok(_) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "fan-out failed; will retry");
-                tokio::time::sleep(RELAY_RETRY_BACKOFF).await;
-                continue;
+                tokio::select! {
+                    _ = tokio::time::sleep(RELAY_RETRY_BACKOFF) => continue,
+                    _ = crate::util::stopped(&mut shutdown) => return,
+                }
             }
         }
         tokio::select! {
@@ -47,12 +64,21 @@ pub async fn run(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
     }
 }
 
-/// Fans out everything in the outbox, batch by batch.
-async fn drain(state: &AppState) -> Result<(), tidemark_store::StoreError> {
-    loop {
+/// Whether shutdown was asked for (or its sender is gone), without waiting.
+fn is_stopped(shutdown: &watch::Receiver<bool>) -> bool {
+    *shutdown.borrow() || shutdown.has_changed().is_err()
+}
+
+/// Fans out the outbox, batch by batch, at most [`RELAY_DRAIN_BATCHES_MAX`]
+/// batches, stopping early on shutdown.
+async fn drain(state: &AppState, shutdown: &watch::Receiver<bool>) -> Result<Drained, tidemark_store::StoreError> {
+    for _ in 0..RELAY_DRAIN_BATCHES_MAX {
+        if is_stopped(shutdown) {
+            return Ok(Drained::More);
+        }
         let claimed = state.store.fan_out_next(state.config.relay_batch_max, now_ms()).await?;
         if claimed.items.is_empty() {
-            return Ok(());
+            return Ok(Drained::Empty);
         }
         let report = claimed.report;
         let committed = now_ms();
@@ -66,6 +92,7 @@ async fn drain(state: &AppState) -> Result<(), tidemark_store::StoreError> {
             state.hint_user(user, *hw);
         }
     }
+    Ok(Drained::More)
 }
 
 pub async fn run_rehint(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {

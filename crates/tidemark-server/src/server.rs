@@ -2,6 +2,7 @@
 //! that awaits it and a shutdown signal, around the shared [`AppState`].
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, RwLock};
 
@@ -13,7 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::ServerConfig;
 use crate::hub::Hub;
-use crate::state::AppState;
+use crate::state::{AppState, ConnSlots};
 
 pub struct Server;
 
@@ -33,6 +34,7 @@ impl Server {
         let revoked: HashSet<(String, String)> = store.revoked_devices().await.map_err(io)?.into_iter().collect();
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
+        let ws_slots = ConnSlots::new(config.ws_connections_max);
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
@@ -43,6 +45,7 @@ impl Server {
             revoked: RwLock::new(revoked),
             metrics: crate::metrics::install(),
             shutdown: shutdown_rx.clone(),
+            ws_slots,
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;
@@ -54,7 +57,7 @@ impl Server {
             let _ = tcp.set_nodelay(true);
         });
         let mut http_shutdown = shutdown_rx.clone();
-        let http = tokio::spawn(async move {
+        let http = spawn_fatal("http", async move {
             let serve = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
                 crate::util::stopped(&mut http_shutdown).await;
             });
@@ -62,12 +65,13 @@ impl Server {
                 tracing::error!(error = %e, "http server stopped");
             }
         });
-        let relay = tokio::spawn(crate::relay::run(state.clone(), shutdown_rx.clone()));
-        let rehint = tokio::spawn(crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
-        let retention = tokio::spawn(crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
+        let relay = spawn_fatal("relay", crate::relay::run(state.clone(), shutdown_rx.clone()));
+        let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
+        let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
         let mut tasks = vec![http, relay, rehint, retention];
         if let Some(pending) = bus_pending {
-            tasks.extend(pending.spawn(state.hub.clone(), shutdown_rx));
+            let bus_tasks = pending.spawn(state.hub.clone(), shutdown_rx);
+            tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));
         }
         tracing::info!(%addr, "tidemark listening");
         Ok(RunningServer { addr, state, shutdown: shutdown_tx, tasks })
@@ -85,6 +89,25 @@ impl RunningServer {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+}
+
+/// Spawns one of the server's long-lived tasks; a panic inside it aborts
+/// the process (see [`fatal_on_panic`]).
+fn spawn_fatal(name: &'static str, task: impl Future<Output = ()> + Send + 'static) -> JoinHandle<()> {
+    tokio::spawn(fatal_on_panic(name, tokio::spawn(task)))
+}
+
+/// Awaits a long-lived task. A panic there is a broken invariant: rather
+/// than run on without a relay, a sweep or a listener (answering as if
+/// healthy), the process aborts, in debug builds and tests as in release
+/// ones (where `panic = "abort"` already ends it at the panic).
+async fn fatal_on_panic(name: &'static str, task: JoinHandle<()>) {
+    if let Err(e) = task.await {
+        if e.is_panic() {
+            tracing::error!(task = name, "long-lived task panicked; aborting the process");
+            std::process::abort();
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! import circles through the wiring.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
 
 use metrics_exporter_prometheus::PrometheusHandle;
@@ -29,6 +30,9 @@ pub struct AppState {
     pub revoked: RwLock<HashSet<(String, String)>>,
     pub metrics: PrometheusHandle,
     pub shutdown: watch::Receiver<bool>,
+    /// This node's WebSocket connections, at most
+    /// [`ServerConfig::ws_connections_max`].
+    pub ws_slots: Arc<ConnSlots>,
 }
 
 impl AppState {
@@ -41,5 +45,42 @@ impl AppState {
 
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {
         self.revoked.read().expect("revoked lock").contains(&(user.to_owned(), device.to_owned()))
+    }
+}
+
+/// Counts a node's live WebSocket connections against a cap. A slot is
+/// taken at the upgrade and given back when its [`ConnSlot`] drops (the
+/// connection ended, or its upgrade never completed).
+#[derive(Debug)]
+pub struct ConnSlots {
+    live: AtomicUsize,
+    max: usize,
+}
+
+impl ConnSlots {
+    pub fn new(max: usize) -> Arc<ConnSlots> {
+        Arc::new(ConnSlots { live: AtomicUsize::new(0), max })
+    }
+
+    /// A slot, or `None` when `max` connections are live.
+    pub fn try_take(self: &Arc<Self>) -> Option<ConnSlot> {
+        self.live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max).then_some(n + 1))
+            .ok()
+            .map(|_| ConnSlot(self.clone()))
+    }
+
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Acquire)
+    }
+}
+
+/// One live connection's slot; dropping it frees the slot.
+#[derive(Debug)]
+pub struct ConnSlot(Arc<ConnSlots>);
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.0.live.fetch_sub(1, Ordering::AcqRel);
     }
 }

@@ -898,6 +898,10 @@ impl Store for SqliteStore {
             read_statements: Some(STATEMENTS_READ.load(Ordering::Relaxed)),
         }
     }
+
+    fn health(&self) -> tidemark_store::StoreHealth {
+        self.writer.health()
+    }
 }
 
 fn rand_secret() -> [u8; 32] {

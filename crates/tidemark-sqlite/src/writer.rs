@@ -6,13 +6,20 @@
 //! example a send to a conversation the sender left) rolls back alone and
 //! the rest of the batch commits. Replies are sent only after COMMIT
 //! returned: a caller never hears "ok" for something that is not durable.
+//!
+//! A transaction that cannot begin or commit (a full disk, an I/O error)
+//! marks the writer unhealthy until a later one commits
+//! ([`Writer::health`], which `/healthz` reports). A panic inside the
+//! writer thread is a broken invariant: it aborts the process (release
+//! builds abort on any panic; this holds in debug builds and tests too)
+//! rather than leave a store whose every write answers `UNAVAILABLE`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use rusqlite::Connection;
 use tidemark_store::metric_names as names;
-use tidemark_store::{StoreError, StoreResult};
+use tidemark_store::{StoreError, StoreHealth, StoreResult};
 use tokio::sync::{mpsc, oneshot};
 
 /// Most requests in one transaction.
@@ -31,6 +38,27 @@ pub const CHECKPOINT_EVERY_COMMITS: u64 = 64;
 /// (they are short; the busy timeout bounds the wait) and empties the file.
 pub const WAL_TRUNCATE_BYTES: u64 = 64 * 1024 * 1024;
 
+/// The writer thread's name; a panic on it aborts the process.
+const WRITER_THREAD: &str = "tidemark-sqlite-writer";
+
+/// Makes a panic on the writer thread abort the process at the panic,
+/// before it unwinds: unwinding would drop the queued requests' reply
+/// channels, their callers would answer `UNAVAILABLE`, and the process
+/// would run on without a writer. Installed once, after the hook already
+/// in place (which still prints the panic).
+fn abort_on_writer_panic() {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            if std::thread::current().name() == Some(WRITER_THREAD) {
+                std::process::abort();
+            }
+        }));
+    });
+}
+
 /// Completes one request once the batch's commit outcome is known.
 type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
 /// One write request: runs inside the open transaction.
@@ -43,10 +71,25 @@ pub struct WriterStats {
     pub checkpoints: AtomicU64,
 }
 
+/// Why the last transaction could not begin or commit, until one commits.
+#[derive(Debug, Default)]
+struct WriteFailure(Mutex<Option<String>>);
+
+impl WriteFailure {
+    fn set(&self, why: Option<String>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = why;
+    }
+
+    fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 #[derive(Clone)]
 pub struct Writer {
     jobs: mpsc::Sender<Job>,
     pub stats: Arc<WriterStats>,
+    failure: Arc<WriteFailure>,
 }
 
 impl Writer {
@@ -54,12 +97,25 @@ impl Writer {
     pub fn start(conn: Connection) -> (Writer, std::thread::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel::<Job>(WRITE_QUEUE_MAX);
         let stats = Arc::new(WriterStats::default());
-        let thread_stats = stats.clone();
+        let failure = Arc::new(WriteFailure::default());
+        let (thread_stats, thread_failure) = (stats.clone(), failure.clone());
+        abort_on_writer_panic();
         let handle = std::thread::Builder::new()
-            .name("tidemark-sqlite-writer".into())
-            .spawn(move || run(conn, rx, &thread_stats))
+            .name(WRITER_THREAD.into())
+            .spawn(move || run(conn, rx, &thread_stats, &thread_failure))
             .expect("spawn writer thread");
-        (Writer { jobs: tx, stats }, handle)
+        (Writer { jobs: tx, stats, failure }, handle)
+    }
+
+    /// Whether writes commit: the last transaction's failure, if none has
+    /// committed since, or a stopped writer.
+    pub fn health(&self) -> StoreHealth {
+        let write_failure = match self.failure.get() {
+            Some(why) => Some(why),
+            None if self.jobs.is_closed() => Some("store writer stopped".into()),
+            None => None,
+        };
+        StoreHealth { write_failure }
     }
 
     /// Runs `f` inside the next group-committed transaction and returns its
@@ -128,7 +184,7 @@ fn wal_bytes(wal: &std::path::Path) -> u64 {
     std::fs::metadata(wal).map(|m| m.len()).unwrap_or(0)
 }
 
-fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats) {
+fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats, failure: &WriteFailure) {
     let wal = std::path::PathBuf::from(format!("{}-wal", conn.path().unwrap_or_default()));
     let mut since_checkpoint = 0u64;
     let mut batch: Vec<Job> = Vec::with_capacity(WRITE_BATCH_MAX);
@@ -146,6 +202,7 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats) {
             // Nothing ran. Dropping a job drops its reply channel, so each
             // caller gets `Unavailable` and may retry; pause rather than spin.
             tracing::error!(error = %e, "store writer could not begin a transaction");
+            failure.set(Some(format!("begin: {e}")));
             batch.clear();
             std::thread::sleep(std::time::Duration::from_millis(50));
             continue;
@@ -159,6 +216,7 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats) {
                 Some(StoreError::Unavailable(format!("commit: {e}")))
             }
         };
+        failure.set(commit_error.as_ref().map(|e| e.to_string()));
         // A transaction that changed no row (the relay's poll of an empty
         // outbox) writes no WAL frame and costs no fsync: it is not counted.
         if commit_error.is_none() && conn.total_changes() != changes_before {
@@ -179,4 +237,48 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats) {
     }
     // Every sender is gone: fold the WAL back so the database file is whole.
     let _ = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |_| Ok(()));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Set in the child process whose writer panics.
+    const CHILD_ENV: &str = "TIDEMARK_TEST_WRITER_PANIC_CHILD";
+    /// SIGABRT on Linux and the BSDs, what `std::process::abort` raises.
+    const SIGABRT: i32 = 6;
+
+    /// A panic inside a write request must end the process, not just the
+    /// writer thread (after which every write would answer `UNAVAILABLE`).
+    /// The test runs itself again as a child that panics its writer, and
+    /// checks the child died of `abort`.
+    #[test]
+    fn a_panic_in_the_writer_aborts_the_process() {
+        if std::env::var_os(CHILD_ENV).is_some() {
+            let dir = tempfile::tempdir().unwrap();
+            let (writer, _thread) = Writer::start(Connection::open(dir.path().join("db")).unwrap());
+            let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+            let after = rt.block_on(async {
+                let _ = writer.write(|_| -> StoreResult<()> { panic!("injected writer panic") }).await;
+                writer.write(|_| Ok(())).await
+            });
+            // Reached only if the process outlived the writer's panic.
+            println!("the writer's panic did not abort: next write {after:?}");
+            std::process::exit(0);
+        }
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "writer::tests::a_panic_in_the_writer_aborts_the_process", "--nocapture"])
+            .env(CHILD_ENV, "1")
+            .output()
+            .unwrap();
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(
+            out.status.signal(),
+            Some(SIGABRT),
+            "child ended with {:?}; stdout: {}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout)
+        );
+        assert!(String::from_utf8_lossy(&out.stderr).contains("injected writer panic"));
+    }
 }

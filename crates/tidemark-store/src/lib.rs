@@ -465,6 +465,16 @@ pub struct StoreStats {
     pub read_statements: Option<u64>,
 }
 
+/// Whether the backend can take writes now, for `/healthz`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StoreHealth {
+    /// Why writes cannot commit: the writer's last transaction could not
+    /// begin or commit (a full disk, an I/O error, a lost database) and none
+    /// has committed since, or the writer stopped. `None` while writes
+    /// commit.
+    pub write_failure: Option<String>,
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     // ------------------------------------------------ secrets and accounts
@@ -741,4 +751,7 @@ pub trait Store: Send + Sync + 'static {
     // -------------------------------------------------------- observability
 
     fn stats(&self) -> StoreStats;
+
+    /// Whether writes commit; read without touching the database.
+    fn health(&self) -> StoreHealth;
 }

@@ -184,7 +184,13 @@ pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: Head
     }
 }
 
+/// 200 while the store answers reads and its writes commit; 503 otherwise
+/// (a writer that cannot commit, a database that does not answer).
 pub async fn healthz(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(why) = state.store.health().write_failure {
+        return (StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": "unavailable", "error": why})))
+            .into_response();
+    }
     match state.store.outbox_stats().await {
         Ok(s) => Json(serde_json::json!({"status": "ok", "outbox_backlog": s.backlog})).into_response(),
         Err(e) => (

@@ -34,6 +34,7 @@ use tokio::task::JoinSet;
 
 use super::auth;
 use super::http::{bearer, error_response};
+use crate::config::WS_FULL_RETRY_AFTER_MS;
 use crate::error::{ApiError, ApiResult};
 use crate::hub::ConnEntry;
 use crate::metrics as m;
@@ -58,6 +59,10 @@ const KICK_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub async fn upgrade(State(state): State<Arc<AppState>>, headers: HeaderMap, ws: WebSocketUpgrade) -> Response {
+    let Some(slot) = state.ws_slots.try_take() else {
+        let full = ApiError::new(ErrorCode::Unavailable, "this node holds its most WebSocket connections");
+        return error_response(ApiError { retry_after_ms: Some(WS_FULL_RETRY_AFTER_MS), ..full });
+    };
     let pre_auth = match bearer(&headers) {
         None => None,
         Some(token) => match auth::authenticate(&state, token) {
@@ -70,7 +75,10 @@ pub async fn upgrade(State(state): State<Arc<AppState>>, headers: HeaderMap, ws:
         .max_frame_size(max)
         .read_buffer_size(WS_READ_BUFFER_BYTES)
         .write_buffer_size(WS_WRITE_BUFFER_BYTES)
-        .on_upgrade(move |socket| connection(state, socket, pre_auth))
+        .on_upgrade(move |socket| async move {
+            let _slot = slot;
+            connection(state, socket, pre_auth).await
+        })
 }
 
 fn error_text(e: ApiError, rid: Option<String>) -> String {
