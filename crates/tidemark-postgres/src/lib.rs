@@ -15,9 +15,9 @@
 //!   members) run in one `REPEATABLE READ READ ONLY` transaction, i.e. one
 //!   snapshot; single-statement reads run alone.
 //! - `events`, `fanout` and `lifecycle` (recovery sessions, ACKs,
-//!   snapshots, retention): the write transactions, rule for rule the SQLite
-//!   backend's; [`schema`]: tables and key layout; `db`: statement helpers
-//!   and error mapping.
+//!   snapshots, retention): the write transactions, deciding through the
+//!   same `tidemark-core` rules as the SQLite backend; [`schema`]: tables
+//!   and key layout; `db`: statement helpers and error mapping.
 //!
 //! # Sequences and locks
 //!
@@ -94,7 +94,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tidemark_core::cursor::{DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::cursor::{decide_cas, CasDecision, DeviceCursor, DeviceState, RecoveryInfo, UserLog};
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
 
@@ -413,10 +413,7 @@ impl Store for PgStore {
                     };
                     exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id = $2", &[&user, &device])
                         .await?;
-                    if rec.cursor.state == DeviceState::Revoked {
-                        return Ok(false);
-                    }
-                    let revoked = DeviceCursor { state: DeviceState::Revoked, ..rec.cursor };
+                    let Some(revoked) = tidemark_core::cursor::revoked(rec.cursor) else { return Ok(false) };
                     write_cursor(c, &user, &device, revoked, now_ms).await?;
                     Ok(true)
                 })
@@ -700,12 +697,12 @@ impl Store for PgStore {
                     let Some(rec) = read_device(c, DEVICE_FOR_UPDATE_SQL, &user, &device).await? else {
                         return Err(StoreError::NotFound(format!("device {device}")));
                     };
-                    if rec.cursor != expected {
-                        return Ok((false, rec.cursor));
-                    }
-                    assert!(new.generation >= expected.generation, "a generation never goes back");
+                    let (new, ends_recovery) = match decide_cas(rec.cursor, expected, new) {
+                        CasDecision::Refuse { current } => return Ok((false, current)),
+                        CasDecision::Write { new, ends_recovery } => (new, ends_recovery),
+                    };
                     write_cursor(c, &user, &device, new, now_ms).await?;
-                    if new.generation != expected.generation {
+                    if ends_recovery {
                         // A new generation ends any recovery session of the
                         // old one: it no longer fences retention.
                         crate::db::exec(
