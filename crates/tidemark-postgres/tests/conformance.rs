@@ -1,6 +1,8 @@
-//! The store conformance suite against the PostgreSQL backend, the checks
-//! the SQLite backend runs beside it (reopen, group commit, quarantine),
-//! two checks that only make sense with several writers on one database,
+//! The store conformance suite against the PostgreSQL backend (membership,
+//! recall/edit/react, snapshots, group commit and refusals inside a batch
+//! run there, once for both backends), the checks the SQLite backend runs
+//! beside it (reopen, quarantine), checks that only make sense with several
+//! writers on one database,
 //! and a differential run: one scripted scenario over every store operation
 //! against both backends, every result compared.
 //!
@@ -128,6 +130,14 @@ async fn postgres_passes_the_conformance_suite() {
     conformance::run_all(|| async { schemas.fresh().await as Arc<dyn Store> }).await;
 }
 
+/// Membership, recall/edit/react, snapshot installability, group commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_passes_the_rule_checks() {
+    let Some(url) = pg_url("postgres_passes_the_rule_checks") else { return };
+    let schemas = Schemas::new(url);
+    conformance::run_rules(|| async { schemas.fresh().await as Arc<dyn Store> }).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_sends_and_outbox_survive_reopen() {
     let Some(url) = pg_url("accepted_sends_and_outbox_survive_reopen") else { return };
@@ -149,33 +159,6 @@ async fn accepted_sends_and_outbox_survive_reopen() {
     assert_eq!(pending.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
     assert_eq!(store.server_secret().await.unwrap(), secret, "the secret is created once and kept");
     assert_eq!(secret.len(), 32);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn group_commit_batches_concurrent_writes() {
-    let Some(url) = pg_url("group_commit_batches_concurrent_writes") else { return };
-    let schemas = Schemas::new(url);
-    let store = schemas.fresh().await;
-    store.create_user("a", "x", 0).await.unwrap();
-    store.create_user("b", "x", 0).await.unwrap();
-    let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-    let before = store.stats();
-    let n = 400;
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..n {
-        let (store, conv) = (store.clone(), conv.clone());
-        tasks.spawn(async move { store.accept_send(send_cmd("a", &conv, &format!("{i}"))).await.unwrap().msg_seq });
-    }
-    let mut seqs = tasks.join_all().await;
-    seqs.sort_unstable();
-    assert_eq!(seqs, (1..=n).collect::<Vec<_>>());
-    let after = store.stats();
-    let commits = after.commits - before.commits;
-    assert_eq!(after.writes - before.writes, n);
-    assert_eq!(after.checkpoints, 0);
-    // 400 concurrent requests must share transactions; one per request would
-    // mean group commit is not working.
-    assert!(commits < n / 2, "{commits} commits for {n} concurrent sends");
 }
 
 /// F4: a message that hits two membership periods of one user is an
@@ -253,37 +236,6 @@ async fn two_writers_on_one_database_keep_sequences_contiguous() {
             two.read_user_events(user, 0, n, 1000).await.unwrap().iter().map(|e| e.msg_seq.unwrap()).collect();
         assert_eq!(seqs, (1..=n).collect::<Vec<_>>(), "F2: one event per message, in order");
     }
-}
-
-/// A send refused at its savepoint rolls back alone: the rest of its batch
-/// commits, and no msg_seq is lost (S2).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_request_rolls_back_alone_inside_a_batch() {
-    let Some(url) = pg_url("a_refused_request_rolls_back_alone_inside_a_batch") else { return };
-    let schemas = Schemas::new(url);
-    let store = schemas.fresh().await;
-    for u in ["a", "b", "c"] {
-        store.create_user(u, "x", 0).await.unwrap();
-    }
-    let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..100 {
-        let (store, conv) = (store.clone(), conv.clone());
-        // Every third send is by a non-member and must be refused.
-        let sender = if i % 3 == 0 { "c" } else { "a" };
-        tasks.spawn(async move { (sender, store.accept_send(send_cmd(sender, &conv, &format!("k{i}"))).await) });
-    }
-    let mut seqs = Vec::new();
-    for (sender, result) in tasks.join_all().await {
-        match sender {
-            "c" => assert_eq!(result, Err(StoreError::NotMember)),
-            _ => seqs.push(result.unwrap().msg_seq),
-        }
-    }
-    seqs.sort_unstable();
-    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
-    assert_eq!(store.conversation(&conv).await.unwrap().unwrap().head, seqs.len() as u64);
-    assert_eq!(store.outbox_stats().await.unwrap().backlog, seqs.len() as u64);
 }
 
 // ------------------------------------------------------------ differential
