@@ -24,6 +24,36 @@ pub fn check_replay(earlier: (&str, &str), conv: &str, kinds: &[&str], client_ms
     Ok(())
 }
 
+/// S1: a send carries user content; the control kinds are the store's own
+/// events and are refused.
+pub fn check_send_kind(kind: &str) -> Result<(), Refusal> {
+    if is_control_kind(kind) {
+        return Err(Refusal::Invalid(format!("kind {kind} is reserved for control events")));
+    }
+    Ok(())
+}
+
+/// A send or a per-user event by someone who is no member (no open
+/// period, or for per-user events no row): `NotFound` if the conversation
+/// does not exist, else `NotMember`.
+pub fn not_member(conv: &str, conv_exists: bool) -> Refusal {
+    if conv_exists {
+        Refusal::NotMember
+    } else {
+        Refusal::NotFound(format!("conversation {conv}"))
+    }
+}
+
+/// A quote names a user message of the same conversation inside the
+/// sender's periods. `quoted` is `(kind, sender_sees)` of the quoted
+/// message read in the send's conversation, `None` if it has none.
+pub fn check_quote(quote_id: &str, quoted: Option<(&str, bool)>) -> Result<(), Refusal> {
+    match quoted {
+        Some((kind, true)) if !is_control_kind(kind) => Ok(()),
+        _ => Err(Refusal::Invalid(format!("quoted message {quote_id} is not in this conversation"))),
+    }
+}
+
 /// The message a control event targets, and what the rules need to know
 /// about the actor's relation to it, read in one place.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -193,6 +223,25 @@ mod tests {
         check((("c1", KIND_EDIT), &[KIND_REACTION]), other());
         check((("c1", "text"), &[KIND_EDIT]), other());
         check((("c2", KIND_EDIT), &[KIND_EDIT]), other());
+    }
+
+    #[test]
+    fn send_rules() {
+        fn check(input: (&str, Option<(&str, bool)>), expect: Result<(), Refusal>) {
+            let kind = check_send_kind(input.0);
+            assert_eq!(kind.and_then(|_| check_quote("q", input.1)), expect, "{input:?}");
+        }
+        let bad_quote = || Err(Refusal::Invalid("quoted message q is not in this conversation".into()));
+        check(("text", Some(("text", true))), Ok(()));
+        check(
+            (KIND_RECALL, Some(("text", true))),
+            Err(Refusal::Invalid("kind recall is reserved for control events".into())),
+        );
+        check(("text", Some(("text", false))), bad_quote());
+        check(("text", Some((KIND_EDIT, true))), bad_quote());
+        check(("text", None), bad_quote());
+        assert_eq!(not_member("c1", true), Refusal::NotMember);
+        assert_eq!(not_member("c1", false), Refusal::NotFound("conversation c1".into()));
     }
 
     #[test]

@@ -55,18 +55,6 @@ pub(crate) async fn is_active_member(c: &Conn, conv: &str, user: &str) -> R<bool
     .is_some())
 }
 
-/// The user's periods in a conversation cover `seq`.
-pub(crate) async fn sees(c: &Conn, conv: &str, user: &str, at: u64) -> R<bool> {
-    Ok(scalar::<i64>(
-        c,
-        "SELECT period_id FROM membership_periods WHERE conv_id = $1 AND user_id = $2
-         AND join_seq <= $3 AND (leave_seq IS NULL OR leave_seq >= $3) LIMIT 1",
-        &[&conv, &user, &big(at)],
-    )
-    .await?
-    .is_some())
-}
-
 /// Locks the conversation row until COMMIT: the linearisation point of
 /// every conversation event. Returns `(kind, owner)`, or `None` if there is
 /// no such conversation.
@@ -178,9 +166,7 @@ pub(crate) async fn accept_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
     {
         return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
-    if is_control_kind(&cmd.kind) {
-        return Err(StoreError::Invalid(format!("kind {} is reserved for control events", cmd.kind)));
-    }
+    control::check_send_kind(&cmd.kind)?;
     // The msg_seq is taken first: its row lock orders this send against
     // membership changes from any writer (G1), and the checks below read
     // what was committed before it. A refusal rolls the increment back.
@@ -191,30 +177,18 @@ pub(crate) async fn accept_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
     if let Some(quoted) = &cmd.quote_id {
         let row = query_opt(
             c,
-            "SELECT msg_seq, kind FROM messages WHERE conv_id = $1 AND message_id = $2",
-            &[&cmd.conv, quoted],
+            "SELECT m.kind, EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id
+                    AND p.user_id = $3 AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= m.msg_seq))
+             FROM messages m WHERE m.conv_id = $1 AND m.message_id = $2",
+            &[&cmd.conv, quoted, &cmd.sender],
         )
-        .await?;
-        let ok = match row {
-            Some(r) => {
-                let kind: String = col(&r, 1)?;
-                !is_control_kind(&kind) && sees(c, &cmd.conv, &cmd.sender, seq(&r, 0)?).await?
-            }
-            None => false,
-        };
-        if !ok {
-            return Err(StoreError::Invalid(format!("quoted message {quoted} is not in this conversation")));
-        }
+        .await?
+        .map(|r| Ok::<_, StoreError>((col::<String>(&r, 0)?, col::<bool>(&r, 1)?)))
+        .transpose()?;
+        control::check_quote(quoted, row.as_ref().map(|(kind, sees)| (kind.as_str(), *sees)))?;
     }
-    let event = ConvEventCmd {
-        conv: cmd.conv.clone(),
-        actor: cmd.sender.clone(),
-        actor_device: cmd.sender_device.clone(),
-        event_id: cmd.message_id.clone(),
-        client_msg_id: cmd.client_msg_id.clone(),
-        now_ms: cmd.now_ms,
-    };
-    insert_event(c, &event, msg_seq, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL).await?;
+    insert_event(c, &cmd.as_event(), msg_seq, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL)
+        .await?;
     Ok(Accepted {
         message_id: cmd.message_id.clone(),
         conv: cmd.conv.clone(),
@@ -728,8 +702,5 @@ pub(crate) async fn rebuild_unread(c: &Conn) -> R<UnreadRebuild> {
 /// `NotFound` for a conversation that does not exist, else `NotMember`.
 async fn not_found_or_not_member(c: &Conn, conv: &str) -> R<StoreError> {
     let exists: Option<i32> = scalar(c, "SELECT 1 FROM conversations WHERE conv_id = $1", &[&conv]).await?;
-    Ok(match exists {
-        None => StoreError::NotFound(format!("conversation {conv}")),
-        Some(_) => StoreError::NotMember,
-    })
+    Ok(control::not_member(conv, exists.is_some()).into())
 }

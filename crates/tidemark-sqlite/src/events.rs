@@ -64,17 +64,6 @@ pub(crate) fn is_active_member(c: &Connection, conv: &str, user: &str) -> R<bool
     .is_some())
 }
 
-/// The user's periods in a conversation cover `seq`.
-pub(crate) fn sees(c: &Connection, conv: &str, user: &str, seq: u64) -> R<bool> {
-    Ok(q::<i64>(
-        c,
-        "SELECT period_id FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2
-         AND join_seq <= ?3 AND (leave_seq IS NULL OR leave_seq >= ?3) LIMIT 1",
-        params![conv, user, seq as i64],
-    )?
-    .is_some())
-}
-
 /// A new conversation event: the next contiguous msg_seq, the fact and its
 /// outbox record (S2, S3). The caller has checked rights.
 #[allow(clippy::too_many_arguments)]
@@ -573,10 +562,8 @@ pub(crate) fn rebuild_unread(c: &Connection) -> R<UnreadRebuild> {
     Ok(report)
 }
 
-fn not_found_or_not_member(c: &Connection, conv: &str) -> R<StoreError> {
+/// Why `conv` has nothing for its caller (`control::not_member`).
+pub(crate) fn not_found_or_not_member(c: &Connection, conv: &str) -> R<StoreError> {
     let exists: Option<i64> = q(c, "SELECT 1 FROM conversations WHERE conv_id = ?1", params![conv])?;
-    Ok(match exists {
-        None => StoreError::NotFound(format!("conversation {conv}")),
-        Some(_) => StoreError::NotMember,
-    })
+    Ok(control::not_member(conv, exists.is_some()).into())
 }

@@ -28,6 +28,7 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use rusqlite::trace::{TraceEvent, TraceEventCodes};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use tidemark_core::control;
 use tidemark_core::cursor::{self, CasDecision, DeviceCursor, DeviceState};
 use tidemark_core::membership::{control_recipients, recipients_at, Period};
 use tidemark_core::projection;
@@ -195,46 +196,34 @@ fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
     {
         return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
-    if tidemark_store::is_control_kind(&cmd.kind) {
-        return Err(StoreError::Invalid(format!("kind {} is reserved for control events", cmd.kind)));
-    }
+    control::check_send_kind(&cmd.kind)?;
     // The membership check runs here, at the conversation's linearisation
     // point, so a send racing a removal is ordered by the writer (G1).
     if !events::is_active_member(conn, &cmd.conv, &cmd.sender)? {
-        let exists: Option<i64> = conn
-            .query_row("SELECT 1 FROM conversations WHERE conv_id = ?1", params![cmd.conv], |r| r.get(0))
-            .optional()
-            .map_err(internal)?;
-        return Err(match exists {
-            None => StoreError::NotFound(format!("conversation {}", cmd.conv)),
-            Some(_) => StoreError::NotMember,
-        });
+        return Err(events::not_found_or_not_member(conn, &cmd.conv)?);
     }
     if let Some(quoted) = &cmd.quote_id {
-        let seq: Option<(String, i64, String)> = conn
-            .query_row("SELECT conv_id, msg_seq, kind FROM messages WHERE message_id = ?1", params![quoted], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })
+        let row: Option<(String, bool)> = conn
+            .prepare_cached(
+                "SELECT m.kind, EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id
+                        AND p.user_id = ?3 AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= m.msg_seq))
+                 FROM messages m WHERE m.message_id = ?1 AND m.conv_id = ?2",
+            )
+            .map_err(internal)?
+            .query_row(params![quoted, cmd.conv, cmd.sender], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()
             .map_err(internal)?;
-        match seq {
-            Some((conv, seq, kind))
-                if conv == cmd.conv
-                    && !tidemark_store::is_control_kind(&kind)
-                    && events::sees(conn, &cmd.conv, &cmd.sender, seq as u64)? => {}
-            _ => return Err(StoreError::Invalid(format!("quoted message {quoted} is not in this conversation"))),
-        }
+        control::check_quote(quoted, row.as_ref().map(|(kind, sees)| (kind.as_str(), *sees)))?;
     }
-    let event = ConvEventCmd {
-        conv: cmd.conv.clone(),
-        actor: cmd.sender.clone(),
-        actor_device: cmd.sender_device.clone(),
-        event_id: cmd.message_id.clone(),
-        client_msg_id: cmd.client_msg_id.clone(),
-        now_ms: cmd.now_ms,
-    };
-    let msg_seq =
-        events::append_conv_event(conn, &event, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL)?;
+    let msg_seq = events::append_conv_event(
+        conn,
+        &cmd.as_event(),
+        &cmd.kind,
+        &cmd.content,
+        None,
+        cmd.quote_id.as_deref(),
+        STATE_NORMAL,
+    )?;
     Ok(Accepted {
         message_id: cmd.message_id.clone(),
         conv: cmd.conv.clone(),

@@ -120,6 +120,20 @@ pub struct SendCmd {
     pub now_ms: i64,
 }
 
+impl SendCmd {
+    /// The send as the conversation event it becomes.
+    pub fn as_event(&self) -> ConvEventCmd {
+        ConvEventCmd {
+            conv: self.conv.clone(),
+            actor: self.sender.clone(),
+            actor_device: self.sender_device.clone(),
+            event_id: self.message_id.clone(),
+            client_msg_id: self.client_msg_id.clone(),
+            now_ms: self.now_ms,
+        }
+    }
+}
+
 /// The outcome of a send: the message fact as committed (S1, S4).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Accepted {
