@@ -130,6 +130,14 @@ fn too_many_members() -> Refusal {
     Refusal::Invalid(format!("a group has at most {GROUP_MEMBERS_MAX} members"))
 }
 
+/// A direct conversation is between two distinct users.
+pub fn check_direct(a: &str, b: &str) -> Result<(), Refusal> {
+    if a == b {
+        return Err(Refusal::Invalid("a direct conversation needs two distinct users".into()));
+    }
+    Ok(())
+}
+
 /// Every one of `users` has an account (`known` are those that do); the
 /// first that has none (in the given order) is `NotFound`.
 pub fn all_known(users: &[String], known: &[String]) -> Result<(), Refusal> {
@@ -304,6 +312,11 @@ mod tests {
         let s = |v: &[&str]| v.iter().map(|u| u.to_string()).collect::<Vec<_>>();
         assert_eq!(all_known(&s(&["a", "b"]), &s(&["b", "a"])), Ok(()));
         assert_eq!(all_known(&s(&["a", "x", "y"]), &s(&["a"])), Err(Refusal::NotFound("user x".into())));
+        assert_eq!(check_direct("a", "b"), Ok(()));
+        assert_eq!(
+            check_direct("a", "a"),
+            Err(Refusal::Invalid("a direct conversation needs two distinct users".into()))
+        );
     }
 
     #[test]

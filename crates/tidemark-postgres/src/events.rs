@@ -189,21 +189,11 @@ pub(crate) async fn accept_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
     }
     insert_event(c, &cmd.as_event(), msg_seq, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL)
         .await?;
-    Ok(Accepted {
-        message_id: cmd.message_id.clone(),
-        conv: cmd.conv.clone(),
-        msg_seq,
-        created_at_ms: cmd.now_ms,
-        duplicate: false,
-    })
-}
-
-pub(crate) async fn user_exists(c: &Conn, user: &str) -> R<bool> {
-    Ok(scalar::<i32>(c, "SELECT 1 FROM users WHERE user_id = $1", &[&user]).await?.is_some())
+    Ok(cmd.accepted(msg_seq))
 }
 
 /// The users among `users` that have an account.
-async fn known_users(c: &Conn, users: &[String]) -> R<Vec<String>> {
+pub(crate) async fn known_users(c: &Conn, users: &[String]) -> R<Vec<String>> {
     let rows = query(c, "SELECT user_id FROM users WHERE user_id = ANY($1)", &[&users]).await?;
     rows.iter().map(|r| col::<String>(r, 0)).collect()
 }
@@ -397,18 +387,26 @@ pub(crate) async fn recall(c: &Conn, cmd: &ConvEventCmd, message_id: &str) -> R<
     .await?;
     exec(c, "DELETE FROM reactions WHERE conv_id = $1 AND message_id = $2", &[&cmd.conv, &message_id]).await?;
     // Earlier edit events carried the content too: keep them as events,
-    // without the content. Their payload is `content::Edited`, minified
-    // with `content` last, so cutting it at `,"content":` and appending
-    // `"recalled":true` gives the very text SQLite's
-    // `json_set(json_remove(content, '$.content'), '$.recalled', true)` does.
-    exec(c, RECALL_EDITS, &[&cmd.conv, &message_id, &KIND_EDIT]).await?;
+    // without the content (`content::Edited::recalled`).
+    let edits = query(
+        c,
+        "SELECT message_id, content FROM messages WHERE conv_id = $1 AND target_id = $2 AND kind = $3",
+        &[&cmd.conv, &message_id, &KIND_EDIT],
+    )
+    .await?;
+    for r in &edits {
+        let (edit_id, stored): (String, String) = (col(r, 0)?, col(r, 1)?);
+        let wiped =
+            content::Edited::recalled(&stored).map_err(|e| StoreError::Internal(format!("edit {edit_id}: {e}")))?;
+        exec(
+            c,
+            "UPDATE messages SET content = $3 WHERE conv_id = $1 AND message_id = $2",
+            &[&cmd.conv, &edit_id, &wiped],
+        )
+        .await?;
+    }
     Ok(ControlOutcome { msg_seq: at, version, changed: true })
 }
-
-/// Wipes the content of the edit events of a recalled message.
-const RECALL_EDITS: &str = "UPDATE messages
-     SET content = left(content, strpos(content, ',\"content\":') - 1) || ',\"recalled\":true}'
-     WHERE conv_id = $1 AND target_id = $2 AND kind = $3 AND strpos(content, ',\"content\":') > 0";
 
 pub(crate) async fn edit(
     c: &Conn,

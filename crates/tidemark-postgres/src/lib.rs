@@ -283,11 +283,8 @@ async fn create_direct_tx(
     if let Some(found) = scalar::<String>(c, existing, &[&key]).await? {
         return Ok((found, false));
     }
-    for u in [a, b] {
-        if !events::user_exists(c, u).await? {
-            return Err(StoreError::NotFound(format!("user {u}")));
-        }
-    }
+    let pair = [a.to_owned(), b.to_owned()];
+    tidemark_core::membership::all_known(&pair, &events::known_users(c, &pair).await?)?;
     // Another writer may create the same pair meanwhile: the insert then
     // waits for it and yields to its row instead of failing.
     let created = exec(
@@ -475,9 +472,7 @@ impl Store for PgStore {
     }
 
     async fn create_direct(&self, a: &str, b: &str, conv_id: &str, now_ms: i64) -> StoreResult<(String, bool)> {
-        if a == b {
-            return Err(StoreError::Invalid("a direct conversation needs two distinct users".into()));
-        }
+        tidemark_core::membership::check_direct(a, b)?;
         let (a, b, conv_id) = (a.to_owned(), b.to_owned(), conv_id.to_owned());
         let key = tidemark_core::ids::direct_key(&a, &b);
         self.writer

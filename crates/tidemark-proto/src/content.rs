@@ -9,7 +9,7 @@
 //! Each type borrows what it serializes; [`Payload::to_json`] gives the
 //! stored text.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 
 /// A payload the backends store as JSON text.
@@ -44,10 +44,8 @@ pub struct Recalled<'a> {
 }
 
 /// `edit`: `{"target_message_id":…,"target_msg_seq":…,"version":…,"content":…}`,
-/// the new content embedded as it was given. `content` stays the last
-/// field: a recall removes it from stored edits (and adds
-/// `"recalled":true`), and the PostgreSQL backend does so by cutting the
-/// text at `,"content":`.
+/// the new content embedded as it was given. Once its target is recalled,
+/// a stored edit becomes [`EditRecalled`] ([`Edited::recalled`]).
 #[derive(Debug, Serialize)]
 pub struct Edited<'a> {
     pub target_message_id: &'a str,
@@ -68,7 +66,29 @@ impl std::fmt::Display for NotJson {
 
 impl std::error::Error for NotJson {}
 
+/// A stored `edit` after its target was recalled: the content gone,
+/// `{"target_message_id":…,"target_msg_seq":…,"version":…,"recalled":true}`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct EditRecalled {
+    pub target_message_id: String,
+    pub target_msg_seq: u64,
+    pub version: u64,
+    #[serde(default = "yes", skip_deserializing)]
+    pub recalled: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
 impl<'a> Edited<'a> {
+    /// The stored text of an edit (or of one already recalled) once its
+    /// target is recalled (E1): the content removed for good.
+    pub fn recalled(stored: &str) -> Result<String, NotJson> {
+        let edit: EditRecalled = serde_json::from_str(stored).map_err(|e| NotJson(e.to_string()))?;
+        Ok(edit.to_json())
+    }
+
     /// `content` must be one JSON value; it is embedded byte for byte.
     pub fn new(
         target_message_id: &'a str,
@@ -133,6 +153,7 @@ impl Payload for MemberChanged<'_> {}
 impl Payload for Recalled<'_> {}
 impl Payload for Edited<'_> {}
 impl Payload for Reacted<'_> {}
+impl Payload for EditRecalled {}
 impl Payload for ReadData {}
 impl Payload for SettingsData {}
 impl Payload for DeletedData<'_> {}
@@ -198,6 +219,11 @@ mod tests {
             r#"{"target_message_id":"m","target_msg_seq":1,"version":2,"content":{"z":1,"a":[true,null]}}"#,
         );
         assert!(Edited::new("m", 1, 2, "{not json").is_err());
+        let recalled = r#"{"target_message_id":"m","target_msg_seq":1,"version":2,"recalled":true}"#;
+        let stored = Edited::new("m", 1, 2, r#"{"text":"x"}"#).unwrap().to_json();
+        check(&|| Edited::recalled(&stored).unwrap(), recalled);
+        check(&|| Edited::recalled(recalled).unwrap(), recalled);
+        assert!(Edited::recalled("{}").is_err(), "not an edit payload");
         assert!(Edited::new("m", 1, 2, "{} {}").is_err());
     }
 }

@@ -110,7 +110,7 @@ pub(crate) fn append_conv_event(
 }
 
 /// The users among `users` that have an account.
-fn known_users(c: &Connection, users: &[String]) -> R<Vec<String>> {
+pub(crate) fn known_users(c: &Connection, users: &[String]) -> R<Vec<String>> {
     let ids: Array = Rc::new(users.iter().cloned().map(Value::from).collect());
     let mut stmt = c.prepare_cached("SELECT user_id FROM users WHERE user_id IN rarray(?1)").map_err(internal)?;
     let rows = stmt.query_map(params![ids], |r| r.get(0)).map_err(internal)?;
@@ -287,13 +287,23 @@ pub(crate) fn recall(c: &Connection, cmd: &ConvEventCmd, message_id: &str) -> R<
     )?;
     exec(c, "DELETE FROM reactions WHERE message_id = ?1", params![message_id])?;
     // Earlier edit events carried the content too: keep them as events,
-    // without the content.
-    exec(
-        c,
-        "UPDATE messages SET content = json_set(json_remove(content, '$.content'), '$.recalled', json('true'))
-         WHERE target_id = ?1 AND kind = ?2",
-        params![message_id, KIND_EDIT],
-    )?;
+    // without the content (`content::Edited::recalled`).
+    let edits: Vec<(String, String)> = {
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT message_id, content FROM messages WHERE conv_id = ?1 AND target_id = ?2 AND kind = ?3",
+            )
+            .map_err(internal)?;
+        let rows = stmt
+            .query_map(params![cmd.conv, message_id, KIND_EDIT], |r| Ok((r.get(0)?, r.get(1)?)))
+            .map_err(internal)?;
+        rows.collect::<Result<_, _>>().map_err(internal)?
+    };
+    for (edit_id, stored) in edits {
+        let wiped =
+            content::Edited::recalled(&stored).map_err(|e| StoreError::Internal(format!("edit {edit_id}: {e}")))?;
+        exec(c, "UPDATE messages SET content = ?2 WHERE message_id = ?1", params![edit_id, wiped])?;
+    }
     Ok(ControlOutcome { msg_seq: seq, version, changed: true })
 }
 

@@ -224,13 +224,7 @@ fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
         cmd.quote_id.as_deref(),
         STATE_NORMAL,
     )?;
-    Ok(Accepted {
-        message_id: cmd.message_id.clone(),
-        conv: cmd.conv.clone(),
-        msg_seq,
-        created_at_ms: cmd.now_ms,
-        duplicate: false,
-    })
+    Ok(cmd.accepted(msg_seq))
 }
 
 fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<Period>> {
@@ -479,9 +473,7 @@ impl Store for SqliteStore {
     }
 
     async fn create_direct(&self, a: &str, b: &str, conv_id: &str, now_ms: i64) -> StoreResult<(String, bool)> {
-        if a == b {
-            return Err(StoreError::Invalid("a direct conversation needs two distinct users".into()));
-        }
+        tidemark_core::membership::check_direct(a, b)?;
         let (a, b, conv_id) = (a.to_owned(), b.to_owned(), conv_id.to_owned());
         let key = tidemark_core::ids::direct_key(&a, &b);
         self.writer
@@ -493,15 +485,8 @@ impl Store for SqliteStore {
                 {
                     return Ok((existing, false));
                 }
-                for u in [&a, &b] {
-                    let known: Option<i64> = c
-                        .query_row("SELECT 1 FROM users WHERE user_id = ?1", params![u], |r| r.get(0))
-                        .optional()
-                        .map_err(internal)?;
-                    if known.is_none() {
-                        return Err(StoreError::NotFound(format!("user {u}")));
-                    }
-                }
+                let pair = [a.clone(), b.clone()];
+                tidemark_core::membership::all_known(&pair, &events::known_users(c, &pair)?)?;
                 c.execute(
                     "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at)
                      VALUES (?1, ?2, ?3, 0, 1, NULL, ?4)",

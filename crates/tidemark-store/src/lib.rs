@@ -121,6 +121,17 @@ pub struct SendCmd {
 }
 
 impl SendCmd {
+    /// The send accepted at `msg_seq` (a new message, not a retry).
+    pub fn accepted(&self, msg_seq: MsgSeq) -> Accepted {
+        Accepted {
+            message_id: self.message_id.clone(),
+            conv: self.conv.clone(),
+            msg_seq,
+            created_at_ms: self.now_ms,
+            duplicate: false,
+        }
+    }
+
     /// The send as the conversation event it becomes.
     pub fn as_event(&self) -> ConvEventCmd {
         ConvEventCmd {
