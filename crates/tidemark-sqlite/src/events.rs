@@ -1,7 +1,9 @@
 //! Writer-side transactions for conversation events (membership, recall,
 //! edit, reaction) and per-user events (read, settings, delete-for-me).
 //! Each function runs inside the writer's open transaction and savepoint;
-//! an `Err` rolls back everything it wrote.
+//! an `Err` rolls back everything it wrote. Each loads the facts its rule
+//! needs (mostly in one statement), lets the rule in `tidemark-core` decide
+//! and writes what it decided; stored payloads are `tidemark_proto::content`.
 
 use std::rc::Rc;
 
