@@ -58,53 +58,29 @@ async fn accepted_sends_and_outbox_survive_reopen() {
     assert_eq!(store.server_secret().await.unwrap(), store.server_secret().await.unwrap());
 }
 
-/// F4: a message that hits two membership periods of one user is an
-/// integrity error: quarantined, counted, never delivered twice (or once by
-/// a guess); the other members still get it.
+/// F4 (the shared check): the corruption goes through a second connection
+/// to the database file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_periods_are_quarantined() {
-    use tidemark_store::ConvEventCmd;
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
-    for u in ["a", "b", "c"] {
-        store.create_user(u, "x", 0).await.unwrap();
-    }
-    let cmd = |id: &str| ConvEventCmd {
-        conv: "g1".into(),
-        actor: "a".into(),
-        actor_device: "d".into(),
-        event_id: id.into(),
-        client_msg_id: id.into(),
-        now_ms: 0,
-    };
-    store.create_group(cmd("e1"), vec!["b".into(), "c".into()]).await.unwrap();
-    // Corrupt the membership history: a second open period for b.
     let raw = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
     raw.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
-    raw.execute(
-        "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g1', 'b', 0, NULL)",
-        [],
+    let raw = &raw;
+    conformance::overlapping_periods_are_quarantined(
+        &*store,
+        move || async move {
+            raw.execute(
+                "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g1', 'b', 0, NULL)",
+                [],
+            )
+            .unwrap();
+        },
+        move || async move {
+            raw.query_row("SELECT COUNT(*) FROM fanout_quarantine WHERE user_id = 'b'", [], |r| r.get(0)).unwrap()
+        },
     )
-    .unwrap();
-    let send = SendCmd {
-        sender: "a".into(),
-        sender_device: "d".into(),
-        conv: "g1".into(),
-        client_msg_id: "m".into(),
-        kind: "text".into(),
-        content: "{}".into(),
-        message_id: "m1".into(),
-        quote_id: None,
-        now_ms: 0,
-    };
-    store.accept_send(send).await.unwrap();
-    let report = store.fan_out(store.pending_outbox(10).await.unwrap(), 0).await.unwrap();
-    assert_eq!(report.quarantined, 2, "b is quarantined for both events (created, m1)");
-    let quarantined: i64 =
-        raw.query_row("SELECT COUNT(*) FROM fanout_quarantine WHERE user_id = 'b'", [], |r| r.get(0)).unwrap();
-    assert_eq!(quarantined, 2);
-    assert_eq!(store.user_high_watermark("b").await.unwrap(), 0, "nothing delivered to b");
-    assert_eq!(store.user_high_watermark("c").await.unwrap(), 2, "c gets both");
+    .await;
 }
 
 /// The applied steps, in order, and their `applied_at`.

@@ -215,6 +215,29 @@ fn not_found(m: &str) -> StoreError {
     StoreError::NotFound(m.into())
 }
 
+/// F4: a message that hits two membership periods of one user is an
+/// integrity error: quarantined, counted, never delivered twice (or once by
+/// a guess); the other members still get it. `corrupt` is the backend's
+/// way to write, behind the store's back, a second open period for `b` in
+/// `g1` (`join_seq` 0); `quarantined` counts `b`'s quarantine rows.
+pub async fn overlapping_periods_are_quarantined<C, CF, Q, QF>(store: &dyn Store, corrupt: C, quarantined: Q)
+where
+    C: FnOnce() -> CF,
+    CF: std::future::Future<Output = ()>,
+    Q: FnOnce() -> QF,
+    QF: std::future::Future<Output = i64>,
+{
+    users(store, &["a", "b", "c"]).await;
+    store.create_group(ev("g1", "a", "e1"), vec!["b".into(), "c".into()]).await.unwrap();
+    corrupt().await;
+    store.accept_send(SendCmd { message_id: "m1".into(), ..send("a", "g1", "m") }).await.unwrap();
+    let report = store.fan_out(store.pending_outbox(10).await.unwrap(), T0).await.unwrap();
+    assert_eq!(report.quarantined, 2, "b is quarantined for both events (created, m1)");
+    assert_eq!(quarantined().await, 2);
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), 0, "nothing delivered to b");
+    assert_eq!(store.user_high_watermark("c").await.unwrap(), 2, "c gets both");
+}
+
 /// G1 (`core::membership`): group creation and its retry, who may add,
 /// remove or let leave whom, and what a membership change answers, the
 /// same errors from every backend.
