@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 
 use tidemark_sqlite::SqliteStore;
-use tidemark_store::{conformance, SendCmd, Store};
+use tidemark_store::{conformance, Store};
 
 /// Temp dirs live until the end of the test.
 fn fresh_store(dirs: &Mutex<Vec<tempfile::TempDir>>) -> Arc<dyn Store> {
@@ -29,33 +29,15 @@ async fn sqlite_passes_the_rule_checks() {
     conformance::run_rules(|| async { fresh_store(&dirs) }).await;
 }
 
+/// The shared check, reopening the same data directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_sends_and_outbox_survive_reopen() {
     let dir = tempfile::tempdir().unwrap();
-    {
-        let store = SqliteStore::open(dir.path()).unwrap();
-        store.create_user("a", "x", 0).await.unwrap();
-        store.create_user("b", "x", 0).await.unwrap();
-        let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-        for i in 0..5 {
-            let cmd = SendCmd {
-                sender: "a".into(),
-                sender_device: "d".into(),
-                conv: conv.clone(),
-                client_msg_id: format!("{i}"),
-                kind: "text".into(),
-                content: "{}".into(),
-                message_id: format!("m{i}"),
-                quote_id: None,
-                now_ms: 0,
-            };
-            store.accept_send(cmd).await.unwrap();
-        }
-    }
-    let store = SqliteStore::open(dir.path()).unwrap();
-    let pending = store.pending_outbox(100).await.unwrap();
-    assert_eq!(pending.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
-    assert_eq!(store.server_secret().await.unwrap(), store.server_secret().await.unwrap());
+    let path = dir.path();
+    conformance::accepted_sends_and_outbox_survive_reopen(|| async move {
+        SqliteStore::open(path).unwrap() as Arc<dyn Store>
+    })
+    .await;
 }
 
 /// F4 (the shared check): the corruption goes through a second connection

@@ -215,6 +215,30 @@ fn not_found(m: &str) -> StoreError {
     StoreError::NotFound(m.into())
 }
 
+/// S3, durability: accepted sends and their outbox records, and the server
+/// secret, survive closing and reopening the store; reopening changes
+/// nothing. `open` opens the same database each time.
+pub async fn accepted_sends_and_outbox_survive_reopen<F, Fut>(open: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Arc<dyn Store>>,
+{
+    let secret = {
+        let store = open().await;
+        users(&*store, &["a", "b"]).await;
+        let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+        for i in 0..5 {
+            store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+        }
+        store.server_secret().await.unwrap()
+    };
+    let store = open().await;
+    let pending = store.pending_outbox(100).await.unwrap();
+    assert_eq!(pending.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+    assert_eq!(store.server_secret().await.unwrap(), secret, "the secret is created once and kept");
+    assert_eq!(secret.len(), 32);
+}
+
 /// F4: a message that hits two membership periods of one user is an
 /// integrity error: quarantined, counted, never delivered twice (or once by
 /// a guess); the other members still get it. `corrupt` is the backend's
