@@ -253,6 +253,65 @@ pub fn decide_ack_with(
     }
 }
 
+/// What a compare-and-set on a device cursor does (D5, D6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CasDecision {
+    /// The cursor is no longer what the caller expected: nothing is
+    /// written; the answer is the current cursor.
+    Refuse { current: DeviceCursor },
+    /// Write `new`. `ends_recovery`: the generation moved, so any recovery
+    /// session of the old one is over and no longer fences retention.
+    Write { new: DeviceCursor, ends_recovery: bool },
+}
+
+/// D5: replace the cursor with `new` only if it still equals `expected`.
+/// A generation never goes back: asking for that is a caller bug.
+pub fn decide_cas(current: DeviceCursor, expected: DeviceCursor, new: DeviceCursor) -> CasDecision {
+    if current != expected {
+        return CasDecision::Refuse { current };
+    }
+    assert!(new.generation >= expected.generation, "a generation never goes back");
+    CasDecision::Write { new, ends_recovery: new.generation != expected.generation }
+}
+
+/// D6: opening a recovery session is a CAS from `expected` to the next
+/// generation in `RECOVERING` (same ACK); any older session ends.
+pub fn decide_begin_recovery(current: DeviceCursor, expected: DeviceCursor) -> CasDecision {
+    if current != expected {
+        return CasDecision::Refuse { current };
+    }
+    let new = DeviceCursor { generation: current.generation + 1, state: DeviceState::Recovering, ..current };
+    CasDecision::Write { new, ends_recovery: true }
+}
+
+/// D4, D6: the cursor an ACK decision writes, or `None` when it writes
+/// none. Completing a recovery also completes its session; an expired one
+/// also expires its session.
+pub fn cursor_after_ack(cursor: DeviceCursor, decision: AckDecision) -> Option<DeviceCursor> {
+    match decision {
+        AckDecision::Advance { to } => {
+            assert!(to > cursor.acked_sync_seq, "an ACK only moves forward");
+            Some(DeviceCursor { acked_sync_seq: to, ..cursor })
+        }
+        AckDecision::CompleteRecovery { to } => {
+            Some(DeviceCursor { acked_sync_seq: to, state: DeviceState::Active, ..cursor })
+        }
+        AckDecision::RecoveryExpired { .. } => {
+            Some(DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor })
+        }
+        AckDecision::Unchanged { .. }
+        | AckDecision::StaleGeneration { .. }
+        | AckDecision::Resetting { .. }
+        | AckDecision::Revoked => None,
+    }
+}
+
+/// P5: revoking writes `REVOKED` (generation and ACK kept), once; `None`
+/// when the device already is revoked.
+pub fn revoked(cursor: DeviceCursor) -> Option<DeviceCursor> {
+    (cursor.state != DeviceState::Revoked).then_some(DeviceCursor { state: DeviceState::Revoked, ..cursor })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -371,5 +430,48 @@ mod tests {
             }
             proptest::prop_assert_eq!(cursor.acked_sync_seq, *acks.iter().max().unwrap());
         }
+    }
+
+    #[test]
+    fn cas_rules() {
+        fn check(input: (DeviceCursor, DeviceCursor, DeviceCursor), expect: CasDecision) {
+            assert_eq!(decide_cas(input.0, input.1, input.2), expect, "{input:?}");
+        }
+        let new = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::New };
+        let bumped = DeviceCursor { generation: 2, acked_sync_seq: 0, state: DeviceState::Resetting };
+        check((new, new, active(1, 0)), CasDecision::Write { new: active(1, 0), ends_recovery: false });
+        check((new, new, bumped), CasDecision::Write { new: bumped, ends_recovery: true });
+        check((bumped, new, active(1, 0)), CasDecision::Refuse { current: bumped });
+        check((active(1, 4), active(1, 3), active(1, 5)), CasDecision::Refuse { current: active(1, 4) });
+    }
+
+    #[test]
+    fn begin_recovery_rules() {
+        fn check(input: (DeviceCursor, DeviceCursor), expect: CasDecision) {
+            assert_eq!(decide_begin_recovery(input.0, input.1), expect, "{input:?}");
+        }
+        let recovering = DeviceCursor { generation: 3, acked_sync_seq: 9, state: DeviceState::Recovering };
+        check((active(2, 9), active(2, 9)), CasDecision::Write { new: recovering, ends_recovery: true });
+        check((active(2, 9), active(2, 8)), CasDecision::Refuse { current: active(2, 9) });
+        check((recovering, active(2, 9)), CasDecision::Refuse { current: recovering });
+    }
+
+    #[test]
+    fn cursor_after_ack_rules() {
+        fn check(input: (DeviceCursor, AckDecision), expect: Option<DeviceCursor>) {
+            assert_eq!(cursor_after_ack(input.0, input.1), expect, "{input:?}");
+        }
+        let recovering = DeviceCursor { generation: 3, acked_sync_seq: 9, state: DeviceState::Recovering };
+        check((active(2, 5), AckDecision::Advance { to: 9 }), Some(active(2, 9)));
+        check((recovering, AckDecision::CompleteRecovery { to: 12 }), Some(active(3, 12)));
+        let reset = DeviceCursor { generation: 4, acked_sync_seq: 9, state: DeviceState::Resetting };
+        check((recovering, AckDecision::RecoveryExpired { current: 3 }), Some(reset));
+        check((active(2, 5), AckDecision::Unchanged { acked: 5 }), None);
+        check((active(2, 5), AckDecision::StaleGeneration { current: 2 }), None);
+        check((reset, AckDecision::Resetting { current: 4 }), None);
+        check((active(2, 5), AckDecision::Revoked), None);
+        let revoked_cursor = DeviceCursor { state: DeviceState::Revoked, ..active(2, 5) };
+        assert_eq!(revoked(active(2, 5)), Some(revoked_cursor));
+        assert_eq!(revoked(revoked_cursor), None);
     }
 }

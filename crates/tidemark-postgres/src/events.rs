@@ -3,8 +3,9 @@
 //! delete-for-me, delivery, unread rebuild).
 //!
 //! Each function runs inside the writer's open transaction and savepoint;
-//! an `Err` rolls back everything it wrote. The checks and their order are
-//! the SQLite backend's, so the same situation gives the same error.
+//! an `Err` rolls back everything it wrote. Each loads the facts its rule
+//! needs, lets the rule in `tidemark-core` decide and writes what it
+//! decided, so the same situation gives the same answer as in SQLite.
 //!
 //! Locks (see the crate docs for the full order): a conversation event
 //! locks its conversation row before it checks rights or state, so the
@@ -12,21 +13,19 @@
 //! event locks the user's head row before touching the user's other rows.
 //! This module knows no pool, no queue and no read path.
 
+use tidemark_core::control::{self, ControlDecision, Target};
+use tidemark_core::membership::{self, MembershipDecision, MembershipFacts};
+use tidemark_core::projection::{self, Settings};
+use tidemark_proto::content::{self, Payload};
 use tidemark_store::*;
 
 use crate::db::{self, big, col, exec, query, query_opt, scalar, seq, seq_opt, Conn};
 
-/// Most members a group may have (the fan-out is per member).
-pub const GROUP_MEMBERS_MAX: usize = 1000;
-/// Most message ids in one `delivery.ack`.
-pub const DELIVERY_IDS_MAX: usize = 500;
-
 type R<T> = StoreResult<T>;
 
 /// The earlier event with this idempotency key, if any: `(message_id,
-/// conv, msg_seq, created_at_ms)`. An idempotency key names one operation:
-/// reusing it in another conversation or for another kind of event is
-/// refused (`Invalid`). `kinds` empty means "a user message".
+/// conv, msg_seq, created_at_ms)`, once `control::check_replay` found it the
+/// same operation (`kinds` empty means "a user message").
 pub(crate) async fn existing_event_of(
     c: &Conn,
     sender: &str,
@@ -42,12 +41,7 @@ pub(crate) async fn existing_event_of(
     .await?;
     let Some(r) = row else { return Ok(None) };
     let (event_conv, kind): (String, String) = (col(&r, 1)?, col(&r, 4)?);
-    let same_kind = if kinds.is_empty() { !is_control_kind(&kind) } else { kinds.contains(&kind.as_str()) };
-    if event_conv != conv || !same_kind {
-        return Err(StoreError::Invalid(format!(
-            "client_msg_id {client_msg_id} was already used for another operation"
-        )));
-    }
+    control::check_replay((&event_conv, &kind), conv, kinds, client_msg_id)?;
     Ok(Some((col(&r, 0)?, event_conv, seq(&r, 2)?, col(&r, 3)?)))
 }
 
@@ -56,18 +50,6 @@ pub(crate) async fn is_active_member(c: &Conn, conv: &str, user: &str) -> R<bool
         c,
         "SELECT period_id FROM membership_periods WHERE conv_id = $1 AND user_id = $2 AND leave_seq IS NULL LIMIT 1",
         &[&conv, &user],
-    )
-    .await?
-    .is_some())
-}
-
-/// The user's periods in a conversation cover `seq`.
-pub(crate) async fn sees(c: &Conn, conv: &str, user: &str, at: u64) -> R<bool> {
-    Ok(scalar::<i64>(
-        c,
-        "SELECT period_id FROM membership_periods WHERE conv_id = $1 AND user_id = $2
-         AND join_seq <= $3 AND (leave_seq IS NULL OR leave_seq >= $3) LIMIT 1",
-        &[&conv, &user, &big(at)],
     )
     .await?
     .is_some())
@@ -184,9 +166,7 @@ pub(crate) async fn accept_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
     {
         return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
-    if is_control_kind(&cmd.kind) {
-        return Err(StoreError::Invalid(format!("kind {} is reserved for control events", cmd.kind)));
-    }
+    control::check_send_kind(&cmd.kind)?;
     // The msg_seq is taken first: its row lock orders this send against
     // membership changes from any writer (G1), and the checks below read
     // what was committed before it. A refusal rolls the increment back.
@@ -197,65 +177,25 @@ pub(crate) async fn accept_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
     if let Some(quoted) = &cmd.quote_id {
         let row = query_opt(
             c,
-            "SELECT msg_seq, kind FROM messages WHERE conv_id = $1 AND message_id = $2",
-            &[&cmd.conv, quoted],
+            "SELECT m.kind, EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id
+                    AND p.user_id = $3 AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= m.msg_seq))
+             FROM messages m WHERE m.conv_id = $1 AND m.message_id = $2",
+            &[&cmd.conv, quoted, &cmd.sender],
         )
+        .await?
+        .map(|r| Ok::<_, StoreError>((col::<String>(&r, 0)?, col::<bool>(&r, 1)?)))
+        .transpose()?;
+        control::check_quote(quoted, row.as_ref().map(|(kind, sees)| (kind.as_str(), *sees)))?;
+    }
+    insert_event(c, &cmd.as_event(), msg_seq, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL)
         .await?;
-        let ok = match row {
-            Some(r) => {
-                let kind: String = col(&r, 1)?;
-                !is_control_kind(&kind) && sees(c, &cmd.conv, &cmd.sender, seq(&r, 0)?).await?
-            }
-            None => false,
-        };
-        if !ok {
-            return Err(StoreError::Invalid(format!("quoted message {quoted} is not in this conversation")));
-        }
-    }
-    let event = ConvEventCmd {
-        conv: cmd.conv.clone(),
-        actor: cmd.sender.clone(),
-        actor_device: cmd.sender_device.clone(),
-        event_id: cmd.message_id.clone(),
-        client_msg_id: cmd.client_msg_id.clone(),
-        now_ms: cmd.now_ms,
-    };
-    insert_event(c, &event, msg_seq, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL).await?;
-    Ok(Accepted {
-        message_id: cmd.message_id.clone(),
-        conv: cmd.conv.clone(),
-        msg_seq,
-        created_at_ms: cmd.now_ms,
-        duplicate: false,
-    })
+    Ok(cmd.accepted(msg_seq))
 }
 
-pub(crate) fn json_str(s: &str) -> String {
-    // Identifiers are validated ASCII without quotes or backslashes, but
-    // escape anyway: this string lands inside stored JSON.
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for ch in s.chars() {
-        match ch {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-pub(crate) async fn user_exists(c: &Conn, user: &str) -> R<bool> {
-    Ok(scalar::<i32>(c, "SELECT 1 FROM users WHERE user_id = $1", &[&user]).await?.is_some())
-}
-
-/// The first of `users` (in the given order) that has no account.
-async fn first_unknown_user<'u>(c: &Conn, users: &'u [String]) -> R<Option<&'u String>> {
+/// The users among `users` that have an account.
+pub(crate) async fn known_users(c: &Conn, users: &[String]) -> R<Vec<String>> {
     let rows = query(c, "SELECT user_id FROM users WHERE user_id = ANY($1)", &[&users]).await?;
-    let known = rows.iter().map(|r| col::<String>(r, 0)).collect::<R<std::collections::HashSet<String>>>()?;
-    Ok(users.iter().find(|u| !known.contains(*u)))
+    rows.iter().map(|r| col::<String>(r, 0)).collect()
 }
 
 pub(crate) async fn create_group(c: &Conn, cmd: &ConvEventCmd, members: &[String]) -> R<(String, u64)> {
@@ -265,24 +205,14 @@ pub(crate) async fn create_group(c: &Conn, cmd: &ConvEventCmd, members: &[String
         "SELECT conv_id, kind FROM messages WHERE sender = $1 AND client_msg_id = $2",
         &[&cmd.actor, &cmd.client_msg_id],
     )
-    .await?;
-    if let Some(r) = earlier {
-        let (conv, kind): (String, String) = (col(&r, 0)?, col(&r, 1)?);
-        if kind == KIND_CREATED {
-            return Ok((conv, 1));
-        }
-        return Err(StoreError::Invalid(format!("client_msg_id {} was already used", cmd.client_msg_id)));
+    .await?
+    .map(|r| Ok::<_, StoreError>((col(&r, 0)?, col(&r, 1)?)))
+    .transpose()?;
+    if let Some(conv) = membership::replayed_group(earlier, &cmd.client_msg_id)? {
+        return Ok((conv, 1));
     }
-    let mut all: Vec<String> = members.to_vec();
-    all.push(cmd.actor.clone());
-    all.sort();
-    all.dedup();
-    if all.len() > GROUP_MEMBERS_MAX {
-        return Err(StoreError::Invalid(format!("a group has at most {GROUP_MEMBERS_MAX} members")));
-    }
-    if let Some(u) = first_unknown_user(c, &all).await? {
-        return Err(StoreError::NotFound(format!("user {u}")));
-    }
+    let all = membership::group_members(&cmd.actor, members)?;
+    membership::all_known(&all, &known_users(c, &all).await?)?;
     exec(
         c,
         "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at)
@@ -290,8 +220,7 @@ pub(crate) async fn create_group(c: &Conn, cmd: &ConvEventCmd, members: &[String
         &[&cmd.conv, &CONV_GROUP, &cmd.actor, &cmd.now_ms],
     )
     .await?;
-    let list = all.iter().map(|u| json_str(u)).collect::<Vec<_>>().join(",");
-    let content = format!("{{\"owner\":{},\"members\":[{list}]}}", json_str(&cmd.actor));
+    let content = content::GroupCreated { owner: &cmd.actor, members: &all }.to_json();
     let at = append_conv_event(c, cmd, KIND_CREATED, &content, None, STATE_NORMAL).await?;
     exec(
         c,
@@ -309,67 +238,47 @@ pub(crate) async fn create_group(c: &Conn, cmd: &ConvEventCmd, members: &[String
     Ok((cmd.conv.clone(), at))
 }
 
+/// What a membership change decides on: the conversation row, locked
+/// first (`None`: no such conversation), then the periods and the target's
+/// account in one statement.
+async fn membership_facts(c: &Conn, conv: &str, actor: &str, target: &str) -> R<Option<MembershipFacts>> {
+    let Some((kind, owner)) = lock_conversation(c, conv).await? else { return Ok(None) };
+    let r = db::query_one(
+        c,
+        "SELECT EXISTS (SELECT 1 FROM membership_periods WHERE conv_id = $1 AND user_id = $2 AND leave_seq IS NULL),
+                EXISTS (SELECT 1 FROM users WHERE user_id = $3),
+                (SELECT join_seq FROM membership_periods WHERE conv_id = $1 AND user_id = $3 AND leave_seq IS NULL
+                 LIMIT 1),
+                (SELECT COUNT(*) FROM membership_periods WHERE conv_id = $1 AND leave_seq IS NULL)",
+        &[&conv, &actor, &target],
+    )
+    .await?;
+    Ok(Some(MembershipFacts {
+        kind,
+        owner,
+        actor_active: col(&r, 0)?,
+        target_known: col(&r, 1)?,
+        target_open_join: seq_opt(&r, 2)?,
+        active_members: seq(&r, 3)?,
+    }))
+}
+
 pub(crate) async fn change_membership(c: &Conn, cmd: &ConvEventCmd, target: &str, change: MembershipChange) -> R<u64> {
     if let Some((_, _, at, _)) =
         existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[KIND_JOIN, KIND_LEAVE]).await?
     {
         return Ok(at);
     }
-    let Some((kind, owner)) = lock_conversation(c, &cmd.conv).await? else {
-        return Err(StoreError::NotFound(format!("conversation {}", cmd.conv)));
+    let facts = membership_facts(c, &cmd.conv, &cmd.actor, target).await?;
+    let decision = membership::decide_membership(&cmd.conv, facts.as_ref(), &cmd.actor, target, change)?;
+    let event_kind = match decision {
+        MembershipDecision::AlreadyMember { join_seq } => return Ok(join_seq),
+        MembershipDecision::Join => KIND_JOIN,
+        MembershipDecision::Leave => KIND_LEAVE,
     };
-    if kind != CONV_GROUP {
-        return Err(StoreError::Invalid("a direct conversation has fixed members".into()));
-    }
-    if !is_active_member(c, &cmd.conv, &cmd.actor).await? {
-        return Err(StoreError::NotMember);
-    }
-    let target_active = is_active_member(c, &cmd.conv, target).await?;
-    let (event_kind, verb) = match change {
-        MembershipChange::Add => {
-            if !user_exists(c, target).await? {
-                return Err(StoreError::NotFound(format!("user {target}")));
-            }
-            if target_active {
-                // Already a member: nothing to do; the open period's join.
-                let join: Option<i64> = scalar(
-                    c,
-                    "SELECT join_seq FROM membership_periods WHERE conv_id = $1 AND user_id = $2 AND leave_seq IS NULL
-                     LIMIT 1",
-                    &[&cmd.conv, &target],
-                )
-                .await?;
-                let join = join.ok_or_else(|| StoreError::Internal("an active member has an open period".into()))?;
-                return Ok(join as u64);
-            }
-            let members: i64 = scalar(
-                c,
-                "SELECT COUNT(*) FROM membership_periods WHERE conv_id = $1 AND leave_seq IS NULL",
-                &[&cmd.conv],
-            )
-            .await?
-            .unwrap_or(0);
-            if members as usize >= GROUP_MEMBERS_MAX {
-                return Err(StoreError::Invalid(format!("a group has at most {GROUP_MEMBERS_MAX} members")));
-            }
-            (KIND_JOIN, "add")
-        }
-        MembershipChange::Remove | MembershipChange::Leave => {
-            if change == MembershipChange::Leave && target != cmd.actor {
-                return Err(StoreError::Invalid("leave applies to the caller".into()));
-            }
-            if change == MembershipChange::Remove && owner.as_deref() != Some(cmd.actor.as_str()) {
-                return Err(StoreError::Forbidden("only the group owner removes members".into()));
-            }
-            if !target_active {
-                return Err(StoreError::NotFound(format!("{target} is not a member")));
-            }
-            (KIND_LEAVE, if change == MembershipChange::Leave { "leave" } else { "remove" })
-        }
-    };
-    let content = format!("{{\"user\":{},\"by\":{},\"op\":\"{verb}\"}}", json_str(target), json_str(&cmd.actor));
+    let content = content::MemberChanged { user: target, by: &cmd.actor, op: change.verb() }.to_json();
     let at = append_conv_event(c, cmd, event_kind, &content, None, STATE_NORMAL).await?;
-    if event_kind == KIND_JOIN {
+    if decision == MembershipDecision::Join {
         // A new period per join: the old ones keep their own range (G1).
         exec(
             c,
@@ -400,84 +309,104 @@ pub(crate) async fn change_membership(c: &Conn, cmd: &ConvEventCmd, target: &str
     Ok(at)
 }
 
-struct Target {
-    msg_seq: u64,
-    sender: String,
-    state: String,
-    version: u64,
-    recall_seq: Option<u64>,
-}
-
-/// A user message of `conv` (never a control event), or `NotFound`.
-async fn load_target(c: &Conn, conv: &str, message_id: &str) -> R<Target> {
+/// The target of a control event by `actor` (a reaction's current state
+/// when `reaction` is given), in one statement; `None` if `conv` has no
+/// such message.
+async fn load_target(c: &Conn, conv: &str, message_id: &str, actor: &str, reaction: Option<&str>) -> R<Option<Target>> {
     let row = query_opt(
         c,
-        "SELECT msg_seq, sender, kind, state, version, recall_seq FROM messages WHERE conv_id = $1 AND message_id = $2",
-        &[&conv, &message_id],
+        "SELECT m.kind, m.msg_seq, m.sender, m.state, m.version, m.recall_seq,
+                EXISTS (SELECT 1 FROM membership_periods p
+                        WHERE p.conv_id = m.conv_id AND p.user_id = $3 AND p.leave_seq IS NULL),
+                EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = $3
+                        AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= m.msg_seq)),
+                (SELECT r.event_seq FROM reactions r WHERE r.conv_id = m.conv_id AND r.message_id = m.message_id
+                 AND r.user_id = $3 AND r.reaction = $4)
+         FROM messages m WHERE m.conv_id = $1 AND m.message_id = $2",
+        &[&conv, &message_id, &actor, &reaction],
     )
     .await?;
-    if let Some(r) = row {
-        let kind: String = col(&r, 2)?;
-        if !is_control_kind(&kind) {
-            return Ok(Target {
-                msg_seq: seq(&r, 0)?,
-                sender: col(&r, 1)?,
-                state: col(&r, 3)?,
-                version: seq(&r, 4)?,
-                recall_seq: seq_opt(&r, 5)?,
-            });
-        }
-    }
-    Err(StoreError::NotFound(format!("message {message_id}")))
+    row.map(|r| {
+        Ok(Target {
+            kind: col(&r, 0)?,
+            msg_seq: seq(&r, 1)?,
+            sender: col(&r, 2)?,
+            state: col(&r, 3)?,
+            version: seq(&r, 4)?,
+            recall_seq: seq_opt(&r, 5)?,
+            actor_active: col(&r, 6)?,
+            actor_sees: col(&r, 7)?,
+            actor_reaction: seq_opt(&r, 8)?,
+        })
+    })
+    .transpose()
 }
 
-async fn retry_outcome(c: &Conn, cmd: &ConvEventCmd, message_id: &str, kind: &str) -> R<Option<ControlOutcome>> {
-    let Some((_, _, at, _)) = existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[kind]).await? else {
-        return Ok(None);
+/// A control event's facts and its decision: a retry of an earlier run
+/// (`control::decide_retry`, without the lock, as it writes nothing), else
+/// `decide` on the target read under the conversation's lock. `Ok` is what
+/// to write (the target and its new version), `Err` the answer without a
+/// write.
+async fn decide_control(
+    c: &Conn,
+    cmd: &ConvEventCmd,
+    message_id: &str,
+    kind: &str,
+    reaction: Option<&str>,
+    decide: impl FnOnce(Option<&Target>) -> Result<ControlDecision, tidemark_core::Refusal>,
+) -> R<Result<(Target, u64), ControlOutcome>> {
+    let earlier = existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[kind]).await?;
+    if earlier.is_none() {
+        lock_conversation(c, &cmd.conv).await?;
+    }
+    let t = load_target(c, &cmd.conv, message_id, &cmd.actor, reaction).await?;
+    let decision = match earlier {
+        Some((_, _, at, _)) => control::decide_retry(at, t.as_ref(), message_id)?,
+        None => decide(t.as_ref())?,
     };
-    let t = load_target(c, &cmd.conv, message_id).await?;
-    Ok(Some(ControlOutcome { msg_seq: at, version: t.version, changed: false }))
+    Ok(control::plan(t, decision))
 }
 
 pub(crate) async fn recall(c: &Conn, cmd: &ConvEventCmd, message_id: &str) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_RECALL).await? {
-        return Ok(done);
-    }
-    lock_conversation(c, &cmd.conv).await?;
-    let t = load_target(c, &cmd.conv, message_id).await?;
-    if t.sender != cmd.actor {
-        return Err(StoreError::Forbidden("only the sender recalls a message".into()));
-    }
-    if !is_active_member(c, &cmd.conv, &cmd.actor).await? {
-        return Err(StoreError::NotMember);
-    }
-    if let Some(at) = t.recall_seq {
-        return Ok(ControlOutcome { msg_seq: at, version: t.version, changed: false });
-    }
-    let content = format!("{{\"target_message_id\":{},\"target_msg_seq\":{}}}", json_str(message_id), t.msg_seq);
+    let planned =
+        decide_control(c, cmd, message_id, KIND_RECALL, None, |t| control::decide_recall(t, &cmd.actor, message_id))
+            .await?;
+    let (t, version) = match planned {
+        Ok(write) => write,
+        Err(done) => return Ok(done),
+    };
+    let content = content::Recalled { target_message_id: message_id, target_msg_seq: t.msg_seq }.to_json();
     let at = append_conv_event(c, cmd, KIND_RECALL, &content, Some(message_id), STATE_NORMAL).await?;
     // The original content is gone for good: no path can serve it again.
     exec(
         c,
-        "UPDATE messages SET state = $3, content = '{}', version = version + 1, recall_seq = $4
+        "UPDATE messages SET state = $3, content = '{}', version = $5, recall_seq = $4
          WHERE conv_id = $1 AND message_id = $2",
-        &[&cmd.conv, &message_id, &STATE_RECALLED, &big(at)],
+        &[&cmd.conv, &message_id, &STATE_RECALLED, &big(at), &big(version)],
     )
     .await?;
     exec(c, "DELETE FROM reactions WHERE conv_id = $1 AND message_id = $2", &[&cmd.conv, &message_id]).await?;
     // Earlier edit events carried the content too: keep them as events,
-    // without the content. Their payload is the one `edit` writes, minified
-    // with `content` last, so cutting it at `,"content":` and appending
-    // `"recalled":true` gives the very text SQLite's
-    // `json_set(json_remove(content, '$.content'), '$.recalled', true)` does.
-    exec(c, RECALL_EDITS, &[&cmd.conv, &message_id, &KIND_EDIT]).await?;
-    Ok(ControlOutcome { msg_seq: at, version: t.version + 1, changed: true })
+    // without the content (`content::Edited::recalled`).
+    let edits = query(
+        c,
+        "SELECT message_id, content FROM messages WHERE conv_id = $1 AND target_id = $2 AND kind = $3",
+        &[&cmd.conv, &message_id, &KIND_EDIT],
+    )
+    .await?;
+    for r in &edits {
+        let (edit_id, stored): (String, String) = (col(r, 0)?, col(r, 1)?);
+        let wiped =
+            content::Edited::recalled(&stored).map_err(|e| StoreError::Internal(format!("edit {edit_id}: {e}")))?;
+        exec(
+            c,
+            "UPDATE messages SET content = $3 WHERE conv_id = $1 AND message_id = $2",
+            &[&cmd.conv, &edit_id, &wiped],
+        )
+        .await?;
+    }
+    Ok(ControlOutcome { msg_seq: at, version, changed: true })
 }
-
-/// Wipes the content of the edit events of a recalled message.
-const RECALL_EDITS: &str = "UPDATE messages
-     SET content = left(content, strpos(content, ',\"content\":') - 1) || ',\"recalled\":true}'
-     WHERE conv_id = $1 AND target_id = $2 AND kind = $3 AND strpos(content, ',\"content\":') > 0";
 
 pub(crate) async fn edit(
     c: &Conn,
@@ -486,29 +415,17 @@ pub(crate) async fn edit(
     content: &str,
     base_version: u64,
 ) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_EDIT).await? {
-        return Ok(done);
-    }
-    lock_conversation(c, &cmd.conv).await?;
-    let t = load_target(c, &cmd.conv, message_id).await?;
-    if t.sender != cmd.actor {
-        return Err(StoreError::Forbidden("only the sender edits a message".into()));
-    }
-    if !is_active_member(c, &cmd.conv, &cmd.actor).await? {
-        return Err(StoreError::NotMember);
-    }
-    if t.state == STATE_RECALLED {
-        return Err(StoreError::Invalid("a recalled message cannot be edited".into()));
-    }
-    if base_version != t.version {
-        return Err(StoreError::VersionConflict(t.version));
-    }
-    let version = t.version + 1;
-    let event = format!(
-        "{{\"target_message_id\":{},\"target_msg_seq\":{},\"version\":{version},\"content\":{content}}}",
-        json_str(message_id),
-        t.msg_seq
-    );
+    let planned = decide_control(c, cmd, message_id, KIND_EDIT, None, |t| {
+        control::decide_edit(t, &cmd.actor, message_id, base_version)
+    })
+    .await?;
+    let (t, version) = match planned {
+        Ok(write) => write,
+        Err(done) => return Ok(done),
+    };
+    let event = content::Edited::new(message_id, t.msg_seq, version, content)
+        .map_err(|e| StoreError::Invalid(e.to_string()))?
+        .to_json();
     let at = append_conv_event(c, cmd, KIND_EDIT, &event, Some(message_id), STATE_NORMAL).await?;
     exec(
         c,
@@ -526,36 +443,15 @@ pub(crate) async fn react(
     reaction: &str,
     add: bool,
 ) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_REACTION).await? {
-        return Ok(done);
-    }
-    lock_conversation(c, &cmd.conv).await?;
-    let t = load_target(c, &cmd.conv, message_id).await?;
-    if !is_active_member(c, &cmd.conv, &cmd.actor).await? || !sees(c, &cmd.conv, &cmd.actor, t.msg_seq).await? {
-        return Err(StoreError::NotMember);
-    }
-    if t.state == STATE_RECALLED {
-        return Err(StoreError::Invalid("a recalled message takes no reactions".into()));
-    }
-    let current: Option<i64> = scalar(
-        c,
-        "SELECT event_seq FROM reactions WHERE conv_id = $1 AND message_id = $2 AND user_id = $3 AND reaction = $4",
-        &[&cmd.conv, &message_id, &cmd.actor, &reaction],
-    )
+    let planned = decide_control(c, cmd, message_id, KIND_REACTION, Some(reaction), |t| {
+        control::decide_react(t, message_id, add)
+    })
     .await?;
-    if current.is_some() == add {
-        // Already in the requested state: idempotent, nothing new.
-        return Ok(ControlOutcome { msg_seq: current.unwrap_or(0) as u64, version: t.version, changed: false });
-    }
-    let version = t.version + 1;
-    let event = format!(
-        "{{\"target_message_id\":{},\"target_msg_seq\":{},\"reaction\":{},\"op\":\"{}\",\"user\":{},\"version\":{version}}}",
-        json_str(message_id),
-        t.msg_seq,
-        json_str(reaction),
-        if add { "add" } else { "remove" },
-        json_str(&cmd.actor)
-    );
+    let (t, version) = match planned {
+        Ok(write) => write,
+        Err(done) => return Ok(done),
+    };
+    let event = content::Reacted::new(message_id, t.msg_seq, reaction, add, &cmd.actor, version).to_json();
     let at = append_conv_event(c, cmd, KIND_REACTION, &event, Some(message_id), STATE_NORMAL).await?;
     if add {
         exec(
@@ -665,17 +561,15 @@ pub(crate) async fn mark_read(c: &Conn, user: &str, conv: &str, read_to_seq: u64
     .await?;
     let Some(row) = row else { return Err(not_found_or_not_member(c, conv).await?) };
     let (read_seq, head) = (seq(&row, 0)?, seq(&row, 1)?);
-    let target = read_to_seq.min(head);
-    if target <= read_seq {
+    let Some(target) = projection::read_target(read_to_seq, head, read_seq) else {
         return Ok(ReadOutcome { read_seq, unread: seq(&row, 2)?, written: None });
-    }
+    };
     exec(c, "UPDATE user_convs SET read_seq = $3 WHERE user_id = $1 AND conv_id = $2", &[&user, &conv, &big(target)])
         .await?;
     let unread = recount_unread(c, user, conv).await?;
-    let data = format!("{{\"read_seq\":{target},\"unread\":{unread}}}");
-    let written =
-        append_user_event(c, user, EVENT_READ, conv, Some(target), &format!("read:{conv}:{target}"), &data, now_ms)
-            .await?;
+    let data = content::ReadData { read_seq: target, unread }.to_json();
+    let source = projection::read_event_id(conv, target);
+    let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms).await?;
     Ok(ReadOutcome { read_seq: target, unread, written })
 }
 
@@ -709,20 +603,21 @@ pub(crate) async fn update_settings(
     )
     .await?;
     let Some(row) = row else { return Err(not_found_or_not_member(c, conv).await?) };
-    let (m0, p0, v0): (bool, bool, i64) = (col(&row, 0)?, col(&row, 1)?, col(&row, 2)?);
-    let (m1, p1) = (muted.unwrap_or(m0), pinned.unwrap_or(p0));
-    let written = if (m1, p1) == (m0, p0) {
-        None
-    } else {
-        let v1 = v0 + 1;
-        exec(
-            c,
-            "UPDATE user_convs SET muted = $3, pinned = $4, settings_version = $5 WHERE user_id = $1 AND conv_id = $2",
-            &[&user, &conv, &m1, &p1, &v1],
-        )
-        .await?;
-        let data = format!("{{\"muted\":{m1},\"pinned\":{p1},\"version\":{v1}}}");
-        append_user_event(c, user, EVENT_SETTINGS, conv, None, &format!("settings:{conv}:{v1}"), &data, now_ms).await?
+    let now = Settings { muted: col(&row, 0)?, pinned: col(&row, 1)?, version: seq(&row, 2)? };
+    let written = match projection::settings_after(now, muted, pinned) {
+        None => None,
+        Some(next) => {
+            exec(
+                c,
+                "UPDATE user_convs SET muted = $3, pinned = $4, settings_version = $5
+                 WHERE user_id = $1 AND conv_id = $2",
+                &[&user, &conv, &next.muted, &next.pinned, &big(next.version)],
+            )
+            .await?;
+            let data = content::SettingsData { muted: next.muted, pinned: next.pinned, version: next.version };
+            let source = projection::settings_event_id(conv, next.version);
+            append_user_event(c, user, EVENT_SETTINGS, conv, None, &source, &data.to_json(), now_ms).await?
+        }
     };
     let state = conv_state(c, user, conv).await?.ok_or(StoreError::NotMember)?;
     Ok((state, UserEventOutcome { written }))
@@ -730,10 +625,8 @@ pub(crate) async fn update_settings(
 
 pub(crate) async fn delete_for_me(c: &Conn, user: &str, conv: &str, message_id: &str, now_ms: i64) -> R<Option<u64>> {
     lock_user(c, user).await?;
-    let t = load_target(c, conv, message_id).await?;
-    if !sees(c, conv, user, t.msg_seq).await? {
-        return Err(StoreError::NotFound(format!("message {message_id}")));
-    }
+    let t = load_target(c, conv, message_id, user, None).await?;
+    let msg_seq = control::decide_delete_for_me(t.as_ref(), message_id)?;
     let n = exec(
         c,
         "INSERT INTO user_deleted (user_id, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING",
@@ -743,17 +636,15 @@ pub(crate) async fn delete_for_me(c: &Conn, user: &str, conv: &str, message_id: 
     if n == 1 {
         recount_unread(c, user, conv).await?;
     }
-    let data = format!("{{\"message_id\":{},\"msg_seq\":{}}}", json_str(message_id), t.msg_seq);
-    append_user_event(c, user, EVENT_DELETE, conv, Some(t.msg_seq), &format!("delete:{message_id}"), &data, now_ms)
-        .await
+    let data = content::DeletedData { message_id, msg_seq }.to_json();
+    let source = projection::delete_event_id(message_id);
+    append_user_event(c, user, EVENT_DELETE, conv, Some(msg_seq), &source, &data, now_ms).await
 }
 
 pub(crate) async fn record_delivery(c: &Conn, user: &str, device: &str, ids: &[String], now_ms: i64) -> R<u64> {
-    if ids.len() > DELIVERY_IDS_MAX {
-        return Err(StoreError::Invalid(format!("at most {DELIVERY_IDS_MAX} message ids")));
-    }
-    // Only messages the user's log actually delivered count; the first
-    // unknown id (in request order) refuses the whole request.
+    projection::check_delivery_ids(ids.len())?;
+    // Only messages fan-out delivered to the user count: inside the user's
+    // periods and at or below its last_msg_seq.
     let rows = query(
         c,
         "SELECT m.message_id FROM messages m JOIN user_convs uc ON uc.user_id = $1 AND uc.conv_id = m.conv_id
@@ -763,10 +654,8 @@ pub(crate) async fn record_delivery(c: &Conn, user: &str, device: &str, ids: &[S
         &[&user, &ids],
     )
     .await?;
-    let delivered = rows.iter().map(|r| col::<String>(r, 0)).collect::<R<std::collections::HashSet<String>>>()?;
-    if let Some(id) = ids.iter().find(|id| !delivered.contains(*id)) {
-        return Err(StoreError::NotFound(format!("message {id}")));
-    }
+    let delivered = rows.iter().map(|r| col::<String>(r, 0)).collect::<R<Vec<String>>>()?;
+    projection::check_delivered(ids, &delivered)?;
     exec(
         c,
         "INSERT INTO deliveries (user_id, message_id, device_id, delivered_at)
@@ -811,8 +700,5 @@ pub(crate) async fn rebuild_unread(c: &Conn) -> R<UnreadRebuild> {
 /// `NotFound` for a conversation that does not exist, else `NotMember`.
 async fn not_found_or_not_member(c: &Conn, conv: &str) -> R<StoreError> {
     let exists: Option<i32> = scalar(c, "SELECT 1 FROM conversations WHERE conv_id = $1", &[&conv]).await?;
-    Ok(match exists {
-        None => StoreError::NotFound(format!("conversation {conv}")),
-        Some(_) => StoreError::NotMember,
-    })
+    Ok(control::not_member(conv, exists.is_some()).into())
 }

@@ -21,7 +21,8 @@
 
 use std::collections::BTreeMap;
 
-use tidemark_core::membership::{recipients_at, Period, Recipients};
+use tidemark_core::membership::{control_recipients, recipients_at, Period, Recipients};
+use tidemark_core::projection;
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
 
@@ -45,11 +46,9 @@ async fn periods_covering(c: &Conn, conv: &str, at: u64) -> R<Vec<Period>> {
         .collect()
 }
 
-/// The recipients of one item: those covering its `msg_seq`. A control
-/// event concerns a message, so only who could see that message gets it:
-/// edits and reactions go to current holders (periods covering both the
-/// event and the target); a recall also reaches holders who left since, so
-/// tombstones outlive every holder of the content (E1).
+/// The recipients of one item (F4, E1): the periods covering its
+/// `msg_seq` and, for a control event, those covering its target's, as
+/// `control_recipients` combines them.
 async fn resolve(c: &Conn, item: &OutboxItem) -> R<Recipients> {
     let source = query_one(
         c,
@@ -61,22 +60,12 @@ async fn resolve(c: &Conn, item: &OutboxItem) -> R<Recipients> {
     .await?;
     let kind: String = col(&source, 0)?;
     let target_seq = seq_opt(&source, 1)?;
-    let mut recipients = recipients_at(&periods_covering(c, &item.conv, item.msg_seq).await?, item.msg_seq);
-    if let Some(target_seq) = target_seq {
-        let holders = recipients_at(&periods_covering(c, &item.conv, target_seq).await?, target_seq);
-        let held = |u: &String| holders.deliver.iter().any(|(h, _)| h == u) || holders.quarantined.contains(u);
-        recipients.deliver.retain(|(u, _)| held(u));
-        if kind == KIND_RECALL {
-            for (user, period) in holders.deliver {
-                let known =
-                    recipients.deliver.iter().any(|(u, _)| *u == user) || recipients.quarantined.contains(&user);
-                if !known {
-                    recipients.deliver.push((user, period));
-                }
-            }
-        }
-    }
-    Ok(recipients)
+    let at_event = recipients_at(&periods_covering(c, &item.conv, item.msg_seq).await?, item.msg_seq);
+    let holders = match target_seq {
+        Some(t) => Some(recipients_at(&periods_covering(c, &item.conv, t).await?, t)),
+        None => None,
+    };
+    Ok(control_recipients(at_event, holders, &kind))
 }
 
 /// Locks the head rows of `users` in `user_id` order, creating missing ones
@@ -98,10 +87,10 @@ async fn lock_heads(c: &Conn, users: &[String]) -> R<()> {
 }
 
 /// Appends one conversation event to one user's log and moves the user's
-/// projection, in one statement; returns the new `sync_seq`. A recall does
-/// not move `last_msg_seq`; the unread count moves only for user content
-/// from someone else above the read cursor that the user did not delete for
-/// themselves; the user's own event moves the read cursor (R3).
+/// projection, in one statement, as `projection::delivery` decided; returns
+/// the new `sync_seq`. Every event moves `last_msg_seq`; unread moves only
+/// for a message from someone else above the read cursor that the user did
+/// not delete for themselves; the user's own event moves the read cursor (R3).
 const DELIVER: &str = "WITH h AS (
          INSERT INTO user_heads AS h (user_id, high_watermark) VALUES ($1, 1)
          ON CONFLICT (user_id) DO UPDATE SET high_watermark = h.high_watermark + 1
@@ -113,10 +102,9 @@ const DELIVER: &str = "WITH h AS (
          RETURNING sync_seq),
      p AS (
          INSERT INTO user_convs AS uc (user_id, conv_id, last_msg_seq, read_seq, unread)
-         VALUES ($1, $3, CASE WHEN $10 THEN $4 ELSE 0 END, CASE WHEN $8 THEN $4 ELSE 0 END,
-                 CASE WHEN $9 THEN 1 ELSE 0 END)
+         VALUES ($1, $3, $4, CASE WHEN $8 THEN $4 ELSE 0 END, CASE WHEN $9 THEN 1 ELSE 0 END)
          ON CONFLICT (user_id, conv_id) DO UPDATE SET
-             last_msg_seq = CASE WHEN $10 THEN GREATEST(uc.last_msg_seq, $4) ELSE uc.last_msg_seq END,
+             last_msg_seq = GREATEST(uc.last_msg_seq, $4),
              read_seq = CASE WHEN $8 THEN GREATEST(uc.read_seq, $4) ELSE uc.read_seq END,
              unread = uc.unread + CASE WHEN $9 AND $4 > uc.read_seq
                  AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = $5)
@@ -197,12 +185,7 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
                 continue;
             }
             // Projections commit with the event: once per (user, event).
-            let own = user == &item.actor;
-            let counts = item.kind == EVENT_MESSAGE && !own;
-            // Every event the user gets moves last_msg_seq, recalls included: a
-            // snapshot lists the conversation up to it, so a device rebuilt from
-            // one holds no gap below the next event.
-            let bumps_last = true;
+            let d = projection::delivery(&item.kind, user, &item.actor);
             let row = query_one(
                 c,
                 DELIVER,
@@ -214,16 +197,13 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
                     &item.source_event_id,
                     period_id,
                     &now_ms,
-                    &own,
-                    &counts,
-                    &bumps_last,
+                    &d.own,
+                    &d.counts_unread,
                 ],
             )
             .await?;
             let sync_seq = seq(&row, 0)?;
-            if item.kind == EVENT_RECALL || (own && item.kind == EVENT_MESSAGE) {
-                // A recalled message no longer counts; an own message moved
-                // the read cursor over whatever was unread below it.
+            if d.recount {
                 events::recount_unread(c, user, &item.conv).await?;
             }
             report.events_written += 1;

@@ -15,9 +15,9 @@
 //!   members) run in one `REPEATABLE READ READ ONLY` transaction, i.e. one
 //!   snapshot; single-statement reads run alone.
 //! - `events`, `fanout` and `lifecycle` (recovery sessions, ACKs,
-//!   snapshots, retention): the write transactions, rule for rule the SQLite
-//!   backend's; [`schema`]: tables and key layout; `db`: statement helpers
-//!   and error mapping.
+//!   snapshots, retention): the write transactions, deciding through the
+//!   same `tidemark-core` rules as the SQLite backend; [`schema`]: tables
+//!   and key layout; `db`: statement helpers and error mapping.
 //!
 //! # Sequences and locks
 //!
@@ -94,7 +94,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
-use tidemark_core::cursor::{DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::cursor::{decide_cas, CasDecision, DeviceCursor, DeviceState, RecoveryInfo, UserLog};
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
 
@@ -283,11 +283,8 @@ async fn create_direct_tx(
     if let Some(found) = scalar::<String>(c, existing, &[&key]).await? {
         return Ok((found, false));
     }
-    for u in [a, b] {
-        if !events::user_exists(c, u).await? {
-            return Err(StoreError::NotFound(format!("user {u}")));
-        }
-    }
+    let pair = [a.to_owned(), b.to_owned()];
+    tidemark_core::membership::all_known(&pair, &events::known_users(c, &pair).await?)?;
     // Another writer may create the same pair meanwhile: the insert then
     // waits for it and yields to its row instead of failing.
     let created = exec(
@@ -413,10 +410,7 @@ impl Store for PgStore {
                     };
                     exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id = $2", &[&user, &device])
                         .await?;
-                    if rec.cursor.state == DeviceState::Revoked {
-                        return Ok(false);
-                    }
-                    let revoked = DeviceCursor { state: DeviceState::Revoked, ..rec.cursor };
+                    let Some(revoked) = tidemark_core::cursor::revoked(rec.cursor) else { return Ok(false) };
                     write_cursor(c, &user, &device, revoked, now_ms).await?;
                     Ok(true)
                 })
@@ -478,9 +472,7 @@ impl Store for PgStore {
     }
 
     async fn create_direct(&self, a: &str, b: &str, conv_id: &str, now_ms: i64) -> StoreResult<(String, bool)> {
-        if a == b {
-            return Err(StoreError::Invalid("a direct conversation needs two distinct users".into()));
-        }
+        tidemark_core::membership::check_direct(a, b)?;
         let (a, b, conv_id) = (a.to_owned(), b.to_owned(), conv_id.to_owned());
         let key = tidemark_core::ids::direct_key(&a, &b);
         self.writer
@@ -700,12 +692,12 @@ impl Store for PgStore {
                     let Some(rec) = read_device(c, DEVICE_FOR_UPDATE_SQL, &user, &device).await? else {
                         return Err(StoreError::NotFound(format!("device {device}")));
                     };
-                    if rec.cursor != expected {
-                        return Ok((false, rec.cursor));
-                    }
-                    assert!(new.generation >= expected.generation, "a generation never goes back");
+                    let (new, ends_recovery) = match decide_cas(rec.cursor, expected, new) {
+                        CasDecision::Refuse { current } => return Ok((false, current)),
+                        CasDecision::Write { new, ends_recovery } => (new, ends_recovery),
+                    };
                     write_cursor(c, &user, &device, new, now_ms).await?;
-                    if new.generation != expected.generation {
+                    if ends_recovery {
                         // A new generation ends any recovery session of the
                         // old one: it no longer fences retention.
                         crate::db::exec(

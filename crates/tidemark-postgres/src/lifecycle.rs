@@ -10,15 +10,14 @@
 //! user's head row first, so a fence is never computed while another writer
 //! is adding one. This module knows nothing about the queue or the pool.
 
-use tidemark_core::cursor::{decide_ack_with, AckDecision, DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::cursor::{self, decide_ack_with, AckDecision, CasDecision, DeviceCursor, RecoveryInfo, UserLog};
+use tidemark_core::retention::{self, Fences};
+use tidemark_core::snapshot::{self, Install};
 use tidemark_store::*;
 use tokio_postgres::Row;
 
-use crate::db::{big, col, exec, query, query_opt, seq, Conn};
+use crate::db::{big, col, exec, query, query_opt, seq, seq_opt, Conn};
 use crate::{events, read, read_device, write_cursor, DEVICE_FOR_UPDATE_SQL};
-
-/// Most conversations in one snapshot.
-pub const SNAPSHOT_CONVS_MAX: usize = 10_000;
 
 type R<T> = StoreResult<T>;
 
@@ -50,14 +49,7 @@ pub(crate) async fn begin_snapshot(
     now_ms: i64,
 ) -> R<(u64, Vec<SnapshotConv>)> {
     events::lock_user(c, user).await?;
-    let cursor = device_cursor(c, user, device).await?;
-    if cursor.state != DeviceState::Resetting || cursor.generation != generation {
-        return Err(StoreError::Conflict(format!(
-            "device is {} at generation {}, not resetting at {generation}",
-            cursor.state.as_str(),
-            cursor.generation
-        )));
-    }
+    snapshot::check_begin(device_cursor(c, user, device).await?, generation)?;
     let base = user_log(c, user).await?.high_watermark;
     exec(
         c,
@@ -67,9 +59,7 @@ pub(crate) async fn begin_snapshot(
     )
     .await?;
     let convs = read::list_conversations(c, user).await?;
-    if convs.len() > SNAPSHOT_CONVS_MAX {
-        return Err(StoreError::Invalid(format!("more than {SNAPSHOT_CONVS_MAX} conversations")));
-    }
+    snapshot::check_conversations(convs.len())?;
     // What fan-out delivered to this user up to now, i.e. up to the base:
     // per conversation, messages up to the projection's last_msg_seq, inside
     // the user's periods, newest `per_conv`; all conversations in one
@@ -167,8 +157,7 @@ async fn snapshot_for_update(c: &Conn, snapshot_id: &str) -> R<Option<SnapshotMe
 /// state and the items agree.
 pub(crate) async fn snapshot_page(c: &Conn, snapshot_id: &str, page: u32) -> R<Option<Vec<String>>> {
     let Some(meta) = snapshot(c, snapshot_id).await? else { return Ok(None) };
-    // Only a READY snapshot serves pages: an installed one has no items left.
-    if meta.state != SNAPSHOT_READY || page >= meta.pages {
+    if !snapshot::serves_page(&meta.facts(), page) {
         return Ok(None);
     }
     let rows = query(
@@ -191,18 +180,10 @@ pub(crate) async fn ack_snapshot(
         .await?
         .ok_or_else(|| StoreError::NotFound(format!("snapshot {snapshot_id}")))?;
     let cursor = device_cursor(c, user, device).await?;
-    if meta.user != user || meta.device != device {
-        return Err(StoreError::NotFound(format!("snapshot {snapshot_id}")));
-    }
-    let installable = meta.state == SNAPSHOT_READY
-        && cursor.state == DeviceState::Resetting
-        && cursor.generation == meta.generation
-        && now_ms < meta.expires_at_ms;
-    if !installable {
+    let Install::Install(new) = snapshot::decide_install(&meta.facts(), snapshot_id, user, device, cursor, now_ms)?
+    else {
         return Ok((false, cursor));
-    }
-    let new =
-        DeviceCursor { generation: meta.generation, acked_sync_seq: meta.base_sync_seq, state: DeviceState::Active };
+    };
     write_cursor(c, user, device, new, now_ms).await?;
     exec(c, "UPDATE snapshots SET state = 'INSTALLED' WHERE snapshot_id = $1", &[&snapshot_id]).await?;
     // The device's other live snapshots (one whose `snapshot.begin` reply
@@ -269,25 +250,16 @@ pub(crate) async fn trim_user_logs(c: &Conn, policy: RetentionPolicy, now_ms: i6
     for u in &users {
         let user: String = col(u, 0)?;
         let Some(r) = query_opt(c, USER_FENCES, &[&user, &active_since, &now_ms, &young]).await? else { continue };
-        let (hw, trimmed): (i64, i64) = (col(&r, 0)?, col(&r, 1)?);
-        let (device_fence, recovery_fence, snapshot_fence, age_fence): (
-            Option<i64>,
-            Option<i64>,
-            Option<i64>,
-            Option<i64>,
-        ) = (col(&r, 2)?, col(&r, 3)?, col(&r, 4)?, col(&r, 5)?);
-        // Without any valid device the log is kept (nobody fenced it, but a
-        // device may still log in and get a snapshot; trimming would only
-        // save space).
-        let Some(device_fence) = device_fence else { continue };
-        let fence = [Some(device_fence), recovery_fence, snapshot_fence, age_fence.or(Some(0)), Some(hw)]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(0);
-        if fence <= trimmed {
-            continue;
-        }
+        let fences = Fences {
+            high_watermark: seq(&r, 0)?,
+            trimmed_upto: seq(&r, 1)?,
+            device: seq_opt(&r, 2)?,
+            recovery: seq_opt(&r, 3)?,
+            snapshot: seq_opt(&r, 4)?,
+            aged: seq_opt(&r, 5)?,
+        };
+        let Some(fence) = retention::trim_to(fences) else { continue };
+        let fence = big(fence);
         let deleted =
             exec(c, "DELETE FROM user_events WHERE user_id = $1 AND sync_seq <= $2", &[&user, &fence]).await?;
         exec(c, "UPDATE user_heads SET trimmed_upto = $2 WHERE user_id = $1", &[&user, &fence]).await?;
@@ -326,11 +298,10 @@ pub(crate) async fn begin_recovery(
     now_ms: i64,
 ) -> R<(bool, DeviceCursor)> {
     events::lock_user(c, user).await?;
-    let cursor = device_cursor(c, user, device).await?;
-    if cursor != expected {
-        return Ok((false, cursor));
-    }
-    let new = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Recovering, ..cursor };
+    let new = match cursor::decide_begin_recovery(device_cursor(c, user, device).await?, expected) {
+        CasDecision::Refuse { current } => return Ok((false, current)),
+        CasDecision::Write { new, .. } => new,
+    };
     write_cursor(c, user, device, new, now_ms).await?;
     // Any older session of this device is over: the generation moved.
     exec(
@@ -370,16 +341,14 @@ pub(crate) async fn ack(
     at: u64,
     now_ms: i64,
 ) -> R<AckResult> {
-    let mut cursor = device_cursor(c, user, device).await?;
+    let cursor = device_cursor(c, user, device).await?;
     let session = recovery_session(c, user, device).await?;
     let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), at, now_ms);
+    let Some(after) = cursor::cursor_after_ack(cursor, decision) else {
+        return Ok(AckResult { decision, cursor });
+    };
     match decision {
-        AckDecision::Advance { to } => {
-            assert!(to > cursor.acked_sync_seq, "an ACK only moves forward");
-            cursor.acked_sync_seq = to;
-            write_cursor(c, user, device, cursor, now_ms).await?;
-        }
-        AckDecision::CompleteRecovery { to } => {
+        AckDecision::CompleteRecovery { .. } => {
             // The session's own CAS: only the live session of this
             // generation completes, and only here.
             let s = session.as_ref().ok_or_else(|| StoreError::Internal("a completion without a session".into()))?;
@@ -391,8 +360,6 @@ pub(crate) async fn ack(
             )
             .await?;
             assert_eq!(n, 1, "the live session completes once");
-            cursor = DeviceCursor { acked_sync_seq: to, state: DeviceState::Active, ..cursor };
-            write_cursor(c, user, device, cursor, now_ms).await?;
         }
         AckDecision::RecoveryExpired { .. } => {
             exec(
@@ -401,12 +368,11 @@ pub(crate) async fn ack(
                 &[&user, &device],
             )
             .await?;
-            cursor = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
-            write_cursor(c, user, device, cursor, now_ms).await?;
         }
         _ => {}
     }
-    Ok(AckResult { decision, cursor })
+    write_cursor(c, user, device, after, now_ms).await?;
+    Ok(AckResult { decision, cursor: after })
 }
 
 /// Message-history retention (L3), as in the SQLite backend: per
@@ -424,10 +390,11 @@ async fn trim_history(c: &Conn, cutoff_ms: i64, report: &mut TrimReport) -> R<()
         )
         .await?
         .flatten();
-        let new_min = first_young.unwrap_or(head + 1);
-        if new_min <= min_seq {
+        let Some(new_min) = retention::history_boundary(head as u64, min_seq as u64, first_young.map(|v| v as u64))
+        else {
             continue;
-        }
+        };
+        let new_min = big(new_min);
         let expired = exec(
             c,
             "UPDATE messages SET content = '{}', state = 'expired'

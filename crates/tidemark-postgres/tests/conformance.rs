@@ -1,6 +1,8 @@
-//! The store conformance suite against the PostgreSQL backend, the checks
-//! the SQLite backend runs beside it (reopen, group commit, quarantine),
-//! two checks that only make sense with several writers on one database,
+//! The store conformance suite against the PostgreSQL backend (membership,
+//! recall/edit/react, snapshots, group commit and refusals inside a batch
+//! run there, once for both backends), the checks the SQLite backend runs
+//! beside it (reopen, quarantine), checks that only make sense with several
+//! writers on one database,
 //! and a differential run: one scripted scenario over every store operation
 //! against both backends, every result compared.
 //!
@@ -128,92 +130,51 @@ async fn postgres_passes_the_conformance_suite() {
     conformance::run_all(|| async { schemas.fresh().await as Arc<dyn Store> }).await;
 }
 
+/// Membership, recall/edit/react, snapshot installability, group commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_passes_the_rule_checks() {
+    let Some(url) = pg_url("postgres_passes_the_rule_checks") else { return };
+    let schemas = Schemas::new(url);
+    conformance::run_rules(|| async { schemas.fresh().await as Arc<dyn Store> }).await;
+}
+
+/// The shared check, reopening the same schema: opening again runs the
+/// schema creation again, which must change nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_sends_and_outbox_survive_reopen() {
     let Some(url) = pg_url("accepted_sends_and_outbox_survive_reopen") else { return };
     let schemas = Schemas::new(url);
-    let name = schemas.fresh_name();
-    let secret = {
-        let store = PgStore::open(schemas.config(&name)).await.unwrap();
-        store.create_user("a", "x", 0).await.unwrap();
-        store.create_user("b", "x", 0).await.unwrap();
-        let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-        for i in 0..5 {
-            store.accept_send(send_cmd("a", &conv, &format!("{i}"))).await.unwrap();
-        }
-        store.server_secret().await.unwrap()
-    };
-    // Opening again runs the schema creation again: it must change nothing.
-    let store = PgStore::open(schemas.config(&name)).await.unwrap();
-    let pending = store.pending_outbox(100).await.unwrap();
-    assert_eq!(pending.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
-    assert_eq!(store.server_secret().await.unwrap(), secret, "the secret is created once and kept");
-    assert_eq!(secret.len(), 32);
+    let config = schemas.config(&schemas.fresh_name());
+    let config = &config;
+    conformance::accepted_sends_and_outbox_survive_reopen(|| async move {
+        PgStore::open(config.clone()).await.unwrap() as Arc<dyn Store>
+    })
+    .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn group_commit_batches_concurrent_writes() {
-    let Some(url) = pg_url("group_commit_batches_concurrent_writes") else { return };
-    let schemas = Schemas::new(url);
-    let store = schemas.fresh().await;
-    store.create_user("a", "x", 0).await.unwrap();
-    store.create_user("b", "x", 0).await.unwrap();
-    let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-    let before = store.stats();
-    let n = 400;
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..n {
-        let (store, conv) = (store.clone(), conv.clone());
-        tasks.spawn(async move { store.accept_send(send_cmd("a", &conv, &format!("{i}"))).await.unwrap().msg_seq });
-    }
-    let mut seqs = tasks.join_all().await;
-    seqs.sort_unstable();
-    assert_eq!(seqs, (1..=n).collect::<Vec<_>>());
-    let after = store.stats();
-    let commits = after.commits - before.commits;
-    assert_eq!(after.writes - before.writes, n);
-    assert_eq!(after.checkpoints, 0);
-    // 400 concurrent requests must share transactions; one per request would
-    // mean group commit is not working.
-    assert!(commits < n / 2, "{commits} commits for {n} concurrent sends");
-}
-
-/// F4: a message that hits two membership periods of one user is an
-/// integrity error: quarantined, counted, never delivered; the other
-/// members still get it.
+/// F4 (the shared check): the corruption goes through a plain connection
+/// on the store's schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_periods_are_quarantined() {
     let Some(url) = pg_url("overlapping_periods_are_quarantined") else { return };
     let schemas = Schemas::new(url);
     let store = schemas.fresh().await;
-    for u in ["a", "b", "c"] {
-        store.create_user(u, "x", 0).await.unwrap();
-    }
-    let cmd = ConvEventCmd {
-        conv: "g1".into(),
-        actor: "a".into(),
-        actor_device: "d".into(),
-        event_id: "e1".into(),
-        client_msg_id: "e1".into(),
-        now_ms: 0,
-    };
-    store.create_group(cmd, vec!["b".into(), "c".into()]).await.unwrap();
-    // Corrupt the membership history: a second open period for b.
     let raw = schemas.raw(store.schema().unwrap()).await;
-    raw.batch_execute(
-        "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g1', 'b', 0, NULL)",
+    let raw = &raw;
+    conformance::overlapping_periods_are_quarantined(
+        &*store,
+        move || async move {
+            raw.batch_execute(
+                "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g1', 'b', 0, NULL)",
+            )
+            .await
+            .unwrap();
+        },
+        move || async move {
+            raw.query_one("SELECT COUNT(*) FROM fanout_quarantine WHERE user_id = 'b'", &[]).await.unwrap().get(0)
+        },
     )
-    .await
-    .unwrap();
-    let mut send = send_cmd("a", "g1", "m");
-    send.message_id = "m1".into();
-    store.accept_send(send).await.unwrap();
-    let report = store.fan_out(store.pending_outbox(10).await.unwrap(), 0).await.unwrap();
-    assert_eq!(report.quarantined, 2, "b is quarantined for both events (created, m1)");
-    let row = raw.query_one("SELECT COUNT(*) FROM fanout_quarantine WHERE user_id = 'b'", &[]).await.unwrap();
-    assert_eq!(row.get::<_, i64>(0), 2);
-    assert_eq!(store.user_high_watermark("b").await.unwrap(), 0, "nothing delivered to b");
-    assert_eq!(store.user_high_watermark("c").await.unwrap(), 2, "c gets both");
+    .await;
 }
 
 /// S2 across writers: two stores on one database (two nodes) sending to the
@@ -253,37 +214,6 @@ async fn two_writers_on_one_database_keep_sequences_contiguous() {
             two.read_user_events(user, 0, n, 1000).await.unwrap().iter().map(|e| e.msg_seq.unwrap()).collect();
         assert_eq!(seqs, (1..=n).collect::<Vec<_>>(), "F2: one event per message, in order");
     }
-}
-
-/// A send refused at its savepoint rolls back alone: the rest of its batch
-/// commits, and no msg_seq is lost (S2).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_request_rolls_back_alone_inside_a_batch() {
-    let Some(url) = pg_url("a_refused_request_rolls_back_alone_inside_a_batch") else { return };
-    let schemas = Schemas::new(url);
-    let store = schemas.fresh().await;
-    for u in ["a", "b", "c"] {
-        store.create_user(u, "x", 0).await.unwrap();
-    }
-    let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..100 {
-        let (store, conv) = (store.clone(), conv.clone());
-        // Every third send is by a non-member and must be refused.
-        let sender = if i % 3 == 0 { "c" } else { "a" };
-        tasks.spawn(async move { (sender, store.accept_send(send_cmd(sender, &conv, &format!("k{i}"))).await) });
-    }
-    let mut seqs = Vec::new();
-    for (sender, result) in tasks.join_all().await {
-        match sender {
-            "c" => assert_eq!(result, Err(StoreError::NotMember)),
-            _ => seqs.push(result.unwrap().msg_seq),
-        }
-    }
-    seqs.sort_unstable();
-    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
-    assert_eq!(store.conversation(&conv).await.unwrap().unwrap().head, seqs.len() as u64);
-    assert_eq!(store.outbox_stats().await.unwrap().backlog, seqs.len() as u64);
 }
 
 // ------------------------------------------------------------ differential

@@ -13,6 +13,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+pub mod content;
 pub mod error;
 pub mod push;
 pub use error::{ErrorCode, ErrorFrame};

@@ -1,17 +1,22 @@
 //! Writer-side transactions for conversation events (membership, recall,
 //! edit, reaction) and per-user events (read, settings, delete-for-me).
 //! Each function runs inside the writer's open transaction and savepoint;
-//! an `Err` rolls back everything it wrote.
+//! an `Err` rolls back everything it wrote. Each loads the facts its rule
+//! needs (mostly in one statement), lets the rule in `tidemark-core` decide
+//! and writes what it decided; stored payloads are `tidemark_proto::content`.
 
+use std::rc::Rc;
+
+use rusqlite::types::Value;
+use rusqlite::vtab::array::Array;
 use rusqlite::{params, Connection, OptionalExtension};
+use tidemark_core::control::{self, ControlDecision, Target};
+use tidemark_core::membership::{self, MembershipDecision, MembershipFacts};
+use tidemark_core::projection::{self, Settings};
+use tidemark_proto::content::{self, Payload};
 use tidemark_store::*;
 
 use crate::internal;
-
-/// Most members a group may have (the fan-out is per member).
-pub const GROUP_MEMBERS_MAX: usize = 1000;
-/// Most message ids in one `delivery.ack`.
-pub const DELIVERY_IDS_MAX: usize = 500;
 
 type R<T> = StoreResult<T>;
 
@@ -24,9 +29,8 @@ fn exec(c: &Connection, sql: &str, p: impl rusqlite::Params) -> R<usize> {
 }
 
 /// The earlier event with this idempotency key, if any: its id, conv,
-/// msg_seq and time. An idempotency key names one operation: reusing it in
-/// another conversation or for another kind of event is refused. `kinds`
-/// empty means "a user message".
+/// msg_seq and time, once `control::check_replay` found it the same
+/// operation (`kinds` empty means "a user message").
 pub(crate) fn existing_event_of(
     c: &Connection,
     sender: &str,
@@ -47,12 +51,7 @@ pub(crate) fn existing_event_of(
     match row {
         None => Ok(None),
         Some((id, event_conv, seq, at, kind)) => {
-            let same_kind = if kinds.is_empty() { !is_control_kind(&kind) } else { kinds.contains(&kind.as_str()) };
-            if event_conv != conv || !same_kind {
-                return Err(StoreError::Invalid(format!(
-                    "client_msg_id {client_msg_id} was already used for another operation"
-                )));
-            }
+            control::check_replay((&event_conv, &kind), conv, kinds, client_msg_id)?;
             Ok(Some((id, event_conv, seq, at)))
         }
     }
@@ -63,17 +62,6 @@ pub(crate) fn is_active_member(c: &Connection, conv: &str, user: &str) -> R<bool
         c,
         "SELECT period_id FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 AND leave_seq IS NULL",
         params![conv, user],
-    )?
-    .is_some())
-}
-
-/// The user's periods in a conversation cover `seq`.
-pub(crate) fn sees(c: &Connection, conv: &str, user: &str, seq: u64) -> R<bool> {
-    Ok(q::<i64>(
-        c,
-        "SELECT period_id FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2
-         AND join_seq <= ?3 AND (leave_seq IS NULL OR leave_seq >= ?3) LIMIT 1",
-        params![conv, user, seq as i64],
     )?
     .is_some())
 }
@@ -123,25 +111,12 @@ pub(crate) fn append_conv_event(
     Ok(seq as u64)
 }
 
-fn json_str(s: &str) -> String {
-    // Identifiers are validated ASCII without quotes or backslashes, but
-    // escape anyway: this string lands inside stored JSON.
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for ch in s.chars() {
-        match ch {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-fn user_exists(c: &Connection, user: &str) -> R<bool> {
-    Ok(q::<i64>(c, "SELECT 1 FROM users WHERE user_id = ?1", params![user])?.is_some())
+/// The users among `users` that have an account.
+pub(crate) fn known_users(c: &Connection, users: &[String]) -> R<Vec<String>> {
+    let ids: Array = Rc::new(users.iter().cloned().map(Value::from).collect());
+    let mut stmt = c.prepare_cached("SELECT user_id FROM users WHERE user_id IN rarray(?1)").map_err(internal)?;
+    let rows = stmt.query_map(params![ids], |r| r.get(0)).map_err(internal)?;
+    rows.collect::<Result<_, _>>().map_err(internal)
 }
 
 pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String]) -> R<(String, u64)> {
@@ -152,30 +127,17 @@ pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String
         .query_row(params![cmd.actor, cmd.client_msg_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()
         .map_err(internal)?;
-    match earlier {
-        Some((conv, kind)) if kind == KIND_CREATED => return Ok((conv, 1)),
-        Some(_) => return Err(StoreError::Invalid(format!("client_msg_id {} was already used", cmd.client_msg_id))),
-        None => {}
+    if let Some(conv) = membership::replayed_group(earlier, &cmd.client_msg_id)? {
+        return Ok((conv, 1));
     }
-    let mut all: Vec<String> = members.to_vec();
-    all.push(cmd.actor.clone());
-    all.sort();
-    all.dedup();
-    if all.len() > GROUP_MEMBERS_MAX {
-        return Err(StoreError::Invalid(format!("a group has at most {GROUP_MEMBERS_MAX} members")));
-    }
-    for u in &all {
-        if !user_exists(c, u)? {
-            return Err(StoreError::NotFound(format!("user {u}")));
-        }
-    }
+    let all = membership::group_members(&cmd.actor, members)?;
+    membership::all_known(&all, &known_users(c, &all)?)?;
     exec(
         c,
         "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at) VALUES (?1, ?2, NULL, 0, 1, ?3, ?4)",
         params![cmd.conv, CONV_GROUP, cmd.actor, cmd.now_ms],
     )?;
-    let list = all.iter().map(|u| json_str(u)).collect::<Vec<_>>().join(",");
-    let content = format!("{{\"owner\":{},\"members\":[{list}]}}", json_str(&cmd.actor));
+    let content = content::GroupCreated { owner: &cmd.actor, members: &all }.to_json();
     let seq = append_conv_event(c, cmd, KIND_CREATED, &content, None, None, STATE_NORMAL)?;
     for u in &all {
         exec(
@@ -192,13 +154,30 @@ pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String
     Ok((cmd.conv.clone(), seq))
 }
 
-fn conv_kind_owner(c: &Connection, conv: &str) -> R<(String, Option<String>)> {
-    c.prepare_cached("SELECT kind, owner FROM conversations WHERE conv_id = ?1")
-        .map_err(internal)?
-        .query_row(params![conv], |r| Ok((r.get(0)?, r.get(1)?)))
-        .optional()
-        .map_err(internal)?
-        .ok_or_else(|| StoreError::NotFound(format!("conversation {conv}")))
+/// What a membership change decides on, in one statement (`None`: no
+/// such conversation).
+fn membership_facts(c: &Connection, conv: &str, actor: &str, target: &str) -> R<Option<MembershipFacts>> {
+    c.prepare_cached(
+        "SELECT c.kind, c.owner,
+                EXISTS (SELECT 1 FROM membership_periods WHERE conv_id = c.conv_id AND user_id = ?2 AND leave_seq IS NULL),
+                EXISTS (SELECT 1 FROM users WHERE user_id = ?3),
+                (SELECT join_seq FROM membership_periods WHERE conv_id = c.conv_id AND user_id = ?3 AND leave_seq IS NULL),
+                (SELECT COUNT(*) FROM membership_periods WHERE conv_id = c.conv_id AND leave_seq IS NULL)
+         FROM conversations c WHERE c.conv_id = ?1",
+    )
+    .map_err(internal)?
+    .query_row(params![conv, actor, target], |r| {
+        Ok(MembershipFacts {
+            kind: r.get(0)?,
+            owner: r.get(1)?,
+            actor_active: r.get(2)?,
+            target_known: r.get(3)?,
+            target_open_join: r.get::<_, Option<i64>>(4)?.map(|v| v as u64),
+            active_members: r.get::<_, i64>(5)? as u64,
+        })
+    })
+    .optional()
+    .map_err(internal)
 }
 
 pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str, change: MembershipChange) -> R<u64> {
@@ -207,56 +186,16 @@ pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str
     {
         return Ok(seq);
     }
-    let (kind, owner) = conv_kind_owner(c, &cmd.conv)?;
-    if kind != CONV_GROUP {
-        return Err(StoreError::Invalid("a direct conversation has fixed members".into()));
-    }
-    if !is_active_member(c, &cmd.conv, &cmd.actor)? {
-        return Err(StoreError::NotMember);
-    }
-    let target_active = is_active_member(c, &cmd.conv, target)?;
-    let (event_kind, verb) = match change {
-        MembershipChange::Add => {
-            if !user_exists(c, target)? {
-                return Err(StoreError::NotFound(format!("user {target}")));
-            }
-            if target_active {
-                // Already a member: nothing to do; the open period's join.
-                let join: i64 = q(
-                    c,
-                    "SELECT join_seq FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 AND leave_seq IS NULL",
-                    params![cmd.conv, target],
-                )?
-                .expect("an active member has an open period");
-                return Ok(join as u64);
-            }
-            let members: i64 = q(
-                c,
-                "SELECT COUNT(*) FROM membership_periods WHERE conv_id = ?1 AND leave_seq IS NULL",
-                params![cmd.conv],
-            )?
-            .unwrap_or(0);
-            if members as usize >= GROUP_MEMBERS_MAX {
-                return Err(StoreError::Invalid(format!("a group has at most {GROUP_MEMBERS_MAX} members")));
-            }
-            (KIND_JOIN, "add")
-        }
-        MembershipChange::Remove | MembershipChange::Leave => {
-            if change == MembershipChange::Leave && target != cmd.actor {
-                return Err(StoreError::Invalid("leave applies to the caller".into()));
-            }
-            if change == MembershipChange::Remove && owner.as_deref() != Some(cmd.actor.as_str()) {
-                return Err(StoreError::Forbidden("only the group owner removes members".into()));
-            }
-            if !target_active {
-                return Err(StoreError::NotFound(format!("{target} is not a member")));
-            }
-            (KIND_LEAVE, if change == MembershipChange::Leave { "leave" } else { "remove" })
-        }
+    let facts = membership_facts(c, &cmd.conv, &cmd.actor, target)?;
+    let decision = membership::decide_membership(&cmd.conv, facts.as_ref(), &cmd.actor, target, change)?;
+    let event_kind = match decision {
+        MembershipDecision::AlreadyMember { join_seq } => return Ok(join_seq),
+        MembershipDecision::Join => KIND_JOIN,
+        MembershipDecision::Leave => KIND_LEAVE,
     };
-    let content = format!("{{\"user\":{},\"by\":{},\"op\":\"{verb}\"}}", json_str(target), json_str(&cmd.actor));
+    let content = content::MemberChanged { user: target, by: &cmd.actor, op: change.verb() }.to_json();
     let seq = append_conv_event(c, cmd, event_kind, &content, None, None, STATE_NORMAL)?;
-    if event_kind == KIND_JOIN {
+    if decision == MembershipDecision::Join {
         // A new period per join: the old ones keep their own range (G1).
         exec(
             c,
@@ -282,81 +221,92 @@ pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str
     Ok(seq)
 }
 
-struct Target {
-    conv: String,
-    msg_seq: u64,
-    sender: String,
-    kind: String,
-    state: String,
-    version: u64,
-    recall_seq: Option<u64>,
-}
-
-fn load_target(c: &Connection, conv: &str, message_id: &str) -> R<Target> {
-    let t = c
-        .prepare_cached(
-            "SELECT conv_id, msg_seq, sender, kind, state, version, recall_seq FROM messages WHERE message_id = ?1",
-        )
-        .map_err(internal)?
-        .query_row(params![message_id], |r| {
-            Ok(Target {
-                conv: r.get(0)?,
-                msg_seq: r.get::<_, i64>(1)? as u64,
-                sender: r.get(2)?,
-                kind: r.get(3)?,
-                state: r.get(4)?,
-                version: r.get::<_, i64>(5)? as u64,
-                recall_seq: r.get::<_, Option<i64>>(6)?.map(|v| v as u64),
-            })
+/// The target of a control event by `actor` (a reaction's current state
+/// when `reaction` is given), in one statement; `None` if `conv` has no
+/// such message.
+fn load_target(c: &Connection, conv: &str, message_id: &str, actor: &str, reaction: Option<&str>) -> R<Option<Target>> {
+    c.prepare_cached(
+        "SELECT m.kind, m.msg_seq, m.sender, m.state, m.version, m.recall_seq,
+                EXISTS (SELECT 1 FROM membership_periods p
+                        WHERE p.conv_id = m.conv_id AND p.user_id = ?3 AND p.leave_seq IS NULL),
+                EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?3
+                        AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= m.msg_seq)),
+                (SELECT event_seq FROM reactions r WHERE r.message_id = m.message_id AND r.user_id = ?3 AND r.reaction = ?4)
+         FROM messages m WHERE m.message_id = ?2 AND m.conv_id = ?1",
+    )
+    .map_err(internal)?
+    .query_row(params![conv, message_id, actor, reaction], |r| {
+        Ok(Target {
+            kind: r.get(0)?,
+            msg_seq: r.get::<_, i64>(1)? as u64,
+            sender: r.get(2)?,
+            state: r.get(3)?,
+            version: r.get::<_, i64>(4)? as u64,
+            recall_seq: r.get::<_, Option<i64>>(5)?.map(|v| v as u64),
+            actor_active: r.get(6)?,
+            actor_sees: r.get(7)?,
+            actor_reaction: r.get::<_, Option<i64>>(8)?.map(|v| v as u64),
         })
-        .optional()
-        .map_err(internal)?;
-    match t {
-        Some(t) if t.conv == conv && !is_control_kind(&t.kind) => Ok(t),
-        _ => Err(StoreError::NotFound(format!("message {message_id}"))),
-    }
+    })
+    .optional()
+    .map_err(internal)
 }
 
-fn retry_outcome(c: &Connection, cmd: &ConvEventCmd, message_id: &str, kind: &str) -> R<Option<ControlOutcome>> {
-    let Some((_, _, seq, _)) = existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[kind])? else {
-        return Ok(None);
+/// A control event's facts and its decision: a retry of an earlier run
+/// (`control::decide_retry`), else `decide` on the target. `Ok` is what to
+/// write (the target and its new version), `Err` the answer without a write.
+fn decide_control(
+    c: &Connection,
+    cmd: &ConvEventCmd,
+    message_id: &str,
+    kind: &str,
+    reaction: Option<&str>,
+    decide: impl FnOnce(Option<&Target>) -> Result<ControlDecision, tidemark_core::Refusal>,
+) -> R<Result<(Target, u64), ControlOutcome>> {
+    let earlier = existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[kind])?;
+    let t = load_target(c, &cmd.conv, message_id, &cmd.actor, reaction)?;
+    let decision = match earlier {
+        Some((_, _, seq, _)) => control::decide_retry(seq, t.as_ref(), message_id)?,
+        None => decide(t.as_ref())?,
     };
-    let t = load_target(c, &cmd.conv, message_id)?;
-    Ok(Some(ControlOutcome { msg_seq: seq, version: t.version, changed: false }))
+    Ok(control::plan(t, decision))
 }
 
 pub(crate) fn recall(c: &Connection, cmd: &ConvEventCmd, message_id: &str) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_RECALL)? {
-        return Ok(done);
-    }
-    let t = load_target(c, &cmd.conv, message_id)?;
-    if t.sender != cmd.actor {
-        return Err(StoreError::Forbidden("only the sender recalls a message".into()));
-    }
-    if !is_active_member(c, &cmd.conv, &cmd.actor)? {
-        return Err(StoreError::NotMember);
-    }
-    if let Some(seq) = t.recall_seq {
-        return Ok(ControlOutcome { msg_seq: seq, version: t.version, changed: false });
-    }
-    let content = format!("{{\"target_message_id\":{},\"target_msg_seq\":{}}}", json_str(message_id), t.msg_seq);
+    let planned =
+        decide_control(c, cmd, message_id, KIND_RECALL, None, |t| control::decide_recall(t, &cmd.actor, message_id))?;
+    let (t, version) = match planned {
+        Ok(write) => write,
+        Err(done) => return Ok(done),
+    };
+    let content = content::Recalled { target_message_id: message_id, target_msg_seq: t.msg_seq }.to_json();
     let seq = append_conv_event(c, cmd, KIND_RECALL, &content, Some(message_id), None, STATE_NORMAL)?;
     // The original content is gone for good: no path can serve it again.
     exec(
         c,
-        "UPDATE messages SET state = ?2, content = '{}', version = version + 1, recall_seq = ?3 WHERE message_id = ?1",
-        params![message_id, STATE_RECALLED, seq as i64],
+        "UPDATE messages SET state = ?2, content = '{}', version = ?4, recall_seq = ?3 WHERE message_id = ?1",
+        params![message_id, STATE_RECALLED, seq as i64, version as i64],
     )?;
     exec(c, "DELETE FROM reactions WHERE message_id = ?1", params![message_id])?;
     // Earlier edit events carried the content too: keep them as events,
-    // without the content.
-    exec(
-        c,
-        "UPDATE messages SET content = json_set(json_remove(content, '$.content'), '$.recalled', json('true'))
-         WHERE target_id = ?1 AND kind = ?2",
-        params![message_id, KIND_EDIT],
-    )?;
-    Ok(ControlOutcome { msg_seq: seq, version: t.version + 1, changed: true })
+    // without the content (`content::Edited::recalled`).
+    let edits: Vec<(String, String)> = {
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT message_id, content FROM messages WHERE conv_id = ?1 AND target_id = ?2 AND kind = ?3",
+            )
+            .map_err(internal)?;
+        let rows = stmt
+            .query_map(params![cmd.conv, message_id, KIND_EDIT], |r| Ok((r.get(0)?, r.get(1)?)))
+            .map_err(internal)?;
+        rows.collect::<Result<_, _>>().map_err(internal)?
+    };
+    for (edit_id, stored) in edits {
+        let wiped =
+            content::Edited::recalled(&stored).map_err(|e| StoreError::Internal(format!("edit {edit_id}: {e}")))?;
+        exec(c, "UPDATE messages SET content = ?2 WHERE message_id = ?1", params![edit_id, wiped])?;
+    }
+    Ok(ControlOutcome { msg_seq: seq, version, changed: true })
 }
 
 pub(crate) fn edit(
@@ -366,28 +316,16 @@ pub(crate) fn edit(
     content: &str,
     base_version: u64,
 ) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_EDIT)? {
-        return Ok(done);
-    }
-    let t = load_target(c, &cmd.conv, message_id)?;
-    if t.sender != cmd.actor {
-        return Err(StoreError::Forbidden("only the sender edits a message".into()));
-    }
-    if !is_active_member(c, &cmd.conv, &cmd.actor)? {
-        return Err(StoreError::NotMember);
-    }
-    if t.state == STATE_RECALLED {
-        return Err(StoreError::Invalid("a recalled message cannot be edited".into()));
-    }
-    if base_version != t.version {
-        return Err(StoreError::VersionConflict(t.version));
-    }
-    let version = t.version + 1;
-    let event = format!(
-        "{{\"target_message_id\":{},\"target_msg_seq\":{},\"version\":{version},\"content\":{content}}}",
-        json_str(message_id),
-        t.msg_seq
-    );
+    let planned = decide_control(c, cmd, message_id, KIND_EDIT, None, |t| {
+        control::decide_edit(t, &cmd.actor, message_id, base_version)
+    })?;
+    let (t, version) = match planned {
+        Ok(write) => write,
+        Err(done) => return Ok(done),
+    };
+    let event = content::Edited::new(message_id, t.msg_seq, version, content)
+        .map_err(|e| StoreError::Invalid(e.to_string()))?
+        .to_json();
     let seq = append_conv_event(c, cmd, KIND_EDIT, &event, Some(message_id), None, STATE_NORMAL)?;
     exec(
         c,
@@ -404,34 +342,14 @@ pub(crate) fn react(
     reaction: &str,
     add: bool,
 ) -> R<ControlOutcome> {
-    if let Some(done) = retry_outcome(c, cmd, message_id, KIND_REACTION)? {
-        return Ok(done);
-    }
-    let t = load_target(c, &cmd.conv, message_id)?;
-    if !is_active_member(c, &cmd.conv, &cmd.actor)? || !sees(c, &cmd.conv, &cmd.actor, t.msg_seq)? {
-        return Err(StoreError::NotMember);
-    }
-    if t.state == STATE_RECALLED {
-        return Err(StoreError::Invalid("a recalled message takes no reactions".into()));
-    }
-    let current: Option<i64> = q(
-        c,
-        "SELECT event_seq FROM reactions WHERE message_id = ?1 AND user_id = ?2 AND reaction = ?3",
-        params![message_id, cmd.actor, reaction],
-    )?;
-    if current.is_some() == add {
-        // Already in the requested state: idempotent, nothing new.
-        return Ok(ControlOutcome { msg_seq: current.unwrap_or(0) as u64, version: t.version, changed: false });
-    }
-    let version = t.version + 1;
-    let event = format!(
-        "{{\"target_message_id\":{},\"target_msg_seq\":{},\"reaction\":{},\"op\":\"{}\",\"user\":{},\"version\":{version}}}",
-        json_str(message_id),
-        t.msg_seq,
-        json_str(reaction),
-        if add { "add" } else { "remove" },
-        json_str(&cmd.actor)
-    );
+    let planned = decide_control(c, cmd, message_id, KIND_REACTION, Some(reaction), |t| {
+        control::decide_react(t, message_id, add)
+    })?;
+    let (t, version) = match planned {
+        Ok(write) => write,
+        Err(done) => return Ok(done),
+    };
+    let event = content::Reacted::new(message_id, t.msg_seq, reaction, add, &cmd.actor, version).to_json();
     let seq = append_conv_event(c, cmd, KIND_REACTION, &event, Some(message_id), None, STATE_NORMAL)?;
     if add {
         exec(
@@ -535,22 +453,21 @@ pub(crate) fn mark_read(c: &Connection, user: &str, conv: &str, read_to_seq: u64
         .optional()
         .map_err(internal)?;
     let Some((read_seq, head)) = row else { return Err(not_found_or_not_member(c, conv)?) };
-    let target = read_to_seq.min(head as u64);
-    if target <= read_seq as u64 {
+    let Some(target) = projection::read_target(read_to_seq, head as u64, read_seq as u64) else {
         let unread: i64 =
             q(c, "SELECT unread FROM user_convs WHERE user_id = ?1 AND conv_id = ?2", params![user, conv])?
                 .unwrap_or(0);
         return Ok(ReadOutcome { read_seq: read_seq as u64, unread: unread as u64, written: None });
-    }
+    };
     exec(
         c,
         "UPDATE user_convs SET read_seq = ?3 WHERE user_id = ?1 AND conv_id = ?2",
         params![user, conv, target as i64],
     )?;
     let unread = recount(c, user, conv)?;
-    let data = format!("{{\"read_seq\":{target},\"unread\":{unread}}}");
-    let written =
-        append_user_event(c, user, EVENT_READ, conv, Some(target), &format!("read:{conv}:{target}"), &data, now_ms)?;
+    let data = content::ReadData { read_seq: target, unread }.to_json();
+    let source = projection::read_event_id(conv, target);
+    let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms)?;
     Ok(ReadOutcome { read_seq: target, unread, written })
 }
 
@@ -569,56 +486,62 @@ pub(crate) fn update_settings(
         .optional()
         .map_err(internal)?;
     let Some((m0, p0, v0)) = row else { return Err(not_found_or_not_member(c, conv)?) };
-    let (m1, p1) = (muted.unwrap_or(m0), pinned.unwrap_or(p0));
-    if (m1, p1) == (m0, p0) {
+    let now = Settings { muted: m0, pinned: p0, version: v0 as u64 };
+    let Some(next) = projection::settings_after(now, muted, pinned) else {
         return Ok((m0, p0, v0 as u64, None));
-    }
-    let v1 = v0 + 1;
+    };
     exec(
         c,
         "UPDATE user_convs SET muted = ?3, pinned = ?4, settings_version = ?5 WHERE user_id = ?1 AND conv_id = ?2",
-        params![user, conv, m1, p1, v1],
+        params![user, conv, next.muted, next.pinned, next.version as i64],
     )?;
-    let data = format!("{{\"muted\":{m1},\"pinned\":{p1},\"version\":{v1}}}");
-    let written =
-        append_user_event(c, user, EVENT_SETTINGS, conv, None, &format!("settings:{conv}:{v1}"), &data, now_ms)?;
-    Ok((m1, p1, v1 as u64, written))
+    let data = content::SettingsData { muted: next.muted, pinned: next.pinned, version: next.version }.to_json();
+    let source = projection::settings_event_id(conv, next.version);
+    let written = append_user_event(c, user, EVENT_SETTINGS, conv, None, &source, &data, now_ms)?;
+    Ok((next.muted, next.pinned, next.version, written))
 }
 
 pub(crate) fn delete_for_me(c: &Connection, user: &str, conv: &str, message_id: &str, now_ms: i64) -> R<Option<u64>> {
-    let t = load_target(c, conv, message_id)?;
-    if !sees(c, conv, user, t.msg_seq)? {
-        return Err(StoreError::NotFound(format!("message {message_id}")));
-    }
+    let msg_seq = control::decide_delete_for_me(load_target(c, conv, message_id, user, None)?.as_ref(), message_id)?;
     let n =
         exec(c, "INSERT OR IGNORE INTO user_deleted (user_id, message_id) VALUES (?1, ?2)", params![user, message_id])?;
     if n == 1 {
         recount(c, user, conv)?;
     }
-    let data = format!("{{\"message_id\":{},\"msg_seq\":{}}}", json_str(message_id), t.msg_seq);
-    append_user_event(c, user, EVENT_DELETE, conv, Some(t.msg_seq), &format!("delete:{message_id}"), &data, now_ms)
+    let data = content::DeletedData { message_id, msg_seq }.to_json();
+    append_user_event(
+        c,
+        user,
+        EVENT_DELETE,
+        conv,
+        Some(msg_seq),
+        &projection::delete_event_id(message_id),
+        &data,
+        now_ms,
+    )
 }
 
 pub(crate) fn record_delivery(c: &Connection, user: &str, device: &str, ids: &[String], now_ms: i64) -> R<u64> {
-    if ids.len() > DELIVERY_IDS_MAX {
-        return Err(StoreError::Invalid(format!("at most {DELIVERY_IDS_MAX} message ids")));
-    }
+    projection::check_delivery_ids(ids.len())?;
+    // Only messages fan-out delivered to the user count: inside the user's
+    // periods and at or below its last_msg_seq (conversation facts, not the
+    // user log, which retention trims).
+    let delivered: Vec<String> = {
+        let list: Array = Rc::new(ids.iter().cloned().map(Value::from).collect());
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT m.message_id FROM messages m JOIN user_convs uc ON uc.user_id = ?1 AND uc.conv_id = m.conv_id
+                 WHERE m.message_id IN rarray(?2) AND m.msg_seq <= uc.last_msg_seq
+                   AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?1
+                               AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))",
+            )
+            .map_err(internal)?;
+        let rows = stmt.query_map(params![user, list], |r| r.get(0)).map_err(internal)?;
+        rows.collect::<Result<_, _>>().map_err(internal)?
+    };
+    projection::check_delivered(ids, &delivered)?;
     let mut added = 0;
     for id in ids {
-        // Only messages fan-out delivered to the user count: inside the
-        // user's periods and at or below its last_msg_seq (conversation
-        // facts, not the user log, which retention trims).
-        let delivered: Option<i64> = q(
-            c,
-            "SELECT 1 FROM messages m JOIN user_convs uc ON uc.user_id = ?1 AND uc.conv_id = m.conv_id
-             WHERE m.message_id = ?2 AND m.msg_seq <= uc.last_msg_seq
-               AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = ?1
-                           AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))",
-            params![user, id],
-        )?;
-        if delivered.is_none() {
-            return Err(StoreError::NotFound(format!("message {id}")));
-        }
         added += exec(
             c,
             "INSERT OR IGNORE INTO deliveries (message_id, user_id, device_id, delivered_at) VALUES (?1, ?2, ?3, ?4)",
@@ -651,10 +574,8 @@ pub(crate) fn rebuild_unread(c: &Connection) -> R<UnreadRebuild> {
     Ok(report)
 }
 
-fn not_found_or_not_member(c: &Connection, conv: &str) -> R<StoreError> {
+/// Why `conv` has nothing for its caller (`control::not_member`).
+pub(crate) fn not_found_or_not_member(c: &Connection, conv: &str) -> R<StoreError> {
     let exists: Option<i64> = q(c, "SELECT 1 FROM conversations WHERE conv_id = ?1", params![conv])?;
-    Ok(match exists {
-        None => StoreError::NotFound(format!("conversation {conv}")),
-        Some(_) => StoreError::NotMember,
-    })
+    Ok(control::not_member(conv, exists.is_some()).into())
 }

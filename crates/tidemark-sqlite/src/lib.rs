@@ -28,8 +28,10 @@ use std::sync::{Arc, Mutex};
 use async_trait::async_trait;
 use rusqlite::trace::{TraceEvent, TraceEventCodes};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
-use tidemark_core::cursor::{DeviceCursor, DeviceState};
-use tidemark_core::membership::{recipients_at, Period};
+use tidemark_core::control;
+use tidemark_core::cursor::{self, CasDecision, DeviceCursor, DeviceState};
+use tidemark_core::membership::{control_recipients, recipients_at, Period};
+use tidemark_core::projection;
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
 use tokio::sync::Semaphore;
@@ -194,53 +196,35 @@ fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
     {
         return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
-    if tidemark_store::is_control_kind(&cmd.kind) {
-        return Err(StoreError::Invalid(format!("kind {} is reserved for control events", cmd.kind)));
-    }
+    control::check_send_kind(&cmd.kind)?;
     // The membership check runs here, at the conversation's linearisation
     // point, so a send racing a removal is ordered by the writer (G1).
     if !events::is_active_member(conn, &cmd.conv, &cmd.sender)? {
-        let exists: Option<i64> = conn
-            .query_row("SELECT 1 FROM conversations WHERE conv_id = ?1", params![cmd.conv], |r| r.get(0))
-            .optional()
-            .map_err(internal)?;
-        return Err(match exists {
-            None => StoreError::NotFound(format!("conversation {}", cmd.conv)),
-            Some(_) => StoreError::NotMember,
-        });
+        return Err(events::not_found_or_not_member(conn, &cmd.conv)?);
     }
     if let Some(quoted) = &cmd.quote_id {
-        let seq: Option<(String, i64, String)> = conn
-            .query_row("SELECT conv_id, msg_seq, kind FROM messages WHERE message_id = ?1", params![quoted], |r| {
-                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
-            })
+        let row: Option<(String, bool)> = conn
+            .prepare_cached(
+                "SELECT m.kind, EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id
+                        AND p.user_id = ?3 AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= m.msg_seq))
+                 FROM messages m WHERE m.message_id = ?1 AND m.conv_id = ?2",
+            )
+            .map_err(internal)?
+            .query_row(params![quoted, cmd.conv, cmd.sender], |r| Ok((r.get(0)?, r.get(1)?)))
             .optional()
             .map_err(internal)?;
-        match seq {
-            Some((conv, seq, kind))
-                if conv == cmd.conv
-                    && !tidemark_store::is_control_kind(&kind)
-                    && events::sees(conn, &cmd.conv, &cmd.sender, seq as u64)? => {}
-            _ => return Err(StoreError::Invalid(format!("quoted message {quoted} is not in this conversation"))),
-        }
+        control::check_quote(quoted, row.as_ref().map(|(kind, sees)| (kind.as_str(), *sees)))?;
     }
-    let event = ConvEventCmd {
-        conv: cmd.conv.clone(),
-        actor: cmd.sender.clone(),
-        actor_device: cmd.sender_device.clone(),
-        event_id: cmd.message_id.clone(),
-        client_msg_id: cmd.client_msg_id.clone(),
-        now_ms: cmd.now_ms,
-    };
-    let msg_seq =
-        events::append_conv_event(conn, &event, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL)?;
-    Ok(Accepted {
-        message_id: cmd.message_id.clone(),
-        conv: cmd.conv.clone(),
-        msg_seq,
-        created_at_ms: cmd.now_ms,
-        duplicate: false,
-    })
+    let msg_seq = events::append_conv_event(
+        conn,
+        &cmd.as_event(),
+        &cmd.kind,
+        &cmd.content,
+        None,
+        cmd.quote_id.as_deref(),
+        STATE_NORMAL,
+    )?;
+    Ok(cmd.accepted(msg_seq))
 }
 
 fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<Period>> {
@@ -263,56 +247,32 @@ fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<
     rows.collect::<Result<Vec<_>, _>>().map_err(internal)
 }
 
-/// The event row behind an outbox item: its sender and, for control
-/// events, the target's `msg_seq` and sender.
-struct FanoutSource {
-    kind: String,
-    target: Option<(u64, String, String)>,
-}
-
-fn fanout_source(conn: &Connection, item: &OutboxItem) -> StoreResult<FanoutSource> {
-    let (kind, target_id): (String, Option<String>) = conn
-        .prepare_cached("SELECT kind, target_id FROM messages WHERE message_id = ?1")
+/// The recipients of one outbox item (F4, E1): the periods covering its
+/// `msg_seq` and, for a control event, those covering its target's, as
+/// `control_recipients` combines them.
+fn resolve(conn: &Connection, item: &OutboxItem) -> StoreResult<tidemark_core::membership::Recipients> {
+    let (kind, target_seq): (String, Option<i64>) = conn
+        .prepare_cached(
+            "SELECT s.kind, t.msg_seq FROM messages s
+             LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
+             WHERE s.message_id = ?1",
+        )
         .map_err(internal)?
         .query_row(params![item.source_event_id], |r| Ok((r.get(0)?, r.get(1)?)))
         .map_err(internal)?;
-    let target = match target_id {
+    let at_event = recipients_at(&periods_covering(conn, &item.conv, item.msg_seq)?, item.msg_seq);
+    let holders = match target_seq.map(|t| t as u64) {
+        Some(t) => Some(recipients_at(&periods_covering(conn, &item.conv, t)?, t)),
         None => None,
-        Some(id) => conn
-            .prepare_cached("SELECT msg_seq, sender FROM messages WHERE message_id = ?1")
-            .map_err(internal)?
-            .query_row(params![id], |r| Ok((r.get::<_, i64>(0)? as u64, r.get(1)?, id.clone())))
-            .optional()
-            .map_err(internal)?,
     };
-    Ok(FanoutSource { kind, target })
+    Ok(control_recipients(at_event, holders, &kind))
 }
 
 fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResult<FanoutReport> {
     let mut report = FanoutReport::default();
     let mut touched: std::collections::BTreeMap<String, SyncSeq> = Default::default();
     for item in items {
-        let source = fanout_source(conn, item)?;
-        let mut recipients = recipients_at(&periods_covering(conn, &item.conv, item.msg_seq)?, item.msg_seq);
-        if let Some((target_seq, _, _)) = &source.target {
-            // A control event concerns a message: only who could see that
-            // message gets it. Edits and reactions go to current holders
-            // (periods covering both the event and the target); a recall
-            // also reaches holders who left since: tombstones outlive every
-            // holder of the content (E1).
-            let holders = recipients_at(&periods_covering(conn, &item.conv, *target_seq)?, *target_seq);
-            let held = |u: &String| holders.deliver.iter().any(|(h, _)| h == u) || holders.quarantined.contains(u);
-            recipients.deliver.retain(|(u, _)| held(u));
-            if source.kind == KIND_RECALL {
-                for (user, period) in holders.deliver {
-                    let known =
-                        recipients.deliver.iter().any(|(u, _)| *u == user) || recipients.quarantined.contains(&user);
-                    if !known {
-                        recipients.deliver.push((user, period));
-                    }
-                }
-            }
-        }
+        let recipients = resolve(conn, item)?;
         for user in &recipients.quarantined {
             conn.prepare_cached(
                 "INSERT OR IGNORE INTO fanout_quarantine (source_event_id, user_id, conv_id, msg_seq, reason, created_at)
@@ -354,31 +314,24 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
             .map_err(internal)?
             .execute(params![user, sync_seq, item.kind, item.conv, item.msg_seq as i64, item.source_event_id, period_id, now_ms])
             .map_err(internal)?;
-            // Projections commit with the event: once per (user, event).
-            // A user's own message marks the conversation read up to it; a
-            // message the user already deleted for themselves never counts.
-            let own = user == &item.actor;
-            let counts = item.kind == EVENT_MESSAGE && !own;
-            // Every event the user gets moves last_msg_seq, recalls included: a
-            // snapshot lists the conversation up to it, so a device rebuilt from
-            // one holds no gap below the next event.
-            let bumps_last = true;
+            // Projections commit with the event: once per (user, event), as
+            // `projection::delivery` decides; a message the user already
+            // deleted for themselves never counts.
+            let d = projection::delivery(&item.kind, user, &item.actor);
             conn.prepare_cached(
                 "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
-                 VALUES (?1, ?2, CASE WHEN ?6 THEN ?3 ELSE 0 END, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END)
+                 VALUES (?1, ?2, ?3, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END)
                  ON CONFLICT(user_id, conv_id) DO UPDATE SET
-                    last_msg_seq = CASE WHEN ?6 THEN MAX(last_msg_seq, ?3) ELSE last_msg_seq END,
+                    last_msg_seq = MAX(last_msg_seq, ?3),
                     read_seq = CASE WHEN ?4 THEN MAX(read_seq, ?3) ELSE read_seq END,
                     unread = unread + CASE WHEN ?5 AND ?3 > read_seq
-                        AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = ?7)
+                        AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = ?6)
                         THEN 1 ELSE 0 END",
             )
             .map_err(internal)?
-            .execute(params![user, item.conv, item.msg_seq as i64, own, counts, bumps_last, item.source_event_id])
+            .execute(params![user, item.conv, item.msg_seq as i64, d.own, d.counts_unread, item.source_event_id])
             .map_err(internal)?;
-            if item.kind == EVENT_RECALL || (own && item.kind == EVENT_MESSAGE) {
-                // A recalled message no longer counts; an own message moved
-                // the read cursor over whatever was unread below it.
+            if d.recount {
                 events::recount_unread(conn, user, &item.conv)?;
             }
             report.events_written += 1;
@@ -473,10 +426,8 @@ impl Store for SqliteStore {
                 };
                 c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1 AND device_id = ?2", params![user, device])
                     .map_err(internal)?;
-                if rec.cursor.state == DeviceState::Revoked {
-                    return Ok(false);
-                }
-                write_cursor(c, &user, &device, DeviceCursor { state: DeviceState::Revoked, ..rec.cursor }, now_ms)?;
+                let Some(revoked) = cursor::revoked(rec.cursor) else { return Ok(false) };
+                write_cursor(c, &user, &device, revoked, now_ms)?;
                 Ok(true)
             })
             .await
@@ -522,9 +473,7 @@ impl Store for SqliteStore {
     }
 
     async fn create_direct(&self, a: &str, b: &str, conv_id: &str, now_ms: i64) -> StoreResult<(String, bool)> {
-        if a == b {
-            return Err(StoreError::Invalid("a direct conversation needs two distinct users".into()));
-        }
+        tidemark_core::membership::check_direct(a, b)?;
         let (a, b, conv_id) = (a.to_owned(), b.to_owned(), conv_id.to_owned());
         let key = tidemark_core::ids::direct_key(&a, &b);
         self.writer
@@ -536,15 +485,8 @@ impl Store for SqliteStore {
                 {
                     return Ok((existing, false));
                 }
-                for u in [&a, &b] {
-                    let known: Option<i64> = c
-                        .query_row("SELECT 1 FROM users WHERE user_id = ?1", params![u], |r| r.get(0))
-                        .optional()
-                        .map_err(internal)?;
-                    if known.is_none() {
-                        return Err(StoreError::NotFound(format!("user {u}")));
-                    }
-                }
+                let pair = [a.clone(), b.clone()];
+                tidemark_core::membership::all_known(&pair, &events::known_users(c, &pair)?)?;
                 c.execute(
                     "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at)
                      VALUES (?1, ?2, ?3, 0, 1, NULL, ?4)",
@@ -835,12 +777,12 @@ impl Store for SqliteStore {
                 let Some(rec) = read_device(c, &user, &device)? else {
                     return Err(StoreError::NotFound(format!("device {device}")));
                 };
-                if rec.cursor != expected {
-                    return Ok((false, rec.cursor));
-                }
-                assert!(new.generation >= expected.generation, "a generation never goes back");
+                let (new, ends_recovery) = match cursor::decide_cas(rec.cursor, expected, new) {
+                    CasDecision::Refuse { current } => return Ok((false, current)),
+                    CasDecision::Write { new, ends_recovery } => (new, ends_recovery),
+                };
                 write_cursor(c, &user, &device, new, now_ms)?;
-                if new.generation != expected.generation {
+                if ends_recovery {
                     // A new generation ends any recovery session of the old
                     // one: it no longer fences retention.
                     c.execute(

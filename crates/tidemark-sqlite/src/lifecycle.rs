@@ -7,13 +7,12 @@
 //! is read, which the per-conversation message bound keeps short.
 
 use rusqlite::{params, Connection, OptionalExtension};
-use tidemark_core::cursor::{decide_ack_with, AckDecision, DeviceCursor, DeviceState, RecoveryInfo};
+use tidemark_core::cursor::{self, decide_ack_with, AckDecision, CasDecision, DeviceCursor, RecoveryInfo};
+use tidemark_core::retention::{self, Fences};
+use tidemark_core::snapshot::{self, Install};
 use tidemark_store::*;
 
 use crate::{internal, read};
-
-/// Most conversations in one snapshot.
-pub const SNAPSHOT_CONVS_MAX: usize = 10_000;
 
 type R<T> = StoreResult<T>;
 
@@ -48,14 +47,7 @@ pub(crate) fn begin_snapshot(
     expires_at_ms: i64,
     now_ms: i64,
 ) -> R<(u64, Vec<SnapshotConv>)> {
-    let cursor = device_cursor(c, user, device)?;
-    if cursor.state != DeviceState::Resetting || cursor.generation != generation {
-        return Err(StoreError::Conflict(format!(
-            "device is {} at generation {}, not resetting at {generation}",
-            cursor.state.as_str(),
-            cursor.generation
-        )));
-    }
+    snapshot::check_begin(device_cursor(c, user, device)?, generation)?;
     let (base, _) = head(c, user)?;
     c.execute(
         "INSERT INTO snapshots (snapshot_id, user_id, device_id, generation, base_sync_seq, state, created_at, expires_at)
@@ -64,9 +56,7 @@ pub(crate) fn begin_snapshot(
     )
     .map_err(internal)?;
     let convs = read::list_conversations(c, user)?;
-    if convs.len() > SNAPSHOT_CONVS_MAX {
-        return Err(StoreError::Invalid(format!("more than {SNAPSHOT_CONVS_MAX} conversations")));
-    }
+    snapshot::check_conversations(convs.len())?;
     let mut view = Vec::with_capacity(convs.len());
     for state in convs {
         // What fan-out delivered to this user up to now, i.e. up to the
@@ -138,8 +128,7 @@ pub(crate) fn snapshot(c: &Connection, snapshot_id: &str) -> R<Option<SnapshotMe
 
 pub(crate) fn snapshot_page(c: &Connection, snapshot_id: &str, page: u32) -> R<Option<Vec<String>>> {
     let Some(meta) = snapshot(c, snapshot_id)? else { return Ok(None) };
-    // Only a READY snapshot serves pages: an installed one has no items left.
-    if meta.state != SNAPSHOT_READY || page >= meta.pages {
+    if !snapshot::serves_page(&meta.facts(), page) {
         return Ok(None);
     }
     let mut stmt = c
@@ -162,18 +151,10 @@ pub(crate) fn ack_snapshot(
 ) -> R<(bool, DeviceCursor)> {
     let meta = snapshot(c, snapshot_id)?.ok_or_else(|| StoreError::NotFound(format!("snapshot {snapshot_id}")))?;
     let cursor = device_cursor(c, user, device)?;
-    if meta.user != user || meta.device != device {
-        return Err(StoreError::NotFound(format!("snapshot {snapshot_id}")));
-    }
-    let installable = meta.state == SNAPSHOT_READY
-        && cursor.state == DeviceState::Resetting
-        && cursor.generation == meta.generation
-        && now_ms < meta.expires_at_ms;
-    if !installable {
+    let Install::Install(new) = snapshot::decide_install(&meta.facts(), snapshot_id, user, device, cursor, now_ms)?
+    else {
         return Ok((false, cursor));
-    }
-    let new =
-        DeviceCursor { generation: meta.generation, acked_sync_seq: meta.base_sync_seq, state: DeviceState::Active };
+    };
     crate::write_cursor(c, user, device, new, now_ms)?;
     c.execute("UPDATE snapshots SET state = 'INSTALLED' WHERE snapshot_id = ?1", params![snapshot_id])
         .map_err(internal)?;
@@ -256,18 +237,17 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
                 |r| r.get(0),
             )
             .map_err(internal)?;
-        // Without any valid device the log is kept (nobody fenced it, but a
-        // device may still log in and get a snapshot; trimming would only
-        // save space).
-        let Some(device_fence) = device_fence else { continue };
-        let fence = [Some(device_fence), recovery_fence, snapshot_fence, age_fence.or(Some(0)), Some(hw)]
-            .into_iter()
-            .flatten()
-            .min()
-            .unwrap_or(0);
-        if fence <= trimmed {
-            continue;
-        }
+        let seq = |v: Option<i64>| v.map(|v| v as u64);
+        let fences = Fences {
+            high_watermark: hw as u64,
+            trimmed_upto: trimmed as u64,
+            device: seq(device_fence),
+            recovery: seq(recovery_fence),
+            snapshot: seq(snapshot_fence),
+            aged: seq(age_fence),
+        };
+        let Some(fence) = retention::trim_to(fences) else { continue };
+        let fence = fence as i64;
         let deleted = c
             .execute("DELETE FROM user_events WHERE user_id = ?1 AND sync_seq <= ?2", params![user, fence])
             .map_err(internal)?;
@@ -306,11 +286,10 @@ pub(crate) fn begin_recovery(
     session: &RecoveryInfo,
     now_ms: i64,
 ) -> R<(bool, DeviceCursor)> {
-    let cursor = device_cursor(c, user, device)?;
-    if cursor != expected {
-        return Ok((false, cursor));
-    }
-    let new = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Recovering, ..cursor };
+    let new = match cursor::decide_begin_recovery(device_cursor(c, user, device)?, expected) {
+        CasDecision::Refuse { current } => return Ok((false, current)),
+        CasDecision::Write { new, .. } => new,
+    };
     crate::write_cursor(c, user, device, new, now_ms)?;
     // Any older session of this device is over: the generation moved.
     c.execute(
@@ -345,16 +324,14 @@ pub(crate) fn ack(
     seq: u64,
     now_ms: i64,
 ) -> R<AckResult> {
-    let mut cursor = device_cursor(c, user, device)?;
+    let cursor = device_cursor(c, user, device)?;
     let session = recovery_session(c, user, device)?;
     let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), seq, now_ms);
+    let Some(after) = cursor::cursor_after_ack(cursor, decision) else {
+        return Ok(AckResult { decision, cursor });
+    };
     match decision {
-        AckDecision::Advance { to } => {
-            assert!(to > cursor.acked_sync_seq, "an ACK only moves forward");
-            cursor.acked_sync_seq = to;
-            crate::write_cursor(c, user, device, cursor, now_ms)?;
-        }
-        AckDecision::CompleteRecovery { to } => {
+        AckDecision::CompleteRecovery { .. } => {
             // The session's own CAS: only the live session of this
             // generation completes, and only here.
             let s = session.as_ref().expect("a completion has a session");
@@ -365,8 +342,6 @@ pub(crate) fn ack(
                 )
                 .map_err(internal)?;
             assert_eq!(n, 1, "the live session completes once");
-            cursor = DeviceCursor { acked_sync_seq: to, state: DeviceState::Active, ..cursor };
-            crate::write_cursor(c, user, device, cursor, now_ms)?;
         }
         AckDecision::RecoveryExpired { .. } => {
             c.execute(
@@ -374,12 +349,11 @@ pub(crate) fn ack(
                 params![user, device],
             )
             .map_err(internal)?;
-            cursor = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
-            crate::write_cursor(c, user, device, cursor, now_ms)?;
         }
         _ => {}
     }
-    Ok(AckResult { decision, cursor })
+    crate::write_cursor(c, user, device, after, now_ms)?;
+    Ok(AckResult { decision, cursor: after })
 }
 
 /// Message-history retention (L3): per conversation, `min_seq` moves up to
@@ -402,10 +376,11 @@ fn trim_history(c: &Connection, cutoff_ms: i64, report: &mut TrimReport) -> R<()
                 |r| r.get(0),
             )
             .map_err(internal)?;
-        let new_min = first_young.unwrap_or(head + 1);
-        if new_min <= min_seq {
+        let Some(new_min) = retention::history_boundary(head as u64, min_seq as u64, first_young.map(|v| v as u64))
+        else {
             continue;
-        }
+        };
+        let new_min = new_min as i64;
         let expired = c
             .execute(
                 "UPDATE messages SET content = '{}', state = 'expired'

@@ -1,10 +1,12 @@
-//! The store conformance suite against the SQLite backend, plus checks that
-//! only make sense for an embedded file (reopen after a restart).
+//! The store conformance suite against the SQLite backend (membership,
+//! recall/edit/react, snapshots, group commit and the rest run there, once
+//! for both backends), plus checks that need this backend's file: reopen
+//! after a restart, a corrupted membership history, migrations.
 
 use std::sync::{Arc, Mutex};
 
 use tidemark_sqlite::SqliteStore;
-use tidemark_store::{conformance, SendCmd, Store};
+use tidemark_store::{conformance, Store};
 
 /// Temp dirs live until the end of the test.
 fn fresh_store(dirs: &Mutex<Vec<tempfile::TempDir>>) -> Arc<dyn Store> {
@@ -20,118 +22,47 @@ async fn sqlite_passes_the_conformance_suite() {
     conformance::run_all(|| async { fresh_store(&dirs) }).await;
 }
 
+/// Membership, recall/edit/react, snapshot installability, group commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_passes_the_rule_checks() {
+    let dirs = Mutex::new(Vec::new());
+    conformance::run_rules(|| async { fresh_store(&dirs) }).await;
+}
+
+/// The shared check, reopening the same data directory.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn accepted_sends_and_outbox_survive_reopen() {
     let dir = tempfile::tempdir().unwrap();
-    {
-        let store = SqliteStore::open(dir.path()).unwrap();
-        store.create_user("a", "x", 0).await.unwrap();
-        store.create_user("b", "x", 0).await.unwrap();
-        let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-        for i in 0..5 {
-            let cmd = SendCmd {
-                sender: "a".into(),
-                sender_device: "d".into(),
-                conv: conv.clone(),
-                client_msg_id: format!("{i}"),
-                kind: "text".into(),
-                content: "{}".into(),
-                message_id: format!("m{i}"),
-                quote_id: None,
-                now_ms: 0,
-            };
-            store.accept_send(cmd).await.unwrap();
-        }
-    }
-    let store = SqliteStore::open(dir.path()).unwrap();
-    let pending = store.pending_outbox(100).await.unwrap();
-    assert_eq!(pending.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
-    assert_eq!(store.server_secret().await.unwrap(), store.server_secret().await.unwrap());
+    let path = dir.path();
+    conformance::accepted_sends_and_outbox_survive_reopen(|| async move {
+        SqliteStore::open(path).unwrap() as Arc<dyn Store>
+    })
+    .await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn group_commit_batches_concurrent_writes() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = SqliteStore::open(dir.path()).unwrap();
-    store.create_user("a", "x", 0).await.unwrap();
-    store.create_user("b", "x", 0).await.unwrap();
-    let (conv, _) = store.create_direct("a", "b", "c1", 0).await.unwrap();
-    let before = store.stats();
-    let n = 400;
-    let mut tasks = tokio::task::JoinSet::new();
-    for i in 0..n {
-        let (store, conv) = (store.clone(), conv.clone());
-        tasks.spawn(async move {
-            let cmd = SendCmd {
-                sender: "a".into(),
-                sender_device: "d".into(),
-                conv,
-                client_msg_id: format!("{i}"),
-                kind: "text".into(),
-                content: "{}".into(),
-                message_id: format!("m{i}"),
-                quote_id: None,
-                now_ms: 0,
-            };
-            store.accept_send(cmd).await.unwrap();
-        });
-    }
-    tasks.join_all().await;
-    let after = store.stats();
-    let commits = after.commits - before.commits;
-    assert_eq!(after.writes - before.writes, n);
-    // 400 concurrent requests must share transactions; one per request would
-    // mean group commit is not working.
-    assert!(commits < n / 2, "{commits} commits for {n} concurrent sends");
-}
-
-/// F4: a message that hits two membership periods of one user is an
-/// integrity error: quarantined, counted, never delivered twice (or once by
-/// a guess); the other members still get it.
+/// F4 (the shared check): the corruption goes through a second connection
+/// to the database file.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn overlapping_periods_are_quarantined() {
-    use tidemark_store::ConvEventCmd;
     let dir = tempfile::tempdir().unwrap();
     let store = SqliteStore::open(dir.path()).unwrap();
-    for u in ["a", "b", "c"] {
-        store.create_user(u, "x", 0).await.unwrap();
-    }
-    let cmd = |id: &str| ConvEventCmd {
-        conv: "g1".into(),
-        actor: "a".into(),
-        actor_device: "d".into(),
-        event_id: id.into(),
-        client_msg_id: id.into(),
-        now_ms: 0,
-    };
-    store.create_group(cmd("e1"), vec!["b".into(), "c".into()]).await.unwrap();
-    // Corrupt the membership history: a second open period for b.
     let raw = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
     raw.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
-    raw.execute(
-        "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g1', 'b', 0, NULL)",
-        [],
+    let raw = &raw;
+    conformance::overlapping_periods_are_quarantined(
+        &*store,
+        move || async move {
+            raw.execute(
+                "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g1', 'b', 0, NULL)",
+                [],
+            )
+            .unwrap();
+        },
+        move || async move {
+            raw.query_row("SELECT COUNT(*) FROM fanout_quarantine WHERE user_id = 'b'", [], |r| r.get(0)).unwrap()
+        },
     )
-    .unwrap();
-    let send = SendCmd {
-        sender: "a".into(),
-        sender_device: "d".into(),
-        conv: "g1".into(),
-        client_msg_id: "m".into(),
-        kind: "text".into(),
-        content: "{}".into(),
-        message_id: "m1".into(),
-        quote_id: None,
-        now_ms: 0,
-    };
-    store.accept_send(send).await.unwrap();
-    let report = store.fan_out(store.pending_outbox(10).await.unwrap(), 0).await.unwrap();
-    assert_eq!(report.quarantined, 2, "b is quarantined for both events (created, m1)");
-    let quarantined: i64 =
-        raw.query_row("SELECT COUNT(*) FROM fanout_quarantine WHERE user_id = 'b'", [], |r| r.get(0)).unwrap();
-    assert_eq!(quarantined, 2);
-    assert_eq!(store.user_high_watermark("b").await.unwrap(), 0, "nothing delivered to b");
-    assert_eq!(store.user_high_watermark("c").await.unwrap(), 2, "c gets both");
+    .await;
 }
 
 /// The applied steps, in order, and their `applied_at`.

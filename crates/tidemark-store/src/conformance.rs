@@ -1,6 +1,6 @@
 //! The conformance suite every backend must pass: the same checks, the same
-//! meaning, whatever the database. A backend's tests call [`run_all`] (or
-//! each check) with a fresh, empty store. Checks panic with a message that
+//! meaning, whatever the database. A backend's tests call [`run_all`] and
+//! [`run_rules`] (or each check) with a fresh, empty store. Checks panic with a message that
 //! names the broken requirement.
 
 use std::sync::Arc;
@@ -51,6 +51,21 @@ where
     refresh_tokens_are_used_once(&*fresh().await).await;
     revocation_is_durable(&*fresh().await).await;
     history_retention_moves_the_boundary(&*fresh().await).await;
+}
+
+/// Runs the checks of the rules `tidemark-core` decides for every backend
+/// (membership, recall/edit/react and their recipients and payloads,
+/// snapshot installability) and of group commit, each on its own fresh
+/// store; a backend's tests run it beside [`run_all`].
+pub async fn run_rules<F, Fut>(fresh: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Arc<dyn Store>>,
+{
+    membership_rules(&*fresh().await).await;
+    recall_edit_react_rules(&*fresh().await).await;
+    snapshot_installability(&*fresh().await).await;
+    group_commit_batches_concurrent_writes(fresh().await).await;
 }
 
 /// G1: one conversation per direct pair, whatever the order.
@@ -156,6 +171,248 @@ pub async fn refusals_inside_one_group_commit_roll_back_alone(store: Arc<dyn Sto
     assert_eq!(seqs.len() as u64, n / 6 * 2 + 1);
     let backlog = store.outbox_stats().await.unwrap().backlog;
     assert_eq!(backlog, seqs.len() as u64 + 1, "S3: one outbox record per accepted send, none for a refusal");
+    let head = store.conversation(&conv).await.unwrap().unwrap().head;
+    assert_eq!(head, seqs.len() as u64, "S2: the head is the last accepted send");
+}
+
+/// Group commit: concurrent requests share transactions (one per request
+/// would mean group commit is not working), and their msg_seqs are 1..=n.
+pub async fn group_commit_batches_concurrent_writes(store: Arc<dyn Store>) {
+    users(&*store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    let before = store.stats();
+    let n = 400u64;
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..n {
+        let (store, conv) = (store.clone(), conv.clone());
+        tasks.spawn(async move { store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap().msg_seq });
+    }
+    let mut seqs = tasks.join_all().await;
+    seqs.sort_unstable();
+    assert_eq!(seqs, (1..=n).collect::<Vec<_>>(), "S2: contiguous msg_seq");
+    let after = store.stats();
+    let commits = after.commits - before.commits;
+    assert_eq!(after.writes - before.writes, n, "every request is counted once");
+    assert!(commits < n / 2, "{commits} commits for {n} concurrent sends");
+}
+
+fn ev(conv: &str, actor: &str, id: &str) -> ConvEventCmd {
+    ConvEventCmd {
+        conv: conv.into(),
+        actor: actor.into(),
+        actor_device: "d1".into(),
+        event_id: id.into(),
+        client_msg_id: id.into(),
+        now_ms: T0,
+    }
+}
+
+fn invalid(m: &str) -> StoreError {
+    StoreError::Invalid(m.into())
+}
+
+fn not_found(m: &str) -> StoreError {
+    StoreError::NotFound(m.into())
+}
+
+/// S3, durability: accepted sends and their outbox records, and the server
+/// secret, survive closing and reopening the store; reopening changes
+/// nothing. `open` opens the same database each time.
+pub async fn accepted_sends_and_outbox_survive_reopen<F, Fut>(open: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Arc<dyn Store>>,
+{
+    let secret = {
+        let store = open().await;
+        users(&*store, &["a", "b"]).await;
+        let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+        for i in 0..5 {
+            store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+        }
+        store.server_secret().await.unwrap()
+    };
+    let store = open().await;
+    let pending = store.pending_outbox(100).await.unwrap();
+    assert_eq!(pending.iter().map(|i| i.msg_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4, 5]);
+    assert_eq!(store.server_secret().await.unwrap(), secret, "the secret is created once and kept");
+    assert_eq!(secret.len(), 32);
+}
+
+/// F4: a message that hits two membership periods of one user is an
+/// integrity error: quarantined, counted, never delivered twice (or once by
+/// a guess); the other members still get it. `corrupt` is the backend's
+/// way to write, behind the store's back, a second open period for `b` in
+/// `g1` (`join_seq` 0); `quarantined` counts `b`'s quarantine rows.
+pub async fn overlapping_periods_are_quarantined<C, CF, Q, QF>(store: &dyn Store, corrupt: C, quarantined: Q)
+where
+    C: FnOnce() -> CF,
+    CF: std::future::Future<Output = ()>,
+    Q: FnOnce() -> QF,
+    QF: std::future::Future<Output = i64>,
+{
+    users(store, &["a", "b", "c"]).await;
+    store.create_group(ev("g1", "a", "e1"), vec!["b".into(), "c".into()]).await.unwrap();
+    corrupt().await;
+    store.accept_send(SendCmd { message_id: "m1".into(), ..send("a", "g1", "m") }).await.unwrap();
+    let report = store.fan_out(store.pending_outbox(10).await.unwrap(), T0).await.unwrap();
+    assert_eq!(report.quarantined, 2, "b is quarantined for both events (created, m1)");
+    assert_eq!(quarantined().await, 2);
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), 0, "nothing delivered to b");
+    assert_eq!(store.user_high_watermark("c").await.unwrap(), 2, "c gets both");
+}
+
+/// G1 (`core::membership`): group creation and its retry, who may add,
+/// remove or let leave whom, and what a membership change answers, the
+/// same errors from every backend.
+pub async fn membership_rules(store: &dyn Store) {
+    use MembershipChange::{Add, Leave, Remove};
+    users(store, &["own", "m", "x", "out"]).await;
+    let created = store.create_group(ev("g1", "own", "create"), vec!["m".into(), "m".into(), "own".into()]).await;
+    assert_eq!(created, Ok(("g1".to_string(), 1)));
+    let retry = store.create_group(ev("g-other", "own", "create"), vec![]).await;
+    assert_eq!(retry, Ok(("g1".to_string(), 1)), "a retried create finds the first group");
+    let unknown = store.create_group(ev("g2", "own", "create2"), vec!["x".into(), "zz".into()]).await;
+    assert_eq!(unknown, Err(not_found("user zz")));
+    assert_eq!(store.conversation("g2").await.unwrap(), None, "a refused create leaves nothing");
+    assert_eq!(store.conversation("g1").await.unwrap().unwrap().members, vec!["m".to_string(), "own".to_string()]);
+    assert_eq!(store.accept_send(send("own", "g1", "k")).await.unwrap().msg_seq, 2);
+    let reused = store.create_group(ev("g3", "own", "k"), vec![]).await;
+    assert_eq!(reused, Err(invalid("client_msg_id k was already used")));
+
+    let change = |actor: &str, id: &str, target: &str, c: MembershipChange| {
+        let cmd = ev("g1", actor, id);
+        let target = target.to_owned();
+        async move { store.change_membership(cmd, &target, c).await }
+    };
+    assert_eq!(change("m", "add-x", "x", Add).await, Ok(3), "any member adds");
+    assert_eq!(change("m", "add-x", "x", Add).await, Ok(3), "a retry answers the first join");
+    assert_eq!(change("own", "add-x2", "x", Add).await, Ok(3), "adding a member answers its join");
+    assert_eq!(change("own", "add-zz", "zz", Add).await, Err(not_found("user zz")));
+    assert_eq!(change("out", "add-out", "out", Add).await, Err(StoreError::NotMember), "only members add");
+    assert_eq!(
+        change("m", "rm-x", "x", Remove).await,
+        Err(StoreError::Forbidden("only the group owner removes members".into()))
+    );
+    assert_eq!(change("m", "lv-x", "x", Leave).await, Err(invalid("leave applies to the caller")));
+    assert_eq!(
+        change("own", "k", "x", Remove).await,
+        Err(invalid("client_msg_id k was already used for another operation"))
+    );
+    assert_eq!(change("x", "lv-x2", "x", Leave).await, Ok(4), "a member leaves");
+    assert_eq!(change("x", "lv-x3", "x", Leave).await, Err(StoreError::NotMember), "a leaver is no member");
+    assert_eq!(change("own", "rm-x", "x", Remove).await, Err(not_found("x is not a member")));
+    assert_eq!(store.accept_send(send("x", "g1", "x1")).await, Err(StoreError::NotMember));
+    assert_eq!(change("own", "rm-m", "m", Remove).await, Ok(5), "the owner removes");
+    assert_eq!(store.accept_send(send("m", "g1", "m1")).await, Err(StoreError::NotMember));
+    assert_eq!(change("own", "add-m", "m", Add).await, Ok(6), "a rejoin is a new join");
+    assert_eq!(store.conversation("g1").await.unwrap().unwrap().members, vec!["m".to_string(), "own".to_string()]);
+    assert_eq!(store.conversation("g1").await.unwrap().unwrap().head, 6, "refusals take no msg_seq");
+
+    let (direct, _) = store.create_direct("own", "m", "d1", T0).await.unwrap();
+    let cmd = ev(&direct, "own", "add-d");
+    let fixed = store.change_membership(cmd, "x", Add).await;
+    assert_eq!(fixed, Err(invalid("a direct conversation has fixed members")));
+    let nowhere = store.change_membership(ev("nope", "own", "add-n"), "x", Add).await;
+    assert_eq!(nowhere, Err(not_found("conversation nope")));
+}
+
+/// E1–E2, F4 (`core::control`, `core::membership::control_recipients`,
+/// `tidemark_proto::content`): who may recall, edit and react, the version
+/// CAS, what a retry answers, who receives each control event, and the
+/// stored payloads, byte for byte the same from every backend.
+pub async fn recall_edit_react_rules(store: &dyn Store) {
+    users(store, &["a", "b", "c", "d"]).await;
+    store.create_group(ev("g1", "a", "create"), vec!["b".into(), "d".into()]).await.unwrap();
+    let m1 = store.accept_send(send("a", "g1", "1")).await.unwrap().message_id;
+    let out = |msg_seq, version, changed| Ok(ControlOutcome { msg_seq, version, changed });
+    let new = "{\"text\":\"new\"}";
+    assert_eq!(store.edit(ev("g1", "a", "e1"), &m1, new, 1).await, out(3, 2, true));
+    assert_eq!(store.edit(ev("g1", "a", "e1"), &m1, new, 1).await, out(3, 2, false), "a retry answers the edit");
+    assert_eq!(store.edit(ev("g1", "a", "e2"), &m1, new, 1).await, Err(StoreError::VersionConflict(2)), "E2: CAS");
+    let other = store.edit(ev("g1", "b", "e3"), &m1, new, 2).await;
+    assert_eq!(other, Err(StoreError::Forbidden("only the sender edits a message".into())));
+    assert_eq!(store.edit(ev("g1", "a", "e4"), "m-zz", new, 1).await, Err(not_found("message m-zz")));
+    assert_eq!(store.edit(ev("g1", "a", "e5"), "e1", new, 1).await, Err(not_found("message e1")), "no control target");
+    store.change_membership(ev("g1", "a", "add-c"), "c", MembershipChange::Add).await.unwrap();
+    assert_eq!(store.react(ev("g1", "b", "r1"), &m1, "+1", true).await, out(5, 3, true));
+    assert_eq!(store.react(ev("g1", "b", "r2"), &m1, "+1", true).await, out(5, 3, false), "already there");
+    assert_eq!(store.react(ev("g1", "b", "r3"), &m1, "heart", false).await, out(0, 3, false), "nothing to remove");
+    let newcomer = store.react(ev("g1", "c", "r4"), &m1, "+1", true).await;
+    assert_eq!(newcomer, Err(StoreError::NotMember), "a newcomer does not see older messages");
+    let reused = store.react(ev("g1", "a", "e1"), &m1, "+1", true).await;
+    assert_eq!(reused, Err(invalid("client_msg_id e1 was already used for another operation")));
+    store.change_membership(ev("g1", "d", "lv-d"), "d", MembershipChange::Leave).await.unwrap();
+    let by_other = store.recall(ev("g1", "b", "rc0"), &m1).await;
+    assert_eq!(by_other, Err(StoreError::Forbidden("only the sender recalls a message".into())));
+    assert_eq!(store.recall(ev("g1", "a", "rc1"), &m1).await, out(7, 4, true));
+    assert_eq!(store.recall(ev("g1", "a", "rc1"), &m1).await, out(7, 4, false), "a retry answers the recall");
+    assert_eq!(store.recall(ev("g1", "a", "rc2"), &m1).await, out(7, 4, false), "a second recall answers the first");
+    let edit = store.edit(ev("g1", "a", "e6"), &m1, new, 4).await;
+    assert_eq!(edit, Err(invalid("a recalled message cannot be edited")));
+    let react = store.react(ev("g1", "b", "r5"), &m1, "x", true).await;
+    assert_eq!(react, Err(invalid("a recalled message takes no reactions")));
+
+    // Who receives what: the leaver d still gets the recall of a message
+    // it held (E1); the newcomer c gets neither the reaction nor the recall
+    // of a message it never saw, but d's leave.
+    store.fan_out(store.pending_outbox(100).await.unwrap(), T0).await.unwrap();
+    let seqs = |user: &'static str| async move {
+        let log = store.read_user_events(user, 0, 100, 100).await.unwrap();
+        log.iter().filter_map(|e| e.msg_seq).collect::<Vec<_>>()
+    };
+    assert_eq!(seqs("b").await, vec![1, 2, 3, 4, 5, 6, 7]);
+    assert_eq!(seqs("d").await, vec![1, 2, 3, 4, 5, 6, 7], "E1: the recall reaches a former holder");
+    assert_eq!(seqs("c").await, vec![4, 6], "F4: control events reach only who saw their target");
+
+    // The stored payloads (tidemark_proto::content), as every reader gets them.
+    let page = store.conv_sync("b", "g1", 0, 100, None).await.unwrap();
+    let contents: Vec<(&str, &str)> = page.events.iter().map(|m| (m.kind.as_str(), m.content.as_str())).collect();
+    let target = format!("\"target_message_id\":\"{m1}\",\"target_msg_seq\":2");
+    let want = [
+        (KIND_CREATED, "{\"owner\":\"a\",\"members\":[\"a\",\"b\",\"d\"]}".to_string()),
+        ("text", "{}".to_string()),
+        (KIND_EDIT, format!("{{{target},\"version\":2,\"recalled\":true}}")),
+        (KIND_JOIN, "{\"user\":\"c\",\"by\":\"a\",\"op\":\"add\"}".to_string()),
+        (KIND_REACTION, format!("{{{target},\"reaction\":\"+1\",\"op\":\"add\",\"user\":\"b\",\"version\":3}}")),
+        (KIND_LEAVE, "{\"user\":\"d\",\"by\":\"d\",\"op\":\"leave\"}".to_string()),
+        (KIND_RECALL, format!("{{{target}}}")),
+    ];
+    let want: Vec<(&str, &str)> = want.iter().map(|(k, c)| (*k, c.as_str())).collect();
+    assert_eq!(contents, want, "E1: the recall wiped the message and its edits");
+    assert_eq!(page.events[1].state, STATE_RECALLED);
+}
+
+/// D7 (`core::snapshot`): a snapshot starts only for a device resetting at
+/// that generation, serves pages only while `READY`, and installs only for
+/// its own device, unexpired, under the same generation, once.
+pub async fn snapshot_installability(store: &dyn Store) {
+    users(store, &["b"]).await;
+    let phone = store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("b", "desk", "Desk", T0).await.unwrap();
+    let resetting = DeviceCursor { generation: 2, acked_sync_seq: 0, state: DeviceState::Resetting };
+    assert!(store.cas_device_cursor("b", "phone", phone.cursor, resetting, T0).await.unwrap().0);
+    let expires = T0 + 1_000;
+    let wrong_gen = store.begin_snapshot("b", "phone", 3, "s0", 4, expires, T0).await;
+    assert_eq!(wrong_gen, Err(StoreError::Conflict("device is RESETTING at generation 2, not resetting at 3".into())));
+    let not_resetting = store.begin_snapshot("b", "desk", 1, "s0", 4, expires, T0).await;
+    assert_eq!(not_resetting, Err(StoreError::Conflict("device is NEW at generation 1, not resetting at 1".into())));
+    let (base, view) = store.begin_snapshot("b", "phone", 2, "s1", 4, expires, T0).await.unwrap();
+    assert_eq!((base, view.len()), (0, 0));
+    assert_eq!(store.snapshot_page("s1", 0).await, Ok(None), "a building snapshot serves no page");
+    assert_eq!(store.ack_snapshot("b", "phone", "s1", T0).await, Ok((false, resetting)), "not ready yet");
+    let pages = vec![vec!["i0".to_string(), "i1".to_string()], vec!["i2".to_string()]];
+    store.finish_snapshot("s1", "digest", pages.clone()).await.unwrap();
+    assert_eq!(store.snapshot_page("s1", 1).await, Ok(Some(pages[1].clone())));
+    assert_eq!(store.snapshot_page("s1", 2).await, Ok(None), "past the last page");
+    assert_eq!(store.ack_snapshot("b", "desk", "s1", T0).await, Err(not_found("snapshot s1")), "another device's");
+    assert_eq!(store.ack_snapshot("b", "phone", "s9", T0).await, Err(not_found("snapshot s9")));
+    assert_eq!(store.ack_snapshot("b", "phone", "s1", expires).await, Ok((false, resetting)), "expired");
+    let active = DeviceCursor { generation: 2, acked_sync_seq: base, state: DeviceState::Active };
+    assert_eq!(store.ack_snapshot("b", "phone", "s1", expires - 1).await, Ok((true, active)));
+    assert_eq!(store.ack_snapshot("b", "phone", "s1", T0).await, Ok((false, active)), "installs once");
+    assert_eq!(store.snapshot("s1").await.unwrap().unwrap().state, SNAPSHOT_INSTALLED);
+    assert_eq!(store.snapshot_page("s1", 0).await, Ok(None), "an installed snapshot serves no page");
 }
 
 /// F2, F3, R3: one event per recipient, contiguous sync_seq, a redelivered

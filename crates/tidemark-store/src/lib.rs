@@ -20,8 +20,11 @@ pub mod conformance;
 pub mod metric_names;
 
 use async_trait::async_trait;
+pub use tidemark_core::control::ControlOutcome;
 use tidemark_core::cursor::{AckDecision, DeviceCursor};
-use tidemark_core::{MsgSeq, SyncSeq};
+pub use tidemark_core::kinds::*;
+pub use tidemark_core::membership::MembershipChange;
+use tidemark_core::{MsgSeq, Refusal, SyncSeq};
 
 pub type StoreResult<T> = Result<T, StoreError>;
 
@@ -61,6 +64,19 @@ pub enum StoreError {
     SchemaTooNew { found: i64, known: i64 },
 }
 
+impl From<Refusal> for StoreError {
+    fn from(r: Refusal) -> StoreError {
+        match r {
+            Refusal::NotFound(m) => StoreError::NotFound(m),
+            Refusal::NotMember => StoreError::NotMember,
+            Refusal::Invalid(m) => StoreError::Invalid(m),
+            Refusal::Forbidden(m) => StoreError::Forbidden(m),
+            Refusal::Conflict(m) => StoreError::Conflict(m),
+            Refusal::VersionConflict(v) => StoreError::VersionConflict(v),
+        }
+    }
+}
+
 /// A device and its sync cursor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceRecord {
@@ -77,10 +93,6 @@ pub struct RefreshRecord {
     pub device: String,
     pub expires_at_ms: i64,
 }
-
-/// Conversation kinds.
-pub const CONV_DIRECT: &str = "direct";
-pub const CONV_GROUP: &str = "group";
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Conversation {
@@ -107,6 +119,31 @@ pub struct SendCmd {
     /// A quoted message of the same conversation (`content.quote`).
     pub quote_id: Option<String>,
     pub now_ms: i64,
+}
+
+impl SendCmd {
+    /// The send accepted at `msg_seq` (a new message, not a retry).
+    pub fn accepted(&self, msg_seq: MsgSeq) -> Accepted {
+        Accepted {
+            message_id: self.message_id.clone(),
+            conv: self.conv.clone(),
+            msg_seq,
+            created_at_ms: self.now_ms,
+            duplicate: false,
+        }
+    }
+
+    /// The send as the conversation event it becomes.
+    pub fn as_event(&self) -> ConvEventCmd {
+        ConvEventCmd {
+            conv: self.conv.clone(),
+            actor: self.sender.clone(),
+            actor_device: self.sender_device.clone(),
+            event_id: self.message_id.clone(),
+            client_msg_id: self.client_msg_id.clone(),
+            now_ms: self.now_ms,
+        }
+    }
 }
 
 /// The outcome of a send: the message fact as committed (S1, S4).
@@ -221,28 +258,6 @@ pub struct StoredMessage {
     pub reactions: Vec<(String, Vec<String>)>,
 }
 
-/// Message states.
-pub const STATE_NORMAL: &str = "normal";
-pub const STATE_EDITED: &str = "edited";
-pub const STATE_RECALLED: &str = "recalled";
-pub const STATE_DELETED: &str = "deleted";
-/// Below the conversation's retention boundary: content removed (L3).
-pub const STATE_EXPIRED: &str = "expired";
-
-/// Conversation event kinds that are not user content: they take a
-/// `msg_seq` like messages but never count as unread.
-pub const KIND_CREATED: &str = "conv.created";
-pub const KIND_JOIN: &str = "member.join";
-pub const KIND_LEAVE: &str = "member.leave";
-pub const KIND_RECALL: &str = "recall";
-pub const KIND_EDIT: &str = "edit";
-pub const KIND_REACTION: &str = "reaction";
-pub const CONTROL_KINDS: &[&str] = &[KIND_CREATED, KIND_JOIN, KIND_LEAVE, KIND_RECALL, KIND_EDIT, KIND_REACTION];
-
-pub fn is_control_kind(kind: &str) -> bool {
-    CONTROL_KINDS.contains(&kind)
-}
-
 /// One entry of a user's sync log.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredEvent {
@@ -253,29 +268,6 @@ pub struct StoredEvent {
     pub message: Option<StoredMessage>,
     /// Per-user events carry their payload as serialized JSON.
     pub data: Option<String>,
-}
-
-/// Event kinds of the user sync log. Conversation events fan out as
-/// `message` (user content), `membership`, `recall`, `edit`, `reaction`;
-/// per-user events are written straight into one user's log.
-pub const EVENT_MESSAGE: &str = "message";
-pub const EVENT_MEMBERSHIP: &str = "membership";
-pub const EVENT_RECALL: &str = "recall";
-pub const EVENT_EDIT: &str = "edit";
-pub const EVENT_REACTION: &str = "reaction";
-pub const EVENT_READ: &str = "read";
-pub const EVENT_SETTINGS: &str = "settings";
-pub const EVENT_DELETE: &str = "delete";
-
-/// The user-log event kind of a conversation event kind.
-pub fn event_kind_of(kind: &str) -> &'static str {
-    match kind {
-        KIND_CREATED | KIND_JOIN | KIND_LEAVE => EVENT_MEMBERSHIP,
-        KIND_RECALL => EVENT_RECALL,
-        KIND_EDIT => EVENT_EDIT,
-        KIND_REACTION => EVENT_REACTION,
-        _ => EVENT_MESSAGE,
-    }
 }
 
 /// The delivery scope of per-user events (read, settings, delete): not a
@@ -297,14 +289,6 @@ pub struct ConvState {
     pub active: bool,
 }
 
-/// A membership change, ordered by the conversation's writer (G1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum MembershipChange {
-    Add,
-    Remove,
-    Leave,
-}
-
 /// A conversation event written by the conversation's writer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConvEventCmd {
@@ -316,17 +300,6 @@ pub struct ConvEventCmd {
     /// Idempotency key of the event (same table as sends).
     pub client_msg_id: String,
     pub now_ms: i64,
-}
-
-/// What a control event did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ControlOutcome {
-    /// The event's `msg_seq` (the original one on a retry).
-    pub msg_seq: MsgSeq,
-    /// The target message's version after the event.
-    pub version: u64,
-    /// False when nothing changed (a retry, or a reaction already there).
-    pub changed: bool,
 }
 
 /// A per-user event written straight into the user's log.
@@ -409,9 +382,20 @@ pub struct SnapshotMeta {
     pub expires_at_ms: i64,
 }
 
-pub const SNAPSHOT_BUILDING: &str = "BUILDING";
-pub const SNAPSHOT_READY: &str = "READY";
-pub const SNAPSHOT_INSTALLED: &str = "INSTALLED";
+impl SnapshotMeta {
+    /// The record as the snapshot rules (`tidemark_core::snapshot`) see it.
+    pub fn facts(&self) -> tidemark_core::snapshot::Snapshot<'_> {
+        tidemark_core::snapshot::Snapshot {
+            user: &self.user,
+            device: &self.device,
+            generation: self.generation,
+            base_sync_seq: self.base_sync_seq,
+            state: &self.state,
+            pages: self.pages,
+            expires_at_ms: self.expires_at_ms,
+        }
+    }
+}
 
 /// What one retention pass did (L1).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
