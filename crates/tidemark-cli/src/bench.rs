@@ -31,6 +31,7 @@ use tidemark_store::Store;
 
 mod connections;
 mod depth;
+mod device;
 mod fanout;
 mod pg;
 mod proc;

@@ -27,7 +27,7 @@ use tokio_tungstenite::tungstenite::protocol::WebSocketConfig;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::WebSocketStream;
 
-use super::fanout::bar;
+use super::device::bar;
 use super::proc::{create_users, open_files_soft_limit, rss_kib, spawn_server, spawn_tidemark};
 use super::{init_logs, median, print_table, TempDir};
 

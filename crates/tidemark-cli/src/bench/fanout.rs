@@ -59,10 +59,10 @@ use anyhow::{bail, ensure, Context, Result};
 use futures_util::future::{join_all, try_join_all};
 use futures_util::{FutureExt, SinkExt, StreamExt};
 use hdrhistogram::Histogram;
-use indicatif::{ProgressBar, ProgressStyle};
+use indicatif::ProgressBar;
 use rusqlite::{params, Connection, TransactionBehavior};
 use serde::Serialize;
-use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, SendReq, SyncReq, UserEvent};
+use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, SendReq};
 use tidemark_client::{Change, Client, ClientConfig, ConnState, Http, WsConn};
 use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
@@ -70,6 +70,7 @@ use tidemark_store::Store;
 use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 
+use super::device::{bar, cheap_hash, PASSWORD};
 use super::{init_logs, median, print_table, wait_store_closed, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -95,7 +96,6 @@ pub struct FanoutArgs {
     pub dir: Option<PathBuf>,
 }
 
-pub(super) const PASSWORD: &str = "bench-password";
 const TEXT: &str = "The quick brown fox jumps over the lazy dog; benchmark payload.";
 const LATENCY_MAX_US: u64 = 120_000_000;
 const RUN_TIMEOUT: Duration = Duration::from_secs(300);
@@ -107,90 +107,6 @@ const BUSY_TIMEOUT: Duration = Duration::from_millis(5_000);
 /// The message kind the sender uses; group creation events are control
 /// kinds, so a receiver counts exactly the sender's messages.
 const KIND: &str = "text";
-
-/// A password hash with the cheapest Argon2 parameters, computed once and
-/// stored for every bench user: logins verify with the parameters in the
-/// hash, so setting up hundreds of devices does not cost seconds of Argon2.
-/// Setup only; nothing measured logs in.
-pub(super) fn cheap_hash() -> Result<String> {
-    use argon2::password_hash::{PasswordHasher, SaltString};
-    let params = argon2::Params::new(8, 1, 1, None).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let argon = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
-    let salt = SaltString::from_b64("YmVuY2hzYWx0YmVuY2g").map_err(|e| anyhow::anyhow!("{e}"))?;
-    Ok(argon.hash_password(PASSWORD.as_bytes(), &salt).map_err(|e| anyhow::anyhow!("{e}"))?.to_string())
-}
-
-pub(super) fn bar(len: u64, unit: &str) -> ProgressBar {
-    let pb = ProgressBar::new(len);
-    pb.set_style(
-        ProgressStyle::with_template(&format!(
-            "{{spinner}} {{msg:<30}} [{{bar:30}}] {{pos}}/{{len}} {unit}  {{per_sec}}  eta {{eta}}"
-        ))
-        .expect("static template")
-        .progress_chars("=> "),
-    );
-    pb
-}
-
-/// A device's sync position and its connection, synced the way the SDK
-/// does: a batch from its first page to `has_more: false`, each page ACKed.
-pub(super) struct Device {
-    pub ws: WsConn,
-    pub generation: Option<u64>,
-    pub applied: u64,
-    pub pages: u64,
-    pub acks: u64,
-}
-
-impl Device {
-    pub(super) fn new(ws: WsConn) -> Device {
-        Device { ws, generation: None, applied: 0, pages: 0, acks: 0 }
-    }
-
-    /// One sync batch; `on_event` sees every event not applied before.
-    pub(super) async fn catch_up(&mut self, limit: u32, mut on_event: impl FnMut(&UserEvent)) -> Result<()> {
-        let first = SyncReq {
-            sync_generation: self.generation,
-            local_applied_sync_seq: Some(self.applied),
-            limit: Some(limit),
-            ..SyncReq::default()
-        };
-        let mut page = self.ws.sync(&first).await.context("sync")?;
-        let token = page.batch_token.clone();
-        let mut acked = page.resume_from;
-        if self.generation != Some(page.sync_generation) {
-            self.applied = page.resume_from;
-        }
-        self.generation = Some(page.sync_generation);
-        loop {
-            self.pages += 1;
-            let mut top = acked;
-            for ev in &page.events {
-                if ev.sync_seq > self.applied {
-                    on_event(ev);
-                }
-                top = top.max(ev.sync_seq);
-            }
-            let ack_to = if page.has_more { top } else { page.batch_high_watermark.max(top) };
-            if ack_to > acked {
-                self.ws.ack(&token, ack_to).await.context("ack")?;
-                self.acks += 1;
-                acked = ack_to;
-            }
-            self.applied = self.applied.max(acked);
-            if !page.has_more {
-                return Ok(());
-            }
-            let next = SyncReq {
-                batch_token: Some(token.clone()),
-                cursor: page.next_cursor.clone(),
-                limit: Some(limit),
-                ..SyncReq::default()
-            };
-            page = self.ws.sync(&next).await.context("sync next page")?;
-        }
-    }
-}
 
 /// Nanoseconds since the run's shared reference instant.
 fn since(epoch: Instant) -> u64 {

@@ -90,7 +90,7 @@ pub(super) async fn create_users(dir: &std::path::Path, users: &[String], pb: &i
     use futures_util::{StreamExt, TryStreamExt};
     use tidemark_store::Store;
     let store = tidemark_sqlite::SqliteStore::open(dir)?;
-    let hash = super::fanout::cheap_hash()?;
+    let hash = super::device::cheap_hash()?;
     futures_util::stream::iter(users.iter().map(|u| {
         let (store, hash, pb) = (store.clone(), hash.clone(), pb.clone());
         async move {

@@ -34,7 +34,7 @@ use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, SendReq};
 use tidemark_client::{Http, WsConn};
 use tokio_tungstenite::tungstenite::Message;
 
-use super::fanout::{bar, Device, PASSWORD};
+use super::device::{bar, Device, PASSWORD};
 use super::proc::{create_users, open_files_soft_limit, pct, scrape, scrape_all, spawn_tidemark, ChildGuard};
 use super::{init_logs, median, print_table, TempDir};
 
@@ -199,55 +199,8 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = TempDir::create(&parent)?;
 
-    // ---------------------------------------------------------- setup
-    let setup = Instant::now();
-    let pb = bar(n as u64 * 3, "setup steps");
-    pb.set_message("setup: users");
-    let users: Vec<String> = (0..n).map(|i| format!("rc-u{i}")).collect();
-    let mut accounts = vec!["rc-sender".to_owned()];
-    accounts.extend(users.iter().cloned());
-    create_users(&dir.0, &accounts, &pb).await?;
-    let (mut server, mut addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
-    let http = Http::new(&format!("http://{addr}"));
-    pb.set_message("setup: groups");
-    let sender_login = http.login("rc-sender", PASSWORD, "desk").await.context("sender login")?;
-    let (sender, _sender_events) = WsConn::connect(&format!("ws://{addr}/v1/ws"), &sender_login.access_token).await?;
-    let mut convs = Vec::new();
-    for chunk in users.chunks(args.group as usize) {
-        let ok: ConvCreateOk = sender
-            .request(
-                op::CONV_CREATE,
-                &ConvCreateReq { kind: "group".into(), members: chunk.to_vec(), client_msg_id: None },
-            )
-            .await
-            .context("create group")?;
-        convs.push(ok.conv);
-    }
-    sender.close().await;
-    pb.set_message("setup: logins");
-    let mut tokens = log_in(&http, &users, &pb).await?;
-    let mut logged_in = Instant::now();
-    // Connect each device once and bring it to the head, then disconnect.
-    pb.set_message("setup: first sync");
-    let ws_url = format!("ws://{addr}/v1/ws");
-    let mut positions: Vec<(Option<u64>, u64)> = futures_util::stream::iter(tokens.iter().map(|token| {
-        let (ws_url, pb) = (ws_url.clone(), pb.clone());
-        async move {
-            let (ws, _events) = WsConn::connect(&ws_url, token).await?;
-            let mut dev = Device::new(ws);
-            dev.catch_up(args.limit, |_| {}).await?;
-            dev.ws.close().await;
-            pb.inc(1);
-            anyhow::Ok((dev.generation, dev.applied))
-        }
-    }))
-    .buffered(SETUP_CONCURRENCY)
-    .try_collect()
-    .await
-    .context("first sync")?;
-    let setup_secs = setup.elapsed().as_secs_f64();
-    pb.finish_and_clear();
-
+    let Setup { mut server, mut addr, users, convs, mut tokens, mut logged_in, mut positions, setup_secs } =
+        setup(&args, n, &dir).await?;
     let mut rounds = Vec::new();
     for round in 1..=args.rounds {
         let pb = bar(n as u64 * 2, "devices");
@@ -269,73 +222,19 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
         // ------------------------------------------------------ resume storm
         pb.set_message(format!("round {round}: resume, all devices at once"));
         let before = statements(addr).await?;
-        let start = Arc::new(tokio::sync::Barrier::new(n + 1));
-        let mut tasks = Vec::with_capacity(n);
-        for (token, &(generation, applied)) in tokens.iter().zip(&positions) {
-            let (ws_url, token, start, pb) = (ws_url.clone(), token.clone(), start.clone(), pb.clone());
-            let limit = args.limit;
-            tasks.push(tokio::spawn(async move {
-                start.wait().await;
-                let t = Instant::now();
-                let (ws, _events) = WsConn::connect(&ws_url, &token).await?;
-                let mut dev = Device { ws, generation, applied, pages: 0, acks: 0 };
-                let mut got = 0u64;
-                while got < k {
-                    dev.catch_up(limit, |ev| {
-                        if ev.kind == "message" {
-                            got += 1;
-                        }
-                    })
-                    .await?;
-                }
-                let requests = dev.pages + dev.acks;
-                let ms = t.elapsed().as_secs_f64() * 1000.0;
-                ensure!(got == k, "device got {got} of {k} events");
-                dev.ws.close().await;
-                pb.inc(1);
-                anyhow::Ok((ms, dev.pages, requests, (dev.generation, dev.applied)))
-            }));
-        }
-        start.wait().await;
-        let t = Instant::now();
-        let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("resume timed out")??;
-        let all_caught_up_secs = t.elapsed().as_secs_f64();
+        let storm = resume_storm(&ws_url, &tokens, &mut positions, k, args.limit, &pb).await?;
         let after = statements(addr).await?;
-        let mut times = Vec::with_capacity(n);
-        let (mut pages, mut requests) = (0u64, 0u64);
-        for (i, r) in results.into_iter().enumerate() {
-            let (ms, p, q, pos) = r?;
-            times.push(ms);
-            pages += p;
-            requests += q;
-            positions[i] = pos;
-        }
 
         // ------------------------------------------------------ baseline
         pb.set_message(format!("round {round}: baseline, bare handshakes"));
         // Let the server finish closing the resumed connections first.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let base_before = statements(addr).await?;
-        let start = Arc::new(tokio::sync::Barrier::new(n + 1));
-        let mut tasks = Vec::with_capacity(n);
-        for token in &tokens {
-            let (ws_url, token, start, pb) = (ws_url.clone(), token.clone(), start.clone(), pb.clone());
-            tasks.push(tokio::spawn(async move {
-                start.wait().await;
-                let t = Instant::now();
-                bare_handshake(&ws_url, &token).await?;
-                pb.inc(1);
-                anyhow::Ok(t.elapsed().as_secs_f64() * 1000.0)
-            }));
-        }
-        start.wait().await;
-        let t = Instant::now();
-        let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("baseline timed out")??;
-        let baseline_secs = t.elapsed().as_secs_f64();
+        let (baseline_secs, mut base_times) = handshakes(&ws_url, &tokens, &pb).await?;
         let base_after = statements(addr).await?;
-        let mut base_times = results.into_iter().collect::<Result<Vec<_>>>()?;
         pb.finish_and_clear();
 
+        let Storm { all_caught_up_secs, mut times, pages, requests } = storm;
         times.sort_by(f64::total_cmp);
         base_times.sort_by(f64::total_cmp);
         let per = |a: f64, b: f64| (b - a) / n as f64;
@@ -362,8 +261,166 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     }
     drop(server);
 
+    let summary = median_round(&rounds);
+    report(&args, devices, convs.len(), soft, setup_secs, &summary, &rounds)
+}
+
+/// What setup leaves for the rounds.
+struct Setup {
+    server: ChildGuard,
+    addr: SocketAddr,
+    users: Vec<String>,
+    convs: Vec<String>,
+    tokens: Vec<String>,
+    logged_in: Instant,
+    /// Each device's `(generation, applied)`, at its user's head.
+    positions: Vec<(Option<u64>, u64)>,
+    setup_secs: f64,
+}
+
+/// The users (and the sender), `tidemark serve`, the groups, a login per
+/// device, and each device connected once and brought to its head.
+async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
+    let setup = Instant::now();
+    let pb = bar(n as u64 * 3, "setup steps");
+    pb.set_message("setup: users");
+    let users: Vec<String> = (0..n).map(|i| format!("rc-u{i}")).collect();
+    let mut accounts = vec!["rc-sender".to_owned()];
+    accounts.extend(users.iter().cloned());
+    create_users(&dir.0, &accounts, &pb).await?;
+    let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
+    let http = Http::new(&format!("http://{addr}"));
+    pb.set_message("setup: groups");
+    let sender_login = http.login("rc-sender", PASSWORD, "desk").await.context("sender login")?;
+    let (sender, _sender_events) = WsConn::connect(&format!("ws://{addr}/v1/ws"), &sender_login.access_token).await?;
+    let mut convs = Vec::new();
+    for chunk in users.chunks(args.group as usize) {
+        let ok: ConvCreateOk = sender
+            .request(
+                op::CONV_CREATE,
+                &ConvCreateReq { kind: "group".into(), members: chunk.to_vec(), client_msg_id: None },
+            )
+            .await
+            .context("create group")?;
+        convs.push(ok.conv);
+    }
+    sender.close().await;
+    pb.set_message("setup: logins");
+    let tokens = log_in(&http, &users, &pb).await?;
+    let logged_in = Instant::now();
+    // Connect each device once and bring it to the head, then disconnect.
+    pb.set_message("setup: first sync");
+    let ws_url = format!("ws://{addr}/v1/ws");
+    let positions: Vec<(Option<u64>, u64)> = futures_util::stream::iter(tokens.iter().map(|token| {
+        let (ws_url, pb) = (ws_url.clone(), pb.clone());
+        async move {
+            let (ws, _events) = WsConn::connect(&ws_url, token).await?;
+            let mut dev = Device::new(ws);
+            dev.catch_up(args.limit, |_| {}).await?;
+            dev.ws.close().await;
+            pb.inc(1);
+            anyhow::Ok((dev.generation, dev.applied))
+        }
+    }))
+    .buffered(SETUP_CONCURRENCY)
+    .try_collect()
+    .await
+    .context("first sync")?;
+    let setup_secs = setup.elapsed().as_secs_f64();
+    pb.finish_and_clear();
+    Ok(Setup { server, addr, users, convs, tokens, logged_in, positions, setup_secs })
+}
+
+/// What one resume storm measured.
+struct Storm {
+    all_caught_up_secs: f64,
+    /// Per-device catch-up times, ms.
+    times: Vec<f64>,
+    pages: u64,
+    requests: u64,
+}
+
+/// One resume storm: every device connects at the same moment and syncs
+/// until it holds its `k` new events. Updates `positions`.
+async fn resume_storm(
+    ws_url: &str,
+    tokens: &[String],
+    positions: &mut [(Option<u64>, u64)],
+    k: u64,
+    limit: u32,
+    pb: &indicatif::ProgressBar,
+) -> Result<Storm> {
+    let n = tokens.len();
+    let start = Arc::new(tokio::sync::Barrier::new(n + 1));
+    let mut tasks = Vec::with_capacity(n);
+    for (token, &(generation, applied)) in tokens.iter().zip(positions.iter()) {
+        let (ws_url, token, start, pb) = (ws_url.to_owned(), token.clone(), start.clone(), pb.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            let t = Instant::now();
+            let (ws, _events) = WsConn::connect(&ws_url, &token).await?;
+            let mut dev = Device { ws, generation, applied, pages: 0, acks: 0 };
+            let mut got = 0u64;
+            while got < k {
+                dev.catch_up(limit, |ev| {
+                    if ev.kind == "message" {
+                        got += 1;
+                    }
+                })
+                .await?;
+            }
+            let requests = dev.pages + dev.acks;
+            let ms = t.elapsed().as_secs_f64() * 1000.0;
+            ensure!(got == k, "device got {got} of {k} events");
+            dev.ws.close().await;
+            pb.inc(1);
+            anyhow::Ok((ms, dev.pages, requests, (dev.generation, dev.applied)))
+        }));
+    }
+    start.wait().await;
+    let t = Instant::now();
+    let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("resume timed out")??;
+    let all_caught_up_secs = t.elapsed().as_secs_f64();
+    let mut times = Vec::with_capacity(n);
+    let (mut pages, mut requests) = (0u64, 0u64);
+    for (i, r) in results.into_iter().enumerate() {
+        let (ms, p, q, pos) = r?;
+        times.push(ms);
+        pages += p;
+        requests += q;
+        positions[i] = pos;
+    }
+    Ok(Storm { all_caught_up_secs, times, pages, requests })
+}
+
+/// The baseline: the same devices' bare handshakes at the same moment.
+/// Returns the time until every `auth.ok` arrived and each handshake's, ms.
+async fn handshakes(ws_url: &str, tokens: &[String], pb: &indicatif::ProgressBar) -> Result<(f64, Vec<f64>)> {
+    let n = tokens.len();
+    let start = Arc::new(tokio::sync::Barrier::new(n + 1));
+    let mut tasks = Vec::with_capacity(n);
+    for token in tokens {
+        let (ws_url, token, start, pb) = (ws_url.to_owned(), token.clone(), start.clone(), pb.clone());
+        tasks.push(tokio::spawn(async move {
+            start.wait().await;
+            let t = Instant::now();
+            bare_handshake(&ws_url, &token).await?;
+            pb.inc(1);
+            anyhow::Ok(t.elapsed().as_secs_f64() * 1000.0)
+        }));
+    }
+    start.wait().await;
+    let t = Instant::now();
+    let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("baseline timed out")??;
+    let baseline_secs = t.elapsed().as_secs_f64();
+    let base_times = results.into_iter().collect::<Result<Vec<_>>>()?;
+    Ok((baseline_secs, base_times))
+}
+
+/// The median round: each figure the median of the rounds'.
+fn median_round(rounds: &[Round]) -> Round {
     let med = |f: fn(&Round) -> f64| median(rounds.iter().map(f).collect());
-    let summary = Round {
+    Round {
         round: 0,
         restart_secs: med(|r| r.restart_secs),
         all_caught_up_secs: med(|r| r.all_caught_up_secs),
@@ -377,18 +434,30 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
         baseline_statements_per_handshake: med(|r| r.baseline_statements_per_handshake),
-    };
+    }
+}
+
+/// Prints the summary and per-round tables and writes the JSON.
+fn report(
+    args: &ReconnectArgs,
+    devices: u32,
+    groups: usize,
+    soft: Option<u64>,
+    setup_secs: f64,
+    summary: &Round,
+    rounds: &[Round],
+) -> Result<()> {
     println!(
         "tidemark bench reconnect: {} devices in {} groups, each {} events behind, `tidemark serve` SIGKILLed and \
          restarted on the same data dir (median {:.2} s), all reconnect at once; pages of {}; median of {} rounds\n",
         devices,
-        convs.len(),
+        groups,
         args.events,
         summary.restart_secs,
         args.limit,
         rounds.len()
     );
-    let s = &summary;
+    let s = summary;
     let ratio = |a: f64, b: f64| format!("{:.2}x", a / b.max(f64::MIN_POSITIVE));
     print_table(
         &[
@@ -461,7 +530,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
                  baseline = WebSocket connect + auth frame of the same devices at once against the same restarted \
                  server; statements = SQLite statements started by the server's store connections (its \
                  /metrics gauges), delta over the storm / devices; summary = median of the rounds",
-        "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": convs.len(),
+        "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": groups,
         "open_files_soft_limit": soft, "setup_secs": setup_secs,
         "summary": summary, "rounds": rounds,
     });

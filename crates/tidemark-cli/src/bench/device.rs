@@ -1,0 +1,95 @@
+//! What the benchmark scenarios share about their users and devices: the
+//! bench users' password and its cheap hash, the progress bar, and
+//! [`Device`], a bare WebSocket that syncs the way the SDK does.
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use tidemark_client::proto::{SyncReq, UserEvent};
+use tidemark_client::WsConn;
+
+/// Every bench user's password.
+pub(super) const PASSWORD: &str = "bench-password";
+
+/// A password hash with the cheapest Argon2 parameters, computed once and
+/// stored for every bench user: logins verify with the parameters in the
+/// hash, so setting up hundreds of devices does not cost seconds of Argon2.
+/// Setup only; nothing measured logs in.
+pub(super) fn cheap_hash() -> Result<String> {
+    use argon2::password_hash::{PasswordHasher, SaltString};
+    let params = argon2::Params::new(8, 1, 1, None).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let argon = argon2::Argon2::new(argon2::Algorithm::Argon2id, argon2::Version::V0x13, params);
+    let salt = SaltString::from_b64("YmVuY2hzYWx0YmVuY2g").map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(argon.hash_password(PASSWORD.as_bytes(), &salt).map_err(|e| anyhow::anyhow!("{e}"))?.to_string())
+}
+
+pub(super) fn bar(len: u64, unit: &str) -> ProgressBar {
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template(&format!(
+            "{{spinner}} {{msg:<30}} [{{bar:30}}] {{pos}}/{{len}} {unit}  {{per_sec}}  eta {{eta}}"
+        ))
+        .expect("static template")
+        .progress_chars("=> "),
+    );
+    pb
+}
+
+/// A device's sync position and its connection, synced the way the SDK
+/// does: a batch from its first page to `has_more: false`, each page ACKed.
+pub(super) struct Device {
+    pub ws: WsConn,
+    pub generation: Option<u64>,
+    pub applied: u64,
+    pub pages: u64,
+    pub acks: u64,
+}
+
+impl Device {
+    pub(super) fn new(ws: WsConn) -> Device {
+        Device { ws, generation: None, applied: 0, pages: 0, acks: 0 }
+    }
+
+    /// One sync batch; `on_event` sees every event not applied before.
+    pub(super) async fn catch_up(&mut self, limit: u32, mut on_event: impl FnMut(&UserEvent)) -> Result<()> {
+        let first = SyncReq {
+            sync_generation: self.generation,
+            local_applied_sync_seq: Some(self.applied),
+            limit: Some(limit),
+            ..SyncReq::default()
+        };
+        let mut page = self.ws.sync(&first).await.context("sync")?;
+        let token = page.batch_token.clone();
+        let mut acked = page.resume_from;
+        if self.generation != Some(page.sync_generation) {
+            self.applied = page.resume_from;
+        }
+        self.generation = Some(page.sync_generation);
+        loop {
+            self.pages += 1;
+            let mut top = acked;
+            for ev in &page.events {
+                if ev.sync_seq > self.applied {
+                    on_event(ev);
+                }
+                top = top.max(ev.sync_seq);
+            }
+            let ack_to = if page.has_more { top } else { page.batch_high_watermark.max(top) };
+            if ack_to > acked {
+                self.ws.ack(&token, ack_to).await.context("ack")?;
+                self.acks += 1;
+                acked = ack_to;
+            }
+            self.applied = self.applied.max(acked);
+            if !page.has_more {
+                return Ok(());
+            }
+            let next = SyncReq {
+                batch_token: Some(token.clone()),
+                cursor: page.next_cursor.clone(),
+                limit: Some(limit),
+                ..SyncReq::default()
+            };
+            page = self.ws.sync(&next).await.context("sync next page")?;
+        }
+    }
+}
