@@ -397,7 +397,11 @@ async fn server_round(
     let dir = root.join(format!("server-{round}"));
     let store = SqliteStore::open(&dir).with_context(|| format!("open store in {}", dir.display()))?;
     let admin_token = format!("bench-{:032x}", rand::rng().random::<u128>());
-    let config = ServerConfig { admin_token: Some(admin_token.clone()), ..ServerConfig::default() };
+    let config = ServerConfig {
+        admin_token: Some(admin_token.clone()),
+        limits: tidemark_server::limits::LimitsConfig::off(),
+        ..ServerConfig::default()
+    };
     let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await.context("start server")?;
     let result = drive(args, topo, &server, &*store, &admin_token, round, pb, tag, None).await;
     server.stop().await;

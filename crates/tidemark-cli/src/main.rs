@@ -11,6 +11,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use tidemark_server::bus::HintBusConfig;
+use tidemark_server::limits;
 use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
@@ -99,6 +100,12 @@ enum Command {
         /// Latest messages per conversation a snapshot carries.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
         snapshot_messages_per_conv: u32,
+        /// Most WebSocket connections this node holds at once; further
+        /// upgrades are refused with UNAVAILABLE and a retry hint.
+        #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_MAX_DEFAULT)]
+        ws_connections_max: usize,
+        #[command(flatten)]
+        limits: LimitArgs,
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
@@ -118,6 +125,50 @@ enum Command {
     Demo,
     /// Chat interactively as one device of a user (the SDK with its local store).
     Chat(chat::ChatArgs),
+}
+
+/// Rate limits: a request over a quota is refused with RATE_LIMITED and
+/// `retry_after_ms`, and changes nothing.
+#[derive(clap::Args)]
+struct LimitArgs {
+    /// Turn every rate limit off (benchmarks of the store's own speed).
+    #[arg(long)]
+    no_rate_limits: bool,
+    /// Sends (and recalls, edits, reactions) per second per device.
+    #[arg(long, default_value_t = limits::SEND_PER_DEVICE_DEFAULT.per_second)]
+    send_per_sec: u32,
+    /// Sends a device may make in a burst above that rate.
+    #[arg(long, default_value_t = limits::SEND_PER_DEVICE_DEFAULT.burst)]
+    send_burst: u32,
+    /// Sync pages and ACKs per second per device.
+    #[arg(long, default_value_t = limits::SYNC_PER_DEVICE_DEFAULT.per_second)]
+    sync_per_sec: u32,
+    /// Sync pages and ACKs a device may make in a burst.
+    #[arg(long, default_value_t = limits::SYNC_PER_DEVICE_DEFAULT.burst)]
+    sync_burst: u32,
+    /// Login and refresh attempts per second per source address.
+    #[arg(long, default_value_t = limits::LOGIN_PER_ADDRESS_DEFAULT.per_second)]
+    login_per_sec: u32,
+    /// Login and refresh attempts an address may make in a burst.
+    #[arg(long, default_value_t = limits::LOGIN_PER_ADDRESS_DEFAULT.burst)]
+    login_burst: u32,
+    /// Password hashes running at once (about 19 MiB of memory each); a
+    /// login that waits longer than 2 s for one gets RATE_LIMITED.
+    #[arg(long, default_value_t = limits::PASSWORD_HASHES_CONCURRENT_MAX)]
+    password_hashes_max: usize,
+}
+
+impl LimitArgs {
+    fn config(&self) -> limits::LimitsConfig {
+        limits::LimitsConfig {
+            enabled: !self.no_rate_limits,
+            send_per_device: limits::Rate::new(self.send_per_sec, self.send_burst),
+            sync_per_device: limits::Rate::new(self.sync_per_sec, self.sync_burst),
+            login_per_address: limits::Rate::new(self.login_per_sec, self.login_burst),
+            password_hashes_concurrent_max: self.password_hashes_max,
+            ..limits::LimitsConfig::default()
+        }
+    }
 }
 
 #[derive(Subcommand)]
@@ -209,6 +260,8 @@ async fn main() -> Result<()> {
             keep_all_logs,
             snapshot_ttl_secs,
             snapshot_messages_per_conv,
+            ws_connections_max,
+            limits,
             hold_fanout,
         } => {
             init_logs("info");
@@ -235,6 +288,8 @@ async fn main() -> Result<()> {
                 snapshot_messages_per_conv,
                 hold_fanout,
                 hint_bus,
+                ws_connections_max,
+                limits: limits.config(),
                 ..defaults
             };
             let server = Server::start(&listen, store, config).await?;
@@ -246,13 +301,13 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Command::User { command: UserCommand::Add { name, store } } => {
-            tidemark_core::ids::check_user(&name).map_err(anyhow::Error::msg)?;
             let mut password = String::new();
             std::io::stdin().lock().read_line(&mut password).context("read password from stdin")?;
             let password = password.trim_end_matches(['\r', '\n']);
             if password.is_empty() {
                 bail!("empty password: write it to stdin");
             }
+            tidemark_server::accounts::check_new_account(&name, password).map_err(anyhow::Error::msg)?;
             let hash = tidemark_server::accounts::hash_password(password).map_err(anyhow::Error::msg)?;
             let store = open_store(&store).await?;
             let now = tidemark_server::util::now_ms();

@@ -57,9 +57,10 @@ pub fn verify_login(password: &str, stored: Option<&str>) -> bool {
 pub async fn create_user(state: &AppState, user: &str, password: &str) -> ApiResult<bool> {
     check_new_account(user, password).map_err(ApiError::bad_request)?;
     let password = password.to_owned();
-    let hash = tokio::task::spawn_blocking(move || hash_password(&password))
-        .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?
+    let hash = state
+        .limits
+        .hash(move || hash_password(&password))
+        .await?
         .map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
     Ok(state.store.create_user(user, &hash, now_ms()).await?)
 }

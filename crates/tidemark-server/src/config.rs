@@ -29,6 +29,8 @@ pub struct ServerConfig {
     /// [`WS_FULL_RETRY_AFTER_MS`]) so the device backs off and may reach
     /// another node.
     pub ws_connections_max: usize,
+    /// Rate limits per device, user and source address (P3).
+    pub limits: crate::limits::LimitsConfig,
     /// Outbox items fanned out per transaction.
     pub relay_batch_max: u32,
     /// The relay also polls the outbox this often (wake-ups are hints).
@@ -72,6 +74,7 @@ impl Default for ServerConfig {
             ws_send_queue_max: 256,
             ws_inflight_max: 64,
             ws_connections_max: WS_CONNECTIONS_MAX_DEFAULT,
+            limits: crate::limits::LimitsConfig::default(),
             relay_batch_max: 512,
             relay_poll: Duration::from_secs(1),
             rehint_after: Duration::from_secs(5),

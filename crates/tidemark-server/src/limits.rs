@@ -16,6 +16,7 @@
 use std::collections::HashMap;
 use std::net::IpAddr;
 use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -116,22 +117,34 @@ pub struct LimitsConfig {
     pub login_failure_keys_max: usize,
 }
 
-pub const SEND_PER_DEVICE_DEFAULT: Rate = Rate::new(20, 50);
-pub const SEND_PER_USER_DEFAULT: Rate = Rate::new(40, 100);
-pub const SYNC_PER_DEVICE_DEFAULT: Rate = Rate::new(50, 200);
-pub const READ_PER_DEVICE_DEFAULT: Rate = Rate::new(20, 100);
-pub const CHANGE_PER_USER_DEFAULT: Rate = Rate::new(5, 30);
-pub const LOGIN_PER_ADDRESS_DEFAULT: Rate = Rate::new(5, 30);
-pub const CONNECT_PER_ADDRESS_DEFAULT: Rate = Rate::new(50, 500);
+pub const SEND_PER_DEVICE_DEFAULT: Rate = Rate::new(50, 200);
+pub const SEND_PER_USER_DEFAULT: Rate = Rate::new(100, 400);
+pub const SYNC_PER_DEVICE_DEFAULT: Rate = Rate::new(100, 500);
+pub const READ_PER_DEVICE_DEFAULT: Rate = Rate::new(50, 200);
+pub const CHANGE_PER_USER_DEFAULT: Rate = Rate::new(20, 100);
+/// Per address, so a NAT or a proxy's many users share it: generous.
+pub const LOGIN_PER_ADDRESS_DEFAULT: Rate = Rate::new(20, 200);
+pub const CONNECT_PER_ADDRESS_DEFAULT: Rate = Rate::new(100, 2000);
+/// How often idle limiter keys are forgotten.
+pub const LIMITS_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// Two hashes at once: one per core of the reference machine, ~38 MiB.
 pub const PASSWORD_HASHES_CONCURRENT_MAX: usize = 2;
 pub const PASSWORD_HASH_WAIT: Duration = Duration::from_secs(2);
+/// The wait a login refused for want of a hash permit is told to take.
+pub const PASSWORD_HASH_RETRY_AFTER_MS: u64 = 1_000;
 pub const LOGIN_BACKOFF_PER_ADDRESS: LoginBackoff =
     LoginBackoff { free_failures: 5, first_delay_ms: 1_000, max_delay_ms: 15 * 60 * 1_000 };
 pub const LOGIN_BACKOFF_PER_ACCOUNT: LoginBackoff =
     LoginBackoff { free_failures: 20, first_delay_ms: 1_000, max_delay_ms: 30_000 };
 pub const LOGIN_FAILURES_FORGET_AFTER: Duration = Duration::from_secs(30 * 60);
 pub const LOGIN_FAILURE_KEYS_MAX: usize = 100_000;
+
+impl LimitsConfig {
+    /// Nothing limited: for benchmarks of the store's own speed.
+    pub fn off() -> LimitsConfig {
+        LimitsConfig { enabled: false, ..LimitsConfig::default() }
+    }
+}
 
 impl Default for LimitsConfig {
     fn default() -> Self {
@@ -174,6 +187,11 @@ pub struct Limits {
     login_address: Keyed<IpAddr>,
     connect_address: Keyed<IpAddr>,
     hashes: Semaphore,
+    /// Password hashes running now, and the most that ever ran at once.
+    hashing: AtomicUsize,
+    hashing_peak: AtomicUsize,
+    /// Jobs for the hashing threads (see [`Limits::hash`]).
+    hash_jobs: Mutex<std::sync::mpsc::Sender<HashJob>>,
     failures_by_address: Mutex<HashMap<(String, IpAddr), Failures>>,
     failures_by_account: Mutex<HashMap<String, Failures>>,
 }
@@ -218,6 +236,9 @@ impl Limits {
             login_address: RateLimiter::keyed(config.login_per_address.quota()),
             connect_address: RateLimiter::keyed(config.connect_per_address.quota()),
             hashes: Semaphore::new(config.password_hashes_concurrent_max.max(1)),
+            hashing: AtomicUsize::new(0),
+            hashing_peak: AtomicUsize::new(0),
+            hash_jobs: Mutex::new(spawn_hash_threads(config.password_hashes_concurrent_max.max(1))),
             failures_by_address: Mutex::new(HashMap::new()),
             failures_by_account: Mutex::new(HashMap::new()),
             config,
@@ -296,12 +317,41 @@ impl Limits {
     }
 
     /// A permit to hash one password, waiting at most the configured time.
-    pub async fn password_hash_permit(&self) -> Result<SemaphorePermit<'_>, ApiError> {
+    pub async fn password_hash_permit(&self) -> Result<HashPermit<'_>, ApiError> {
         match tokio::time::timeout(self.config.password_hash_wait, self.hashes.acquire()).await {
-            Ok(Ok(permit)) => Ok(permit),
+            Ok(Ok(permit)) => {
+                let now = self.hashing.fetch_add(1, Ordering::SeqCst) + 1;
+                self.hashing_peak.fetch_max(now, Ordering::SeqCst);
+                Ok(HashPermit { _permit: permit, hashing: &self.hashing })
+            }
             Ok(Err(_)) => Err(ApiError::new(ErrorCode::Unavailable, "shutting down")),
-            Err(_) => Err(rate_limited(1_000, "password checks")),
+            Err(_) => Err(rate_limited(PASSWORD_HASH_RETRY_AFTER_MS, "password checks")),
         }
+    }
+
+    /// Runs one password hash (or verification) on the hashing threads,
+    /// after waiting for a permit as [`Limits::password_hash_permit`] does.
+    /// The threads are as many as the permits and live as long as the
+    /// server, so each reuses its own ~19 MiB of Argon2 memory: the memory
+    /// hashing holds is bounded by the permits, and does not grow with the
+    /// blocking pool's threads (each of which would keep its own arena).
+    pub async fn hash<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
+        let permit = self.password_hash_permit().await?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let sent = self.hash_jobs.lock().expect("hash pool lock").send(Box::new(move || {
+            let _ = tx.send(job());
+        }));
+        if sent.is_err() {
+            return Err(ApiError::new(ErrorCode::Internal, "the hashing threads are gone"));
+        }
+        let out = rx.await.map_err(|_| ApiError::new(ErrorCode::Internal, "a hashing thread stopped"));
+        drop(permit);
+        out
+    }
+
+    /// The most password hashes that ever ran at once on this server.
+    pub fn password_hashes_peak(&self) -> usize {
+        self.hashing_peak.load(Ordering::SeqCst)
     }
 
     /// Forgets limiter keys whose quota is whole again and failure counts
@@ -335,6 +385,64 @@ impl Limits {
             + self.connect_address.len()
             + self.failures_by_address.lock().expect("limits lock").len()
             + self.failures_by_account.lock().expect("limits lock").len()
+    }
+}
+
+type HashJob = Box<dyn FnOnce() + Send>;
+
+/// Allocations of this size or more are mapped from the OS and given back
+/// when freed (glibc's `M_MMAP_THRESHOLD`).
+pub const MMAP_THRESHOLD_BYTES: i32 = 1024 * 1024;
+
+/// Makes large allocations go back to the OS when freed. Each Argon2 hash
+/// allocates ~19 MiB; glibc raises its mmap threshold after the first such
+/// block is freed and keeps the later ones on its heaps, so a burst of
+/// logins left the process holding hundreds of MiB (5.2 GB idle after a
+/// flood, issue 15). A fixed threshold keeps them mapped: a login flood
+/// costs at most its concurrent hashes, and that memory is returned. Once
+/// per process; a no-op off glibc.
+pub fn return_large_allocations_to_the_os() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only changes an allocator tunable; it is called
+        // once, before the server allocates the blocks it affects.
+        unsafe {
+            libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES);
+        }
+    });
+}
+
+/// `n` threads that run hash jobs until every sender is gone.
+fn spawn_hash_threads(n: usize) -> std::sync::mpsc::Sender<HashJob> {
+    let (tx, rx) = std::sync::mpsc::channel::<HashJob>();
+    let rx = std::sync::Arc::new(Mutex::new(rx));
+    for i in 0..n {
+        let rx = rx.clone();
+        std::thread::Builder::new()
+            .name(format!("tidemark-hash-{i}"))
+            .spawn(move || loop {
+                let job = match rx.lock().expect("hash queue lock").recv() {
+                    Ok(job) => job,
+                    Err(_) => return,
+                };
+                job();
+            })
+            .expect("spawn a hashing thread");
+    }
+    tx
+}
+
+/// The right to run one password hash; dropping it lets the next one run.
+#[derive(Debug)]
+pub struct HashPermit<'a> {
+    _permit: SemaphorePermit<'a>,
+    hashing: &'a AtomicUsize,
+}
+
+impl Drop for HashPermit<'_> {
+    fn drop(&mut self) {
+        self.hashing.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

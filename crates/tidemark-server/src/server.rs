@@ -29,12 +29,14 @@ pub struct RunningServer {
 impl Server {
     /// Binds `listen`, reloads the outbox and starts serving.
     pub async fn start(listen: &str, store: Arc<dyn Store>, config: ServerConfig) -> std::io::Result<RunningServer> {
+        crate::limits::return_large_allocations_to_the_os();
         let io = |e: tidemark_store::StoreError| std::io::Error::other(e.to_string());
         let secret = store.server_secret().await.map_err(io)?;
         let revoked: HashSet<(String, String)> = store.revoked_devices().await.map_err(io)?.into_iter().collect();
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
+        let config_limits = config.limits.clone();
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
@@ -46,6 +48,7 @@ impl Server {
             metrics: crate::metrics::install(),
             shutdown: shutdown_rx.clone(),
             ws_slots,
+            limits: crate::limits::Limits::new(config_limits),
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;
@@ -58,9 +61,10 @@ impl Server {
         });
         let mut http_shutdown = shutdown_rx.clone();
         let http = spawn_fatal("http", async move {
-            let serve = axum::serve(listener, app.into_make_service()).with_graceful_shutdown(async move {
-                crate::util::stopped(&mut http_shutdown).await;
-            });
+            let serve = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
+                .with_graceful_shutdown(async move {
+                    crate::util::stopped(&mut http_shutdown).await;
+                });
             if let Err(e) = serve.await {
                 tracing::error!(error = %e, "http server stopped");
             }
@@ -68,7 +72,8 @@ impl Server {
         let relay = spawn_fatal("relay", crate::relay::run(state.clone(), shutdown_rx.clone()));
         let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
         let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
-        let mut tasks = vec![http, relay, rehint, retention];
+        let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention, sweep];
         if let Some(pending) = bus_pending {
             let bus_tasks = pending.spawn(state.hub.clone(), shutdown_rx);
             tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));
@@ -89,6 +94,18 @@ impl RunningServer {
 
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+}
+
+/// Forgets idle rate-limit keys every [`crate::limits::LIMITS_SWEEP_EVERY`],
+/// so the limiters' memory follows the active callers.
+async fn sweep_limits(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(crate::limits::LIMITS_SWEEP_EVERY) => {}
+            _ = crate::util::stopped(&mut shutdown) => return,
+        }
+        state.limits.sweep(crate::util::now_ms());
     }
 }
 

@@ -33,6 +33,8 @@ pub struct AppState {
     /// This node's WebSocket connections, at most
     /// [`ServerConfig::ws_connections_max`].
     pub ws_slots: Arc<ConnSlots>,
+    /// Rate limits and the password-hash bound.
+    pub limits: crate::limits::Limits,
 }
 
 impl AppState {

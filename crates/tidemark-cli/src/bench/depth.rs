@@ -108,7 +108,12 @@ async fn measure(parent: &Path, events: u64, args: &DepthArgs) -> Result<DepthRu
         tokio::task::spawn_blocking(move || populate(&dir, &conv, events)).await??;
     }
     let build_secs = built.elapsed().as_secs_f64();
-    let config = ServerConfig { admin_token: Some(ADMIN.into()), retention: None, ..ServerConfig::default() };
+    let config = ServerConfig {
+        admin_token: Some(ADMIN.into()),
+        retention: None,
+        limits: tidemark_server::limits::LimitsConfig::off(),
+        ..ServerConfig::default()
+    };
     let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await?;
     let http = Http::new(&server.url());
     let login = http.login("bob", PASSWORD, "phone").await.context("login")?;

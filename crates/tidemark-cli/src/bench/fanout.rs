@@ -227,7 +227,11 @@ async fn tidemark_run(parent: &Path, members: u32, args: &FanoutArgs, pb: &Progr
     for u in &users {
         store.create_user(u, &hash, 0).await?;
     }
-    let config = ServerConfig { retention: None, ..ServerConfig::default() };
+    let config = ServerConfig {
+        retention: None,
+        limits: tidemark_server::limits::LimitsConfig::off(),
+        ..ServerConfig::default()
+    };
     let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await?;
     let url = server.url();
     let ws_url = format!("ws://{}/v1/ws", server.addr);

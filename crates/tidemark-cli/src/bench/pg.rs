@@ -376,7 +376,11 @@ async fn server_phase(
         PgConfig { schema: Some(schema.to_owned()), ..PgConfig::new(with_param(url, "application_name", &app)) };
     let store = PgStore::open(config).await.context("open the PostgreSQL store")?;
     let admin_token = format!("bench-{:032x}", rand::rng().random::<u128>());
-    let config = ServerConfig { admin_token: Some(admin_token.clone()), ..ServerConfig::default() };
+    let config = ServerConfig {
+        admin_token: Some(admin_token.clone()),
+        limits: tidemark_server::limits::LimitsConfig::off(),
+        ..ServerConfig::default()
+    };
     let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await.context("start server")?;
 
     // Before the send phase: let the setup's counters be published (a write

@@ -48,7 +48,9 @@ pub(super) fn spawn_server(args: &[&str]) -> Result<(ChildGuard, SocketAddr)> {
 /// `tidemark serve` on `data`, listening on `listen`.
 pub(super) fn spawn_tidemark(data: &std::path::Path, listen: &str) -> Result<(ChildGuard, SocketAddr)> {
     let data = data.display().to_string();
-    spawn_server(&["serve", "--listen", listen, "--data", &data])
+    // Benchmarks measure the node itself: rate limits off (ten thousand
+    // devices log in from a handful of loopback addresses).
+    spawn_server(&["serve", "--listen", listen, "--data", &data, "--no-rate-limits"])
 }
 
 pub(super) fn rss_kib(pid: u32) -> Result<u64> {

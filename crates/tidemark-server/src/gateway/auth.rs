@@ -2,6 +2,8 @@
 //! apply are in [`crate::accounts`]). Tokens and passwords never reach a
 //! log line.
 
+use std::net::IpAddr;
+
 use tidemark_core::token::AccessClaims;
 use tidemark_proto::{ErrorCode, LoginOk, LoginReq, RefreshReq};
 use tidemark_store::RefreshRecord;
@@ -11,6 +13,12 @@ use crate::error::{ApiError, ApiResult};
 use crate::ops::AuthCtx;
 use crate::state::AppState;
 use crate::util::{new_secret, now_ms, sha256_hex};
+
+/// A short hash of a user name for logs (O2: ids are hashed, never shown
+/// to an outsider reading the logs).
+fn short_hash(s: &str) -> String {
+    sha256_hex(s)[..12].to_owned()
+}
 
 fn unauthenticated(message: &str) -> ApiError {
     ApiError::new(ErrorCode::Unauthenticated, message)
@@ -46,18 +54,26 @@ async fn issue(state: &AppState, user: &str, device: &str) -> ApiResult<LoginOk>
     Ok(LoginOk { user: user.into(), device_id: device.into(), access_token, expires_in: ttl.as_secs(), refresh_token })
 }
 
-pub async fn login(state: &AppState, req: LoginReq) -> ApiResult<LoginOk> {
+/// Logs a device in from `peer`. Bounded before any password is hashed:
+/// attempts per source address, the failed-login delay of the account
+/// (per address and across addresses), and a permit from the named number
+/// of hashes that may run at once; each answers `RATE_LIMITED` with
+/// `retry_after_ms`. An unknown user costs a hash like a known one and gets
+/// the same refusal.
+pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<LoginOk> {
+    state.limits.admit_login_attempt(peer)?;
     tidemark_core::ids::check_user(&req.user).map_err(|_| unauthenticated("wrong user or password"))?;
     tidemark_core::ids::check_device_id(&req.device_id).map_err(ApiError::bad_request)?;
     if req.password.len() > accounts::PASSWORD_BYTES_MAX {
         return Err(unauthenticated("wrong user or password"));
     }
+    state.limits.admit_login(&req.user, peer, now_ms())?;
     let hash = state.store.password_hash(&req.user).await?;
     let password = req.password.clone();
-    let ok = tokio::task::spawn_blocking(move || accounts::verify_login(&password, hash.as_deref()))
-        .await
-        .map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
+    let ok = state.limits.hash(move || accounts::verify_login(&password, hash.as_deref())).await?;
+    state.limits.login_outcome(&req.user, peer, ok, now_ms());
     if !ok {
+        tracing::warn!(user_hash = %short_hash(&req.user), %peer, "login failed");
         return Err(unauthenticated("wrong user or password"));
     }
     let name = req.device_name.unwrap_or_else(|| req.device_id.clone());
@@ -70,7 +86,8 @@ pub async fn login(state: &AppState, req: LoginReq) -> ApiResult<LoginOk> {
     issue(state, &req.user, &req.device_id).await
 }
 
-pub async fn refresh(state: &AppState, req: RefreshReq) -> ApiResult<LoginOk> {
+pub async fn refresh(state: &AppState, peer: IpAddr, req: RefreshReq) -> ApiResult<LoginOk> {
+    state.limits.admit_login_attempt(peer)?;
     let rec = state
         .store
         .take_refresh_token(&sha256_hex(&req.refresh_token))

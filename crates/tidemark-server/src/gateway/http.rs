@@ -4,8 +4,11 @@
 
 use std::sync::Arc;
 
+use std::net::SocketAddr;
+
 use axum::body::Bytes;
-use axum::extract::{Path, State};
+
+use axum::extract::{ConnectInfo, Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -92,23 +95,31 @@ pub async fn rpc(
     }
 }
 
-pub async fn login(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+pub async fn login(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    body: Bytes,
+) -> Response {
     let req: LoginReq = match parse_body(&body) {
         Ok(r) => r,
         Err(r) => return *r,
     };
-    match auth::login(&state, req).await {
+    match auth::login(&state, peer.ip(), req).await {
         Ok(ok) => Json(ok).into_response(),
         Err(e) => error_response(e),
     }
 }
 
-pub async fn refresh(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+pub async fn refresh(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    body: Bytes,
+) -> Response {
     let req: RefreshReq = match parse_body(&body) {
         Ok(r) => r,
         Err(r) => return *r,
     };
-    match auth::refresh(&state, req).await {
+    match auth::refresh(&state, peer.ip(), req).await {
         Ok(ok) => Json(ok).into_response(),
         Err(e) => error_response(e),
     }

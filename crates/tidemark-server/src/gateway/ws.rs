@@ -16,13 +16,14 @@
 //!   cursor, so nothing is silently skipped.
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::extract::State;
+use axum::extract::{ConnectInfo, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use futures_util::stream::{SplitSink, SplitStream};
@@ -58,7 +59,15 @@ const KICK_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// Time given to in-flight requests when a connection ends.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
 
-pub async fn upgrade(State(state): State<Arc<AppState>>, headers: HeaderMap, ws: WebSocketUpgrade) -> Response {
+pub async fn upgrade(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    ws: WebSocketUpgrade,
+) -> Response {
+    if let Err(e) = state.limits.admit_connect(peer.ip()) {
+        return error_response(e);
+    }
     let Some(slot) = state.ws_slots.try_take() else {
         let full = ApiError::new(ErrorCode::Unavailable, "this node holds its most WebSocket connections");
         return error_response(ApiError { retry_after_ms: Some(WS_FULL_RETRY_AFTER_MS), ..full });

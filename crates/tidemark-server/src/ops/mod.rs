@@ -56,6 +56,8 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
     if state.is_revoked(&ctx.user, &ctx.device) {
         return Err(ApiError::device_revoked());
     }
+    // Before anything is read or written: a limited request changes nothing.
+    state.limits.admit_op(&op, &ctx.user, &ctx.device)?;
     match op.as_str() {
         op::SEND => to_value(&send::run(&state, &ctx, parse(body)?).await?),
         op::SYNC => to_value(&sync::sync(&state, &ctx, parse(body)?).await?),

@@ -1,0 +1,34 @@
+//! The SDK under a server's rate limit (P3, K3, K4): a burst of sends
+//! beyond the device's quota meets `RATE_LIMITED`; the outbox waits as the
+//! server says and sends on, and every message arrives once, in order.
+
+mod common;
+
+use common::*;
+use tidemark_server::limits::{LimitsConfig, Rate};
+use tidemark_server::ServerConfig;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_burst_over_the_quota_waits_as_told_and_loses_nothing() {
+    // Ten sends a second after a burst of five.
+    let limits = LimitsConfig { send_per_device: Rate::new(10, 5), ..LimitsConfig::default() };
+    let h = Harness::start_with(ServerConfig { limits, ..ServerConfig::default() }).await;
+    h.user("alice").await;
+    h.user("bob").await;
+    let alice = h.ready("alice", "phone").await;
+    let bob = h.ready("bob", "phone").await;
+    let conv = alice.create_direct("bob").await.unwrap();
+    for i in 0..30 {
+        alice.send(&conv, serde_json::json!({ "text": format!("m{i}") })).await.unwrap();
+    }
+    let held = wait_messages(&bob, &conv, 30).await;
+    let texts: Vec<_> = held.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap().to_owned())).collect();
+    assert_eq!(texts, (0..30).map(|i| (i + 1, format!("m{i}"))).collect::<Vec<_>>(), "once each, in order");
+    let metrics = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
+    let limited = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("tidemark_refusals_total{code=\"RATE_LIMITED\"} "))
+        .map(|v| v.trim().parse::<f64>().unwrap())
+        .unwrap_or(0.0);
+    assert!(limited >= 1.0, "the burst never met the limit");
+}
