@@ -27,11 +27,8 @@ use crate::{ClientError, Http};
 /// Decides, at each [`FaultPoint`], whether the client dies there (tests).
 pub type FaultHook = Arc<dyn Fn(&FaultPoint) -> FaultAction + Send + Sync>;
 
-/// Longest `conv` or `message_id` a request may name, bytes
-/// (docs/protocol.md §3.1, §3.12).
-const ID_BYTES_MAX: usize = 64;
-/// Longest message `kind`, bytes (docs/protocol.md §3.1).
-const KIND_BYTES_MAX: usize = 32;
+/// Bounds of `conv`, `message_id` and `kind` (docs/protocol.md §3.1, §3.12).
+use tidemark_proto::{ID_BYTES_MAX, KIND_BYTES_MAX};
 
 /// Everything a [`Client`] needs; [`ClientConfig::new`] fills the defaults.
 #[derive(Clone)]

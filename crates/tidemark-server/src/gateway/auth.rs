@@ -13,8 +13,7 @@ use crate::ops::AuthCtx;
 use crate::server::AppState;
 use crate::util::{new_secret, now_ms, sha256_hex};
 
-/// Longest accepted password, in bytes (argon2 cost is bounded by input).
-pub const PASSWORD_BYTES_MAX: usize = 1024;
+use tidemark_proto::PASSWORD_BYTES_MAX;
 
 pub fn hash_password(password: &str) -> Result<String, String> {
     let salt = SaltString::generate(&mut OsRng);
@@ -95,7 +94,7 @@ pub async fn login(state: &AppState, req: LoginReq) -> ApiResult<LoginOk> {
         return Err(unauthenticated("wrong user or password"));
     }
     let name = req.device_name.unwrap_or_else(|| req.device_id.clone());
-    let name: String = name.chars().take(128).collect();
+    let name: String = name.chars().take(tidemark_proto::DEVICE_NAME_CHARS_MAX).collect();
     let device = state.store.login_device(&req.user, &req.device_id, &name, now_ms()).await?;
     if device.cursor.state == tidemark_core::cursor::DeviceState::Revoked {
         return Err(ApiError::device_revoked());

@@ -11,7 +11,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 use tidemark_proto::{
-    AdminEpochOk, AdminEpochReq, AdminUnreadOk, AdminUserOk, AdminUserReq, ErrorCode, LoginReq, RefreshReq,
+    AdminEpochOk, AdminEpochReq, AdminUnreadOk, AdminUserOk, AdminUserReq, ErrorCode, HealthOk, HealthUnavailable,
+    LoginReq, RefreshReq,
 };
 
 use super::auth;
@@ -186,10 +187,10 @@ pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: Head
 
 pub async fn healthz(State(state): State<Arc<AppState>>) -> Response {
     match state.store.outbox_stats().await {
-        Ok(s) => Json(serde_json::json!({"status": "ok", "outbox_backlog": s.backlog})).into_response(),
+        Ok(s) => Json(HealthOk { status: "ok".into(), outbox_backlog: s.backlog }).into_response(),
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({"status": "unavailable", "error": e.to_string()})),
+            Json(HealthUnavailable { status: "unavailable".into(), error: e.to_string() }),
         )
             .into_response(),
     }
