@@ -812,6 +812,50 @@ mod tests {
         assert_eq!(v, serde_json::json!({"t":"ack.ok","rid":"r9","acked_sync_seq":3}));
     }
 
+    /// The typed server frames, snapshot items and bus payload keep the wire
+    /// shapes the hand-built JSON had (docs/protocol.md §3.22, §4).
+    #[test]
+    fn typed_frames_keep_their_wire_shape() {
+        let hint = ServerFrame::Hint(Hint { user_sync_high_watermark: 7, reason: reason::NEW_EVENT.into() });
+        let v = serde_json::to_value(&hint).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"t": server_frame::HINT, "user_sync_high_watermark": 7, "reason": "new_event"})
+        );
+        assert_eq!(serde_json::from_value::<ServerFrame>(v).unwrap(), hint);
+        let kicked = ServerFrame::Kicked(Kicked { reason: reason::SUPERSEDED.into() });
+        let v = serde_json::to_value(&kicked).unwrap();
+        assert_eq!(v, serde_json::json!({"t": server_frame::KICKED, "reason": "superseded"}));
+        assert!(serde_json::from_str::<ServerFrame>(r#"{"t":"future","x":1}"#).is_err());
+
+        let conv = ConvSummary {
+            conv: "c1".into(),
+            kind: "direct".into(),
+            last_msg_seq: 3,
+            read_seq: 1,
+            unread: 2,
+            muted: false,
+            pinned: true,
+            active: true,
+        };
+        let item = serde_json::to_value(SnapshotItem::Conv(conv)).unwrap();
+        assert_eq!(
+            canonical_item(&item),
+            r#"{"active":true,"conv":"c1","kind":"direct","last_msg_seq":3,"muted":false,"pinned":true,"read_seq":1,"type":"conv","unread":2}"#
+        );
+        let message = serde_json::json!({"message_id": "m1", "conv": "c1", "msg_seq": 1, "kind": "text",
+            "state": "normal", "sender": "ann", "content": {"text": "hi"}, "created_at": 5, "version": 1});
+        let env: Envelope = serde_json::from_value(message.clone()).unwrap();
+        let item = serde_json::to_value(SnapshotItem::Message { message: env }).unwrap();
+        assert_eq!(item, serde_json::json!({"type": "message", "message": message}));
+
+        let bus = serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9 }).unwrap();
+        assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#);
+        let ok = MessageDeleteOk { conv: "c1".into(), message_id: "m1".into() };
+        assert_eq!(serde_json::to_value(ok).unwrap(), serde_json::json!({"conv": "c1", "message_id": "m1"}));
+        assert_eq!(serde_json::to_string(&Empty {}).unwrap(), "{}");
+    }
+
     #[test]
     fn sync_req_omits_absent_fields() {
         let v = serde_json::to_value(SyncReq { limit: Some(5), ..Default::default() }).unwrap();

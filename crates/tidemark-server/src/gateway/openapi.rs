@@ -299,7 +299,9 @@ fn document_value() -> OpenApi {
     paths = paths.path("/metrics", get("Prometheus metrics", metrics, open()));
     let doc = ResponsesBuilder::new().response(
         "200",
-        ResponseBuilder::new().description("this document").content(JSON, json_content(s.of::<Empty>())),
+        ResponseBuilder::new()
+            .description("this document")
+            .content(JSON, json_content(tidemark_proto::openapi::object())),
     );
     paths = paths.path("/v1/openapi.json", get("This OpenAPI document", doc, open()));
     paths = paths.path("/v1/ws", ws_path(&error));
