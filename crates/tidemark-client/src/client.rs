@@ -20,11 +20,8 @@ use crate::store::{Conversation, LocalStore, Message, OutboxEntry, OutboxOp, Syn
 use crate::types::{Change, ClientConfig, ConnState, Exit, SdkError};
 use crate::Http;
 
-/// Longest `conv` or `message_id` a request may name, bytes
-/// (docs/protocol.md §3.1, §3.12).
-const ID_BYTES_MAX: usize = 64;
-/// Longest message `kind`, bytes (docs/protocol.md §3.1).
-const KIND_BYTES_MAX: usize = 32;
+/// Bounds of `conv`, `message_id` and `kind` (docs/protocol.md §3.1, §3.12).
+use tidemark_proto::{ID_BYTES_MAX, KIND_BYTES_MAX};
 
 /// A subscription to a client's [`Change`]s.
 pub struct Changes {

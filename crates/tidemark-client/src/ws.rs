@@ -13,7 +13,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 use tidemark_proto::{
-    op, AckOk, AckReq, ConvCreateOk, ConvCreateReq, ConvListOk, ErrorCode, ErrorFrame, SendOk, SendReq, SyncOk, SyncReq,
+    op, AckOk, AckReq, ConvCreateOk, ConvCreateReq, ConvListOk, ErrorCode, ErrorFrame, SendOk, SendReq, ServerFrame,
+    SyncOk, SyncReq,
 };
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
@@ -116,17 +117,16 @@ impl WsConn {
                     }
                     continue;
                 }
-                match v.get("t").and_then(Value::as_str) {
-                    Some("hint") => {
-                        let high_watermark = v.get("user_sync_high_watermark").and_then(Value::as_u64).unwrap_or(0);
-                        let reason = v.get("reason").and_then(Value::as_str).unwrap_or("").to_owned();
-                        let _ = ev_tx.try_send(ServerEvent::Hint { high_watermark, reason });
+                // Frames of types this SDK does not know are skipped.
+                match serde_json::from_value::<ServerFrame>(v) {
+                    Ok(ServerFrame::Hint(h)) => {
+                        let hint = ServerEvent::Hint { high_watermark: h.user_sync_high_watermark, reason: h.reason };
+                        let _ = ev_tx.try_send(hint);
                     }
-                    Some("kicked") => {
-                        let reason = v.get("reason").and_then(Value::as_str).unwrap_or("").to_owned();
-                        let _ = ev_tx.send(ServerEvent::Kicked { reason }).await;
+                    Ok(ServerFrame::Kicked(k)) => {
+                        let _ = ev_tx.send(ServerEvent::Kicked { reason: k.reason }).await;
                     }
-                    _ => {}
+                    Err(_) => {}
                 }
             }
             // Fail every request still waiting: their senders drop here.

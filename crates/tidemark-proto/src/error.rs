@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 /// Every code a Tidemark server may answer with. The string forms are fixed
 /// by the contract; new codes may be added, none renamed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum ErrorCode {
     BadRequest,
@@ -87,6 +88,19 @@ impl ErrorCode {
             ErrorCode::Internal => 500,
         }
     }
+
+    /// Every HTTP status some code maps to, ascending.
+    pub fn http_statuses() -> Vec<u16> {
+        let mut statuses: Vec<u16> = ErrorCode::ALL.iter().map(|c| c.http_status()).collect();
+        statuses.sort_unstable();
+        statuses.dedup();
+        statuses
+    }
+
+    /// The codes answered with HTTP `status`.
+    pub fn for_status(status: u16) -> Vec<ErrorCode> {
+        ErrorCode::ALL.iter().copied().filter(|c| c.http_status() == status).collect()
+    }
 }
 
 impl std::fmt::Display for ErrorCode {
@@ -99,6 +113,7 @@ impl std::fmt::Display for ErrorCode {
 /// `sync_generation` is a Tidemark extension carried by `RESET_REQUIRED` and
 /// `STALE_GENERATION` so the client learns the generation to use next.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ErrorFrame {
     pub t: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]

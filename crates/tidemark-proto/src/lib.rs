@@ -15,15 +15,32 @@ use serde_json::{Map, Value};
 
 pub mod content;
 pub mod error;
+#[cfg(feature = "openapi")]
+pub mod openapi;
 pub mod push;
+pub mod whole;
 pub use error::{ErrorCode, ErrorFrame};
 
 /// Largest WebSocket frame or HTTP body the server accepts, in bytes.
 pub const FRAME_BYTES_MAX: usize = 256 * 1024;
 /// Largest serialized message `content`, in bytes.
 pub const CONTENT_BYTES_MAX: usize = 64 * 1024;
-/// Largest `client_msg_id`, in bytes.
+/// Longest `conv` or `message_id` a request may name, in bytes.
+pub const ID_BYTES_MAX: usize = 64;
+/// Longest user name, in bytes.
+pub const USER_BYTES_MAX: usize = 64;
+/// Longest device id, in bytes.
+pub const DEVICE_ID_BYTES_MAX: usize = 128;
+/// Longest `client_msg_id`, in bytes.
 pub const CLIENT_MSG_ID_BYTES_MAX: usize = 128;
+/// Longest message `kind`, in bytes.
+pub const KIND_BYTES_MAX: usize = 32;
+/// Longest reaction, in bytes.
+pub const REACTION_BYTES_MAX: usize = 32;
+/// Longest accepted password, in bytes (argon2 cost is bounded by input).
+pub const PASSWORD_BYTES_MAX: usize = 1024;
+/// A device name longer than this many characters is cut to it.
+pub const DEVICE_NAME_CHARS_MAX: usize = 128;
 /// Default and largest page of a `sync` call.
 pub const SYNC_LIMIT_DEFAULT: u32 = 100;
 pub const SYNC_LIMIT_MAX: u32 = 1000;
@@ -146,27 +163,36 @@ pub fn reply_frame(op: &str, rid: Option<&str>, reply: Value) -> Value {
 // ---------------------------------------------------------------- accounts
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AdminUserReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
     pub user: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::password))]
     pub password: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AdminUserOk {
     pub user: String,
     pub created: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LoginReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
     pub user: String,
     pub password: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::device_id))]
     pub device_id: String,
     #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::device_name))]
     pub device_name: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LoginOk {
     pub user: String,
     pub device_id: String,
@@ -177,17 +203,20 @@ pub struct LoginOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RefreshReq {
     pub refresh_token: String,
 }
 
 /// First WebSocket frame when the upgrade carried no `Authorization` header.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AuthReq {
     pub token: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AuthOk {
     pub user: String,
     pub device_id: String,
@@ -197,11 +226,14 @@ pub struct AuthOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeviceRevokeReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::device_id))]
     pub device_id: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeviceRevokeOk {
     pub device_id: String,
     /// False when the device was already revoked.
@@ -211,15 +243,20 @@ pub struct DeviceRevokeOk {
 // ---------------------------------------------------------- conversations
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvCreateReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv_kind))]
     pub kind: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::users))]
     pub members: Vec<String>,
     /// Groups: an optional idempotency key; a retry returns the same group.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::client_msg_id))]
     pub client_msg_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvCreateOk {
     pub conv: String,
     pub kind: String,
@@ -228,7 +265,8 @@ pub struct ConvCreateOk {
     pub created: bool,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvSummary {
     pub conv: String,
     pub kind: String,
@@ -243,16 +281,21 @@ pub struct ConvSummary {
 
 /// `conv.add`, `conv.remove` (`user` required) and `conv.leave`.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvMemberReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
     pub user: Option<String>,
     /// Optional idempotency key; a retry returns the original event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::client_msg_id))]
     pub client_msg_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvMemberOk {
     pub conv: String,
     /// The membership event's position in the conversation.
@@ -260,17 +303,21 @@ pub struct ConvMemberOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvSyncReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "whole::int")]
     pub after: u64,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv_sync_limit))]
     pub limit: Option<u32>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
     pub epoch: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvSyncOk {
     pub conv: String,
     pub epoch: u64,
@@ -283,15 +330,19 @@ pub struct ConvSyncOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HistoryReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
     pub before_seq: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::history_limit))]
     pub limit: Option<u32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct HistoryOk {
     /// Newest first.
     pub messages: Vec<Envelope>,
@@ -308,14 +359,19 @@ pub struct HistoryOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RecallReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::message_id))]
     pub message_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::client_msg_id))]
     pub client_msg_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct RecallOk {
     /// The recall event's `msg_seq`.
     pub msg_seq: u64,
@@ -323,33 +379,47 @@ pub struct RecallOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EditReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::message_id))]
     pub message_id: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
     pub content: Value,
+    #[serde(deserialize_with = "whole::int")]
     pub base_version: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::client_msg_id))]
     pub client_msg_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct EditOk {
     pub msg_seq: u64,
     pub version: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReactReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::message_id))]
     pub message_id: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::reaction))]
     pub reaction: String,
     /// `add` or `remove`.
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::react_op))]
     pub op: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::client_msg_id))]
     pub client_msg_id: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReactOk {
     /// The reaction event's `msg_seq` (0 when a remove changed nothing).
     pub msg_seq: u64,
@@ -359,7 +429,9 @@ pub struct ReactOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvSettingsReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub muted: Option<bool>,
@@ -368,6 +440,7 @@ pub struct ConvSettingsReq {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvSettingsOk {
     pub conv: String,
     pub muted: bool,
@@ -375,12 +448,16 @@ pub struct ConvSettingsOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReadReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
+    #[serde(deserialize_with = "whole::int")]
     pub read_to_seq: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ReadOk {
     pub conv: String,
     pub read_seq: u64,
@@ -388,24 +465,46 @@ pub struct ReadOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeliveryAckReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::message_ids))]
     pub message_ids: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct DeliveryAckOk {
     /// How many (message, device) deliveries were new.
     pub recorded: u64,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct MessageDeleteReq {
+/// `message.delete.ok`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct MessageDeleteOk {
     pub conv: String,
+    pub message_id: String,
+}
+
+/// The body of an operation that takes no fields (`conv.list`, `ping`,
+/// `snapshot.begin`) and the reply of `ping`: `{}`. Unknown fields are
+/// ignored, like everywhere else.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct Empty {}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct MessageDeleteReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
+    pub conv: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::message_id))]
     pub message_id: String,
 }
 
 /// `snapshot.begin` (D7): no request fields.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SnapshotBeginOk {
     pub snapshot_id: String,
     pub snapshot_token: String,
@@ -421,26 +520,44 @@ pub struct SnapshotBeginOk {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SnapshotPageReq {
     pub snapshot_token: String,
+    #[serde(deserialize_with = "whole::int")]
     pub page: u32,
+}
+
+/// One item of a snapshot page: a conversation summary, or one message of
+/// the conversation named by the last `conv` item before it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum SnapshotItem {
+    Conv(ConvSummary),
+    Message { message: Envelope },
 }
 
 /// One page of a snapshot: items `{"type":"conv",…}` (a conversation
 /// summary) each followed by its `{"type":"message","message":{…}}` items.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SnapshotPageOk {
     pub page: u32,
     pub pages: u32,
+    /// [`SnapshotItem`]s, kept as JSON values so the client hashes exactly
+    /// what was sent (and skips item types it does not know).
+    #[cfg_attr(feature = "openapi", schema(value_type = Vec<SnapshotItem>))]
     pub items: Vec<Value>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SnapshotAckReq {
     pub snapshot_token: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SnapshotAckOk {
     pub acked_sync_seq: u64,
     pub sync_generation: u64,
@@ -454,23 +571,28 @@ pub fn canonical_item(item: &Value) -> String {
 
 /// Admin: bump a conversation's epoch.
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AdminEpochReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AdminEpochOk {
     pub conv: String,
     pub epoch: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AdminUnreadOk {
     pub rows_checked: u64,
     pub drifted: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvListOk {
     pub conversations: Vec<ConvSummary>,
 }
@@ -478,11 +600,16 @@ pub struct ConvListOk {
 // ------------------------------------------------------------------ send
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SendReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
     pub conv: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::client_msg_id))]
     pub client_msg_id: String,
     #[serde(default = "default_kind")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::kind))]
     pub kind: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
     pub content: Value,
 }
 
@@ -492,6 +619,7 @@ fn default_kind() -> String {
 
 /// `send.ok` states only that the message was accepted (S4).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SendOk {
     pub message_id: String,
     pub conv: String,
@@ -505,13 +633,15 @@ pub struct SendOk {
 // ------------------------------------------------------------------ sync
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SyncReq {
     /// Omitted by a device with no local state.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
     pub sync_generation: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
     pub local_applied_sync_seq: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::sync_limit))]
     pub limit: Option<u32>,
     /// Next pages: the token of the first page.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -522,6 +652,7 @@ pub struct SyncReq {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct SyncOk {
     pub sync_generation: u64,
     pub resume_from: u64,
@@ -535,6 +666,7 @@ pub struct SyncOk {
 
 /// One entry of a user's sync log.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct UserEvent {
     pub sync_seq: u64,
     /// `message`, `membership`, `recall`, `edit`, `reaction` (conversation
@@ -548,11 +680,13 @@ pub struct UserEvent {
     pub message: Option<Envelope>,
     /// The payload of per-user events (`read`, `settings`, `delete`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
     pub data: Option<Value>,
 }
 
 /// The unified message envelope (C4).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Envelope {
     pub message_id: String,
     pub conv: String,
@@ -562,6 +696,7 @@ pub struct Envelope {
     /// reader deleted it for themselves; content is `{}`).
     pub state: String,
     pub sender: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
     pub content: Value,
     pub created_at: i64,
     /// Bumped by every edit, reaction and recall: apply an event only if
@@ -574,12 +709,15 @@ pub struct Envelope {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AckReq {
     pub batch_token: String,
+    #[serde(deserialize_with = "whole::int")]
     pub sync_seq: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AckOk {
     /// The device's cursor after this ACK (never lower than before it).
     pub acked_sync_seq: u64,
@@ -588,15 +726,58 @@ pub struct AckOk {
 
 // --------------------------------------------------------- server frames
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Hint {
     pub user_sync_high_watermark: u64,
     pub reason: String,
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Kicked {
     pub reason: String,
+}
+
+/// A frame the server sends without a request (no `rid`), tagged by `t`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+#[serde(tag = "t")]
+pub enum ServerFrame {
+    /// The user's log grew to `user_sync_high_watermark`: sync (D8).
+    #[serde(rename = "hint")]
+    Hint(Hint),
+    /// The server ends the connection; the close frame follows.
+    #[serde(rename = "kicked")]
+    Kicked(Kicked),
+}
+
+/// The hint bus payload between nodes (cluster mode): a user's log grew to
+/// `high_watermark` on the node that published it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusHint {
+    pub user: String,
+    pub high_watermark: u64,
+}
+
+/// `GET /healthz` while the store answers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct HealthOk {
+    /// `ok`.
+    pub status: String,
+    /// Outbox records not yet fanned out.
+    pub outbox_backlog: u64,
+}
+
+/// `GET /healthz` (503) while the store does not answer.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct HealthUnavailable {
+    /// `unavailable`.
+    pub status: String,
+    pub error: String,
 }
 
 /// Reasons carried by `hint` and `kicked`.
@@ -631,6 +812,50 @@ mod tests {
     fn reply_frame_sets_t_and_rid() {
         let v = reply_frame("ack", Some("r9"), serde_json::json!({"acked_sync_seq": 3}));
         assert_eq!(v, serde_json::json!({"t":"ack.ok","rid":"r9","acked_sync_seq":3}));
+    }
+
+    /// The typed server frames, snapshot items and bus payload keep the wire
+    /// shapes the hand-built JSON had (docs/protocol.md §3.22, §4).
+    #[test]
+    fn typed_frames_keep_their_wire_shape() {
+        let hint = ServerFrame::Hint(Hint { user_sync_high_watermark: 7, reason: reason::NEW_EVENT.into() });
+        let v = serde_json::to_value(&hint).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"t": server_frame::HINT, "user_sync_high_watermark": 7, "reason": "new_event"})
+        );
+        assert_eq!(serde_json::from_value::<ServerFrame>(v).unwrap(), hint);
+        let kicked = ServerFrame::Kicked(Kicked { reason: reason::SUPERSEDED.into() });
+        let v = serde_json::to_value(&kicked).unwrap();
+        assert_eq!(v, serde_json::json!({"t": server_frame::KICKED, "reason": "superseded"}));
+        assert!(serde_json::from_str::<ServerFrame>(r#"{"t":"future","x":1}"#).is_err());
+
+        let conv = ConvSummary {
+            conv: "c1".into(),
+            kind: "direct".into(),
+            last_msg_seq: 3,
+            read_seq: 1,
+            unread: 2,
+            muted: false,
+            pinned: true,
+            active: true,
+        };
+        let item = serde_json::to_value(SnapshotItem::Conv(conv)).unwrap();
+        assert_eq!(
+            canonical_item(&item),
+            r#"{"active":true,"conv":"c1","kind":"direct","last_msg_seq":3,"muted":false,"pinned":true,"read_seq":1,"type":"conv","unread":2}"#
+        );
+        let message = serde_json::json!({"message_id": "m1", "conv": "c1", "msg_seq": 1, "kind": "text",
+            "state": "normal", "sender": "ann", "content": {"text": "hi"}, "created_at": 5, "version": 1});
+        let env: Envelope = serde_json::from_value(message.clone()).unwrap();
+        let item = serde_json::to_value(SnapshotItem::Message { message: env }).unwrap();
+        assert_eq!(item, serde_json::json!({"type": "message", "message": message}));
+
+        let bus = serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9 }).unwrap();
+        assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#);
+        let ok = MessageDeleteOk { conv: "c1".into(), message_id: "m1".into() };
+        assert_eq!(serde_json::to_value(ok).unwrap(), serde_json::json!({"conv": "c1", "message_id": "m1"}));
+        assert_eq!(serde_json::to_string(&Empty {}).unwrap(), "{}");
     }
 
     #[test]

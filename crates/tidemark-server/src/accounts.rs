@@ -18,7 +18,7 @@ use crate::state::AppState;
 use crate::util::now_ms;
 
 /// Longest accepted password, in bytes (argon2 cost is bounded by input).
-pub const PASSWORD_BYTES_MAX: usize = 1024;
+pub use tidemark_proto::PASSWORD_BYTES_MAX;
 
 /// A new account's name and password, checked before anything is hashed.
 pub fn check_new_account(user: &str, password: &str) -> Result<(), String> {

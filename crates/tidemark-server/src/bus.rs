@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use tidemark_proto::BusHint;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -97,17 +98,17 @@ pub fn user_token(user: &str) -> String {
 }
 
 fn encode(user: &str, hw: u64) -> Vec<u8> {
-    serde_json::json!({ "user": user, "high_watermark": hw }).to_string().into_bytes()
+    let hint = BusHint { user: user.to_owned(), high_watermark: hw };
+    serde_json::to_vec(&hint).expect("a bus hint serializes")
 }
 
 fn decode(payload: &[u8]) -> Option<(String, u64)> {
     if payload.len() > HINT_PAYLOAD_BYTES_MAX {
         return None;
     }
-    let v: serde_json::Value = serde_json::from_slice(payload).ok()?;
-    let user = v.get("user")?.as_str()?;
-    tidemark_core::ids::check_user(user).ok()?;
-    Some((user.to_owned(), v.get("high_watermark")?.as_u64()?))
+    let hint: BusHint = serde_json::from_slice(payload).ok()?;
+    tidemark_core::ids::check_user(&hint.user).ok()?;
+    Some((hint.user, hint.high_watermark))
 }
 
 /// Builds the bus for `config`: the local bus, or a NATS connection with its

@@ -77,7 +77,7 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
         return Err(unauthenticated("wrong user or password"));
     }
     let name = req.device_name.unwrap_or_else(|| req.device_id.clone());
-    let name: String = name.chars().take(128).collect();
+    let name: String = name.chars().take(tidemark_proto::DEVICE_NAME_CHARS_MAX).collect();
     let device = state.store.login_device(&req.user, &req.device_id, &name, now_ms()).await?;
     if device.cursor.state == tidemark_core::cursor::DeviceState::Revoked {
         return Err(ApiError::device_revoked());

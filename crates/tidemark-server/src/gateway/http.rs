@@ -14,7 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 use tidemark_proto::{
-    AdminEpochOk, AdminEpochReq, AdminUnreadOk, AdminUserOk, AdminUserReq, ErrorCode, LoginReq, RefreshReq,
+    AdminEpochOk, AdminEpochReq, AdminUnreadOk, AdminUserOk, AdminUserReq, ErrorCode, HealthOk, HealthUnavailable,
+    LoginReq, RefreshReq,
 };
 
 use super::auth;
@@ -203,10 +204,10 @@ pub async fn healthz(State(state): State<Arc<AppState>>) -> Response {
             .into_response();
     }
     match state.store.outbox_stats().await {
-        Ok(s) => Json(serde_json::json!({"status": "ok", "outbox_backlog": s.backlog})).into_response(),
+        Ok(s) => Json(HealthOk { status: "ok".into(), outbox_backlog: s.backlog }).into_response(),
         Err(e) => (
             StatusCode::SERVICE_UNAVAILABLE,
-            Json(serde_json::json!({"status": "unavailable", "error": e.to_string()})),
+            Json(HealthUnavailable { status: "unavailable".into(), error: e.to_string() }),
         )
             .into_response(),
     }

@@ -29,7 +29,7 @@ use axum::response::Response;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::Value;
-use tidemark_proto::{op, reason, server_frame, split_frame, AuthOk, AuthReq, ErrorCode};
+use tidemark_proto::{op, reason, split_frame, AuthOk, AuthReq, ErrorCode, Hint, Kicked, ServerFrame};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
 
@@ -92,6 +92,10 @@ pub async fn upgrade(
 
 fn error_text(e: ApiError, rid: Option<String>) -> String {
     serde_json::to_string(&e.into_frame(rid)).expect("error frames serialize")
+}
+
+fn server_frame_text(frame: &ServerFrame) -> String {
+    serde_json::to_string(frame).expect("server frames serialize")
 }
 
 fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<Value>) -> String {
@@ -259,7 +263,7 @@ async fn handle_text(
 }
 
 async fn send_kicked(sink: &mut SplitSink<WebSocket, Message>, why: &'static str) {
-    let frame = serde_json::json!({"t": server_frame::KICKED, "reason": why}).to_string();
+    let frame = server_frame_text(&ServerFrame::Kicked(Kicked { reason: why.into() }));
     let _ = tokio::time::timeout(KICK_FLUSH_TIMEOUT, async {
         sink.send(Message::Text(frame.into())).await?;
         sink.send(Message::Close(Some(CloseFrame { code: 4000, reason: why.into() }))).await
@@ -293,8 +297,8 @@ async fn write_loop(
                 Some((hw, rehint)) => {
                     let why = if rehint { reason::LAGGING_ACK } else { reason::NEW_EVENT };
                     metrics::counter!(m::HINTS).increment(1);
-                    let frame = serde_json::json!({"t": server_frame::HINT, "user_sync_high_watermark": hw, "reason": why});
-                    sink.send(Message::Text(frame.to_string().into())).await
+                    let frame = ServerFrame::Hint(Hint { user_sync_high_watermark: hw, reason: why.into() });
+                    sink.send(Message::Text(server_frame_text(&frame).into())).await
                 }
                 None => Ok(()),
             },

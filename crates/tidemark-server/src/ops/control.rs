@@ -2,8 +2,8 @@
 //! `message.delete` for the caller only (E3), and `delivery.ack` (R1).
 
 use tidemark_proto::{
-    DeliveryAckOk, DeliveryAckReq, EditOk, EditReq, MessageDeleteReq, ReactOk, ReactReq, RecallOk, RecallReq,
-    CONTENT_BYTES_MAX,
+    DeliveryAckOk, DeliveryAckReq, EditOk, EditReq, MessageDeleteOk, MessageDeleteReq, ReactOk, ReactReq, RecallOk,
+    RecallReq, CONTENT_BYTES_MAX, ID_BYTES_MAX,
 };
 
 use super::conv::event_cmd;
@@ -12,12 +12,11 @@ use crate::error::{ApiError, ApiResult};
 use crate::state::AppState;
 use crate::util::now_ms;
 
-/// Longest reaction, in bytes.
-pub const REACTION_BYTES_MAX: usize = 32;
+use tidemark_proto::REACTION_BYTES_MAX;
 
 fn check_ids(conv: &str, message_id: &str) -> ApiResult<()> {
-    if conv.is_empty() || conv.len() > 64 || message_id.is_empty() || message_id.len() > 64 {
-        return Err(ApiError::bad_request("conv and message_id must be 1..=64 bytes"));
+    if conv.is_empty() || conv.len() > ID_BYTES_MAX || message_id.is_empty() || message_id.len() > ID_BYTES_MAX {
+        return Err(ApiError::bad_request(format!("conv and message_id must be 1..={ID_BYTES_MAX} bytes")));
     }
     Ok(())
 }
@@ -66,18 +65,18 @@ pub async fn react(state: &AppState, ctx: &AuthCtx, req: ReactReq) -> ApiResult<
     Ok(ReactOk { msg_seq: out.msg_seq, version: out.version, changed: out.changed })
 }
 
-pub async fn delete_for_me(state: &AppState, ctx: &AuthCtx, req: MessageDeleteReq) -> ApiResult<serde_json::Value> {
+pub async fn delete_for_me(state: &AppState, ctx: &AuthCtx, req: MessageDeleteReq) -> ApiResult<MessageDeleteOk> {
     check_ids(&req.conv, &req.message_id)?;
     let out = state.store.delete_for_me(&ctx.user, &req.conv, &req.message_id, now_ms()).await?;
     if let Some(hw) = out.written {
         state.hint_user(&ctx.user, hw);
     }
-    Ok(serde_json::json!({"conv": req.conv, "message_id": req.message_id}))
+    Ok(MessageDeleteOk { conv: req.conv, message_id: req.message_id })
 }
 
 pub async fn delivery_ack(state: &AppState, ctx: &AuthCtx, req: DeliveryAckReq) -> ApiResult<DeliveryAckOk> {
-    if req.message_ids.iter().any(|id| id.is_empty() || id.len() > 64) {
-        return Err(ApiError::bad_request("message ids must be 1..=64 bytes"));
+    if req.message_ids.iter().any(|id| id.is_empty() || id.len() > ID_BYTES_MAX) {
+        return Err(ApiError::bad_request(format!("message ids must be 1..={ID_BYTES_MAX} bytes")));
     }
     let recorded = state.store.record_delivery(&ctx.user, &ctx.device, req.message_ids, now_ms()).await?;
     Ok(DeliveryAckOk { recorded })

@@ -16,8 +16,8 @@ use crate::state::AppState;
 use crate::util::{new_id, now_ms};
 
 fn check_conv(conv: &str) -> ApiResult<()> {
-    if conv.is_empty() || conv.len() > 64 {
-        return Err(ApiError::bad_request("conv must be 1..=64 bytes"));
+    if conv.is_empty() || conv.len() > tidemark_proto::ID_BYTES_MAX {
+        return Err(ApiError::bad_request(format!("conv must be 1..={} bytes", tidemark_proto::ID_BYTES_MAX)));
     }
     Ok(())
 }

@@ -74,13 +74,13 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::RECALL => to_value(&control::recall(&state, &ctx, parse(body)?).await?),
         op::EDIT => to_value(&control::edit(&state, &ctx, parse(body)?).await?),
         op::REACT => to_value(&control::react(&state, &ctx, parse(body)?).await?),
-        op::MESSAGE_DELETE => control::delete_for_me(&state, &ctx, parse(body)?).await,
+        op::MESSAGE_DELETE => to_value(&control::delete_for_me(&state, &ctx, parse(body)?).await?),
         op::DELIVERY_ACK => to_value(&control::delivery_ack(&state, &ctx, parse(body)?).await?),
         op::SNAPSHOT_BEGIN => to_value(&snapshot::begin(&state, &ctx).await?),
         op::SNAPSHOT_PAGE => to_value(&snapshot::page(&state, &ctx, parse(body)?).await?),
         op::SNAPSHOT_ACK => to_value(&snapshot::ack(&state, &ctx, parse(body)?).await?),
         op::DEVICE_REVOKE => to_value(&device::revoke(&state, &ctx, parse(body)?).await?),
-        op::PING => Ok(serde_json::json!({})),
+        op::PING => to_value(&tidemark_proto::Empty {}),
         other => Err(ApiError::bad_request(format!("unknown operation {other:?}"))),
     }
 }

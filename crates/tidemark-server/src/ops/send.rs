@@ -2,7 +2,7 @@
 //! fact and its outbox record. The reply says "accepted", nothing more.
 
 use tidemark_core::ids;
-use tidemark_proto::{SendOk, SendReq, CONTENT_BYTES_MAX};
+use tidemark_proto::{SendOk, SendReq, CONTENT_BYTES_MAX, ID_BYTES_MAX};
 use tidemark_store::SendCmd;
 
 use super::AuthCtx;
@@ -12,8 +12,8 @@ use crate::state::AppState;
 use crate::util::{new_id, now_ms};
 
 pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<SendOk> {
-    if req.conv.is_empty() || req.conv.len() > 64 {
-        return Err(ApiError::bad_request("conv must be 1..=64 bytes"));
+    if req.conv.is_empty() || req.conv.len() > ID_BYTES_MAX {
+        return Err(ApiError::bad_request(format!("conv must be 1..={ID_BYTES_MAX} bytes")));
     }
     ids::check_client_msg_id(&req.client_msg_id).map_err(ApiError::bad_request)?;
     ids::check_kind(&req.kind).map_err(ApiError::bad_request)?;
@@ -21,7 +21,7 @@ pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Sen
     let quote_id = match req.content.get("quote") {
         None => None,
         Some(q) => match q.get("message_id").and_then(|v| v.as_str()) {
-            Some(id) if !id.is_empty() && id.len() <= 64 => Some(id.to_owned()),
+            Some(id) if !id.is_empty() && id.len() <= ID_BYTES_MAX => Some(id.to_owned()),
             _ => return Err(ApiError::bad_request("content.quote needs a message_id")),
         },
     };

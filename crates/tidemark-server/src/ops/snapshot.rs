@@ -8,12 +8,13 @@
 //! the digest, installs in one local transaction, then `snapshot.ack` moves
 //! the cursor to `S` by one CAS; incremental sync continues from `S`.
 
-use serde_json::{json, Value};
+use serde_json::Value;
 use sha2::Digest;
 use tidemark_core::cursor::{DeviceCursor, DeviceState};
 use tidemark_core::token::{SnapshotClaims, TokenError};
 use tidemark_proto::{
-    canonical_item, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotPageOk, SnapshotPageReq,
+    canonical_item, ConvSummary, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem,
+    SnapshotPageOk, SnapshotPageReq,
 };
 use tidemark_store::SnapshotConv;
 
@@ -32,10 +33,18 @@ fn items(view: Vec<SnapshotConv>) -> ApiResult<Vec<Value>> {
     let mut out = Vec::new();
     for c in view {
         let s = c.state;
-        out.push(json!({"type": "conv", "conv": s.conv, "kind": s.kind, "last_msg_seq": s.last_msg_seq,
-            "read_seq": s.read_seq, "unread": s.unread, "muted": s.muted, "pinned": s.pinned, "active": s.active}));
+        out.push(super::to_value(&SnapshotItem::Conv(ConvSummary {
+            conv: s.conv,
+            kind: s.kind,
+            last_msg_seq: s.last_msg_seq,
+            read_seq: s.read_seq,
+            unread: s.unread,
+            muted: s.muted,
+            pinned: s.pinned,
+            active: s.active,
+        }))?);
         for msg in c.messages {
-            out.push(json!({"type": "message", "message": envelope(msg)?}));
+            out.push(super::to_value(&SnapshotItem::Message { message: envelope(msg)? })?);
         }
     }
     Ok(out)
