@@ -128,6 +128,9 @@ async fn groups_are_created_changed_and_left_through_the_sdk() {
     cat.wait_for(WAIT, || async { Ok(cat.messages(&conv).await?.iter().any(|m| m.content["text"] == "g2")) })
         .await
         .unwrap();
+    // Devices that learned the group from sync know it is a group.
+    assert_eq!(ben.conversation(&conv).await.unwrap().unwrap().kind, "group");
+    assert_eq!(cat.conversation(&conv).await.unwrap().unwrap().kind, "group");
     let cat_history = cat.history(&conv, None, 50).await.unwrap();
     assert_eq!(cat_history.messages.iter().map(|m| m.content["text"].clone()).collect::<Vec<_>>(), vec![json!("g2")]);
     assert_eq!(refused(ben.remove_member(&conv, "cat").await), ErrorCode::Forbidden);

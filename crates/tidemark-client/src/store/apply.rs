@@ -475,6 +475,12 @@ pub(super) fn apply_envelope(
     if env.kind == "member.join" && env.content["user"].as_str() == Some(user) {
         cursor.start_at(env.msg_seq - 1);
     }
+    // Only groups have a creation event and membership events: a
+    // conversation first learned from one is a group, whatever was assumed.
+    if matches!(env.kind.as_str(), "conv.created" | "member.join" | "member.leave") {
+        tx.execute("UPDATE conversations SET kind = 'group' WHERE conv = ?1 AND kind <> 'group'", params![env.conv])
+            .map_err(StoreError::from)?;
+    }
     if (env.kind == "member.join" || env.kind == "member.leave") && env.content["user"].as_str() == Some(user) {
         tx.execute(
             "UPDATE conversations SET active = ?2 WHERE conv = ?1",
