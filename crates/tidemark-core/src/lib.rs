@@ -12,6 +12,7 @@ pub mod convsync;
 pub mod cursor;
 pub mod ids;
 pub mod membership;
+pub mod page;
 pub mod token;
 
 /// A per-conversation message sequence number (`msg_seq`), starting at 1.

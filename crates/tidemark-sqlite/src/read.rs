@@ -2,39 +2,81 @@
 //! Each read sees the last committed state; readers never block the writer.
 
 use std::rc::Rc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use rusqlite::types::Value;
 use rusqlite::vtab::array::Array;
 use rusqlite::{params, Connection, OptionalExtension};
 use tidemark_core::convsync::{ConvSnapshot, ConvSyncRefusal};
+use tidemark_core::cursor::{DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::page::{decide_page, PageQuery, SyncFacts};
 use tidemark_store::*;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::internal;
 
+/// The read-only connections and one permit per connection. A read holds
+/// its permit and its connection together in a [`Lease`], which gives the
+/// connection back when it is dropped: after the read, when the read
+/// panics (unwinding), and when the caller's future is cancelled while the
+/// read still runs on its blocking thread. So the pool never shrinks, and
+/// a permit always finds a connection.
 pub(crate) struct ReadPool {
-    pub(crate) conns: Mutex<Vec<Connection>>,
-    pub(crate) permits: Semaphore,
+    conns: Arc<Mutex<Vec<Connection>>>,
+    permits: Arc<Semaphore>,
+}
+
+/// One connection taken from the pool, with the permit that entitles to it.
+struct Lease {
+    conn: Option<Connection>,
+    pool: Arc<Mutex<Vec<Connection>>>,
+    /// Released after the connection is back (fields drop after `drop`).
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Lease {
+    fn conn(&self) -> &Connection {
+        self.conn.as_ref().expect("a lease holds its connection until dropped")
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // A read that ended inside its transaction (it panicked between
+            // BEGIN and COMMIT) must not hand its snapshot to the next one.
+            if !conn.is_autocommit() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            self.pool.lock().unwrap_or_else(PoisonError::into_inner).push(conn);
+        }
+    }
 }
 
 impl ReadPool {
+    pub(crate) fn new(conns: Vec<Connection>) -> ReadPool {
+        let permits = Arc::new(Semaphore::new(conns.len()));
+        ReadPool { conns: Arc::new(Mutex::new(conns)), permits }
+    }
+
     /// Runs `f` on a pooled read connection off the async threads.
     pub(crate) async fn read_store<T, F>(&self, f: F) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        let _permit = self.permits.acquire().await.map_err(|_| StoreError::Unavailable("read pool closed".into()))?;
-        let conn = self.conns.lock().expect("read pool lock").pop().expect("a permit guarantees a connection");
-        let (conn, result) = tokio::task::spawn_blocking(move || {
-            let r = f(&conn);
-            (conn, r)
-        })
-        .await
-        .map_err(|e| StoreError::Internal(format!("read task: {e}")))?;
-        self.conns.lock().expect("read pool lock").push(conn);
-        result
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| StoreError::Unavailable("read pool closed".into()))?;
+        let conn =
+            self.conns.lock().unwrap_or_else(PoisonError::into_inner).pop().expect("a permit guarantees a connection");
+        let lease = Lease { conn: Some(conn), pool: self.conns.clone(), _permit: permit };
+        tokio::task::spawn_blocking(move || f(lease.conn()))
+            .await
+            .map_err(|e| StoreError::Internal(format!("read task: {e}")))?
     }
 
     pub(crate) async fn read<T, F>(&self, f: F) -> StoreResult<T>
@@ -44,6 +86,71 @@ impl ReadPool {
     {
         self.read_store(move |c| f(c).map_err(internal)).await
     }
+}
+
+/// The facts a sync page is decided from, in one statement: the device's
+/// cursor, the user's log bounds, the device's open recovery session.
+pub(crate) fn sync_facts(c: &Connection, user: &str, device: &str) -> StoreResult<Option<SyncFacts>> {
+    let row = c
+        .prepare_cached(
+            "SELECT d.sync_generation, d.acked_sync_seq, d.state, h.high_watermark, h.trimmed_upto,
+                    s.session_id, s.resume_from, s.high_watermark, s.expires_at
+             FROM devices d
+             LEFT JOIN user_heads h ON h.user_id = d.user_id
+             LEFT JOIN recovery_sessions s ON s.user_id = d.user_id AND s.device_id = d.device_id AND s.state = 'ACTIVE'
+             WHERE d.user_id = ?1 AND d.device_id = ?2",
+        )
+        .map_err(internal)?
+        .query_row(params![user, device], |r| {
+            let session = match r.get::<_, Option<String>>(5)? {
+                None => None,
+                Some(session_id) => Some(RecoveryInfo {
+                    session_id,
+                    resume_from: r.get::<_, i64>(6)? as u64,
+                    high_watermark: r.get::<_, i64>(7)? as u64,
+                    expires_at_ms: r.get(8)?,
+                }),
+            };
+            let log = UserLog {
+                high_watermark: r.get::<_, Option<i64>>(3)?.unwrap_or(0) as u64,
+                trimmed_upto: r.get::<_, Option<i64>>(4)?.unwrap_or(0) as u64,
+            };
+            Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, String>(2)?, log, session))
+        })
+        .optional()
+        .map_err(internal)?;
+    let Some((generation, acked, state, log, session)) = row else {
+        return Ok(None);
+    };
+    let state = DeviceState::parse(&state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+    let device = DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state };
+    Ok(Some(SyncFacts { device, log, session }))
+}
+
+/// A sync page in one read transaction: the facts, the core's decision on
+/// them, and the range it names, all from the same snapshot (D2, D6, L2).
+pub(crate) fn sync_page(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    query: &PageQuery,
+    limit: u32,
+) -> StoreResult<Option<SyncRead>> {
+    c.prepare_cached("BEGIN").map_err(internal)?.execute([]).map_err(internal)?;
+    let result = (|| {
+        let Some(facts) = sync_facts(c, user, device)? else {
+            return Ok(None);
+        };
+        let decision = decide_page(&facts, query);
+        let events = match decision.range(&facts) {
+            Some((after, upto)) => user_events(c, user, after, upto, limit)?,
+            None => Vec::new(),
+        };
+        Ok(Some(SyncRead { facts, decision, events }))
+    })();
+    // Read-only: nothing to keep; end the snapshot either way.
+    c.prepare_cached("COMMIT").map_err(internal)?.execute([]).map_err(internal)?;
+    result
 }
 
 pub(crate) fn conversation(c: &Connection, conv: &str) -> StoreResult<Option<Conversation>> {
@@ -172,6 +279,13 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
             .map_err(internal)?;
     }
 
+    add_reactions(c, &mut d, ids)?;
+    d.apply(msgs);
+    Ok(())
+}
+
+/// The reactions of the messages `ids`, in one statement.
+fn add_reactions(c: &Connection, d: &mut Decorations, ids: Array) -> StoreResult<()> {
     let mut stmt = c
         .prepare_cached(
             "SELECT message_id, reaction, user_id FROM reactions WHERE message_id IN rarray(?1)
@@ -183,9 +297,17 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
         let (id, reaction, user) = row.map_err(internal)?;
         d.add_reaction(id, reaction, user);
     }
-    d.apply(msgs);
     Ok(())
 }
+
+/// The columns [`user_events`] reads after the event's and the message's:
+/// whether the reader deleted the message for itself, the state of the
+/// message it quotes, whether it has reactions. So a page is one statement
+/// (plus one for the reactions of the messages that have any), not one
+/// plus three batched rendering reads.
+const DECORATION_COLS: &str =
+    "EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = m.message_id),
+     q.state, EXISTS (SELECT 1 FROM reactions r WHERE r.message_id = m.message_id)";
 
 pub(crate) fn user_events(
     c: &Connection,
@@ -195,8 +317,9 @@ pub(crate) fn user_events(
     limit: u32,
 ) -> StoreResult<Vec<StoredEvent>> {
     let sql = format!(
-        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}
+        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}, {DECORATION_COLS}
          FROM user_events e LEFT JOIN messages m ON m.message_id = e.message_id
+         LEFT JOIN messages q ON q.message_id = m.quote_id
          WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3
          ORDER BY e.sync_seq LIMIT ?4"
     );
@@ -205,7 +328,12 @@ pub(crate) fn user_events(
         .query_map(params![user, after as i64, upto as i64, limit], |r| {
             let message = match r.get::<_, Option<String>>(5)? {
                 None => None,
-                Some(_) => Some(message_at(r, 5)?),
+                Some(_) => Some((
+                    message_at(r, 5)?,
+                    r.get::<_, bool>(15)?,
+                    r.get::<_, Option<String>>(16)?,
+                    r.get::<_, bool>(17)?,
+                )),
             };
             Ok((
                 StoredEvent {
@@ -222,15 +350,30 @@ pub(crate) fn user_events(
         .map_err(internal)?;
     let mut events = Vec::new();
     let mut messages = Vec::new();
+    let mut d = Decorations::default();
+    let mut reacted = Vec::new();
     for row in rows {
         let (e, m) = row.map_err(internal)?;
-        if let Some(m) = m {
+        if let Some((m, deleted, quote_state, has_reactions)) = m {
+            let id = &m.0.message_id;
+            if deleted {
+                d.deleted.insert(id.clone());
+            }
+            if let (Some(q), Some(state)) = (&m.1, quote_state) {
+                d.quote_states.insert(q.clone(), state);
+            }
+            if has_reactions {
+                reacted.push(Value::from(id.clone()));
+            }
             messages.push((events.len(), m));
         }
         events.push(e);
     }
+    if !reacted.is_empty() {
+        add_reactions(c, &mut d, Rc::new(reacted))?;
+    }
     let (at, mut rendered): (Vec<usize>, Vec<_>) = messages.into_iter().unzip();
-    decorate(c, user, &mut rendered)?;
+    d.apply(&mut rendered);
     for (i, (m, _)) in at.into_iter().zip(rendered) {
         events[i].message = Some(m);
     }
@@ -382,4 +525,69 @@ pub(crate) fn history(
     })();
     let _ = c.execute_batch("COMMIT");
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(n: usize) -> ReadPool {
+        ReadPool::new((0..n).map(|_| Connection::open_in_memory().expect("in-memory database")).collect())
+    }
+
+    fn one(c: &Connection) -> StoreResult<i64> {
+        c.query_row("SELECT 1", [], |r| r.get(0)).map_err(internal)
+    }
+
+    #[tokio::test]
+    async fn a_panicking_read_gives_its_connection_back() {
+        let pool = pool(2);
+        // More panics than connections: without the lease, each one loses
+        // a connection and the third read finds the pool empty.
+        for _ in 0..5 {
+            let r = pool.read_store(|_| -> StoreResult<()> { panic!("a read breaks an invariant") }).await;
+            assert!(matches!(r, Err(StoreError::Internal(_))), "a panicked read is an internal error: {r:?}");
+        }
+        assert_eq!(pool.conns.lock().unwrap().len(), 2, "every connection is back");
+        assert_eq!(pool.read_store(one).await, Ok(1));
+    }
+
+    #[tokio::test]
+    async fn a_read_that_panics_inside_its_transaction_leaves_none_open() {
+        let pool = pool(1);
+        let r = pool
+            .read_store(|c| -> StoreResult<()> {
+                c.execute_batch("BEGIN").map_err(internal)?;
+                one(c)?;
+                panic!("between BEGIN and COMMIT")
+            })
+            .await;
+        assert!(r.is_err());
+        let autocommit = pool.read_store(|c| Ok(c.is_autocommit())).await;
+        assert_eq!(autocommit, Ok(true), "the connection came back outside any transaction");
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_read_gives_its_connection_back_when_it_ends() {
+        let pool = Arc::new(pool(1));
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let p = pool.clone();
+        let task = tokio::spawn(async move {
+            p.read_store(move |c| {
+                started_tx.send(()).expect("test alive");
+                let _ = release_rx.recv();
+                one(c)
+            })
+            .await
+        });
+        tokio::task::spawn_blocking(move || started_rx.recv()).await.unwrap().expect("the read started");
+        // The caller gives up while the read still runs on its thread: the
+        // permit stays with the connection, so no one else can take it yet.
+        task.abort();
+        let _ = task.await;
+        assert!(pool.permits.available_permits() == 0, "the permit follows the running read");
+        release_tx.send(()).expect("read alive");
+        assert_eq!(pool.read_store(one).await, Ok(1), "the connection is back once the read ended");
+    }
 }

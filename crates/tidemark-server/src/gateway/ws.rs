@@ -139,11 +139,12 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
             None => return,
         },
     };
-    let acked = match state.store.device(&ctx.user, &ctx.device).await {
-        Ok(Some(d)) => d.cursor.acked_sync_seq,
-        _ => 0,
+    // The device's ACK and its user's head, in one statement, for the
+    // re-hint sweep (D8).
+    let (acked, user_hw) = match state.store.sync_facts(&ctx.user, &ctx.device).await {
+        Ok(Some(f)) => (f.device.acked_sync_seq, f.log.high_watermark),
+        _ => (0, 0),
     };
-    let user_hw = state.store.user_high_watermark(&ctx.user).await.unwrap_or(0);
     let entry = state.hub.register(&ctx.user, &ctx.device, acked, user_hw);
     tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket connected");
     let (out_tx, out_rx) = mpsc::channel::<String>(state.config.ws_send_queue_max);
