@@ -27,7 +27,6 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use serde_json::Value;
 use tidemark_proto::{op, reason, server_frame, split_frame, AuthOk, AuthReq, ErrorCode};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
@@ -77,9 +76,9 @@ fn error_text(e: ApiError, rid: Option<String>) -> String {
     serde_json::to_string(&e.into_frame(rid)).expect("error frames serialize")
 }
 
-fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<Value>) -> String {
+fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<tidemark_proto::RawJson>) -> String {
     match result {
-        Ok(v) => tidemark_proto::reply_frame(op, rid, v).to_string(),
+        Ok(v) => tidemark_proto::reply_frame_text(op, rid, &v),
         Err(e) => error_text(e, rid.map(str::to_owned)),
     }
 }

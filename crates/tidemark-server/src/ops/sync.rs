@@ -20,7 +20,7 @@ use tidemark_core::cursor::{
 use tidemark_core::page::{NextPage, PageDecision, PageQuery};
 use tidemark_core::token::{BatchClaims, TokenError};
 use tidemark_proto::{
-    AckOk, AckReq, ErrorCode, SyncOk, SyncReq, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX, SYNC_PAGE_BYTES_MAX,
+    AckOk, AckReq, ErrorCode, RawJson, SyncOk, SyncReq, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX, SYNC_PAGE_BYTES_MAX,
 };
 
 use tidemark_store::{StoredEvent, SyncRead};
@@ -39,7 +39,7 @@ fn token_error(e: TokenError) -> ApiError {
     ApiError::new(ErrorCode::TokenInvalid, format!("batch token refused: {e}"))
 }
 
-pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk> {
+pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk<RawJson>> {
     let limit = req.limit.unwrap_or(SYNC_LIMIT_DEFAULT);
     if limit == 0 || limit > SYNC_LIMIT_MAX {
         return Err(ApiError::bad_request(format!("limit must be 1..={SYNC_LIMIT_MAX}")));
@@ -156,7 +156,7 @@ fn first_page(
     events: Vec<StoredEvent>,
     limit: u32,
     now: i64,
-) -> ApiResult<SyncOk> {
+) -> ApiResult<SyncOk<RawJson>> {
     // resume_from is the server ACK (or a recovery start below it), which
     // never exceeds a watermark the server issued, and the watermark only
     // grows: assert it on this side of the store boundary rather than serve
@@ -183,7 +183,7 @@ async fn next_page(
     cursor: Option<String>,
     limit: u32,
     now: i64,
-) -> ApiResult<SyncOk> {
+) -> ApiResult<SyncOk<RawJson>> {
     let claims = state.keys.verify_batch(&token, &ctx.user, &ctx.device, now).map_err(token_error)?;
     let position = match cursor {
         Some(c) => state.keys.verify_cursor(&c, &token, &claims).map_err(token_error)?,
@@ -232,7 +232,7 @@ fn page(
     acked: u64,
     mut stored: Vec<StoredEvent>,
     limit: u32,
-) -> ApiResult<SyncOk> {
+) -> ApiResult<SyncOk<RawJson>> {
     let mut keep = stored.len().min(limit as usize);
     let mut bytes = 0usize;
     for (i, e) in stored.iter().take(keep).enumerate() {
