@@ -346,7 +346,7 @@ pub(crate) fn ack(
     now_ms: i64,
 ) -> R<AckResult> {
     let mut cursor = device_cursor(c, user, device)?;
-    let session = recovery_session(c, user, device)?;
+    let session = if cursor.state == DeviceState::Recovering { recovery_session(c, user, device)? } else { None };
     let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), seq, now_ms);
     match decision {
         AckDecision::Advance { to } => {

@@ -88,48 +88,134 @@ impl ReadPool {
     }
 }
 
+/// The columns of a sync page's facts, read by [`facts_at`].
+const FACTS_COLS: &str = "d.sync_generation, d.acked_sync_seq, d.state, h.high_watermark, h.trimmed_upto,
+     s.session_id, s.resume_from, s.high_watermark, s.expires_at";
+/// Columns of [`FACTS_COLS`].
+const FACTS_WIDTH: usize = 9;
+/// The device, its user's head and its open recovery session (at most one:
+/// `recovery_one_active`), all by primary or unique key.
+const FACTS_FROM: &str = "devices d
+     LEFT JOIN user_heads h ON h.user_id = d.user_id
+     LEFT JOIN recovery_sessions s ON s.user_id = d.user_id AND s.device_id = d.device_id AND s.state = 'ACTIVE'";
+
+/// The facts as read, before the device state is checked.
+type FactsRow = (i64, i64, String, UserLog, Option<RecoveryInfo>);
+
+fn facts_at(r: &rusqlite::Row) -> rusqlite::Result<FactsRow> {
+    let session = match r.get::<_, Option<String>>(5)? {
+        None => None,
+        Some(session_id) => Some(RecoveryInfo {
+            session_id,
+            resume_from: r.get::<_, i64>(6)? as u64,
+            high_watermark: r.get::<_, i64>(7)? as u64,
+            expires_at_ms: r.get(8)?,
+        }),
+    };
+    let log = UserLog {
+        high_watermark: r.get::<_, Option<i64>>(3)?.unwrap_or(0) as u64,
+        trimmed_upto: r.get::<_, Option<i64>>(4)?.unwrap_or(0) as u64,
+    };
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, log, session))
+}
+
+fn to_facts((generation, acked, state, log, session): FactsRow) -> StoreResult<SyncFacts> {
+    let state = DeviceState::parse(&state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+    let device = DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state };
+    Ok(SyncFacts { device, log, session })
+}
+
 /// The facts a sync page is decided from, in one statement: the device's
 /// cursor, the user's log bounds, the device's open recovery session.
 pub(crate) fn sync_facts(c: &Connection, user: &str, device: &str) -> StoreResult<Option<SyncFacts>> {
+    let sql = format!("SELECT {FACTS_COLS} FROM {FACTS_FROM} WHERE d.user_id = ?1 AND d.device_id = ?2");
     let row = c
-        .prepare_cached(
-            "SELECT d.sync_generation, d.acked_sync_seq, d.state, h.high_watermark, h.trimmed_upto,
-                    s.session_id, s.resume_from, s.high_watermark, s.expires_at
-             FROM devices d
-             LEFT JOIN user_heads h ON h.user_id = d.user_id
-             LEFT JOIN recovery_sessions s ON s.user_id = d.user_id AND s.device_id = d.device_id AND s.state = 'ACTIVE'
-             WHERE d.user_id = ?1 AND d.device_id = ?2",
-        )
+        .prepare_cached(&sql)
         .map_err(internal)?
-        .query_row(params![user, device], |r| {
-            let session = match r.get::<_, Option<String>>(5)? {
-                None => None,
-                Some(session_id) => Some(RecoveryInfo {
-                    session_id,
-                    resume_from: r.get::<_, i64>(6)? as u64,
-                    high_watermark: r.get::<_, i64>(7)? as u64,
-                    expires_at_ms: r.get(8)?,
-                }),
-            };
-            let log = UserLog {
-                high_watermark: r.get::<_, Option<i64>>(3)?.unwrap_or(0) as u64,
-                trimmed_upto: r.get::<_, Option<i64>>(4)?.unwrap_or(0) as u64,
-            };
-            Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, String>(2)?, log, session))
-        })
+        .query_row(params![user, device], facts_at)
         .optional()
         .map_err(internal)?;
-    let Some((generation, acked, state, log, session)) = row else {
-        return Ok(None);
-    };
-    let state = DeviceState::parse(&state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
-    let device = DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state };
-    Ok(Some(SyncFacts { device, log, session }))
+    row.map(to_facts).transpose()
 }
 
-/// A sync page in one read transaction: the facts, the core's decision on
-/// them, and the range it names, all from the same snapshot (D2, D6, L2).
+/// A sync page from one snapshot (D2, D6, L2). One statement is one
+/// snapshot in SQLite, so the page is first read as one statement: the
+/// facts joined with the range the decision most often names (a next
+/// page's own range; for a first page, the replay from the device's ACK to
+/// the head). If the core's decision on those facts names that range (or
+/// none) and no message of it has reactions to read, that is the page.
+/// Otherwise (a recovery's range, a rebuild from 0 after a reset, reactions)
+/// the facts, the decision and the range are read again in one read
+/// transaction ([`sync_page_in_transaction`]).
 pub(crate) fn sync_page(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    query: &PageQuery,
+    limit: u32,
+) -> StoreResult<Option<SyncRead>> {
+    let sql = page_sql(query);
+    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+    let read_row = |r: &rusqlite::Row| -> rusqlite::Result<(FactsRow, Option<EventRow>)> {
+        let event = match r.get::<_, Option<i64>>(FACTS_WIDTH)? {
+            None => None,
+            Some(_) => Some(event_at(r, FACTS_WIDTH)?),
+        };
+        Ok((facts_at(r)?, event))
+    };
+    let rows = match query {
+        PageQuery::Next { position, high_watermark, .. } => {
+            stmt.query_map(params![user, device, *position as i64, *high_watermark as i64, limit], read_row)
+        }
+        PageQuery::First { .. } => stmt.query_map(params![user, device, limit], read_row),
+    }
+    .map_err(internal)?;
+    let mut facts = None;
+    let mut events = Vec::new();
+    for row in rows {
+        let (f, e) = row.map_err(internal)?;
+        facts.get_or_insert(f);
+        events.extend(e);
+    }
+    let Some(facts) = facts.map(to_facts).transpose()? else {
+        return Ok(None);
+    };
+    let decision = decide_page(&facts, query);
+    let read = match query {
+        PageQuery::Next { position, high_watermark, .. } => (*position, *high_watermark),
+        PageQuery::First { .. } => (facts.device.acked_sync_seq, facts.log.high_watermark),
+    };
+    match decision.range(&facts) {
+        None => Ok(Some(SyncRead { facts, decision, events: Vec::new() })),
+        Some(range) if range == read && !events.iter().any(has_reactions) => {
+            let events = render_events(c, events, range.0, range.1)?;
+            Ok(Some(SyncRead { facts, decision, events }))
+        }
+        Some(_) => sync_page_in_transaction(c, user, device, query, limit),
+    }
+}
+
+/// The one statement of [`sync_page`]: the facts, and the entries of the
+/// range read with them, at most `limit` rows in `sync_seq` order off the
+/// `(user_id, sync_seq)` key (no sort, however long the range).
+fn page_sql(query: &PageQuery) -> String {
+    let (range, tail) = match query {
+        PageQuery::Next { .. } => ("e.sync_seq > ?3 AND e.sync_seq <= ?4", "LIMIT ?5"),
+        PageQuery::First { .. } => ("e.sync_seq > d.acked_sync_seq AND e.sync_seq <= h.high_watermark", "LIMIT ?3"),
+    };
+    format!(
+        "SELECT {FACTS_COLS}, {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS}
+         FROM {FACTS_FROM}
+         LEFT JOIN user_events e ON e.user_id = d.user_id AND {range}
+         {EVENT_JOINS}
+         WHERE d.user_id = ?1 AND d.device_id = ?2
+         ORDER BY e.sync_seq {tail}"
+    )
+}
+
+/// [`sync_page`] as a read transaction of several statements: the facts,
+/// the core's decision on them, and the range it names.
+fn sync_page_in_transaction(
     c: &Connection,
     user: &str,
     device: &str,
@@ -300,60 +386,55 @@ fn add_reactions(c: &Connection, d: &mut Decorations, ids: Array) -> StoreResult
     Ok(())
 }
 
-/// The columns [`user_events`] reads after the event's and the message's:
-/// whether the reader deleted the message for itself, the state of the
-/// message it quotes, whether it has reactions. So a page is one statement
-/// (plus one for the reactions of the messages that have any), not one
-/// plus three batched rendering reads.
+/// The columns of a user-log entry, read by [`event_at`] (its message's
+/// [`MSG_COLS`] follow).
+const EVENT_COLS: &str = "e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data";
+/// The message of an entry, and the message that one quotes.
+const EVENT_JOINS: &str = "LEFT JOIN messages m ON m.message_id = e.message_id
+     LEFT JOIN messages q ON q.message_id = m.quote_id";
+/// What rendering needs besides the message, read as columns of the same
+/// statement after [`EVENT_COLS`] and [`MSG_COLS`]: whether the reader (`?1`) deleted the
+/// message for itself, the state of the message it quotes, whether it has
+/// reactions. So a page is one statement (plus one for the reactions of
+/// the messages that have any), not one plus three batched rendering reads.
 const DECORATION_COLS: &str =
-    "EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = m.message_id),
+    "EXISTS (SELECT 1 FROM user_deleted x WHERE x.user_id = ?1 AND x.message_id = m.message_id),
      q.state, EXISTS (SELECT 1 FROM reactions r WHERE r.message_id = m.message_id)";
 
-pub(crate) fn user_events(
-    c: &Connection,
-    user: &str,
-    after: u64,
-    upto: u64,
-    limit: u32,
-) -> StoreResult<Vec<StoredEvent>> {
-    let sql = format!(
-        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}, {DECORATION_COLS}
-         FROM user_events e LEFT JOIN messages m ON m.message_id = e.message_id
-         LEFT JOIN messages q ON q.message_id = m.quote_id
-         WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3
-         ORDER BY e.sync_seq LIMIT ?4"
-    );
-    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
-    let rows = stmt
-        .query_map(params![user, after as i64, upto as i64, limit], |r| {
-            let message = match r.get::<_, Option<String>>(5)? {
-                None => None,
-                Some(_) => Some((
-                    message_at(r, 5)?,
-                    r.get::<_, bool>(15)?,
-                    r.get::<_, Option<String>>(16)?,
-                    r.get::<_, bool>(17)?,
-                )),
-            };
-            Ok((
-                StoredEvent {
-                    sync_seq: r.get::<_, i64>(0)? as u64,
-                    kind: r.get(1)?,
-                    conv: r.get(2)?,
-                    msg_seq: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
-                    message: None,
-                    data: r.get(4)?,
-                },
-                message,
-            ))
-        })
-        .map_err(internal)?;
-    let mut events = Vec::new();
+/// A user-log entry and, for a conversation event, its message (with its
+/// quote id) and the decoration columns: deleted, quote state, reacted.
+type EventRow = (StoredEvent, Option<((StoredMessage, Option<String>), bool, Option<String>, bool)>);
+
+/// Reads [`EVENT_COLS`], [`MSG_COLS`] and [`DECORATION_COLS`] starting at
+/// column `at`.
+fn event_at(r: &rusqlite::Row, at: usize) -> rusqlite::Result<EventRow> {
+    let message = match r.get::<_, Option<String>>(at + 5)? {
+        None => None,
+        Some(_) => Some((message_at(r, at + 5)?, r.get(at + 15)?, r.get(at + 16)?, r.get(at + 17)?)),
+    };
+    let event = StoredEvent {
+        sync_seq: r.get::<_, i64>(at)? as u64,
+        kind: r.get(at + 1)?,
+        conv: r.get(at + 2)?,
+        msg_seq: r.get::<_, Option<i64>>(at + 3)?.map(|v| v as u64),
+        message: None,
+        data: r.get(at + 4)?,
+    };
+    Ok((event, message))
+}
+
+fn has_reactions(row: &EventRow) -> bool {
+    row.1.as_ref().is_some_and(|m| m.3)
+}
+
+/// Renders a page's entries for their reader (the decoration columns were
+/// read for it; the reactions of the messages that have any are read here) and checks it is the range asked for.
+fn render_events(c: &Connection, rows: Vec<EventRow>, after: u64, upto: u64) -> StoreResult<Vec<StoredEvent>> {
+    let mut events = Vec::with_capacity(rows.len());
     let mut messages = Vec::new();
     let mut d = Decorations::default();
     let mut reacted = Vec::new();
-    for row in rows {
-        let (e, m) = row.map_err(internal)?;
+    for (e, m) in rows {
         if let Some((m, deleted, quote_state, has_reactions)) = m {
             let id = &m.0.message_id;
             if deleted {
@@ -385,6 +466,28 @@ pub(crate) fn user_events(
         prev = e.sync_seq;
     }
     Ok(events)
+}
+
+pub(crate) fn user_events(
+    c: &Connection,
+    user: &str,
+    after: u64,
+    upto: u64,
+    limit: u32,
+) -> StoreResult<Vec<StoredEvent>> {
+    let sql = format!(
+        "SELECT {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS}
+         FROM user_events e {EVENT_JOINS}
+         WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3
+         ORDER BY e.sync_seq LIMIT ?4"
+    );
+    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+    let rows = stmt
+        .query_map(params![user, after as i64, upto as i64, limit], |r| event_at(r, 0))
+        .map_err(internal)?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .map_err(internal)?;
+    render_events(c, rows, after, upto)
 }
 
 /// The reader's membership periods cover `m.msg_seq` (G1).
@@ -537,6 +640,30 @@ mod tests {
 
     fn one(c: &Connection) -> StoreResult<i64> {
         c.query_row("SELECT 1", [], |r| r.get(0)).map_err(internal)
+    }
+
+    /// The one-statement page walks the user log's key in order and stops
+    /// at the limit: no sort of the whole range, however far behind.
+    #[test]
+    fn the_page_statement_reads_the_log_in_key_order() {
+        use tidemark_core::cursor::{ClientPosition, RecoveryPolicy};
+        let dir = tempfile::tempdir().unwrap();
+        let c = Connection::open(dir.path().join("t.db")).unwrap();
+        crate::schema::migrate(&c).unwrap();
+        let first =
+            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy { max_gap: 0 }, now_ms: 0 };
+        let next = PageQuery::Next { generation: 1, position: 0, high_watermark: 9, recovery_session: None, now_ms: 0 };
+        for q in [first, next] {
+            let mut stmt = c.prepare(&format!("EXPLAIN QUERY PLAN {}", page_sql(&q))).unwrap();
+            let unbound = vec![Value::Null; stmt.parameter_count()];
+            let plan: Vec<String> = stmt
+                .query_map(rusqlite::params_from_iter(unbound), |r| r.get::<_, String>(3))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap();
+            assert!(!plan.iter().any(|p| p.contains("TEMP B-TREE")), "{q:?}: {plan:#?}");
+            assert!(plan.iter().any(|p| p.contains("SEARCH e USING PRIMARY KEY")), "{q:?}: {plan:#?}");
+        }
     }
 
     #[tokio::test]
