@@ -16,6 +16,7 @@ pub mod cursor;
 pub mod ids;
 pub mod kinds;
 pub mod membership;
+pub mod page;
 pub mod projection;
 pub mod retention;
 pub mod snapshot;

@@ -95,6 +95,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod, Runtime};
 use tidemark_core::cursor::{decide_cas, CasDecision, DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::page::{PageQuery, SyncFacts};
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
 
@@ -747,6 +748,18 @@ impl Store for PgStore {
                 Box::pin(async move { lifecycle::begin_recovery(c, &user, &device, expected, &session, now_ms).await })
             })
             .await
+    }
+
+    async fn sync_page(&self, user: &str, device: &str, query: PageQuery, limit: u32) -> StoreResult<Option<SyncRead>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers
+            .snapshot(move |c| Box::pin(async move { read::sync_page(c, &user, &device, &query, limit).await }))
+            .await
+    }
+
+    async fn sync_facts(&self, user: &str, device: &str) -> StoreResult<Option<SyncFacts>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read(move |c| Box::pin(async move { read::sync_facts(c, &user, &device).await })).await
     }
 
     async fn recovery_session(&self, user: &str, device: &str) -> StoreResult<Option<RecoveryInfo>> {

@@ -4,14 +4,19 @@
 //! A read that takes more than one statement (`conv.sync`, `history`, a
 //! user-log page with its messages, a conversation with its members) runs
 //! in one `REPEATABLE READ READ ONLY` transaction, so every statement sees
-//! the same snapshot (C1); a single-statement read needs none. Readers
+//! the same snapshot (C1); a single-statement read needs none. A sync page
+//! reads its facts (device, log bounds, recovery session) and its events
+//! in one such transaction, so its trim check and its read agree. Readers
 //! never take locks and never wait for the writer. Messages are rendered
 //! per reader (deleted-for-me, quote state, reactions) in three set-based
-//! statements per page rather than three per message. This module never
-//! writes.
+//! statements per page rather than three per message; a user-log page
+//! reads the first two as columns of its range read and the reactions
+//! only of messages that have any. This module never writes.
 
 use deadpool_postgres::{Object, Pool};
 use tidemark_core::convsync::{ConvSnapshot, ConvSyncRefusal};
+use tidemark_core::cursor::{DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::page::{decide_page, PageQuery, SyncFacts};
 use tidemark_store::*;
 use tokio_postgres::Row;
 
@@ -197,6 +202,13 @@ pub(crate) async fn decorate(c: &Conn, reader: &str, msgs: &mut [(StoredMessage,
     }
 
     let convs: Vec<String> = msgs.iter().map(|(m, _)| m.conv.clone()).collect();
+    add_reactions(c, &mut d, &convs, &ids).await?;
+    d.apply(msgs);
+    Ok(())
+}
+
+/// The reactions of the messages `(convs[i], ids[i])`, in one statement.
+async fn add_reactions(c: &Conn, d: &mut Decorations, convs: &[String], ids: &[String]) -> R<()> {
     let rows = query(
         c,
         "SELECT message_id, reaction, user_id FROM reactions
@@ -208,20 +220,81 @@ pub(crate) async fn decorate(c: &Conn, reader: &str, msgs: &mut [(StoredMessage,
     for r in &rows {
         d.add_reaction(col(r, 0)?, col(r, 1)?, col(r, 2)?);
     }
-    d.apply(msgs);
     Ok(())
 }
 
+/// The facts a sync page is decided from, in one statement: the device's
+/// cursor, the user's log bounds, the device's open recovery session.
+pub(crate) async fn sync_facts(c: &Conn, user: &str, device: &str) -> R<Option<SyncFacts>> {
+    let row = query_opt(
+        c,
+        "SELECT d.sync_generation, d.acked_sync_seq, d.state, h.high_watermark, h.trimmed_upto,
+                s.session_id, s.resume_from, s.high_watermark, s.expires_at
+         FROM devices d
+         LEFT JOIN user_heads h ON h.user_id = d.user_id
+         LEFT JOIN recovery_sessions s ON s.user_id = d.user_id AND s.device_id = d.device_id AND s.state = 'ACTIVE'
+         WHERE d.user_id = $1 AND d.device_id = $2",
+        &[&user, &device],
+    )
+    .await?;
+    let Some(r) = row else { return Ok(None) };
+    let state: String = col(&r, 2)?;
+    let state = DeviceState::parse(&state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+    let device = DeviceCursor { generation: seq(&r, 0)?, acked_sync_seq: seq(&r, 1)?, state };
+    let log = UserLog { high_watermark: seq_opt(&r, 3)?.unwrap_or(0), trimmed_upto: seq_opt(&r, 4)?.unwrap_or(0) };
+    let session = match col::<Option<String>>(&r, 5)? {
+        None => None,
+        Some(session_id) => Some(RecoveryInfo {
+            session_id,
+            resume_from: seq(&r, 6)?,
+            high_watermark: seq(&r, 7)?,
+            expires_at_ms: col(&r, 8)?,
+        }),
+    };
+    Ok(Some(SyncFacts { device, log, session }))
+}
+
+/// A sync page: the facts, the core's decision on them, and the range it
+/// names. The caller runs it in one snapshot (D2, D6, L2).
+pub(crate) async fn sync_page(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    query: &PageQuery,
+    limit: u32,
+) -> R<Option<SyncRead>> {
+    let Some(facts) = sync_facts(c, user, device).await? else {
+        return Ok(None);
+    };
+    let decision = decide_page(&facts, query);
+    let events = match decision.range(&facts) {
+        Some((after, upto)) => user_events(c, user, after, upto, limit).await?,
+        None => Vec::new(),
+    };
+    Ok(Some(SyncRead { facts, decision, events }))
+}
+
+/// The columns [`user_events`] reads after the event's and the message's:
+/// whether the reader deleted the message for itself, the state of the
+/// message it quotes, whether it has reactions. So a page is one statement
+/// (plus one for the reactions of the messages that have any).
+const DECORATION_COLS: &str =
+    "EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = m.message_id),
+     q.state, EXISTS (SELECT 1 FROM reactions r WHERE r.conv_id = m.conv_id AND r.message_id = m.message_id)";
+
 pub(crate) async fn user_events(c: &Conn, user: &str, after: u64, upto: u64, limit: u32) -> R<Vec<StoredEvent>> {
     let sql = format!(
-        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}
+        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}, {DECORATION_COLS}
          FROM user_events e LEFT JOIN messages m ON m.conv_id = e.conv_id AND m.message_id = e.message_id
+         LEFT JOIN messages q ON q.message_id = m.quote_id
          WHERE e.user_id = $1 AND e.sync_seq > $2 AND e.sync_seq <= $3
          ORDER BY e.sync_seq LIMIT $4"
     );
     let rows = query(c, &sql, &[&user, &big(after), &big(upto), &i64::from(limit)]).await?;
     let mut events = Vec::with_capacity(rows.len());
     let mut messages = Vec::new();
+    let mut d = Decorations::default();
+    let (mut reacted_convs, mut reacted) = (Vec::new(), Vec::new());
     for r in &rows {
         let event = StoredEvent {
             sync_seq: seq(r, 0)?,
@@ -232,12 +305,26 @@ pub(crate) async fn user_events(c: &Conn, user: &str, after: u64, upto: u64, lim
             data: col(r, 4)?,
         };
         if col::<Option<String>>(r, 5)?.is_some() {
-            messages.push((events.len(), message_at(r, 5)?));
+            let m = message_at(r, 5)?;
+            if col::<bool>(r, 15)? {
+                d.deleted.insert(m.0.message_id.clone());
+            }
+            if let (Some(q), Some(state)) = (&m.1, col::<Option<String>>(r, 16)?) {
+                d.quote_states.insert(q.clone(), state);
+            }
+            if col::<bool>(r, 17)? {
+                reacted_convs.push(m.0.conv.clone());
+                reacted.push(m.0.message_id.clone());
+            }
+            messages.push((events.len(), m));
         }
         events.push(event);
     }
+    if !reacted.is_empty() {
+        add_reactions(c, &mut d, &reacted_convs, &reacted).await?;
+    }
     let (slots, mut rendered): (Vec<usize>, Vec<_>) = messages.into_iter().unzip();
-    decorate(c, user, &mut rendered).await?;
+    d.apply(&mut rendered);
     for (slot, (m, _)) in slots.into_iter().zip(rendered) {
         events[slot].message = Some(m);
     }

@@ -11,6 +11,7 @@
 //! framing so that both transports share one handler per operation.
 
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 pub mod content;
@@ -159,6 +160,40 @@ pub fn reply_frame(op: &str, rid: Option<&str>, reply: Value) -> Value {
     }
     Value::Object(map)
 }
+
+/// [`reply_frame`] on a reply already serialized: the reply's text is
+/// spliced in verbatim (JSON text stored by the server goes to the wire
+/// without being parsed and re-serialised), `t` and `rid` first.
+pub fn reply_frame_text(op: &str, rid: Option<&str>, reply: &RawValue) -> String {
+    let body = reply.get().trim();
+    let mut out = String::with_capacity(body.len() + op.len() + rid.map_or(0, str::len) + 24);
+    out.push_str("{\"t\":");
+    out.push_str(&Value::String(format!("{op}.ok")).to_string());
+    if let Some(rid) = rid {
+        out.push_str(",\"rid\":");
+        out.push_str(&Value::String(rid.to_owned()).to_string());
+    }
+    match body.strip_prefix('{').and_then(|b| b.strip_suffix('}')).map(str::trim) {
+        Some("") => {}
+        Some(fields) => {
+            out.push(',');
+            out.push_str(fields);
+        }
+        None if body == "null" => {}
+        None => {
+            out.push_str(",\"value\":");
+            out.push_str(body);
+        }
+    }
+    out.push('}');
+    out
+}
+
+/// JSON text as the server stored it, put on the wire verbatim (never
+/// parsed into a [`Value`] and serialised again): the `C` of the server's
+/// [`SyncOk`], [`UserEvent`] and [`Envelope`]. Readers use the default,
+/// `Value`; both have the same JSON.
+pub type RawJson = Box<RawValue>;
 
 // ---------------------------------------------------------------- accounts
 
@@ -651,23 +686,27 @@ pub struct SyncReq {
     pub cursor: Option<String>,
 }
 
+/// A sync page. `C` is how JSON payloads are held: `Value` for readers,
+/// [`RawJson`] where the server splices stored text in verbatim.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct SyncOk {
+#[serde(bound(deserialize = "C: Deserialize<'de>"))]
+pub struct SyncOk<C = Value> {
     pub sync_generation: u64,
     pub resume_from: u64,
     pub batch_high_watermark: u64,
     pub server_acked_sync_seq: u64,
-    pub events: Vec<UserEvent>,
+    pub events: Vec<UserEvent<C>>,
     pub next_cursor: Option<String>,
     pub has_more: bool,
     pub batch_token: String,
 }
 
-/// One entry of a user's sync log.
+/// One entry of a user's sync log (`C`: see [`SyncOk`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct UserEvent {
+#[serde(bound(deserialize = "C: Deserialize<'de>"))]
+pub struct UserEvent<C = Value> {
     pub sync_seq: u64,
     /// `message`, `membership`, `recall`, `edit`, `reaction` (conversation
     /// events, with `message`), `read`, `settings`, `delete` (per-user
@@ -677,17 +716,18 @@ pub struct UserEvent {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub msg_seq: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub message: Option<Envelope>,
+    pub message: Option<Envelope<C>>,
     /// The payload of per-user events (`read`, `settings`, `delete`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
-    pub data: Option<Value>,
+    pub data: Option<C>,
 }
 
-/// The unified message envelope (C4).
+/// The unified message envelope (C4; `C`: see [`SyncOk`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
-pub struct Envelope {
+#[serde(bound(deserialize = "C: Deserialize<'de>"))]
+pub struct Envelope<C = Value> {
     pub message_id: String,
     pub conv: String,
     pub msg_seq: u64,
@@ -697,7 +737,7 @@ pub struct Envelope {
     pub state: String,
     pub sender: String,
     #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
-    pub content: Value,
+    pub content: C,
     pub created_at: i64,
     /// Bumped by every edit, reaction and recall: apply an event only if
     /// its version is higher than the one you hold (E2).
@@ -856,6 +896,70 @@ mod tests {
         let ok = MessageDeleteOk { conv: "c1".into(), message_id: "m1".into() };
         assert_eq!(serde_json::to_value(ok).unwrap(), serde_json::json!({"conv": "c1", "message_id": "m1"}));
         assert_eq!(serde_json::to_string(&Empty {}).unwrap(), "{}");
+    }
+
+    #[test]
+    fn reply_frame_text_is_reply_frame_spliced() {
+        let cases = [
+            (Some("r9"), serde_json::json!({"acked_sync_seq": 3, "x": {"y": [1, "two"]}})),
+            (None, serde_json::json!({"acked_sync_seq": 3})),
+            (Some("r\"1"), serde_json::json!({})),
+            (Some("r2"), Value::Null),
+            (Some("r3"), serde_json::json!([1, 2])),
+        ];
+        for (rid, reply) in cases {
+            let raw = serde_json::value::to_raw_value(&reply).unwrap();
+            let text = reply_frame_text("ack", rid, &raw);
+            let parsed: Value = serde_json::from_str(&text).unwrap();
+            assert_eq!(parsed, reply_frame("ack", rid, reply.clone()), "{text}");
+        }
+    }
+
+    /// Stored JSON spliced in verbatim is the same JSON the parsed shape
+    /// gives, and readers parse it back into the default shape.
+    #[test]
+    fn raw_and_parsed_events_are_the_same_json() {
+        fn env<C>(content: C) -> Envelope<C> {
+            Envelope {
+                message_id: "m1".into(),
+                conv: "c1".into(),
+                msg_seq: 7,
+                kind: "text".into(),
+                state: "normal".into(),
+                sender: "ann".into(),
+                content,
+                created_at: 5,
+                version: 2,
+                reactions: [("+1".to_owned(), vec!["ben".to_owned()])].into(),
+            }
+        }
+        fn ev<C>(message: Option<Envelope<C>>, data: Option<C>) -> UserEvent<C> {
+            UserEvent { sync_seq: 3, kind: "message".into(), conv: "c1".into(), msg_seq: Some(7), message, data }
+        }
+        fn page<C>(events: Vec<UserEvent<C>>) -> SyncOk<C> {
+            SyncOk {
+                sync_generation: 1,
+                resume_from: 0,
+                batch_high_watermark: 9,
+                server_acked_sync_seq: 0,
+                events,
+                next_cursor: None,
+                has_more: false,
+                batch_token: "b".into(),
+            }
+        }
+        let content = r#"{"text":"hi \u00e9","quote":{"message_id":"m0"},"n":[1,2.5,null]}"#;
+        let raw = RawValue::from_string(content.to_owned()).unwrap();
+        let data = RawValue::from_string(r#"{"read_seq":3}"#.to_owned()).unwrap();
+        let raw_page: SyncOk<RawJson> = page(vec![ev(Some(env(raw)), None), ev(None, Some(data))]);
+        let parsed: Value = serde_json::from_str(content).unwrap();
+        let value_page: SyncOk =
+            page(vec![ev(Some(env(parsed)), None), ev(None, Some(serde_json::json!({"read_seq": 3})))]);
+        let raw_text = serde_json::to_string(&raw_page).unwrap();
+        assert!(raw_text.contains(content), "the stored text is spliced in verbatim: {raw_text}");
+        assert_eq!(serde_json::from_str::<Value>(&raw_text).unwrap(), serde_json::to_value(&value_page).unwrap());
+        let back: SyncOk = serde_json::from_str(&raw_text).unwrap();
+        assert_eq!(back.events, value_page.events);
     }
 
     #[test]

@@ -31,10 +31,10 @@ use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tidemark_core::control;
 use tidemark_core::cursor::{self, CasDecision, DeviceCursor, DeviceState};
 use tidemark_core::membership::{control_recipients, recipients_at, Period};
+use tidemark_core::page::{PageQuery, SyncFacts};
 use tidemark_core::projection;
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
-use tokio::sync::Semaphore;
 
 use read::ReadPool;
 use writer::Writer;
@@ -128,7 +128,7 @@ impl SqliteStore {
         let (writer, handle) = Writer::start(conn);
         Ok(Arc::new(SqliteStore {
             writer,
-            readers: ReadPool { conns: Mutex::new(readers), permits: Semaphore::new(READERS_MAX) },
+            readers: ReadPool::new(readers),
             path,
             writer_thread: Mutex::new(Some(handle)),
         }))
@@ -761,6 +761,16 @@ impl Store for SqliteStore {
     ) -> StoreResult<Vec<StoredEvent>> {
         let user = user.to_owned();
         self.readers.read_store(move |c| read::user_events(c, &user, after, upto, limit)).await
+    }
+
+    async fn sync_page(&self, user: &str, device: &str, query: PageQuery, limit: u32) -> StoreResult<Option<SyncRead>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read_store(move |c| read::sync_page(c, &user, &device, &query, limit)).await
+    }
+
+    async fn sync_facts(&self, user: &str, device: &str) -> StoreResult<Option<SyncFacts>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read_store(move |c| read::sync_facts(c, &user, &device)).await
     }
 
     async fn cas_device_cursor(

@@ -7,7 +7,7 @@
 //! is read, which the per-conversation message bound keeps short.
 
 use rusqlite::{params, Connection, OptionalExtension};
-use tidemark_core::cursor::{self, decide_ack_with, AckDecision, CasDecision, DeviceCursor, RecoveryInfo};
+use tidemark_core::cursor::{self, decide_ack_with, AckDecision, CasDecision, DeviceCursor, DeviceState, RecoveryInfo};
 use tidemark_core::retention::{self, Fences};
 use tidemark_core::snapshot::{self, Install};
 use tidemark_store::*;
@@ -325,7 +325,7 @@ pub(crate) fn ack(
     now_ms: i64,
 ) -> R<AckResult> {
     let cursor = device_cursor(c, user, device)?;
-    let session = recovery_session(c, user, device)?;
+    let session = if cursor.state == DeviceState::Recovering { recovery_session(c, user, device)? } else { None };
     let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), seq, now_ms);
     let Some(after) = cursor::cursor_after_ack(cursor, decision) else {
         return Ok(AckResult { decision, cursor });

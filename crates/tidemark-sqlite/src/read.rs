@@ -1,40 +1,89 @@
 //! Reads: a small pool of read-only connections used from blocking tasks.
 //! Each read sees the last committed state; readers never block the writer.
+//!
+//! Every `LIMIT` here is written `LIMIT ?n + 0`, not `LIMIT ?n`: SQLite's
+//! planner reads the value bound to a bare `LIMIT ?n` and marks the prepared
+//! statement stale whenever that parameter is bound again, so a cached
+//! statement was compiled anew on every execution (a tenth of the server's
+//! CPU in `bench reconnect`). An expression is not looked into; the plans
+//! are the same (*tests::cached_reads_are_not_compiled_again*).
 
 use std::rc::Rc;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use rusqlite::types::Value;
 use rusqlite::vtab::array::Array;
 use rusqlite::{params, Connection, OptionalExtension};
 use tidemark_core::convsync::{ConvSnapshot, ConvSyncRefusal};
+use tidemark_core::cursor::{DeviceCursor, DeviceState, RecoveryInfo, UserLog};
+use tidemark_core::page::{decide_page, PageQuery, SyncFacts};
 use tidemark_store::*;
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::internal;
 
+/// The read-only connections and one permit per connection. A read holds
+/// its permit and its connection together in a [`Lease`], which gives the
+/// connection back when it is dropped: after the read, when the read
+/// panics (unwinding), and when the caller's future is cancelled while the
+/// read still runs on its blocking thread. So the pool never shrinks, and
+/// a permit always finds a connection.
 pub(crate) struct ReadPool {
-    pub(crate) conns: Mutex<Vec<Connection>>,
-    pub(crate) permits: Semaphore,
+    conns: Arc<Mutex<Vec<Connection>>>,
+    permits: Arc<Semaphore>,
+}
+
+/// One connection taken from the pool, with the permit that entitles to it.
+struct Lease {
+    conn: Option<Connection>,
+    pool: Arc<Mutex<Vec<Connection>>>,
+    /// Released after the connection is back (fields drop after `drop`).
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Lease {
+    fn conn(&self) -> &Connection {
+        self.conn.as_ref().expect("a lease holds its connection until dropped")
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // A read that ended inside its transaction (it panicked between
+            // BEGIN and COMMIT) must not hand its snapshot to the next one.
+            if !conn.is_autocommit() {
+                let _ = conn.execute_batch("ROLLBACK");
+            }
+            self.pool.lock().unwrap_or_else(PoisonError::into_inner).push(conn);
+        }
+    }
 }
 
 impl ReadPool {
+    pub(crate) fn new(conns: Vec<Connection>) -> ReadPool {
+        let permits = Arc::new(Semaphore::new(conns.len()));
+        ReadPool { conns: Arc::new(Mutex::new(conns)), permits }
+    }
+
     /// Runs `f` on a pooled read connection off the async threads.
     pub(crate) async fn read_store<T, F>(&self, f: F) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        let _permit = self.permits.acquire().await.map_err(|_| StoreError::Unavailable("read pool closed".into()))?;
-        let conn = self.conns.lock().expect("read pool lock").pop().expect("a permit guarantees a connection");
-        let (conn, result) = tokio::task::spawn_blocking(move || {
-            let r = f(&conn);
-            (conn, r)
-        })
-        .await
-        .map_err(|e| StoreError::Internal(format!("read task: {e}")))?;
-        self.conns.lock().expect("read pool lock").push(conn);
-        result
+        let permit = self
+            .permits
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| StoreError::Unavailable("read pool closed".into()))?;
+        let conn =
+            self.conns.lock().unwrap_or_else(PoisonError::into_inner).pop().expect("a permit guarantees a connection");
+        let lease = Lease { conn: Some(conn), pool: self.conns.clone(), _permit: permit };
+        tokio::task::spawn_blocking(move || f(lease.conn()))
+            .await
+            .map_err(|e| StoreError::Internal(format!("read task: {e}")))?
     }
 
     pub(crate) async fn read<T, F>(&self, f: F) -> StoreResult<T>
@@ -44,6 +93,157 @@ impl ReadPool {
     {
         self.read_store(move |c| f(c).map_err(internal)).await
     }
+}
+
+/// The columns of a sync page's facts, read by [`facts_at`].
+const FACTS_COLS: &str = "d.sync_generation, d.acked_sync_seq, d.state, h.high_watermark, h.trimmed_upto,
+     s.session_id, s.resume_from, s.high_watermark, s.expires_at";
+/// Columns of [`FACTS_COLS`].
+const FACTS_WIDTH: usize = 9;
+/// The device, its user's head and its open recovery session (at most one:
+/// `recovery_one_active`), all by primary or unique key.
+const FACTS_FROM: &str = "devices d
+     LEFT JOIN user_heads h ON h.user_id = d.user_id
+     LEFT JOIN recovery_sessions s ON s.user_id = d.user_id AND s.device_id = d.device_id AND s.state = 'ACTIVE'";
+
+/// The facts as read, before the device state is checked.
+type FactsRow = (i64, i64, String, UserLog, Option<RecoveryInfo>);
+
+fn facts_at(r: &rusqlite::Row) -> rusqlite::Result<FactsRow> {
+    let session = match r.get::<_, Option<String>>(5)? {
+        None => None,
+        Some(session_id) => Some(RecoveryInfo {
+            session_id,
+            resume_from: r.get::<_, i64>(6)? as u64,
+            high_watermark: r.get::<_, i64>(7)? as u64,
+            expires_at_ms: r.get(8)?,
+        }),
+    };
+    let log = UserLog {
+        high_watermark: r.get::<_, Option<i64>>(3)?.unwrap_or(0) as u64,
+        trimmed_upto: r.get::<_, Option<i64>>(4)?.unwrap_or(0) as u64,
+    };
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, log, session))
+}
+
+fn to_facts((generation, acked, state, log, session): FactsRow) -> StoreResult<SyncFacts> {
+    let state = DeviceState::parse(&state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+    let device = DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state };
+    Ok(SyncFacts { device, log, session })
+}
+
+/// The facts a sync page is decided from, in one statement: the device's
+/// cursor, the user's log bounds, the device's open recovery session.
+pub(crate) fn sync_facts(c: &Connection, user: &str, device: &str) -> StoreResult<Option<SyncFacts>> {
+    let sql = format!("SELECT {FACTS_COLS} FROM {FACTS_FROM} WHERE d.user_id = ?1 AND d.device_id = ?2");
+    let row = c
+        .prepare_cached(&sql)
+        .map_err(internal)?
+        .query_row(params![user, device], facts_at)
+        .optional()
+        .map_err(internal)?;
+    row.map(to_facts).transpose()
+}
+
+/// A sync page from one snapshot (D2, D6, L2). One statement is one
+/// snapshot in SQLite, so the page is first read as one statement: the
+/// facts joined with the range the decision most often names (a next
+/// page's own range; for a first page, the replay from the device's ACK to
+/// the head). If the core's decision on those facts names that range (or
+/// none) and no message of it has reactions to read, that is the page.
+/// Otherwise (a recovery's range, a rebuild from 0 after a reset, reactions)
+/// the facts, the decision and the range are read again in one read
+/// transaction ([`sync_page_in_transaction`]).
+pub(crate) fn sync_page(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    query: &PageQuery,
+    limit: u32,
+) -> StoreResult<Option<SyncRead>> {
+    let sql = page_sql(query);
+    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+    let read_row = |r: &rusqlite::Row| -> rusqlite::Result<(FactsRow, Option<EventRow>)> {
+        let event = match r.get::<_, Option<i64>>(FACTS_WIDTH)? {
+            None => None,
+            Some(_) => Some(event_at(r, FACTS_WIDTH)?),
+        };
+        Ok((facts_at(r)?, event))
+    };
+    let rows = match query {
+        PageQuery::Next { position, high_watermark, .. } => {
+            stmt.query_map(params![user, device, *position as i64, *high_watermark as i64, limit], read_row)
+        }
+        PageQuery::First { .. } => stmt.query_map(params![user, device, limit], read_row),
+    }
+    .map_err(internal)?;
+    let mut facts = None;
+    let mut events = Vec::new();
+    for row in rows {
+        let (f, e) = row.map_err(internal)?;
+        facts.get_or_insert(f);
+        events.extend(e);
+    }
+    let Some(facts) = facts.map(to_facts).transpose()? else {
+        return Ok(None);
+    };
+    let decision = decide_page(&facts, query);
+    let read = match query {
+        PageQuery::Next { position, high_watermark, .. } => (*position, *high_watermark),
+        PageQuery::First { .. } => (facts.device.acked_sync_seq, facts.log.high_watermark),
+    };
+    match decision.range(&facts) {
+        None => Ok(Some(SyncRead { facts, decision, events: Vec::new() })),
+        Some(range) if range == read && !events.iter().any(has_reactions) => {
+            let events = render_events(c, events, range.0, range.1)?;
+            Ok(Some(SyncRead { facts, decision, events }))
+        }
+        Some(_) => sync_page_in_transaction(c, user, device, query, limit),
+    }
+}
+
+/// The one statement of [`sync_page`]: the facts, and the entries of the
+/// range read with them, at most `limit` rows in `sync_seq` order off the
+/// `(user_id, sync_seq)` key (no sort, however long the range).
+fn page_sql(query: &PageQuery) -> String {
+    let (range, tail) = match query {
+        PageQuery::Next { .. } => ("e.sync_seq > ?3 AND e.sync_seq <= ?4", "LIMIT ?5 + 0"),
+        PageQuery::First { .. } => ("e.sync_seq > d.acked_sync_seq AND e.sync_seq <= h.high_watermark", "LIMIT ?3 + 0"),
+    };
+    format!(
+        "SELECT {FACTS_COLS}, {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS}
+         FROM {FACTS_FROM}
+         LEFT JOIN user_events e ON e.user_id = d.user_id AND {range}
+         {EVENT_JOINS}
+         WHERE d.user_id = ?1 AND d.device_id = ?2
+         ORDER BY e.sync_seq {tail}"
+    )
+}
+
+/// [`sync_page`] as a read transaction of several statements: the facts,
+/// the core's decision on them, and the range it names.
+fn sync_page_in_transaction(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    query: &PageQuery,
+    limit: u32,
+) -> StoreResult<Option<SyncRead>> {
+    c.prepare_cached("BEGIN").map_err(internal)?.execute([]).map_err(internal)?;
+    let result = (|| {
+        let Some(facts) = sync_facts(c, user, device)? else {
+            return Ok(None);
+        };
+        let decision = decide_page(&facts, query);
+        let events = match decision.range(&facts) {
+            Some((after, upto)) => user_events(c, user, after, upto, limit)?,
+            None => Vec::new(),
+        };
+        Ok(Some(SyncRead { facts, decision, events }))
+    })();
+    // Read-only: nothing to keep; end the snapshot either way.
+    c.prepare_cached("COMMIT").map_err(internal)?.execute([]).map_err(internal)?;
+    result
 }
 
 pub(crate) fn conversation(c: &Connection, conv: &str) -> StoreResult<Option<Conversation>> {
@@ -98,7 +298,7 @@ pub(crate) fn pending_outbox(c: &Connection, limit: u32) -> StoreResult<Vec<Outb
     let mut stmt = c
         .prepare_cached(
             "SELECT outbox_id, kind, source_event_id, conv_id, msg_seq, actor, created_at
-             FROM outbox ORDER BY outbox_id LIMIT ?1",
+             FROM outbox ORDER BY outbox_id LIMIT ?1 + 0",
         )
         .map_err(internal)?;
     let rows = stmt
@@ -172,6 +372,13 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
             .map_err(internal)?;
     }
 
+    add_reactions(c, &mut d, ids)?;
+    d.apply(msgs);
+    Ok(())
+}
+
+/// The reactions of the messages `ids`, in one statement.
+fn add_reactions(c: &Connection, d: &mut Decorations, ids: Array) -> StoreResult<()> {
     let mut stmt = c
         .prepare_cached(
             "SELECT message_id, reaction, user_id FROM reactions WHERE message_id IN rarray(?1)
@@ -183,54 +390,78 @@ pub(crate) fn decorate(c: &Connection, reader: &str, msgs: &mut [(StoredMessage,
         let (id, reaction, user) = row.map_err(internal)?;
         d.add_reaction(id, reaction, user);
     }
-    d.apply(msgs);
     Ok(())
 }
 
-pub(crate) fn user_events(
-    c: &Connection,
-    user: &str,
-    after: u64,
-    upto: u64,
-    limit: u32,
-) -> StoreResult<Vec<StoredEvent>> {
-    let sql = format!(
-        "SELECT e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data, {MSG_COLS}
-         FROM user_events e LEFT JOIN messages m ON m.message_id = e.message_id
-         WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3
-         ORDER BY e.sync_seq LIMIT ?4"
-    );
-    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
-    let rows = stmt
-        .query_map(params![user, after as i64, upto as i64, limit], |r| {
-            let message = match r.get::<_, Option<String>>(5)? {
-                None => None,
-                Some(_) => Some(message_at(r, 5)?),
-            };
-            Ok((
-                StoredEvent {
-                    sync_seq: r.get::<_, i64>(0)? as u64,
-                    kind: r.get(1)?,
-                    conv: r.get(2)?,
-                    msg_seq: r.get::<_, Option<i64>>(3)?.map(|v| v as u64),
-                    message: None,
-                    data: r.get(4)?,
-                },
-                message,
-            ))
-        })
-        .map_err(internal)?;
-    let mut events = Vec::new();
+/// The columns of a user-log entry, read by [`event_at`] (its message's
+/// [`MSG_COLS`] follow).
+const EVENT_COLS: &str = "e.sync_seq, e.kind, e.conv_id, e.msg_seq, e.data";
+/// The message of an entry, and the message that one quotes.
+const EVENT_JOINS: &str = "LEFT JOIN messages m ON m.message_id = e.message_id
+     LEFT JOIN messages q ON q.message_id = m.quote_id";
+/// What rendering needs besides the message, read as columns of the same
+/// statement after [`EVENT_COLS`] and [`MSG_COLS`]: whether the reader (`?1`) deleted the
+/// message for itself, the state of the message it quotes, whether it has
+/// reactions. So a page is one statement (plus one for the reactions of
+/// the messages that have any), not one plus three batched rendering reads.
+const DECORATION_COLS: &str =
+    "EXISTS (SELECT 1 FROM user_deleted x WHERE x.user_id = ?1 AND x.message_id = m.message_id),
+     q.state, EXISTS (SELECT 1 FROM reactions r WHERE r.message_id = m.message_id)";
+
+/// A user-log entry and, for a conversation event, its message (with its
+/// quote id) and the decoration columns: deleted, quote state, reacted.
+type EventRow = (StoredEvent, Option<((StoredMessage, Option<String>), bool, Option<String>, bool)>);
+
+/// Reads [`EVENT_COLS`], [`MSG_COLS`] and [`DECORATION_COLS`] starting at
+/// column `at`.
+fn event_at(r: &rusqlite::Row, at: usize) -> rusqlite::Result<EventRow> {
+    let message = match r.get::<_, Option<String>>(at + 5)? {
+        None => None,
+        Some(_) => Some((message_at(r, at + 5)?, r.get(at + 15)?, r.get(at + 16)?, r.get(at + 17)?)),
+    };
+    let event = StoredEvent {
+        sync_seq: r.get::<_, i64>(at)? as u64,
+        kind: r.get(at + 1)?,
+        conv: r.get(at + 2)?,
+        msg_seq: r.get::<_, Option<i64>>(at + 3)?.map(|v| v as u64),
+        message: None,
+        data: r.get(at + 4)?,
+    };
+    Ok((event, message))
+}
+
+fn has_reactions(row: &EventRow) -> bool {
+    row.1.as_ref().is_some_and(|m| m.3)
+}
+
+/// Renders a page's entries for their reader (the decoration columns were
+/// read for it; the reactions of the messages that have any are read here) and checks it is the range asked for.
+fn render_events(c: &Connection, rows: Vec<EventRow>, after: u64, upto: u64) -> StoreResult<Vec<StoredEvent>> {
+    let mut events = Vec::with_capacity(rows.len());
     let mut messages = Vec::new();
-    for row in rows {
-        let (e, m) = row.map_err(internal)?;
-        if let Some(m) = m {
+    let mut d = Decorations::default();
+    let mut reacted = Vec::new();
+    for (e, m) in rows {
+        if let Some((m, deleted, quote_state, has_reactions)) = m {
+            let id = &m.0.message_id;
+            if deleted {
+                d.deleted.insert(id.clone());
+            }
+            if let (Some(q), Some(state)) = (&m.1, quote_state) {
+                d.quote_states.insert(q.clone(), state);
+            }
+            if has_reactions {
+                reacted.push(Value::from(id.clone()));
+            }
             messages.push((events.len(), m));
         }
         events.push(e);
     }
+    if !reacted.is_empty() {
+        add_reactions(c, &mut d, Rc::new(reacted))?;
+    }
     let (at, mut rendered): (Vec<usize>, Vec<_>) = messages.into_iter().unzip();
-    decorate(c, user, &mut rendered)?;
+    d.apply(&mut rendered);
     for (i, (m, _)) in at.into_iter().zip(rendered) {
         events[i].message = Some(m);
     }
@@ -242,6 +473,28 @@ pub(crate) fn user_events(
         prev = e.sync_seq;
     }
     Ok(events)
+}
+
+pub(crate) fn user_events(
+    c: &Connection,
+    user: &str,
+    after: u64,
+    upto: u64,
+    limit: u32,
+) -> StoreResult<Vec<StoredEvent>> {
+    let sql = format!(
+        "SELECT {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS}
+         FROM user_events e {EVENT_JOINS}
+         WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3
+         ORDER BY e.sync_seq LIMIT ?4 + 0"
+    );
+    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+    let rows = stmt
+        .query_map(params![user, after as i64, upto as i64, limit], |r| event_at(r, 0))
+        .map_err(internal)?
+        .collect::<rusqlite::Result<Vec<_>>>()
+        .map_err(internal)?;
+    render_events(c, rows, after, upto)
 }
 
 /// The reader's membership periods cover `m.msg_seq` (G1).
@@ -310,7 +563,7 @@ fn conv_sync_in_snapshot(
     let sql = format!(
         "SELECT {MSG_COLS} FROM messages m
          WHERE m.conv_id = ?1 AND m.msg_seq > ?3 AND m.msg_seq <= ?4 AND {VISIBLE}
-         ORDER BY m.msg_seq LIMIT ?5"
+         ORDER BY m.msg_seq LIMIT ?5 + 0"
     );
     let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
     let mut rows: Vec<(StoredMessage, Option<String>)> = stmt
@@ -351,7 +604,7 @@ pub(crate) fn history(
         let sql = format!(
             "SELECT {MSG_COLS} FROM messages m
              WHERE m.conv_id = ?1 AND m.msg_seq < ?3 AND m.msg_seq >= ?4 AND {VISIBLE}
-             ORDER BY m.msg_seq DESC LIMIT ?5"
+             ORDER BY m.msg_seq DESC LIMIT ?5 + 0"
         );
         let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
         let mut rows: Vec<(StoredMessage, Option<String>)> = stmt
@@ -382,4 +635,122 @@ pub(crate) fn history(
     })();
     let _ = c.execute_batch("COMMIT");
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(n: usize) -> ReadPool {
+        ReadPool::new((0..n).map(|_| Connection::open_in_memory().expect("in-memory database")).collect())
+    }
+
+    fn one(c: &Connection) -> StoreResult<i64> {
+        c.query_row("SELECT 1", [], |r| r.get(0)).map_err(internal)
+    }
+
+    /// The one-statement page walks the user log's key in order and stops
+    /// at the limit: no sort of the whole range, however far behind.
+    #[test]
+    fn the_page_statement_reads_the_log_in_key_order() {
+        use tidemark_core::cursor::{ClientPosition, RecoveryPolicy};
+        let dir = tempfile::tempdir().unwrap();
+        let c = Connection::open(dir.path().join("t.db")).unwrap();
+        crate::schema::migrate(&c).unwrap();
+        let first =
+            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy { max_gap: 0 }, now_ms: 0 };
+        let next = PageQuery::Next { generation: 1, position: 0, high_watermark: 9, recovery_session: None, now_ms: 0 };
+        for q in [first, next] {
+            let mut stmt = c.prepare(&format!("EXPLAIN QUERY PLAN {}", page_sql(&q))).unwrap();
+            let unbound = vec![Value::Null; stmt.parameter_count()];
+            let plan: Vec<String> = stmt
+                .query_map(rusqlite::params_from_iter(unbound), |r| r.get::<_, String>(3))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap();
+            assert!(!plan.iter().any(|p| p.contains("TEMP B-TREE")), "{q:?}: {plan:#?}");
+            assert!(plan.iter().any(|p| p.contains("SEARCH e USING PRIMARY KEY")), "{q:?}: {plan:#?}");
+        }
+    }
+
+    /// A cached statement runs again without being compiled again, whatever
+    /// is bound to it (a bare `LIMIT ?` made every run a re-prepare).
+    #[test]
+    fn cached_reads_are_not_compiled_again() {
+        use rusqlite::StatementStatus;
+        use tidemark_core::cursor::{ClientPosition, RecoveryPolicy};
+        let dir = tempfile::tempdir().unwrap();
+        let c = Connection::open(dir.path().join("t.db")).unwrap();
+        crate::schema::migrate(&c).unwrap();
+        let first =
+            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy { max_gap: 0 }, now_ms: 0 };
+        let next = PageQuery::Next { generation: 1, position: 0, high_watermark: 9, recovery_session: None, now_ms: 0 };
+        let user_events_sql = format!(
+            "SELECT {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS} FROM user_events e {EVENT_JOINS}
+             WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3 ORDER BY e.sync_seq LIMIT ?4 + 0"
+        );
+        for sql in [page_sql(&first), page_sql(&next), user_events_sql] {
+            let mut stmt = c.prepare(&sql).unwrap();
+            for i in 0..4i64 {
+                let mut vals = vec![Value::from(format!("u{i}")), Value::from(format!("d{i}"))];
+                // The rest are positions and limits.
+                vals.extend((vals.len()..stmt.parameter_count()).map(|k| Value::from(i + k as i64)));
+                let mut rows = stmt.query(rusqlite::params_from_iter(vals)).unwrap();
+                while rows.next().unwrap().is_some() {}
+            }
+            assert_eq!(stmt.get_status(StatementStatus::RePrepare), 0, "{sql}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panicking_read_gives_its_connection_back() {
+        let pool = pool(2);
+        // More panics than connections: without the lease, each one loses
+        // a connection and the third read finds the pool empty.
+        for _ in 0..5 {
+            let r = pool.read_store(|_| -> StoreResult<()> { panic!("a read breaks an invariant") }).await;
+            assert!(matches!(r, Err(StoreError::Internal(_))), "a panicked read is an internal error: {r:?}");
+        }
+        assert_eq!(pool.conns.lock().unwrap().len(), 2, "every connection is back");
+        assert_eq!(pool.read_store(one).await, Ok(1));
+    }
+
+    #[tokio::test]
+    async fn a_read_that_panics_inside_its_transaction_leaves_none_open() {
+        let pool = pool(1);
+        let r = pool
+            .read_store(|c| -> StoreResult<()> {
+                c.execute_batch("BEGIN").map_err(internal)?;
+                one(c)?;
+                panic!("between BEGIN and COMMIT")
+            })
+            .await;
+        assert!(r.is_err());
+        let autocommit = pool.read_store(|c| Ok(c.is_autocommit())).await;
+        assert_eq!(autocommit, Ok(true), "the connection came back outside any transaction");
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_read_gives_its_connection_back_when_it_ends() {
+        let pool = Arc::new(pool(1));
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let p = pool.clone();
+        let task = tokio::spawn(async move {
+            p.read_store(move |c| {
+                started_tx.send(()).expect("test alive");
+                let _ = release_rx.recv();
+                one(c)
+            })
+            .await
+        });
+        tokio::task::spawn_blocking(move || started_rx.recv()).await.unwrap().expect("the read started");
+        // The caller gives up while the read still runs on its thread: the
+        // permit stays with the connection, so no one else can take it yet.
+        task.abort();
+        let _ = task.await;
+        assert!(pool.permits.available_permits() == 0, "the permit follows the running read");
+        release_tx.send(()).expect("read alive");
+        assert_eq!(pool.read_store(one).await, Ok(1), "the connection is back once the read ended");
+    }
 }

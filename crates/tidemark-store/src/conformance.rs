@@ -51,6 +51,7 @@ where
     refresh_tokens_are_used_once(&*fresh().await).await;
     revocation_is_durable(&*fresh().await).await;
     history_retention_moves_the_boundary(&*fresh().await).await;
+    sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -622,4 +623,81 @@ pub async fn history_retention_moves_the_boundary(store: &dyn Store) {
     let log = store.read_user_events("b", 0, 10, 10).await.unwrap();
     let states: Vec<&str> = log.iter().map(|e| e.message.as_ref().unwrap().state.as_str()).collect();
     assert_eq!(states, vec![STATE_RECALLED, STATE_EXPIRED, "normal"], "L3: tombstones outlive the window");
+}
+
+/// D2, D5, L2: a sync page's facts, decision and events come back together;
+/// the range is the decision's, rendered for the reader (deleted-for-me,
+/// reactions), and a trimmed range is a reset, never a partial page.
+pub async fn sync_pages_read_their_facts_and_events_together(store: &dyn Store) {
+    use tidemark_core::cursor::{ClientPosition, RecoveryPolicy, Resume};
+    use tidemark_core::page::{NextPage, PageDecision, PageQuery};
+    users(store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    for i in 0..10 {
+        store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+    }
+    store.fan_out(store.pending_outbox(100).await.unwrap(), T0).await.unwrap();
+    assert_eq!(store.sync_facts("b", "phone").await.unwrap(), None, "an unknown device has no facts");
+    let first = |generation, local| PageQuery::First {
+        client: ClientPosition { generation, local_applied_sync_seq: Some(local) },
+        policy: RecoveryPolicy { max_gap: 0 },
+        now_ms: T0,
+    };
+    assert!(store.sync_page("b", "phone", first(None, 0), 4).await.unwrap().is_none());
+    let phone = store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    let hw = store.user_high_watermark("b").await.unwrap();
+    assert!(hw >= 10);
+    let read = store.sync_page("b", "phone", first(None, 0), 4).await.unwrap().unwrap();
+    assert_eq!(read.facts.device, phone.cursor);
+    assert_eq!(read.facts.log.high_watermark, hw);
+    assert_eq!(Some(read.facts.clone()), store.sync_facts("b", "phone").await.unwrap());
+    assert_eq!(read.decision, PageDecision::First(Resume::Activate { generation: phone.cursor.generation }));
+    assert_eq!(read.events.iter().map(|e| e.sync_seq).collect::<Vec<_>>(), vec![1, 2, 3, 4], "D2: (0, hw], bounded");
+
+    let active = DeviceCursor { generation: phone.cursor.generation, acked_sync_seq: 0, state: DeviceState::Active };
+    assert!(store.cas_device_cursor("b", "phone", phone.cursor, active, T0).await.unwrap().0);
+    store.ack("b", "phone", active.generation, None, 6, T0).await.unwrap();
+    // Rendering for the reader, from the same read.
+    let last = read.events.last().unwrap().message.clone().unwrap();
+    store.delete_for_me("b", &conv, &last.message_id, T0).await.unwrap();
+    let cmd = ConvEventCmd {
+        conv: conv.clone(),
+        actor: "a".into(),
+        actor_device: "d1".into(),
+        event_id: "e-react".into(),
+        client_msg_id: "react".into(),
+        now_ms: T0,
+    };
+    let liked = "m-a-7";
+    store.react(cmd, liked, "+1", true).await.unwrap();
+    let read = store.sync_page("b", "phone", first(Some(active.generation), 6), 100).await.unwrap().unwrap();
+    assert_eq!(read.decision, PageDecision::First(Resume::Replay { generation: active.generation, from: 6 }));
+    assert_eq!(read.events.first().map(|e| e.sync_seq), Some(7), "D5: from the server's ACK");
+    let m = read.events.iter().filter_map(|e| e.message.as_ref()).find(|m| m.message_id == liked).unwrap();
+    assert_eq!(m.reactions, vec![("+1".to_owned(), vec!["a".to_owned()])], "reactions come with the page");
+    let next = |position| PageQuery::Next {
+        generation: active.generation,
+        position,
+        high_watermark: hw,
+        recovery_session: None,
+        now_ms: T0,
+    };
+    let read = store.sync_page("b", "phone", next(3), 1).await.unwrap().unwrap();
+    assert_eq!(read.decision, PageDecision::Next(NextPage::Serve { after: 3, upto: hw }));
+    let m = read.events[0].message.as_ref().unwrap();
+    assert_eq!((m.state.as_str(), m.content.as_str()), (STATE_DELETED, "{}"), "deleted for this reader");
+
+    let policy =
+        RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 1_000_000, history_keep_ms: None };
+    store.trim_user_logs(policy, T0 + 1_000).await.unwrap();
+    let trimmed = store.sync_facts("b", "phone").await.unwrap().unwrap().log.trimmed_upto;
+    assert_eq!(trimmed, 6, "L1: trimmed up to the device's ACK");
+    let read = store.sync_page("b", "phone", next(3), 100).await.unwrap().unwrap();
+    assert_eq!(
+        (read.decision, read.events.len()),
+        (PageDecision::Next(NextPage::Reset), 0),
+        "L2: never a partial page"
+    );
+    let read = store.sync_page("b", "phone", next(6), 100).await.unwrap().unwrap();
+    assert_eq!(read.events.first().map(|e| e.sync_seq), Some(7));
 }

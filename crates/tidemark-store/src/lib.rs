@@ -349,6 +349,18 @@ pub struct UnreadRebuild {
     pub drifted: u64,
 }
 
+/// One sync page and what it was decided from, read in one snapshot
+/// ([`Store::sync_page`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SyncRead {
+    pub facts: tidemark_core::page::SyncFacts,
+    /// `tidemark_core::page::decide_page` on `facts`.
+    pub decision: tidemark_core::page::PageDecision,
+    /// The events of `decision.range(&facts)` (empty when it names none),
+    /// ascending, at most the `limit` asked for.
+    pub events: Vec<StoredEvent>,
+}
+
 /// The result of an ACK: the decision taken inside the backend's
 /// transaction and the cursor after it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -686,6 +698,25 @@ pub trait Store: Send + Sync + 'static {
         upto: SyncSeq,
         limit: u32,
     ) -> StoreResult<Vec<StoredEvent>>;
+
+    /// One sync page from one read snapshot: the device's cursor, the
+    /// user's log bounds and the device's recovery session, the decision
+    /// `tidemark_core::page::decide_page` takes on them for `query`, and
+    /// the events of the range that decision names (at most `limit`), all
+    /// from the same snapshot, so the trim check and the read it guards
+    /// agree (D2, D5, D6, L2). `None` if the device is unknown.
+    async fn sync_page(
+        &self,
+        user: &str,
+        device: &str,
+        query: tidemark_core::page::PageQuery,
+        limit: u32,
+    ) -> StoreResult<Option<SyncRead>>;
+
+    /// The facts of [`Store::sync_page`] alone, in one statement (what a
+    /// connecting device is registered with). `None` if the device is
+    /// unknown.
+    async fn sync_facts(&self, user: &str, device: &str) -> StoreResult<Option<tidemark_core::page::SyncFacts>>;
 
     /// Replaces the device cursor with `new` only if it still equals
     /// `expected`; returns the cursor after the call.

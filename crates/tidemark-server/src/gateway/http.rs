@@ -91,7 +91,11 @@ pub async fn rpc(
         Err(e) => return error_response(e),
     };
     match ops::dispatch(state, ctx, op.clone(), body).await {
-        Ok(reply) => Json(tidemark_proto::reply_frame(&op, None, reply)).into_response(),
+        Ok(reply) => (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            tidemark_proto::reply_frame_text(&op, None, &reply),
+        )
+            .into_response(),
         Err(e) => error_response(e),
     }
 }

@@ -28,7 +28,6 @@ use axum::http::HeaderMap;
 use axum::response::Response;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use serde_json::Value;
 use tidemark_proto::{op, reason, split_frame, AuthOk, AuthReq, ErrorCode, Hint, Kicked, ServerFrame};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
@@ -98,9 +97,9 @@ fn server_frame_text(frame: &ServerFrame) -> String {
     serde_json::to_string(frame).expect("server frames serialize")
 }
 
-fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<Value>) -> String {
+fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<tidemark_proto::RawJson>) -> String {
     match result {
-        Ok(v) => tidemark_proto::reply_frame(op, rid, v).to_string(),
+        Ok(v) => tidemark_proto::reply_frame_text(op, rid, &v),
         Err(e) => error_text(e, rid.map(str::to_owned)),
     }
 }
@@ -160,11 +159,12 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
             None => return,
         },
     };
-    let acked = match state.store.device(&ctx.user, &ctx.device).await {
-        Ok(Some(d)) => d.cursor.acked_sync_seq,
-        _ => 0,
+    // The device's ACK and its user's head, in one statement, for the
+    // re-hint sweep (D8).
+    let (acked, user_hw) = match state.store.sync_facts(&ctx.user, &ctx.device).await {
+        Ok(Some(f)) => (f.device.acked_sync_seq, f.log.high_watermark),
+        _ => (0, 0),
     };
-    let user_hw = state.store.user_high_watermark(&ctx.user).await.unwrap_or(0);
     let entry = state.hub.register(&ctx.user, &ctx.device, acked, user_hw);
     tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket connected");
     let (out_tx, out_rx) = mpsc::channel::<String>(state.config.ws_send_queue_max);

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use tidemark_proto::{op, ErrorCode};
+use tidemark_proto::{op, ErrorCode, RawJson};
 use tidemark_store::MembershipChange;
 
 use crate::error::{ApiError, ApiResult};
@@ -45,14 +45,16 @@ pub(crate) fn parse<T: DeserializeOwned>(body: Value) -> ApiResult<T> {
     serde_json::from_value(body).map_err(|e| ApiError::bad_request(format!("invalid request: {e}")))
 }
 
-pub(crate) fn to_value<T: serde::Serialize>(reply: &T) -> ApiResult<Value> {
-    serde_json::to_value(reply).map_err(|e| ApiError::new(ErrorCode::Internal, format!("encode reply: {e}")))
+/// A reply serialised once, to the text that goes on the wire (stored JSON
+/// inside it stays verbatim: see `render`).
+pub(crate) fn to_value<T: serde::Serialize>(reply: &T) -> ApiResult<RawJson> {
+    serde_json::value::to_raw_value(reply).map_err(|e| ApiError::new(ErrorCode::Internal, format!("encode reply: {e}")))
 }
 
 /// Runs operation `op` for `ctx`. Everything before the first store call is
 /// synchronous, so a transport that polls this future once before spawning
 /// it enqueues the connection's writes in arrival order.
-pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Value) -> ApiResult<Value> {
+pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Value) -> ApiResult<RawJson> {
     if state.is_revoked(&ctx.user, &ctx.device) {
         return Err(ApiError::device_revoked());
     }

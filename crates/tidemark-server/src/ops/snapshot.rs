@@ -29,11 +29,16 @@ fn token_error(e: TokenError) -> ApiError {
     ApiError::new(ErrorCode::TokenInvalid, format!("snapshot token refused: {e}"))
 }
 
+/// One snapshot item as a JSON value (the digest is computed over values).
+fn item(item: &SnapshotItem) -> ApiResult<Value> {
+    serde_json::to_value(item).map_err(|e| ApiError::new(ErrorCode::Internal, format!("encode snapshot item: {e}")))
+}
+
 fn items(view: Vec<SnapshotConv>) -> ApiResult<Vec<Value>> {
     let mut out = Vec::new();
     for c in view {
         let s = c.state;
-        out.push(super::to_value(&SnapshotItem::Conv(ConvSummary {
+        out.push(item(&SnapshotItem::Conv(ConvSummary {
             conv: s.conv,
             kind: s.kind,
             last_msg_seq: s.last_msg_seq,
@@ -44,7 +49,7 @@ fn items(view: Vec<SnapshotConv>) -> ApiResult<Vec<Value>> {
             active: s.active,
         }))?);
         for msg in c.messages {
-            out.push(super::to_value(&SnapshotItem::Message { message: envelope(msg)? })?);
+            out.push(item(&SnapshotItem::Message { message: envelope(msg)? })?);
         }
     }
     Ok(out)

@@ -6,14 +6,24 @@
 //! and a signed cursor, so a batch never passes its watermark however many
 //! events arrive meanwhile; the next batch picks them up. `ack` is the
 //! store's compare-and-set under the token's generation.
+//!
+//! Every page is one store read ([`tidemark_store::Store::sync_page`]):
+//! the device's cursor, the log bounds, the recovery session and the page
+//! come from one snapshot, decided by `tidemark_core::page` (never a
+//! partial page). Only the outcomes that write (a reset, a recovery
+//! opened, a device activated) add a compare-and-set, and the page read
+//! with the cursor that CAS expected is the one served when it wins.
 
 use tidemark_core::cursor::{
-    decide_resume_with, AckDecision, ClientPosition, DeviceCursor, DeviceState, RecoveryInfo, RecoveryPolicy, Resume,
+    AckDecision, ClientPosition, DeviceCursor, DeviceState, RecoveryInfo, RecoveryPolicy, Resume,
 };
+use tidemark_core::page::{NextPage, PageDecision, PageQuery};
 use tidemark_core::token::{BatchClaims, TokenError};
 use tidemark_proto::{
-    AckOk, AckReq, ErrorCode, SyncOk, SyncReq, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX, SYNC_PAGE_BYTES_MAX,
+    AckOk, AckReq, ErrorCode, RawJson, SyncOk, SyncReq, SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX, SYNC_PAGE_BYTES_MAX,
 };
+
+use tidemark_store::{StoredEvent, SyncRead};
 
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
@@ -29,7 +39,7 @@ fn token_error(e: TokenError) -> ApiError {
     ApiError::new(ErrorCode::TokenInvalid, format!("batch token refused: {e}"))
 }
 
-pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk> {
+pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk<RawJson>> {
     let limit = req.limit.unwrap_or(SYNC_LIMIT_DEFAULT);
     if limit == 0 || limit > SYNC_LIMIT_MAX {
         return Err(ApiError::bad_request(format!("limit must be 1..={SYNC_LIMIT_MAX}")));
@@ -42,29 +52,31 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
         return Err(ApiError::bad_request("cursor needs the batch_token of its batch"));
     }
     let client = ClientPosition { generation: req.sync_generation, local_applied_sync_seq: req.local_applied_sync_seq };
+    let policy = RecoveryPolicy { max_gap: state.config.recovery_max_gap };
     for _ in 0..RESUME_CAS_ATTEMPTS_MAX {
-        let current = super::device_cursor(state, ctx).await?;
-        let log = state.store.user_log(&ctx.user).await?;
-        let user_hw = log.high_watermark;
-        let session = match current.state {
-            DeviceState::Recovering => state.store.recovery_session(&ctx.user, &ctx.device).await?,
-            _ => None,
+        // The cursor, the log bounds, the recovery session, the resume
+        // decision and the page it starts with: one read snapshot.
+        let read = read_page(state, ctx, PageQuery::First { client, policy, now_ms: now }, limit).await?;
+        let SyncRead { facts, decision, events } = read;
+        let PageDecision::First(resume) = decision else {
+            return Err(ApiError::new(ErrorCode::Internal, "a first page got a next page's decision"));
         };
-        let policy = RecoveryPolicy { max_gap: state.config.recovery_max_gap };
-        let (expected, new, start) = match decide_resume_with(current, client, log, session.as_ref(), policy, now) {
+        let current = facts.device;
+        let user_hw = facts.log.high_watermark;
+        let (expected, new, start) = match resume {
             Resume::Replay { generation, from } => {
                 let batch = Batch { generation, resume_from: from, high_watermark: user_hw, recovery: None };
-                return first_page(state, ctx, batch, current.acked_sync_seq, limit, now).await;
+                return first_page(state, ctx, batch, current.acked_sync_seq, events, limit, now);
             }
             Resume::ContinueRecovery { generation } => {
-                let s = session.expect("a recovering device has its session");
+                let s = facts.session.expect("a recovering device has its session");
                 let batch = Batch {
                     generation,
                     resume_from: s.resume_from,
                     high_watermark: s.high_watermark,
                     recovery: Some(s.session_id),
                 };
-                return first_page(state, ctx, batch, current.acked_sync_seq, limit, now).await;
+                return first_page(state, ctx, batch, current.acked_sync_seq, events, limit, now);
             }
             Resume::Recover { from, .. } => {
                 let info = RecoveryInfo {
@@ -80,13 +92,15 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
                 }
                 metrics::counter!(m::GENERATION_BUMPS).increment(1);
                 tracing::info!(device = %ctx.device, generation = cursor.generation, from, "recovery session opened");
+                // The page was read with the cursor the CAS expected: it is
+                // exactly `(from, user_hw]`, and the session fences it now.
                 let batch = Batch {
                     generation: cursor.generation,
                     resume_from: from,
                     high_watermark: user_hw,
                     recovery: Some(info.session_id),
                 };
-                return first_page(state, ctx, batch, cursor.acked_sync_seq, limit, now).await;
+                return first_page(state, ctx, batch, cursor.acked_sync_seq, events, limit, now);
             }
             Resume::Activate { generation } | Resume::Rebuild { generation } => {
                 (current, DeviceCursor { generation, acked_sync_seq: 0, state: DeviceState::Active }, true)
@@ -103,15 +117,27 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
             continue;
         }
         if start {
-            // Only reached while the user's log is retained from its start.
+            // Only reached while the user's log is retained from its start;
+            // the page `(0, user_hw]` was read with the cursor the CAS expected.
             let batch = Batch { generation: new.generation, resume_from: 0, high_watermark: user_hw, recovery: None };
-            return first_page(state, ctx, batch, 0, limit, now).await;
+            return first_page(state, ctx, batch, 0, events, limit, now);
         }
         metrics::counter!(m::GENERATION_BUMPS).increment(1);
         tracing::info!(device = %ctx.device, generation = new.generation, "device generation bumped; reset required");
         return Err(ApiError::reset_required(new.generation));
     }
     Err(ApiError { retry_after_ms: Some(100), ..ApiError::new(ErrorCode::Unavailable, "device cursor is busy; retry") })
+}
+
+/// One [`tidemark_store::Store::sync_page`] read, one row more than the
+/// page holds (to tell whether more follow); a device the store does not
+/// know must log in again.
+async fn read_page(state: &AppState, ctx: &AuthCtx, query: PageQuery, limit: u32) -> ApiResult<SyncRead> {
+    state
+        .store
+        .sync_page(&ctx.user, &ctx.device, query, limit + 1)
+        .await?
+        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))
 }
 
 /// The fixed ends of a batch, as they go into its token.
@@ -122,14 +148,15 @@ struct Batch {
     recovery: Option<String>,
 }
 
-async fn first_page(
+fn first_page(
     state: &AppState,
     ctx: &AuthCtx,
     batch: Batch,
     acked: u64,
+    events: Vec<StoredEvent>,
     limit: u32,
     now: i64,
-) -> ApiResult<SyncOk> {
+) -> ApiResult<SyncOk<RawJson>> {
     // resume_from is the server ACK (or a recovery start below it), which
     // never exceeds a watermark the server issued, and the watermark only
     // grows: assert it on this side of the store boundary rather than serve
@@ -146,7 +173,7 @@ async fn first_page(
         recovery_session: recovery,
     };
     let token = state.keys.sign_batch(&claims);
-    page(state, ctx, token, &claims, resume_from, acked, limit).await
+    page(state, token, &claims, acked, events, limit)
 }
 
 async fn next_page(
@@ -156,56 +183,56 @@ async fn next_page(
     cursor: Option<String>,
     limit: u32,
     now: i64,
-) -> ApiResult<SyncOk> {
+) -> ApiResult<SyncOk<RawJson>> {
     let claims = state.keys.verify_batch(&token, &ctx.user, &ctx.device, now).map_err(token_error)?;
     let position = match cursor {
         Some(c) => state.keys.verify_cursor(&c, &token, &claims).map_err(token_error)?,
         None => claims.resume_from,
     };
-    let cursor = super::device_cursor(state, ctx).await?;
-    match cursor.state {
-        DeviceState::Revoked => return Err(ApiError::device_revoked()),
-        _ if cursor.generation != claims.generation => return Err(ApiError::stale_generation(cursor.generation)),
-        DeviceState::Resetting | DeviceState::New => return Err(ApiError::reset_required(cursor.generation)),
-        DeviceState::Active | DeviceState::Recovering => {}
-    }
-    // Never a partial page: if the rest of this batch is no longer all in
-    // the log (trimmed, or its recovery session expired and stopped
-    // fencing it), the device is reset instead (D6, L2).
-    let log = state.store.user_log(&ctx.user).await?;
-    let session_over = match cursor.state {
-        DeviceState::Recovering => !state
-            .store
-            .recovery_session(&ctx.user, &ctx.device)
-            .await?
-            .is_some_and(|s| Some(&s.session_id) == claims.recovery_session.as_ref() && now < s.expires_at_ms),
-        _ => false,
+    let query = PageQuery::Next {
+        generation: claims.generation,
+        position,
+        high_watermark: claims.high_watermark,
+        recovery_session: claims.recovery_session.clone(),
+        now_ms: now,
     };
-    if position < log.trimmed_upto || session_over {
-        let bumped = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
-        let (won, cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, cursor, bumped, now).await?;
-        if !won {
-            // The cursor moved meanwhile (say the final ACK of the recovery
-            // landed): let the client start a new batch.
-            return Err(ApiError::new(ErrorCode::TokenInvalid, "the batch ended; start a new one")
-                .with_generation(cursor.generation));
+    let SyncRead { facts, decision, events } = read_page(state, ctx, query, limit).await?;
+    let cursor = facts.device;
+    match decision {
+        PageDecision::Next(NextPage::Serve { .. }) => page(state, token, &claims, cursor.acked_sync_seq, events, limit),
+        PageDecision::Next(NextPage::Revoked) => Err(ApiError::device_revoked()),
+        PageDecision::Next(NextPage::StaleGeneration { current }) => Err(ApiError::stale_generation(current)),
+        PageDecision::Next(NextPage::ResetRequired { generation }) => Err(ApiError::reset_required(generation)),
+        // Never a partial page: the rest of this batch is no longer all in
+        // the log (trimmed, or its recovery session expired and stopped
+        // fencing it), so the device is reset instead (D6, L2).
+        PageDecision::Next(NextPage::Reset) => {
+            let bumped = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
+            let (won, cursor) = state.store.cas_device_cursor(&ctx.user, &ctx.device, cursor, bumped, now).await?;
+            if !won {
+                // The cursor moved meanwhile (say the final ACK of the
+                // recovery landed): let the client start a new batch.
+                return Err(ApiError::new(ErrorCode::TokenInvalid, "the batch ended; start a new one")
+                    .with_generation(cursor.generation));
+            }
+            metrics::counter!(m::GENERATION_BUMPS).increment(1);
+            Err(ApiError::reset_required(cursor.generation))
         }
-        metrics::counter!(m::GENERATION_BUMPS).increment(1);
-        return Err(ApiError::reset_required(cursor.generation));
+        PageDecision::First(_) => Err(ApiError::new(ErrorCode::Internal, "a next page got a first page's decision")),
     }
-    page(state, ctx, token, &claims, position, cursor.acked_sync_seq, limit).await
 }
 
-async fn page(
+/// Cuts the events read (`limit + 1` at most) into the page: at most
+/// `limit` events and `SYNC_PAGE_BYTES_MAX` of content (at least one
+/// event), with a signed cursor when more follow.
+fn page(
     state: &AppState,
-    ctx: &AuthCtx,
     token: String,
     claims: &BatchClaims,
-    position: u64,
     acked: u64,
+    mut stored: Vec<StoredEvent>,
     limit: u32,
-) -> ApiResult<SyncOk> {
-    let mut stored = state.store.read_user_events(&ctx.user, position, claims.high_watermark, limit + 1).await?;
+) -> ApiResult<SyncOk<RawJson>> {
     let mut keep = stored.len().min(limit as usize);
     let mut bytes = 0usize;
     for (i, e) in stored.iter().take(keep).enumerate() {
