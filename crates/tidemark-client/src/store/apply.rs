@@ -424,8 +424,21 @@ fn apply_or_queue_repair(
     };
     report.recalled.truncate(recalled_before);
     report.messages.truncate(messages_before);
-    super::repair::queue_repair(tx, &e.conv, env.msg_seq.max(1), e.sync_seq, &reason)?;
+    queue_repair(tx, &e.conv, env.msg_seq.max(1), e.sync_seq, &reason)?;
     report.repairs.push((e.conv.clone(), env.msg_seq.max(1)));
+    Ok(())
+}
+
+/// Records (or widens) in the `repairs` table (`store::repair`) the repair of `conv` from `from_msg_seq`, in the
+/// caller's transaction.
+fn queue_repair(tx: &Transaction<'_>, conv: &str, from_msg_seq: u64, sync_seq: u64, reason: &str) -> StoreResult<()> {
+    ensure_conv(tx, conv)?;
+    tx.execute(
+        "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT (conv) DO UPDATE SET from_msg_seq = MIN(from_msg_seq, excluded.from_msg_seq),
+                                          sync_seq = MIN(sync_seq, excluded.sync_seq)",
+        params![conv, from_msg_seq as i64, sync_seq as i64, reason],
+    )?;
     Ok(())
 }
 

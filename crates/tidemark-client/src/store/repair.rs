@@ -9,12 +9,10 @@
 //! conversation log is the truth. A failed attempt waits a growing delay.
 //! Until the record is gone the app sees the conversation as needing repair.
 
-use rusqlite::{params, Transaction};
+use rusqlite::params;
 use tidemark_proto::Envelope;
 
-use super::apply::{
-    apply_envelope, ensure_conv, load_cursor, refresh_summary, save_cursor, ApplyError, PageReport, Touched,
-};
+use super::apply::{apply_envelope, load_cursor, refresh_summary, save_cursor, ApplyError, PageReport, Touched};
 use super::{CursorMove, LocalStore, StoreError, StoreResult};
 
 /// First wait after a failed repair; it doubles per attempt up to the cap.
@@ -33,25 +31,6 @@ pub struct Repair {
     pub attempts: u32,
     pub next_attempt_at_ms: i64,
     pub last_error: Option<String>,
-}
-
-/// Records (or widens) the repair of `conv` from `from_msg_seq`, in the
-/// caller's transaction.
-pub(super) fn queue_repair(
-    tx: &Transaction<'_>,
-    conv: &str,
-    from_msg_seq: u64,
-    sync_seq: u64,
-    reason: &str,
-) -> StoreResult<()> {
-    ensure_conv(tx, conv)?;
-    tx.execute(
-        "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason) VALUES (?1, ?2, ?3, ?4)
-         ON CONFLICT (conv) DO UPDATE SET from_msg_seq = MIN(from_msg_seq, excluded.from_msg_seq),
-                                          sync_seq = MIN(sync_seq, excluded.sync_seq)",
-        params![conv, from_msg_seq as i64, sync_seq as i64, reason],
-    )?;
-    Ok(())
 }
 
 fn repair_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Repair> {
