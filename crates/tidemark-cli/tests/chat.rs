@@ -54,6 +54,30 @@ impl Session {
         expect_line(&mut self.out, needle).await
     }
 
+    /// Waits until a line with each of `needles` was printed, in any order
+    /// (a chat prints its conversations in the order it lists them);
+    /// returns the lines in the needles' order.
+    async fn expect_all(&mut self, needles: &[&str]) -> Vec<String> {
+        let mut found: Vec<Option<String>> = vec![None; needles.len()];
+        let mut skipped = Vec::new();
+        let done = tokio::time::timeout(LINE_WAIT, async {
+            while found.iter().any(Option::is_none) {
+                let Some(line) = self.out.next_line().await.unwrap() else { return false };
+                match needles.iter().position(|n| line.contains(n)) {
+                    Some(i) if found[i].is_none() => found[i] = Some(line),
+                    _ => skipped.push(line),
+                }
+            }
+            true
+        })
+        .await;
+        match done {
+            Ok(true) => found.into_iter().map(Option::unwrap).collect(),
+            Ok(false) => panic!("chat ended before printing all of {needles:?}; it printed {skipped:#?}"),
+            Err(_) => panic!("not all of {needles:?} within {LINE_WAIT:?}; found {found:?}, skipped {skipped:#?}"),
+        }
+    }
+
     /// Types `line`, then `/status`, and returns what was printed between.
     async fn run(&mut self, line: &str) -> Vec<String> {
         self.type_line(line).await;
@@ -262,11 +286,11 @@ async fn chat_started_offline_queues_and_delivers_later() {
     let server = Server::start(&addr.to_string(), store, config).await.unwrap();
     ann.expect("(connected)").await;
     let mut ben = Session::new(chat(&url, "ben", dir.path(), None));
-    let line = ben.expect("written while the server was down").await;
-    assert!(line.ends_with("#1] ann: written while the server was down"), "{line}");
     cat.expect("[chat] 1 held line(s) queued in the outbox").await;
-    let line = ben.expect("cat was here").await;
-    assert!(line.ends_with("#1] cat: cat was here"), "{line}");
+    // Two conversations, printed in the order Ben's chat lists them.
+    let lines = ben.expect_all(&["written while the server was down", "cat was here"]).await;
+    assert!(lines[0].ends_with("#1] ann: written while the server was down"), "{lines:?}");
+    assert!(lines[1].ends_with("#1] cat: cat was here"), "{lines:?}");
     cat.quit().await;
     ann.quit().await;
     ben.quit().await;
