@@ -10,8 +10,8 @@
 //!
 //! Sends, recalls and reads go through the SDK's durable outbox, so they
 //! also work offline and leave in order on the next connection. Groups,
-//! edits and reactions, which the SDK has no call for, go straight to the
-//! server's HTTP RPC (`/v1/rpc/<op>`) as this device, and need the server.
+//! edits and reactions use the SDK's calls on the live connection, and
+//! need the server.
 
 use std::collections::HashMap;
 use std::io::IsTerminal;
@@ -21,7 +21,7 @@ use std::time::Duration;
 use anyhow::{anyhow, bail, Context, Result};
 use serde_json::{json, Value};
 use tidemark_client::policy::Backoff;
-use tidemark_client::{Change, Client, ClientConfig, ClientError, ConnState, Exit, Http, Message, OutboxOp, SdkError};
+use tidemark_client::{Change, Client, ClientConfig, ClientError, ConnState, Exit, Message, OutboxOp, SdkError};
 use tokio::io::{AsyncBufReadExt, BufReader, Lines, Stdin};
 
 /// The password's environment variable.
@@ -165,43 +165,6 @@ impl Peers {
     }
 }
 
-/// The server's HTTP RPC as this device, for the operations the SDK has no
-/// call for. Logs in (same user and device) when it has no token or the
-/// token expired.
-struct Rpc {
-    http: Http,
-    user: String,
-    device: String,
-    password: String,
-    token: Option<String>,
-}
-
-impl Rpc {
-    async fn call(&mut self, op: &str, body: Value) -> Result<Value> {
-        for attempt in 0..2 {
-            let token = match &self.token {
-                Some(t) => t.clone(),
-                None => {
-                    let ok = self.http.login(&self.user, &self.password, &self.device).await.map_err(explain)?;
-                    self.token = Some(ok.access_token.clone());
-                    ok.access_token
-                }
-            };
-            match self.http.rpc::<_, Value>(&token, op, &body).await {
-                Err(e) if attempt == 0 && e.code() == Some(tidemark_client::proto::ErrorCode::Unauthenticated) => {
-                    self.token = None;
-                }
-                other => return other.map_err(explain),
-            }
-        }
-        unreachable!("the second attempt returns")
-    }
-}
-
-fn client_msg_id() -> String {
-    format!("{:032x}", rand::random::<u128>())
-}
-
 /// A refusal in a person's words: the server's code and message, or that
 /// the server is unreachable.
 fn explain(e: ClientError) -> anyhow::Error {
@@ -222,7 +185,6 @@ fn sdk(e: SdkError) -> anyhow::Error {
 
 struct Chat {
     client: Client,
-    rpc: Rpc,
     peers: Peers,
     current: Option<String>,
     /// Per conversation: the highest `msg_seq` printed.
@@ -325,10 +287,8 @@ impl Chat {
     async fn react(&mut self, args: &str, op: &str) -> Result<()> {
         let (n, emoji) = args.split_once(' ').ok_or_else(|| anyhow!("usage: /react N EMOJI"))?;
         let m = self.message(n).await?;
-        let body = json!({"conv": m.conv, "message_id": m.message_id, "reaction": emoji.trim(), "op": op,
-                          "client_msg_id": client_msg_id()});
-        let ok = self.rpc.call("react", body).await?;
-        if ok["changed"] == false {
+        let ok = self.client.react(&m.conv, &m.message_id, emoji.trim(), op == "add").await.map_err(sdk)?;
+        if !ok.changed {
             println!("[chat] nothing to change on #{}", m.msg_seq);
         }
         Ok(())
@@ -347,23 +307,23 @@ impl Chat {
             ("/to", peer) if !peer.is_empty() => self.open_direct(peer).await?,
             ("/group", members) if !members.is_empty() => {
                 let members: Vec<&str> = members.split_whitespace().collect();
-                let ok = self
-                    .rpc
-                    .call("conv.create", json!({"kind": "group", "members": members, "client_msg_id": client_msg_id()}))
-                    .await?;
-                let conv = ok["conv"].as_str().context("conv.create.ok without conv")?.to_owned();
-                println!("[chat] group {} with {}", short(&conv), ok["members"]);
+                let ok = self.client.create_group(&members).await.map_err(sdk)?;
+                let conv = ok.conv.clone();
+                println!("[chat] group {} with {}", short(&conv), ok.members.join(", "));
                 self.client.sync_now();
                 self.current = Some(conv);
             }
             (op @ ("/add" | "/remove"), user) if !user.is_empty() => {
                 let conv = self.current()?.to_owned();
-                let op = if op == "/add" { "conv.add" } else { "conv.remove" };
-                self.rpc.call(op, json!({"conv": conv, "user": user, "client_msg_id": client_msg_id()})).await?;
+                if op == "/add" {
+                    self.client.add_member(&conv, user).await.map_err(sdk)?;
+                } else {
+                    self.client.remove_member(&conv, user).await.map_err(sdk)?;
+                }
             }
             ("/leave", _) => {
                 let conv = self.current()?.to_owned();
-                self.rpc.call("conv.leave", json!({"conv": conv, "client_msg_id": client_msg_id()})).await?;
+                self.client.leave(&conv).await.map_err(sdk)?;
             }
             ("/open", id) if !id.is_empty() => {
                 let convs = self.client.conversations().await?;
@@ -414,9 +374,7 @@ impl Chat {
             ("/edit", args) if args.contains(' ') => {
                 let (n, text) = args.split_once(' ').unwrap_or_default();
                 let m = self.message(n).await?;
-                let body = json!({"conv": m.conv, "message_id": m.message_id, "content": {"text": text.trim()},
-                                  "base_version": m.version, "client_msg_id": client_msg_id()});
-                self.rpc.call("edit", body).await?;
+                self.client.edit(&m.conv, &m.message_id, json!({"text": text.trim()}), m.version).await.map_err(sdk)?;
             }
             ("/react", args) => self.react(args, "add").await?,
             ("/unreact", args) => self.react(args, "remove").await?,
@@ -533,16 +491,8 @@ pub async fn run(args: ChatArgs) -> Result<()> {
     config.backoff = RECONNECT_BACKOFF;
     let client = Client::open(config).context("open the local store")?;
     let mut changes = client.subscribe();
-    let rpc = Rpc {
-        http: Http::new(&args.server),
-        user: args.user.clone(),
-        device: args.device.clone(),
-        password,
-        token: None,
-    };
     let mut chat = Chat {
         client,
-        rpc,
         peers: Peers::load(&db),
         current: None,
         printed: HashMap::new(),
