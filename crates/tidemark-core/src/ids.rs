@@ -1,8 +1,16 @@
 //! Validation of identifiers that come from outside (user names, device ids,
 //! client message ids). Bounds are named so every layer agrees on them.
 
-// The bounds are part of the wire contract: `tidemark-proto` names them.
-pub use tidemark_proto::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
+// The bounds are part of the wire contract: `tidemark-proto` re-exports
+// them, so the server, the SDK and the OpenAPI document use these values.
+/// Longest user name, in bytes.
+pub const USER_BYTES_MAX: usize = 64;
+/// Longest device id, in bytes.
+pub const DEVICE_ID_BYTES_MAX: usize = 128;
+/// Longest `client_msg_id`, in bytes.
+pub const CLIENT_MSG_ID_BYTES_MAX: usize = 128;
+/// Longest message `kind`, in bytes.
+pub const KIND_BYTES_MAX: usize = 32;
 
 fn is_id_char(c: char) -> bool {
     c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '@')

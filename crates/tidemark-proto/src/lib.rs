@@ -28,14 +28,9 @@ pub const FRAME_BYTES_MAX: usize = 256 * 1024;
 pub const CONTENT_BYTES_MAX: usize = 64 * 1024;
 /// Longest `conv` or `message_id` a request may name, in bytes.
 pub const ID_BYTES_MAX: usize = 64;
-/// Longest user name, in bytes.
-pub const USER_BYTES_MAX: usize = 64;
-/// Longest device id, in bytes.
-pub const DEVICE_ID_BYTES_MAX: usize = 128;
-/// Longest `client_msg_id`, in bytes.
-pub const CLIENT_MSG_ID_BYTES_MAX: usize = 128;
-/// Longest message `kind`, in bytes.
-pub const KIND_BYTES_MAX: usize = 32;
+/// The identifier bounds the domain validates (`tidemark_core::ids`):
+/// user names, device ids, `client_msg_id`s and message kinds, in bytes.
+pub use tidemark_core::ids::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
 /// Longest reaction, in bytes.
 pub const REACTION_BYTES_MAX: usize = 32;
 /// Longest accepted password, in bytes (argon2 cost is bounded by input).
