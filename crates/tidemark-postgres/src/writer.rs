@@ -40,12 +40,12 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use tidemark_store::metric_names as names;
-use tidemark_store::{StoreError, StoreHealth, StoreResult};
+use tidemark_store::{StoreError, StoreHealth, StoreResult, WriteFailure};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::db::{self, Conn};
@@ -145,20 +145,6 @@ pub struct WriterStats {
     pub conflict_retries: AtomicU64,
     /// Requests that still failed so on their last allowed run.
     pub conflict_give_ups: AtomicU64,
-}
-
-/// Why the last batch could not begin or commit, until one commits.
-#[derive(Debug, Default)]
-struct WriteFailure(Mutex<Option<String>>);
-
-impl WriteFailure {
-    fn set(&self, why: Option<String>) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = why;
-    }
-
-    fn get(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
 }
 
 #[derive(Clone)]

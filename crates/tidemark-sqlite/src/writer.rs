@@ -15,11 +15,11 @@
 //! rather than leave a store whose every write answers `UNAVAILABLE`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use rusqlite::Connection;
 use tidemark_store::metric_names as names;
-use tidemark_store::{StoreError, StoreHealth, StoreResult};
+use tidemark_store::{StoreError, StoreHealth, StoreResult, WriteFailure};
 use tokio::sync::{mpsc, oneshot};
 
 /// Most requests in one transaction.
@@ -69,20 +69,6 @@ pub struct WriterStats {
     pub commits: AtomicU64,
     pub writes: AtomicU64,
     pub checkpoints: AtomicU64,
-}
-
-/// Why the last transaction could not begin or commit, until one commits.
-#[derive(Debug, Default)]
-struct WriteFailure(Mutex<Option<String>>);
-
-impl WriteFailure {
-    fn set(&self, why: Option<String>) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = why;
-    }
-
-    fn get(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
 }
 
 #[derive(Clone)]

@@ -471,6 +471,22 @@ pub struct StoreHealth {
     pub write_failure: Option<String>,
 }
 
+/// Why the writer's last transaction could not begin or commit, until one
+/// commits: what a backend's writer records and [`StoreHealth`] reports.
+#[derive(Debug, Default)]
+pub struct WriteFailure(std::sync::Mutex<Option<String>>);
+
+impl WriteFailure {
+    /// Records the outcome of one transaction (`None`: it committed).
+    pub fn set(&self, why: Option<String>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = why;
+    }
+
+    pub fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
     // ------------------------------------------------ secrets and accounts

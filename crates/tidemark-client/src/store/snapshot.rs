@@ -4,12 +4,12 @@
 //! with the snapshot's items.
 
 use rusqlite::{params, Connection, OptionalExtension, TransactionBehavior};
-use serde_json::{json, Value};
+use serde_json::Value;
 use tidemark_proto::Envelope;
 
-use super::apply::{insert_message, ApplyError};
+use super::apply::{insert_message, message_of, ApplyError};
 use super::schema::{CONTROL_KINDS, STATE_DELETED, STATE_RECALLED};
-use super::{FaultAction, FaultPoint, LocalStore, Message, StoreError, StoreResult};
+use super::{FaultAction, FaultPoint, LocalStore, StoreError, StoreResult};
 
 /// A snapshot this device began installing (D7, docs/protocol.md §3.24),
 /// persisted from `snapshot.begin` until its `snapshot.ack` is confirmed.
@@ -180,22 +180,7 @@ impl LocalStore {
             )
             .map_err(StoreError::from)?;
             for env in &c.messages {
-                insert_message(
-                    &tx,
-                    &Message {
-                        conv: env.conv.clone(),
-                        msg_seq: env.msg_seq,
-                        message_id: env.message_id.clone(),
-                        kind: env.kind.clone(),
-                        state: env.state.clone(),
-                        sender: env.sender.clone(),
-                        content: env.content.clone(),
-                        created_at: env.created_at,
-                        version: env.version.max(1),
-                        reactions: serde_json::to_value(&env.reactions).unwrap_or_else(|_| json!({})),
-                        sync_seq: None,
-                    },
-                )?;
+                insert_message(&tx, &message_of(env, None))?;
                 report.messages += 1;
             }
         }
