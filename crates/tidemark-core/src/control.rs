@@ -19,7 +19,9 @@ pub fn check_replay(earlier: (&str, &str), conv: &str, kinds: &[&str], client_ms
     let (earlier_conv, kind) = earlier;
     let same_kind = if kinds.is_empty() { !is_control_kind(kind) } else { kinds.contains(&kind) };
     if earlier_conv != conv || !same_kind {
-        return Err(Refusal::Invalid(format!("client_msg_id {client_msg_id} was already used for another operation")));
+        // Not a malformed request: a key taken by another operation is a
+        // conflict with what is stored.
+        return Err(Refusal::Conflict(format!("client_msg_id {client_msg_id} was already used for another operation")));
     }
     Ok(())
 }
@@ -213,7 +215,7 @@ mod tests {
         fn check(input: ((&str, &str), &[&str]), expect: Result<(), Refusal>) {
             assert_eq!(check_replay(input.0, "c1", input.1, "k"), expect, "{input:?}");
         }
-        let other = || Err(Refusal::Invalid("client_msg_id k was already used for another operation".into()));
+        let other = || Err(Refusal::Conflict("client_msg_id k was already used for another operation".into()));
         check((("c1", "text"), &[]), Ok(()));
         check((("c1", "image"), &[]), Ok(()));
         check((("c2", "text"), &[]), other());

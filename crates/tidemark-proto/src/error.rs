@@ -74,7 +74,7 @@ impl ErrorCode {
     /// HTTP status used by `POST /v1/rpc/<op>` for this code.
     pub fn http_status(self) -> u16 {
         match self {
-            ErrorCode::BadRequest | ErrorCode::CursorAhead | ErrorCode::AckBeyondWatermark => 400,
+            ErrorCode::BadRequest | ErrorCode::AckBeyondWatermark => 400,
             ErrorCode::Unauthenticated => 401,
             ErrorCode::Forbidden | ErrorCode::NotMember | ErrorCode::DeviceRevoked => 403,
             ErrorCode::NotFound => 404,
@@ -82,6 +82,7 @@ impl ErrorCode {
             | ErrorCode::StaleGeneration
             | ErrorCode::TokenInvalid
             | ErrorCode::EpochChanged
+            | ErrorCode::CursorAhead
             | ErrorCode::Conflict => 409,
             ErrorCode::RateLimited => 429,
             ErrorCode::Unavailable => 503,

@@ -723,15 +723,15 @@ async fn control_events_follow_the_targets_visibility() {
     assert_eq!(unread(call(&cat.ws, "conv.list", json!({})).await), 0);
     assert_eq!(call(&cat.ws, "read", json!({"conv": conv, "read_to_seq": 1})).await["unread"], 0);
 
-    // One idempotency key, one operation.
+    // One idempotency key, one operation: a taken key is a conflict.
     assert_eq!(
         refused(&own.ws, "recall", json!({"conv": conv, "message_id": id, "client_msg_id": "for-all"})).await,
-        "BAD_REQUEST"
+        "CONFLICT"
     );
     let other = own.ws.conv_create_direct("cat").await.unwrap().conv;
     assert_eq!(
         refused(&own.ws, "send", json!({"conv": other, "client_msg_id": "for-all", "content": {"text": "x"}})).await,
-        "BAD_REQUEST"
+        "CONFLICT"
     );
     assert_eq!(refused(&cat.ws, "read", json!({"conv": "g-nope", "read_to_seq": 1})).await, "NOT_FOUND");
     ts.stop().await;

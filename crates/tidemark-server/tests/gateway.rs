@@ -251,9 +251,16 @@ async fn slow_consumer_is_disconnected_not_skipped() {
     ws.send(Message::Text(json!({"t": "ping", "rid": "p"}).to_string().into())).await.unwrap();
     assert_eq!(next_json(&mut ws).await["t"], "ping.ok");
     assert_eq!(ts.running().state.hub.connections(), 2);
+    // The device's generation, so that every later first page replays the
+    // log (about a megabyte each) rather than answering a small reset.
+    ws.send(Message::Text(json!({"t": "sync", "rid": "s", "limit": 16}).to_string().into())).await.unwrap();
+    let first = next_json(&mut ws).await;
+    assert_eq!(first["t"], "sync.ok", "{first}");
+    let generation = first["sync_generation"].as_u64().unwrap();
     // Each reply is about a megabyte; never read them.
     for i in 0..400 {
-        let frame = json!({"t": "sync", "rid": format!("s{i}"), "limit": 16});
+        let frame = json!({"t": "sync", "rid": format!("s{i}"), "limit": 16,
+                           "sync_generation": generation, "local_applied_sync_seq": 0});
         if ws.send(Message::Text(frame.to_string().into())).await.is_err() {
             break;
         }

@@ -155,7 +155,7 @@ pub async fn refusals_inside_one_group_commit_roll_back_alone(store: Arc<dyn Sto
         match (kind, r) {
             (0, r) => assert_eq!(r, Err(StoreError::NotMember)),
             (1, r) => assert!(matches!(r, Err(StoreError::NotFound(_))), "{r:?}"),
-            (2, r) => assert!(matches!(r, Err(StoreError::Invalid(_))), "{r:?}"),
+            (2, r) => assert!(matches!(r, Err(StoreError::Conflict(_))), "{r:?}"),
             (3, r) => {
                 let ok = r.unwrap();
                 dup_seqs.insert(ok.msg_seq);
@@ -298,7 +298,7 @@ pub async fn membership_rules(store: &dyn Store) {
     assert_eq!(change("m", "lv-x", "x", Leave).await, Err(invalid("leave applies to the caller")));
     assert_eq!(
         change("own", "k", "x", Remove).await,
-        Err(invalid("client_msg_id k was already used for another operation"))
+        Err(StoreError::Conflict("client_msg_id k was already used for another operation".into()))
     );
     assert_eq!(change("x", "lv-x2", "x", Leave).await, Ok(4), "a member leaves");
     assert_eq!(change("x", "lv-x3", "x", Leave).await, Err(StoreError::NotMember), "a leaver is no member");
@@ -342,7 +342,7 @@ pub async fn recall_edit_react_rules(store: &dyn Store) {
     let newcomer = store.react(ev("g1", "c", "r4"), &m1, "+1", true).await;
     assert_eq!(newcomer, Err(StoreError::NotMember), "a newcomer does not see older messages");
     let reused = store.react(ev("g1", "a", "e1"), &m1, "+1", true).await;
-    assert_eq!(reused, Err(invalid("client_msg_id e1 was already used for another operation")));
+    assert_eq!(reused, Err(StoreError::Conflict("client_msg_id e1 was already used for another operation".into())));
     store.change_membership(ev("g1", "d", "lv-d"), "d", MembershipChange::Leave).await.unwrap();
     let by_other = store.recall(ev("g1", "b", "rc0"), &m1).await;
     assert_eq!(by_other, Err(StoreError::Forbidden("only the sender recalls a message".into())));
