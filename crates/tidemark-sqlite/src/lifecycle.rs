@@ -65,7 +65,7 @@ pub(crate) fn begin_snapshot(
         let sql = format!(
             "SELECT {} FROM messages m
              WHERE m.conv_id = ?1 AND m.msg_seq <= ?3 AND {}
-             ORDER BY m.msg_seq DESC LIMIT ?4",
+             ORDER BY m.msg_seq DESC LIMIT ?4 + 0",
             read::MSG_COLS,
             read::VISIBLE
         );
