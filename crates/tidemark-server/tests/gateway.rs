@@ -401,3 +401,38 @@ async fn connection_ends_when_its_access_token_expires() {
     assert_eq!(ws.request_value("ping", json!({})).await.unwrap()["t"], "ping.ok");
     ts.stop().await;
 }
+
+/// P2 heartbeat: a connection that answers nothing (no frame, not even a
+/// pong) is closed after three ping periods; one that keeps reading (its
+/// WebSocket library answers the pings) stays open meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_closes_a_silent_connection() {
+    // Long enough that a reader scheduled late on a loaded machine still
+    // answers well within three periods.
+    let ping = Duration::from_millis(250);
+    let ts = TestServer::start_with(tidemark_server::ServerConfig { ws_ping: ping, ..Default::default() }).await;
+    ts.user("ann").await;
+    let login = ts.http.login("ann", PASSWORD, "phone").await.unwrap();
+    let mut live = raw_ws(&ts, &login.access_token).await;
+    live.send(Message::Text(json!({"t": "ping", "rid": "p"}).to_string().into())).await.unwrap();
+    assert_eq!(next_json(&mut live).await["t"], "ping.ok");
+    let login2 = ts.http.login("ann", PASSWORD, "laptop").await.unwrap();
+    let mut silent = raw_ws(&ts, &login2.access_token).await;
+    silent.send(Message::Text(json!({"t": "ping", "rid": "p"}).to_string().into())).await.unwrap();
+    assert_eq!(next_json(&mut silent).await["t"], "ping.ok");
+    assert_eq!(ts.running().state.hub.connections(), 2);
+    // The live one reads (and so answers pings) in the background; the
+    // silent one is never read again.
+    let reader = tokio::spawn(async move { while let Some(Ok(_)) = live.next().await {} });
+    let started = tokio::time::Instant::now();
+    let deadline = started + Duration::from_secs(20);
+    while ts.running().state.hub.connections() > 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the silent connection was never closed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(started.elapsed() >= ping * 2, "closed before it could have been silent for three periods");
+    assert_eq!(ts.running().state.hub.connections(), 1, "the connection that answers pings stays");
+    reader.abort();
+    drop(silent);
+    ts.stop().await;
+}
