@@ -135,19 +135,19 @@ struct LimitArgs {
     #[arg(long)]
     no_rate_limits: bool,
     /// Sends (and recalls, edits, reactions) per second per device.
-    #[arg(long, default_value_t = limits::SEND_PER_DEVICE_DEFAULT.per_second)]
+    #[arg(long, default_value_t = limits::SEND_PER_DEVICE_DEFAULT.per_second())]
     send_per_sec: u32,
     /// Sends a device may make in a burst above that rate.
     #[arg(long, default_value_t = limits::SEND_PER_DEVICE_DEFAULT.burst)]
     send_burst: u32,
     /// Sync pages and ACKs per second per device.
-    #[arg(long, default_value_t = limits::SYNC_PER_DEVICE_DEFAULT.per_second)]
+    #[arg(long, default_value_t = limits::SYNC_PER_DEVICE_DEFAULT.per_second())]
     sync_per_sec: u32,
     /// Sync pages and ACKs a device may make in a burst.
     #[arg(long, default_value_t = limits::SYNC_PER_DEVICE_DEFAULT.burst)]
     sync_burst: u32,
     /// Login and refresh attempts per second per source address.
-    #[arg(long, default_value_t = limits::LOGIN_PER_ADDRESS_DEFAULT.per_second)]
+    #[arg(long, default_value_t = limits::LOGIN_PER_ADDRESS_DEFAULT.per_second())]
     login_per_sec: u32,
     /// Login and refresh attempts an address may make in a burst.
     #[arg(long, default_value_t = limits::LOGIN_PER_ADDRESS_DEFAULT.burst)]

@@ -67,22 +67,34 @@ impl OpClass {
     }
 }
 
-/// A sustained rate and the burst allowed above it.
+/// A sustained rate and the burst allowed above it: one request is
+/// replenished every `cell`, up to `burst` at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rate {
-    pub per_second: u32,
+    pub cell: Duration,
     pub burst: u32,
 }
 
 impl Rate {
+    /// `per_second` requests a second (at least one).
     pub const fn new(per_second: u32, burst: u32) -> Rate {
-        Rate { per_second, burst }
+        let per_second = if per_second == 0 { 1 } else { per_second };
+        Rate { cell: Duration::from_nanos(1_000_000_000 / per_second as u64), burst }
+    }
+
+    /// One request every `cell` (slower than one a second, for example).
+    pub const fn every(cell: Duration, burst: u32) -> Rate {
+        Rate { cell, burst }
+    }
+
+    /// The sustained rate, rounded down to whole requests a second.
+    pub fn per_second(self) -> u32 {
+        (Duration::from_secs(1).as_nanos() / self.cell.as_nanos().max(1)) as u32
     }
 
     fn quota(self) -> Quota {
-        let per_second = NonZeroU32::new(self.per_second.max(1)).expect("non-zero");
         let burst = NonZeroU32::new(self.burst.max(1)).expect("non-zero");
-        Quota::per_second(per_second).allow_burst(burst)
+        Quota::with_period(self.cell.max(Duration::from_nanos(1))).expect("a non-zero period").allow_burst(burst)
     }
 }
 
@@ -500,14 +512,16 @@ mod tests {
 
     #[test]
     fn a_device_over_its_send_quota_is_told_when_to_retry_and_others_are_not_affected() {
-        let limits = Limits::new(LimitsConfig { send_per_device: Rate::new(1, 3), ..Default::default() });
+        // One send a minute after the burst: no refill while the test runs.
+        let cell = Duration::from_secs(60);
+        let limits = Limits::new(LimitsConfig { send_per_device: Rate::every(cell, 3), ..Default::default() });
         for _ in 0..3 {
             limits.admit_op(op::SEND, "ann", "phone").unwrap();
         }
         let refused = limits.admit_op(op::SEND, "ann", "phone").unwrap_err();
         assert_eq!(refused.code, ErrorCode::RateLimited);
         let wait = refused.retry_after_ms.unwrap();
-        assert!((1..=1_000).contains(&wait), "retry_after_ms {wait}");
+        assert!((1..=cell.as_millis() as u64).contains(&wait), "retry_after_ms {wait}");
         // Another device, another user, and another class go on.
         limits.admit_op(op::SEND, "ann", "laptop").unwrap();
         limits.admit_op(op::SEND, "ben", "phone").unwrap();

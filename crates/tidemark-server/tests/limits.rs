@@ -22,8 +22,10 @@ fn refusal(r: Result<impl std::fmt::Debug, ClientError>) -> (ErrorCode, Option<u
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flood_of_sends_is_limited_per_device_and_nothing_beyond_the_quota_is_accepted() {
-    // One send a second after a burst of five.
-    let limits = LimitsConfig { send_per_device: Rate::new(1, 5), ..LimitsConfig::default() };
+    // One send a minute after a burst of five: nothing refills while the
+    // test runs, however slowly the machine runs it.
+    let cell = Duration::from_secs(60);
+    let limits = LimitsConfig { send_per_device: Rate::every(cell, 5), ..LimitsConfig::default() };
     let ts = TestServer::start_with(ServerConfig { limits, ..ServerConfig::default() }).await;
     ts.user("ann").await;
     ts.user("ben").await;
@@ -41,7 +43,7 @@ async fn a_flood_of_sends_is_limited_per_device_and_nothing_beyond_the_quota_is_
                 let (code, retry_after_ms) = refusal(Err::<(), _>(e));
                 assert_eq!(code, ErrorCode::RateLimited);
                 let wait = retry_after_ms.expect("a limit says when to retry");
-                assert!((1..=1_000).contains(&wait), "retry_after_ms {wait}");
+                assert!((1..=cell.as_millis() as u64).contains(&wait), "retry_after_ms {wait}");
                 refused += 1;
             }
         }
@@ -63,7 +65,9 @@ async fn a_flood_of_sends_is_limited_per_device_and_nothing_beyond_the_quota_is_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_throttled_sync_or_ack_moves_no_cursor() {
-    let limits = LimitsConfig { sync_per_device: Rate::new(1, 2), ..LimitsConfig::default() };
+    // Two pages or ACKs, then one every 3 s: far longer than the refused
+    // requests below take, short enough to wait out at the end.
+    let limits = LimitsConfig { sync_per_device: Rate::every(Duration::from_secs(3), 2), ..LimitsConfig::default() };
     let ts = TestServer::start_with(ServerConfig { limits, ..ServerConfig::default() }).await;
     ts.user("ann").await;
     ts.user("ben").await;
@@ -79,7 +83,7 @@ async fn a_throttled_sync_or_ack_moves_no_cursor() {
         assert!(Instant::now() < deadline, "fan-out never reached ben");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    // The quota: two pages or ACKs, then one a second.
+    // The quota: two pages or ACKs, then one every 3 s.
     let first = ben.sync_page(10).await.unwrap();
     assert_eq!(first.events.len(), 3);
     let again = ben.sync_page(10).await.unwrap();
