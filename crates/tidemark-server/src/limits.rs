@@ -203,7 +203,7 @@ pub struct Limits {
     hashing: AtomicUsize,
     hashing_peak: AtomicUsize,
     /// Jobs for the hashing threads (see [`Limits::hash`]).
-    hash_jobs: Mutex<std::sync::mpsc::Sender<HashJob>>,
+    hash_jobs: std::sync::mpsc::Sender<HashJob>,
     failures_by_address: Mutex<HashMap<(String, IpAddr), Failures>>,
     failures_by_account: Mutex<HashMap<String, Failures>>,
 }
@@ -250,7 +250,7 @@ impl Limits {
             hashes: Semaphore::new(config.password_hashes_concurrent_max.max(1)),
             hashing: AtomicUsize::new(0),
             hashing_peak: AtomicUsize::new(0),
-            hash_jobs: Mutex::new(spawn_hash_threads(config.password_hashes_concurrent_max.max(1))),
+            hash_jobs: spawn_hash_threads(config.password_hashes_concurrent_max.max(1)),
             failures_by_address: Mutex::new(HashMap::new()),
             failures_by_account: Mutex::new(HashMap::new()),
             config,
@@ -350,7 +350,7 @@ impl Limits {
     pub async fn hash<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
         let permit = self.password_hash_permit().await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let sent = self.hash_jobs.lock().expect("hash pool lock").send(Box::new(move || {
+        let sent = self.hash_jobs.send(Box::new(move || {
             let _ = tx.send(job());
         }));
         if sent.is_err() {
