@@ -104,6 +104,12 @@ enum Command {
         /// upgrades are refused with UNAVAILABLE and a retry hint.
         #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_MAX_DEFAULT)]
         ws_connections_max: usize,
+        /// A group with more active members than this reads a shared log
+        /// with dirty markers instead of per-member fan-out (large groups;
+        /// one-way; at most 1000, the per-member cap).
+        #[arg(long, default_value_t = tidemark_core::large::LARGE_GROUP_MEMBERS_DEFAULT,
+              value_parser = clap::value_parser!(u64).range(0..=tidemark_core::large::PER_MEMBER_MAX))]
+        large_group_members: u64,
         #[command(flatten)]
         limits: LimitArgs,
         /// Fault drill: accept messages but never fan them out.
@@ -261,6 +267,7 @@ async fn main() -> Result<()> {
             snapshot_ttl_secs,
             snapshot_messages_per_conv,
             ws_connections_max,
+            large_group_members,
             limits,
             hold_fanout,
         } => {
@@ -290,6 +297,7 @@ async fn main() -> Result<()> {
                 hint_bus,
                 ws_connections_max,
                 limits: limits.config(),
+                group_policy: tidemark_core::large::GroupPolicy { large_members: large_group_members },
                 ..defaults
             };
             let server = Server::start(&listen, store, config).await?;

@@ -22,7 +22,10 @@ pub const KIND_LEAVE: &str = "member.leave";
 pub const KIND_RECALL: &str = "recall";
 pub const KIND_EDIT: &str = "edit";
 pub const KIND_REACTION: &str = "reaction";
-pub const CONTROL_KINDS: &[&str] = &[KIND_CREATED, KIND_JOIN, KIND_LEAVE, KIND_RECALL, KIND_EDIT, KIND_REACTION];
+/// A group switched to shared mode at this event's `msg_seq` (G3).
+pub const KIND_MODE: &str = "conv.mode";
+pub const CONTROL_KINDS: &[&str] =
+    &[KIND_CREATED, KIND_JOIN, KIND_LEAVE, KIND_RECALL, KIND_EDIT, KIND_REACTION, KIND_MODE];
 
 pub fn is_control_kind(kind: &str) -> bool {
     CONTROL_KINDS.contains(&kind)
@@ -39,6 +42,9 @@ pub const EVENT_REACTION: &str = "reaction";
 pub const EVENT_READ: &str = "read";
 pub const EVENT_SETTINGS: &str = "settings";
 pub const EVENT_DELETE: &str = "delete";
+/// The switch of a group to shared mode: later events are read from the
+/// conversation log (G3).
+pub const EVENT_MODE: &str = "mode";
 
 /// The user-log event kind of a conversation event kind.
 pub fn event_kind_of(kind: &str) -> &'static str {
@@ -47,6 +53,7 @@ pub fn event_kind_of(kind: &str) -> &'static str {
         KIND_RECALL => EVENT_RECALL,
         KIND_EDIT => EVENT_EDIT,
         KIND_REACTION => EVENT_REACTION,
+        KIND_MODE => EVENT_MODE,
         _ => EVENT_MESSAGE,
     }
 }
@@ -74,5 +81,6 @@ mod tests {
         check(KIND_RECALL, (true, EVENT_RECALL));
         check(KIND_EDIT, (true, EVENT_EDIT));
         check(KIND_REACTION, (true, EVENT_REACTION));
+        check(KIND_MODE, (true, EVENT_MODE));
     }
 }

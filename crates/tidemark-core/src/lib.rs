@@ -15,6 +15,7 @@ pub mod convsync;
 pub mod cursor;
 pub mod ids;
 pub mod kinds;
+pub mod large;
 pub mod membership;
 pub mod page;
 pub mod projection;

@@ -11,8 +11,10 @@ use std::collections::HashSet;
 use crate::kinds::{CONV_GROUP, KIND_CREATED, KIND_RECALL};
 use crate::{MsgSeq, Refusal};
 
-/// Most members a group may have (the fan-out is per member).
-pub const GROUP_MEMBERS_MAX: usize = 1000;
+/// Most members a group may have. Above the large-group threshold a group
+/// is in shared mode (`crate::large`), so this bounds a shared log's
+/// readers, not a fan-out.
+pub const GROUP_MEMBERS_MAX: usize = 100_000;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Period {
@@ -291,7 +293,7 @@ mod tests {
         check(("a", &["c", "b"]), Ok(vec!["a", "b", "c"]));
         check(("a", &["a", "b", "b"]), Ok(vec!["a", "b"]));
         check(("a", &[]), Ok(vec!["a"]));
-        let many: Vec<String> = (0..GROUP_MEMBERS_MAX).map(|i| format!("u{i:04}")).collect();
+        let many: Vec<String> = (0..GROUP_MEMBERS_MAX).map(|i| format!("u{i:06}")).collect();
         let refs: Vec<&str> = many.iter().map(String::as_str).collect();
         check(
             ("a", &refs[..GROUP_MEMBERS_MAX - 1]),

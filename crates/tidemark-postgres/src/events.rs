@@ -13,6 +13,7 @@
 //! event locks the user's head row before touching the user's other rows.
 //! This module knows no pool, no queue and no read path.
 
+use tidemark_core::large::{self, ClearDecision, MarkerFacts};
 use tidemark_core::control::{self, ControlDecision, Target};
 use tidemark_core::membership::{self, MembershipDecision, MembershipFacts};
 use tidemark_core::projection::{self, Settings};
@@ -198,7 +199,12 @@ pub(crate) async fn known_users(c: &Conn, users: &[String]) -> R<Vec<String>> {
     rows.iter().map(|r| col::<String>(r, 0)).collect()
 }
 
-pub(crate) async fn create_group(c: &Conn, cmd: &ConvEventCmd, members: &[String]) -> R<(String, u64)> {
+pub(crate) async fn create_group(
+    c: &Conn,
+    cmd: &ConvEventCmd,
+    members: &[String],
+    policy: GroupPolicy,
+) -> R<(String, u64)> {
     // A retried create finds the group its first attempt made.
     let earlier = query_opt(
         c,
@@ -235,7 +241,50 @@ pub(crate) async fn create_group(c: &Conn, cmd: &ConvEventCmd, members: &[String
         &[&cmd.conv, &all],
     )
     .await?;
+    // A group created large is shared from its first event on: the
+    // conv.created is fanned out to every member, everything after it is
+    // read from the conversation log (G3).
+    if policy.mode_for_new_group(all.len() as u64) == large::MODE_SHARED {
+        set_shared(c, &cmd.conv, at).await?;
+    }
+    exec(c, "UPDATE conversations SET members_seq = $2 WHERE conv_id = $1", &[&cmd.conv, &big(at)]).await?;
     Ok((cmd.conv.clone(), at))
+}
+
+/// Puts `conv` in shared mode from `from` (the switch event's msg_seq) on,
+/// and flags every member's row so the sync path finds it.
+async fn set_shared(c: &Conn, conv: &str, from: u64) -> R<()> {
+    exec(
+        c,
+        "UPDATE conversations SET mode = $2, shared_from = $3 WHERE conv_id = $1",
+        &[&conv, &large::MODE_SHARED, &big(from)],
+    )
+    .await?;
+    exec(
+        c,
+        "UPDATE user_convs SET shared = TRUE WHERE conv_id = $1
+         AND user_id IN (SELECT user_id FROM membership_periods WHERE conv_id = $1)",
+        &[&conv],
+    )
+    .await?;
+    Ok(())
+}
+
+/// G3: a join took the group over the threshold: the switch event, at the
+/// next msg_seq, by the writer that ordered the join (the conversation row
+/// is locked). Its idempotency key is derived from the join's, so a
+/// retried join finds the join and writes nothing more.
+async fn switch_to_shared(c: &Conn, cmd: &ConvEventCmd, members: u64) -> R<u64> {
+    let switch = ConvEventCmd {
+        event_id: format!("{}.mode", cmd.event_id),
+        client_msg_id: format!("{}.mode", cmd.client_msg_id),
+        ..cmd.clone()
+    };
+    let content = content::ModeChanged { mode: large::MODE_SHARED, members }.to_json();
+    let at = append_conv_event(c, &switch, KIND_MODE, &content, None, STATE_NORMAL).await?;
+    set_shared(c, &cmd.conv, at).await?;
+    tracing::info!(conv = %cmd.conv, msg_seq = at, members, "group switched to shared mode");
+    Ok(at)
 }
 
 /// What a membership change decides on: the conversation row, locked
@@ -263,7 +312,13 @@ async fn membership_facts(c: &Conn, conv: &str, actor: &str, target: &str) -> R<
     }))
 }
 
-pub(crate) async fn change_membership(c: &Conn, cmd: &ConvEventCmd, target: &str, change: MembershipChange) -> R<u64> {
+pub(crate) async fn change_membership(
+    c: &Conn,
+    cmd: &ConvEventCmd,
+    target: &str,
+    change: MembershipChange,
+    policy: GroupPolicy,
+) -> R<u64> {
     if let Some((_, _, at, _)) =
         existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[KIND_JOIN, KIND_LEAVE]).await?
     {
@@ -286,13 +341,21 @@ pub(crate) async fn change_membership(c: &Conn, cmd: &ConvEventCmd, target: &str
             &[&cmd.conv, &target, &big(at)],
         )
         .await?;
+        let mode: String =
+            col(&db::query_one(c, "SELECT mode FROM conversations WHERE conv_id = $1", &[&cmd.conv]).await?, 0)?;
+        let shared = mode == large::MODE_SHARED;
         exec(
             c,
-            "INSERT INTO user_convs (user_id, conv_id) VALUES ($1, $2)
-             ON CONFLICT (user_id, conv_id) DO UPDATE SET active = TRUE",
-            &[&target, &cmd.conv],
+            "INSERT INTO user_convs (user_id, conv_id, shared) VALUES ($1, $2, $3)
+             ON CONFLICT (user_id, conv_id) DO UPDATE SET active = TRUE, shared = excluded.shared",
+            &[&target, &cmd.conv, &shared],
         )
         .await?;
+        exec(c, "UPDATE conversations SET members_seq = $2 WHERE conv_id = $1", &[&cmd.conv, &big(at)]).await?;
+        let members = facts.as_ref().map_or(0, |f| f.active_members) + 1;
+        if policy.switches(&mode, members) {
+            switch_to_shared(c, cmd, members).await?;
+        }
     } else {
         // The leave event is the period's last visible seq: the leaver's
         // devices learn of it; nothing after it is theirs (G1).
@@ -305,8 +368,65 @@ pub(crate) async fn change_membership(c: &Conn, cmd: &ConvEventCmd, target: &str
         assert_eq!(n, 1, "exactly one open period per member");
         exec(c, "UPDATE user_convs SET active = FALSE WHERE user_id = $1 AND conv_id = $2", &[&target, &cmd.conv])
             .await?;
+        exec(c, "UPDATE conversations SET members_seq = $2 WHERE conv_id = $1", &[&cmd.conv, &big(at)]).await?;
     }
     Ok(at)
+}
+
+/// `dirty.clear` (G2): loads the marker's facts for the device, lets
+/// `large::decide_clear` decide, and records a clear. A publication
+/// racing it is harmless: dirtiness is measured against the target, so a
+/// clear recorded at an older target leaves the marker dirty.
+pub(crate) async fn clear_marker(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    conv: &str,
+    observed_version: u64,
+    last_msg_seq: u64,
+) -> R<(bool, Marker)> {
+    let row = query_opt(
+        c,
+        "SELECT cv.mode, COALESCE(mk.target, 0), COALESCE(mk.version, 0),
+                EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = cv.conv_id AND p.user_id = $2
+                        AND p.leave_seq IS NULL),
+                (SELECT MAX(p.leave_seq) FROM membership_periods p WHERE p.conv_id = cv.conv_id AND p.user_id = $2),
+                COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = $2 AND dm.device_id = $3
+                          AND dm.conv_id = cv.conv_id), 0)
+         FROM conversations cv LEFT JOIN conv_markers mk ON mk.conv_id = cv.conv_id WHERE cv.conv_id = $1",
+        &[&conv, &user, &device],
+    )
+    .await?;
+    let Some(r) = row else { return Err(StoreError::NotFound(format!("conversation {conv}"))) };
+    let (mode, active, last_leave): (String, bool, Option<u64>) = (col(&r, 0)?, col(&r, 3)?, seq_opt(&r, 4)?);
+    if !active && last_leave.is_none() {
+        return Err(StoreError::NotMember);
+    }
+    if mode != large::MODE_SHARED {
+        return Err(StoreError::Invalid(format!("conversation {conv} is not in shared mode")));
+    }
+    let facts = MarkerFacts {
+        published_target: seq(&r, 1)?,
+        version: seq(&r, 2)?,
+        left_at: if active { None } else { last_leave },
+        cleared_seq: seq(&r, 5)?,
+    };
+    match large::decide_clear(&facts, observed_version, last_msg_seq) {
+        ClearDecision::Stale => Ok((false, large::marker(&facts))),
+        ClearDecision::Cleared { cleared_seq } => {
+            exec(
+                c,
+                "INSERT INTO device_markers (user_id, device_id, conv_id, cleared_seq, cleared_version)
+                 VALUES ($1, $2, $3, $4, $5)
+                 ON CONFLICT (user_id, device_id, conv_id) DO UPDATE SET
+                    cleared_seq = GREATEST(device_markers.cleared_seq, excluded.cleared_seq),
+                    cleared_version = excluded.cleared_version",
+                &[&user, &device, &conv, &big(cleared_seq), &big(observed_version)],
+            )
+            .await?;
+            Ok((true, large::marker(&MarkerFacts { cleared_seq, ..facts })))
+        }
+    }
 }
 
 /// The target of a control event by `actor` (a reaction's current state
@@ -562,11 +682,18 @@ pub(crate) async fn mark_read(c: &Conn, user: &str, conv: &str, read_to_seq: u64
     let Some(row) = row else { return Err(not_found_or_not_member(c, conv).await?) };
     let (read_seq, head) = (seq(&row, 0)?, seq(&row, 1)?);
     let Some(target) = projection::read_target(read_to_seq, head, read_seq) else {
-        return Ok(ReadOutcome { read_seq, unread: seq(&row, 2)?, written: None });
+        let unread = conv_state(c, user, conv).await?.map_or(seq(&row, 2)?, |s| s.unread);
+        return Ok(ReadOutcome { read_seq, unread, written: None });
     };
     exec(c, "UPDATE user_convs SET read_seq = $3 WHERE user_id = $1 AND conv_id = $2", &[&user, &conv, &big(target)])
         .await?;
-    let unread = recount_unread(c, user, conv).await?;
+    let mut unread = recount_unread(c, user, conv).await?;
+    // A shared group's unread above the switch is counted from the log.
+    if let Some(state) = conv_state(c, user, conv).await? {
+        if state.mode == large::MODE_SHARED {
+            unread = state.unread;
+        }
+    }
     let data = content::ReadData { read_seq: target, unread }.to_json();
     let source = projection::read_event_id(conv, target);
     let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms).await?;
@@ -576,15 +703,7 @@ pub(crate) async fn mark_read(c: &Conn, user: &str, conv: &str, read_to_seq: u64
 /// The user's row of `conv` in the conversation list, as `list_conversations`
 /// renders it.
 pub(crate) async fn conv_state(c: &Conn, user: &str, conv: &str) -> R<Option<ConvState>> {
-    let row = query_opt(
-        c,
-        "SELECT uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread, uc.muted, uc.pinned, uc.active
-         FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
-         WHERE uc.user_id = $1 AND uc.conv_id = $2",
-        &[&user, &conv],
-    )
-    .await?;
-    row.map(|r| crate::read::conv_state_at(&r)).transpose()
+    Ok(crate::read::conv_rows(c, user, None, crate::read::Rows::One(conv)).await?.pop())
 }
 
 pub(crate) async fn update_settings(

@@ -21,6 +21,7 @@
 
 use std::collections::BTreeMap;
 
+use tidemark_core::large::{self, Route};
 use tidemark_core::membership::{control_recipients, recipients_at, Period, Recipients};
 use tidemark_core::projection;
 use tidemark_core::SyncSeq;
@@ -46,13 +47,15 @@ async fn periods_covering(c: &Conn, conv: &str, at: u64) -> R<Vec<Period>> {
         .collect()
 }
 
-/// The recipients of one item (F4, E1): the periods covering its
+/// The recipients of one item (F4, E1, G2): the periods covering its
 /// `msg_seq` and, for a control event, those covering its target's, as
-/// `control_recipients` combines them.
-async fn resolve(c: &Conn, item: &OutboxItem) -> R<Recipients> {
+/// `control_recipients` combines them; in a shared group, as
+/// `large::route` decides (nobody, or the subject of a membership change).
+async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route)> {
     let source = query_one(
         c,
-        "SELECT s.kind, t.msg_seq FROM messages s
+        "SELECT s.kind, t.msg_seq, cv.mode, cv.shared_from FROM messages s
+         JOIN conversations cv ON cv.conv_id = s.conv_id
          LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
          WHERE s.conv_id = $1 AND s.message_id = $2",
         &[&item.conv, &item.source_event_id],
@@ -60,12 +63,45 @@ async fn resolve(c: &Conn, item: &OutboxItem) -> R<Recipients> {
     .await?;
     let kind: String = col(&source, 0)?;
     let target_seq = seq_opt(&source, 1)?;
-    let at_event = recipients_at(&periods_covering(c, &item.conv, item.msg_seq).await?, item.msg_seq);
+    let mode: String = col(&source, 2)?;
+    let route = large::route(&mode, seq_opt(&source, 3)?, item.msg_seq, &kind);
+    let periods = match route {
+        Route::Shared => return Ok((Recipients::default(), route)),
+        Route::PerMember => periods_covering(c, &item.conv, item.msg_seq).await?,
+        // The period the change opened or closed at this msg_seq.
+        Route::Subject => periods_covering(c, &item.conv, item.msg_seq)
+            .await?
+            .into_iter()
+            .filter(|p| p.join_seq == item.msg_seq || p.leave_seq == Some(item.msg_seq))
+            .collect(),
+    };
+    let at_event = recipients_at(&periods, item.msg_seq);
     let holders = match target_seq {
         Some(t) => Some(recipients_at(&periods_covering(c, &item.conv, t).await?, t)),
         None => None,
     };
-    Ok(control_recipients(at_event, holders, &kind))
+    Ok((control_recipients(at_event, holders, &kind), route))
+}
+
+/// Publishes the marker of a shared group this batch moved up to
+/// `max_seq` (`large::publish`), in `conv_markers`, never in the
+/// `conversations` row a send locks.
+async fn publish_marker(c: &Conn, conv: &str, max_seq: u64) -> R<ConvMoved> {
+    let was = query(c, "SELECT target, version FROM conv_markers WHERE conv_id = $1 FOR UPDATE", &[&conv]).await?;
+    let (was_target, was_version) = match was.first() {
+        Some(r) => (seq(r, 0)?, seq(r, 1)?),
+        None => (0, 0),
+    };
+    let (target, version) = large::publish(was_target, was_version, max_seq);
+    exec(
+        c,
+        "INSERT INTO conv_markers (conv_id, target, version) VALUES ($1, $2, $3)
+         ON CONFLICT (conv_id) DO UPDATE SET target = excluded.target, version = excluded.version",
+        &[&conv, &big(target), &big(version)],
+    )
+    .await?;
+    let row = query_one(c, "SELECT members_seq FROM conversations WHERE conv_id = $1", &[&conv]).await?;
+    Ok(ConvMoved { conv: conv.to_owned(), target, version, members_seq: seq(&row, 0)? })
 }
 
 /// Locks the head rows of `users` in `user_id` order, creating missing ones
@@ -143,8 +179,16 @@ pub(crate) async fn claim(c: &Conn, limit: u32) -> R<Vec<OutboxItem>> {
 
 pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<FanoutReport> {
     let mut plans = Vec::with_capacity(items.len());
+    // Shared groups this batch moved, with their highest msg_seq: one
+    // marker publication each, whatever the number of items (G2).
+    let mut moved: BTreeMap<String, u64> = BTreeMap::new();
     for item in items {
-        plans.push(resolve(c, item).await?);
+        let (recipients, route) = resolve(c, item).await?;
+        if route != Route::PerMember {
+            let seq = moved.entry(item.conv.clone()).or_default();
+            *seq = (*seq).max(item.msg_seq);
+        }
+        plans.push(recipients);
     }
     let mut users: Vec<String> = plans.iter().flat_map(|r| r.deliver.iter().map(|(u, _)| u.clone())).collect();
     users.sort();
@@ -211,6 +255,9 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
         }
         exec(c, "DELETE FROM outbox WHERE conv_id = $1 AND outbox_id = $2", &[&item.conv, &item.outbox_id]).await?;
         report.items_done += 1;
+    }
+    for (conv, max_seq) in moved {
+        report.convs.push(publish_marker(c, &conv, max_seq).await?);
     }
     report.users = touched.into_iter().collect();
     Ok(report)

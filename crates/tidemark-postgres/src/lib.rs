@@ -138,6 +138,8 @@ impl PgConfig {
 }
 
 pub struct PgStore {
+    /// `GroupPolicy::large_members`, set by [`Store::set_group_policy`].
+    large_members: std::sync::atomic::AtomicU64,
     writer: Writer,
     readers: ReadPool,
     schema: Option<String>,
@@ -167,6 +169,10 @@ fn pool(pg: tokio_postgres::Config, size: usize) -> StoreResult<Pool> {
 }
 
 impl PgStore {
+    fn group_policy(&self) -> GroupPolicy {
+        GroupPolicy { large_members: self.large_members.load(std::sync::atomic::Ordering::Relaxed) }
+    }
+
     /// Connects, applies the schema migrations this database lacks
     /// (`schema::migrate`; a database migrated by a newer build is refused
     /// with [`StoreError::SchemaTooNew`]) and starts the writer task. Must be called inside a Tokio runtime.
@@ -203,7 +209,13 @@ impl PgStore {
         }
         let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
         let (writer, task) = Writer::start(writer_pool);
-        Ok(Arc::new(PgStore { writer, readers, schema: config.schema, writer_task: Mutex::new(Some(task)) }))
+        Ok(Arc::new(PgStore {
+            large_members: std::sync::atomic::AtomicU64::new(GroupPolicy::default().large_members),
+            writer,
+            readers,
+            schema: config.schema,
+            writer_task: Mutex::new(Some(task)),
+        }))
     }
 
     /// Requests this store's writer ran again after a deadlock or a
@@ -486,19 +498,24 @@ impl Store for PgStore {
         self.readers.snapshot(move |c| Box::pin(async move { read::conversation(c, &conv).await })).await
     }
 
-    async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>> {
-        let user = user.to_owned();
-        self.readers.read(move |c| Box::pin(async move { read::list_conversations(c, &user).await })).await
+    async fn list_conversations(&self, user: &str, device: Option<&str>) -> StoreResult<Vec<ConvState>> {
+        let (user, device) = (user.to_owned(), device.map(str::to_owned));
+        self.readers
+            .snapshot(move |c| Box::pin(async move { read::list_conversations(c, &user, device.as_deref()).await }))
+            .await
     }
 
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
-        self.writer.write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members).await })).await
+        let policy = self.group_policy();
+        self.writer
+            .write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members, policy).await }))
+            .await
     }
 
     async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
-        let target = target.to_owned();
+        let (target, policy) = (target.to_owned(), self.group_policy());
         self.writer
-            .write(move |c| Box::pin(async move { events::change_membership(c, &cmd, &target, change).await }))
+            .write(move |c| Box::pin(async move { events::change_membership(c, &cmd, &target, change, policy).await }))
             .await
     }
 
@@ -839,6 +856,38 @@ impl Store for PgStore {
 
     async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
         self.writer.write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
+    }
+
+    fn set_group_policy(&self, policy: GroupPolicy) {
+        self.large_members.store(policy.large_members, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    async fn clear_marker(
+        &self,
+        user: &str,
+        device: &str,
+        conv: &str,
+        observed_version: u64,
+        last_msg_seq: u64,
+    ) -> StoreResult<(bool, Marker)> {
+        let (user, device, conv) = (user.to_owned(), device.to_owned(), conv.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    events::clear_marker(c, &user, &device, &conv, observed_version, last_msg_seq).await
+                })
+            })
+            .await
+    }
+
+    async fn dirty_markers(&self, user: &str, device: &str) -> StoreResult<Vec<DeviceMarker>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.snapshot(move |c| Box::pin(async move { read::dirty_markers(c, &user, &device).await })).await
+    }
+
+    async fn active_members(&self, conv: &str) -> StoreResult<(u64, Vec<String>)> {
+        let conv = conv.to_owned();
+        self.readers.snapshot(move |c| Box::pin(async move { read::active_members(c, &conv).await })).await
     }
 
     fn stats(&self) -> StoreStats {

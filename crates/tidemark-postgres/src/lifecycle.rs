@@ -58,7 +58,7 @@ pub(crate) async fn begin_snapshot(
         &[&snapshot_id, &user, &device, &big(generation), &big(base), &now_ms, &expires_at_ms],
     )
     .await?;
-    let convs = read::list_conversations(c, user).await?;
+    let convs = read::list_conversations(c, user, Some(device)).await?;
     snapshot::check_conversations(convs.len())?;
     // What fan-out delivered to this user up to now, i.e. up to the base:
     // per conversation, messages up to the projection's last_msg_seq, inside

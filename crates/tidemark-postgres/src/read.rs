@@ -94,31 +94,122 @@ pub(crate) async fn conversation(c: &Conn, conv: &str) -> R<Option<Conversation>
     Ok(Some(Conversation { conv: conv.into(), kind, members, head }))
 }
 
-/// A `ConvState` from the columns `conv_id, kind, last_msg_seq, read_seq,
-/// unread, muted, pinned, active`.
-pub(crate) fn conv_state_at(r: &Row) -> R<ConvState> {
-    Ok(ConvState {
-        conv: col(r, 0)?,
-        kind: col(r, 1)?,
-        last_msg_seq: seq(r, 2)?,
-        read_seq: seq(r, 3)?,
-        unread: seq(r, 4)?,
-        muted: col(r, 5)?,
-        pinned: col(r, 6)?,
-        active: col(r, 7)?,
-    })
+/// The conversation list's columns: the projection, then what a shared
+/// group's marker and unread are computed from (G2).
+const LIST_COLS: &str = "uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread, uc.muted, uc.pinned, uc.active,
+        c.mode, c.shared_from, COALESCE(mk.target, 0), COALESCE(mk.version, 0),
+        CASE WHEN uc.active THEN NULL ELSE (SELECT MAX(p.leave_seq) FROM membership_periods p
+             WHERE p.conv_id = uc.conv_id AND p.user_id = uc.user_id) END,
+        COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = uc.user_id
+             AND dm.device_id = $2 AND dm.conv_id = uc.conv_id), 0)";
+
+/// Which rows of a user's list [`conv_rows`] reads.
+pub(crate) enum Rows<'a> {
+    All,
+    Shared,
+    One(&'a str),
 }
 
-pub(crate) async fn list_conversations(c: &Conn, user: &str) -> R<Vec<ConvState>> {
-    let rows = query(
+/// The rows of `user`'s list, markers evaluated for `device`.
+pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which: Rows<'_>) -> R<Vec<ConvState>> {
+    let from = "FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
+         LEFT JOIN conv_markers mk ON mk.conv_id = uc.conv_id WHERE uc.user_id = $1";
+    let rows = match which {
+        Rows::All => query(c, &format!("SELECT {LIST_COLS} {from}"), &[&user, &device]).await?,
+        Rows::Shared => query(c, &format!("SELECT {LIST_COLS} {from} AND uc.shared"), &[&user, &device]).await?,
+        Rows::One(conv) => {
+            query(c, &format!("SELECT {LIST_COLS} {from} AND uc.conv_id = $3"), &[&user, &device, &conv]).await?
+        }
+    };
+    let mut out = Vec::with_capacity(rows.len());
+    for r in &rows {
+        let mut state = ConvState {
+            conv: col(r, 0)?,
+            kind: col(r, 1)?,
+            last_msg_seq: seq(r, 2)?,
+            read_seq: seq(r, 3)?,
+            unread: seq(r, 4)?,
+            muted: col(r, 5)?,
+            pinned: col(r, 6)?,
+            active: col(r, 7)?,
+            mode: col(r, 8)?,
+            marker: None,
+            unread_capped: false,
+        };
+        if let (tidemark_core::large::MODE_SHARED, Some(from)) = (state.mode.as_str(), seq_opt(r, 9)?) {
+            let marker = tidemark_core::large::marker(&tidemark_core::large::MarkerFacts {
+                published_target: seq(r, 10)?,
+                version: seq(r, 11)?,
+                left_at: seq_opt(r, 12)?,
+                cleared_seq: seq(r, 13)?,
+            });
+            // Unread: the projection's count up to the switch, plus the
+            // messages above it counted from the log on read (exact up to
+            // the cap, so it cannot drift).
+            let counted = shared_unread_above(c, user, &state.conv, state.read_seq.max(from), marker.target).await?;
+            let (unread, capped) = tidemark_core::large::shared_unread(state.unread + counted);
+            state.last_msg_seq = state.last_msg_seq.max(marker.target);
+            state.unread = unread;
+            state.unread_capped = capped;
+            state.marker = Some(marker);
+        }
+        out.push(state);
+    }
+    Ok(out)
+}
+
+/// Messages from others in `conv` in `(above, upto]` the user may see and
+/// has not read, recalled or deleted for themselves, counted up to
+/// `large::UNREAD_COUNT_MAX + 1`.
+pub(crate) async fn shared_unread_above(c: &Conn, user: &str, conv: &str, above: u64, upto: u64) -> R<u64> {
+    if upto <= above {
+        return Ok(0);
+    }
+    let control =
+        tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
+    let sql = format!(
+        "SELECT COUNT(*) FROM (SELECT 1 FROM messages m
+         WHERE m.conv_id = $1 AND m.msg_seq > $3 AND m.msg_seq <= $4 AND m.sender <> $2
+           AND m.kind NOT IN ({control}) AND m.state <> '{STATE_RECALLED}'
+           AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $2 AND d.message_id = m.message_id)
+           AND {VISIBLE} LIMIT $5) AS unread"
+    );
+    let row = db::query_one(
         c,
-        "SELECT uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread, uc.muted, uc.pinned, uc.active
-         FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
-         WHERE uc.user_id = $1 ORDER BY uc.pinned DESC, uc.last_msg_seq DESC, uc.conv_id",
-        &[&user],
+        &sql,
+        &[&conv, &user, &big(above), &big(upto), &big(tidemark_core::large::UNREAD_COUNT_MAX + 1)],
     )
     .await?;
-    rows.iter().map(conv_state_at).collect()
+    seq(&row, 0)
+}
+
+pub(crate) async fn list_conversations(c: &Conn, user: &str, device: Option<&str>) -> R<Vec<ConvState>> {
+    let mut rows = conv_rows(c, user, device, Rows::All).await?;
+    rows.sort_by(|a, b| b.pinned.cmp(&a.pinned).then(b.last_msg_seq.cmp(&a.last_msg_seq)).then(a.conv.cmp(&b.conv)));
+    Ok(rows)
+}
+
+/// The shared groups whose marker is dirty for `device` (G2).
+pub(crate) async fn dirty_markers(c: &Conn, user: &str, device: &str) -> R<Vec<DeviceMarker>> {
+    Ok(conv_rows(c, user, Some(device), Rows::Shared)
+        .await?
+        .into_iter()
+        .filter_map(|s| s.marker.filter(|m| m.dirty).map(|marker| DeviceMarker { conv: s.conv, marker }))
+        .collect())
+}
+
+/// The active members of `conv` and the msg_seq of its last membership
+/// change; the caller runs it in one snapshot.
+pub(crate) async fn active_members(c: &Conn, conv: &str) -> R<(u64, Vec<String>)> {
+    let Some(row) = query_opt(c, "SELECT members_seq FROM conversations WHERE conv_id = $1", &[&conv]).await? else {
+        return Err(StoreError::NotFound(format!("conversation {conv}")));
+    };
+    let users = query(c, "SELECT user_id FROM membership_periods WHERE conv_id = $1 AND leave_seq IS NULL", &[&conv])
+        .await?
+        .iter()
+        .map(|r| col::<String>(r, 0))
+        .collect::<R<Vec<_>>>()?;
+    Ok((seq(&row, 0)?, users))
 }
 
 pub(crate) async fn pending_outbox(c: &Conn, limit: u32) -> R<Vec<OutboxItem>> {

@@ -57,7 +57,10 @@ pub struct Migration {
 
 /// Every step, in order. This backend numbers its own steps, independently
 /// of SQLite's.
-pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial schema", sql: SCHEMA },
+    Migration { version: 2, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
+];
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
@@ -405,6 +408,41 @@ async fn legacy_stamp(c: &ClientWrapper) -> StoreResult<Option<i64>> {
         })
         .transpose()
 }
+
+/// Step 2, large groups (G2, G3); the same layout as SQLite's step 2.
+pub const LARGE_GROUPS: &str = r#"
+-- A group's mode: 'per_member' or 'shared' (events above `shared_from`,
+-- the switch event's msg_seq, live only in the conversation log). One-way.
+-- `members_seq`: msg_seq of the last membership change (the servers'
+-- member caches compare it).
+ALTER TABLE conversations ADD COLUMN mode TEXT NOT NULL DEFAULT 'per_member';
+ALTER TABLE conversations ADD COLUMN shared_from BIGINT;
+ALTER TABLE conversations ADD COLUMN members_seq BIGINT NOT NULL DEFAULT 0;
+
+-- A shared group's published marker, written by the fan-out only (target
+-- only grows, version only increments, once per relay batch). Its own row,
+-- so the fan-out never takes the conversations row a send locks.
+CREATE TABLE conv_markers (
+    conv_id  TEXT COLLATE "C" PRIMARY KEY,
+    target   BIGINT NOT NULL,
+    version  BIGINT NOT NULL
+);
+
+-- TRUE on the user's rows of shared groups: the sync path finds them alone.
+ALTER TABLE user_convs ADD COLUMN shared BOOLEAN NOT NULL DEFAULT FALSE;
+CREATE INDEX user_convs_shared ON user_convs (user_id) WHERE shared;
+
+-- What each device cleared of a shared group's marker (G2); written only
+-- by a successful dirty.clear CAS.
+CREATE TABLE device_markers (
+    user_id          TEXT COLLATE "C" NOT NULL,
+    device_id        TEXT COLLATE "C" NOT NULL,
+    conv_id          TEXT COLLATE "C" NOT NULL,
+    cleared_seq      BIGINT NOT NULL,
+    cleared_version  BIGINT NOT NULL,
+    PRIMARY KEY (user_id, device_id, conv_id)
+);
+"#;
 
 #[cfg(test)]
 mod tests {

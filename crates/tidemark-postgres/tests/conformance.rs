@@ -424,7 +424,7 @@ async fn postgres_matches_sqlite_operation_by_operation() {
 
     // Reads, for every user.
     for u in ["a", "b", "c", "d", "e"] {
-        check!(sq, pg, "list_conversations", |s| s.list_conversations(u));
+        check!(sq, pg, "list_conversations", |s| s.list_conversations(u, None));
         check!(sq, pg, "user_high_watermark", |s| s.user_high_watermark(u));
         check!(sq, pg, "user_log", |s| s.user_log(u));
         check!(sq, pg, "read_user_events", |s| s.read_user_events(u, 0, 1000, 1000));
@@ -448,7 +448,7 @@ async fn postgres_matches_sqlite_operation_by_operation() {
     assert!(page.events.iter().any(|m| m.quote.is_some()));
     assert!(page.events.iter().any(|m| !m.reactions.is_empty()));
     assert!(page.events.iter().any(|m| m.kind == KIND_EDIT && m.content.contains("\"recalled\":true")));
-    assert!(sq.list_conversations("c").await.unwrap().iter().any(|s| s.unread > 0));
+    assert!(sq.list_conversations("c", None).await.unwrap().iter().any(|s| s.unread > 0));
 
     // Device cursors, ACKs and recovery sessions.
     let new = sq.device("b", "phone").await.unwrap().unwrap().cursor;

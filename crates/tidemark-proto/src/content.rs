@@ -28,6 +28,15 @@ pub struct GroupCreated<'a> {
     pub members: &'a [String],
 }
 
+/// `conv.mode`: `{"mode":"shared","members":…}`: from the next `msg_seq`
+/// on, the group's events are read from the conversation log (G3);
+/// `members` is the active member count that crossed the threshold.
+#[derive(Debug, Serialize)]
+pub struct ModeChanged<'a> {
+    pub mode: &'a str,
+    pub members: u64,
+}
+
 /// `member.join` / `member.leave`: `{"user":…,"by":…,"op":"add"|"remove"|"leave"}`.
 #[derive(Debug, Serialize)]
 pub struct MemberChanged<'a> {
@@ -150,6 +159,7 @@ pub struct DeletedData<'a> {
 
 impl Payload for GroupCreated<'_> {}
 impl Payload for MemberChanged<'_> {}
+impl Payload for ModeChanged<'_> {}
 impl Payload for Recalled<'_> {}
 impl Payload for Edited<'_> {}
 impl Payload for Reacted<'_> {}

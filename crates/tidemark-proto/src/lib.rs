@@ -76,6 +76,8 @@ pub mod op {
     pub const SNAPSHOT_ACK: &str = "snapshot.ack";
     /// Tidemark extension: delete a message for the caller only (E3).
     pub const MESSAGE_DELETE: &str = "message.delete";
+    /// Clear a large group's dirty marker (G2).
+    pub const DIRTY_CLEAR: &str = "dirty.clear";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -95,6 +97,7 @@ pub mod op {
         READ,
         DELIVERY_ACK,
         MESSAGE_DELETE,
+        DIRTY_CLEAR,
         SNAPSHOT_BEGIN,
         SNAPSHOT_PAGE,
         SNAPSHOT_ACK,
@@ -307,6 +310,92 @@ pub struct ConvSummary {
     pub pinned: bool,
     /// False once the caller left or was removed (history stays readable).
     pub active: bool,
+    /// `per_member` or `shared` (large groups, G2). Absent means
+    /// `per_member` (servers before large groups).
+    #[serde(default = "per_member", skip_serializing_if = "is_per_member")]
+    pub mode: String,
+    /// Shared mode: the caller's marker. `dirty_target_msg_seq` only grows
+    /// (the highest `msg_seq` the caller may read that is published),
+    /// `dirty_version` only increments; `dirty` says whether this device
+    /// has cleared up to the target. Pull `conv.sync` from the device's own
+    /// `last_msg_seq`, then `dirty.clear` with the version read here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_target_msg_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_version: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty: Option<bool>,
+    /// Shared mode: `unread` reached its cap (999) and reads as it.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub unread_capped: bool,
+}
+
+fn per_member() -> String {
+    "per_member".into()
+}
+
+impl Default for ConvSummary {
+    /// An empty per-member conversation row (a base for struct updates).
+    fn default() -> Self {
+        ConvSummary {
+            conv: String::new(),
+            kind: String::new(),
+            last_msg_seq: 0,
+            read_seq: 0,
+            unread: 0,
+            muted: false,
+            pinned: false,
+            active: true,
+            mode: per_member(),
+            dirty_target_msg_seq: None,
+            dirty_version: None,
+            dirty: None,
+            unread_capped: false,
+        }
+    }
+}
+
+fn is_per_member(mode: &str) -> bool {
+    mode == "per_member"
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// A shared group's marker, as `sync` (its last page) and hints carry it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DirtyMarker {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
+    pub conv: String,
+    pub dirty_target_msg_seq: u64,
+    pub dirty_version: u64,
+}
+
+/// `dirty.clear` (G2): after pulling `conv` up to at least the marker's
+/// target and saving `last_msg_seq` locally, clear with the version read.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DirtyClearReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
+    pub conv: String,
+    #[serde(deserialize_with = "whole::int")]
+    pub dirty_version: u64,
+    #[serde(deserialize_with = "whole::int")]
+    pub last_msg_seq: u64,
+}
+
+/// `cleared: false`: the version moved or `last_msg_seq` is below the
+/// target; the marker stays dirty: pull again from `last_msg_seq`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DirtyClearOk {
+    pub conv: String,
+    pub cleared: bool,
+    /// The marker as it now is.
+    pub dirty_target_msg_seq: u64,
+    pub dirty_version: u64,
 }
 
 /// `conv.add`, `conv.remove` (`user` required) and `conv.leave`.
@@ -695,6 +784,10 @@ pub struct SyncOk<C = Value> {
     pub next_cursor: Option<String>,
     pub has_more: bool,
     pub batch_token: String,
+    /// On the page that ends a batch (`has_more: false`): the caller's
+    /// large groups whose marker is dirty for this device (G2).
+    #[serde(default = "Vec::new", skip_serializing_if = "Vec::is_empty")]
+    pub dirty: Vec<DirtyMarker>,
 }
 
 /// One entry of a user's sync log (`C`: see [`SyncOk`]).
@@ -766,12 +859,33 @@ pub struct AckOk {
 pub struct Hint {
     pub user_sync_high_watermark: u64,
     pub reason: String,
+    /// Reason `conv_moved`: a large group the user is in moved (G2); its
+    /// marker follows. Coalesced per connection and group.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_target_msg_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dirty_version: Option<u64>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct Kicked {
     pub reason: String,
+}
+
+impl Hint {
+    /// A hint of the user's log alone.
+    pub fn user(user_sync_high_watermark: u64, reason: &str) -> Hint {
+        Hint {
+            user_sync_high_watermark,
+            reason: reason.into(),
+            conv: None,
+            dirty_target_msg_seq: None,
+            dirty_version: None,
+        }
+    }
 }
 
 /// A frame the server sends without a request (no `rid`), tagged by `t`.
@@ -794,6 +908,21 @@ pub enum ServerFrame {
 pub struct BusHint {
     pub user: String,
     pub high_watermark: u64,
+    /// A large group moved (G2): `user` is empty, the marker and the
+    /// `msg_seq` of its last membership change (`members_seq`, which keys
+    /// each node's member cache) follow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv: Option<BusConv>,
+}
+
+/// The large-group part of a [`BusHint`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusConv {
+    pub conv: String,
+    pub target: u64,
+    pub version: u64,
+    pub members_seq: u64,
 }
 
 /// `GET /healthz` while the store answers.
@@ -818,6 +947,8 @@ pub struct HealthUnavailable {
 /// Reasons carried by `hint` and `kicked`.
 pub mod reason {
     pub const NEW_EVENT: &str = "new_event";
+    /// A large group moved: pull it (G2).
+    pub const CONV_MOVED: &str = "conv_moved";
     pub const LAGGING_ACK: &str = "lagging_ack";
     pub const SUPERSEDED: &str = "superseded";
     pub const SLOW_CONSUMER: &str = "slow_consumer";
@@ -853,7 +984,7 @@ mod tests {
     /// shapes the hand-built JSON had (docs/protocol.md §3.22, §4).
     #[test]
     fn typed_frames_keep_their_wire_shape() {
-        let hint = ServerFrame::Hint(Hint { user_sync_high_watermark: 7, reason: reason::NEW_EVENT.into() });
+        let hint = ServerFrame::Hint(Hint::user(7, reason::NEW_EVENT));
         let v = serde_json::to_value(&hint).unwrap();
         assert_eq!(
             v,
@@ -874,6 +1005,7 @@ mod tests {
             muted: false,
             pinned: true,
             active: true,
+            ..ConvSummary::default()
         };
         let item = serde_json::to_value(SnapshotItem::Conv(conv)).unwrap();
         assert_eq!(
@@ -886,7 +1018,7 @@ mod tests {
         let item = serde_json::to_value(SnapshotItem::Message { message: env }).unwrap();
         assert_eq!(item, serde_json::json!({"type": "message", "message": message}));
 
-        let bus = serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9 }).unwrap();
+        let bus = serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9, conv: None }).unwrap();
         assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#);
         let ok = MessageDeleteOk { conv: "c1".into(), message_id: "m1".into() };
         assert_eq!(serde_json::to_value(ok).unwrap(), serde_json::json!({"conv": "c1", "message_id": "m1"}));
@@ -941,6 +1073,7 @@ mod tests {
                 next_cursor: None,
                 has_more: false,
                 batch_token: "b".into(),
+                dirty: Vec::new(),
             }
         }
         let content = r#"{"text":"hi \u00e9","quote":{"message_id":"m0"},"n":[1,2.5,null]}"#;

@@ -21,11 +21,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tidemark_proto::BusHint;
+use tidemark_proto::{BusConv, BusHint};
+use tidemark_store::ConvMoved;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use crate::config::HintBusConfig;
+use crate::groups::GroupHints;
 use crate::hub::Hub;
 use crate::metrics as m;
 
@@ -53,16 +55,43 @@ pub enum BusError {
 #[derive(Debug, Default)]
 pub struct HintBus {
     /// `None` for the local bus.
-    tx: Option<mpsc::Sender<(String, u64)>>,
+    tx: Option<mpsc::Sender<BusHint>>,
 }
 
 impl HintBus {
     /// Queues `(user, hw)` for the other nodes; never waits.
     pub fn publish(&self, user: &str, hw: u64) {
+        self.queue(BusHint { user: user.to_owned(), high_watermark: hw, conv: None });
+    }
+
+    /// Queues a large group's published marker for the other nodes (G2).
+    pub fn publish_conv(&self, moved: &ConvMoved) {
+        self.queue(BusHint {
+            user: String::new(),
+            high_watermark: 0,
+            conv: Some(BusConv {
+                conv: moved.conv.clone(),
+                target: moved.target,
+                version: moved.version,
+                members_seq: moved.members_seq,
+            }),
+        });
+    }
+
+    fn queue(&self, hint: BusHint) {
         let Some(tx) = &self.tx else { return };
-        if tx.try_send((user.to_owned(), hw)).is_err() {
+        if tx.try_send(hint).is_err() {
             metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
         }
+    }
+}
+
+/// The subject of a hint: `<prefix>.<user token>` for a user, and
+/// `<prefix>._conv.<token>` (two tokens, so never a user's) for a group.
+fn subject_of(prefix: &str, hint: &BusHint) -> String {
+    match &hint.conv {
+        Some(c) => format!("{prefix}._conv.{}", user_token(&c.conv)),
+        None => format!("{prefix}.{}", user_token(&hint.user)),
     }
 }
 
@@ -72,7 +101,7 @@ pub struct Pending {
     client: async_nats::Client,
     subscriber: async_nats::Subscriber,
     prefix: String,
-    rx: mpsc::Receiver<(String, u64)>,
+    rx: mpsc::Receiver<BusHint>,
 }
 
 fn valid_prefix(prefix: &str) -> bool {
@@ -97,18 +126,35 @@ pub fn user_token(user: &str) -> String {
     }
 }
 
-fn encode(user: &str, hw: u64) -> Vec<u8> {
-    let hint = BusHint { user: user.to_owned(), high_watermark: hw };
-    serde_json::to_vec(&hint).expect("a bus hint serializes")
+fn encode(hint: &BusHint) -> Vec<u8> {
+    serde_json::to_vec(hint).expect("a bus hint serializes")
 }
 
-fn decode(payload: &[u8]) -> Option<(String, u64)> {
+/// What a node heard on the bus.
+#[derive(Debug, PartialEq, Eq)]
+enum Heard {
+    User(String, u64),
+    Conv(ConvMoved),
+}
+
+fn decode(payload: &[u8]) -> Option<Heard> {
     if payload.len() > HINT_PAYLOAD_BYTES_MAX {
         return None;
     }
     let hint: BusHint = serde_json::from_slice(payload).ok()?;
+    if let Some(c) = hint.conv {
+        if c.conv.is_empty() || c.conv.len() > tidemark_proto::ID_BYTES_MAX {
+            return None;
+        }
+        return Some(Heard::Conv(ConvMoved {
+            conv: c.conv,
+            target: c.target,
+            version: c.version,
+            members_seq: c.members_seq,
+        }));
+    }
     tidemark_core::ids::check_user(&hint.user).ok()?;
-    Some((hint.user, hint.high_watermark))
+    Some(Heard::User(hint.user, hint.high_watermark))
 }
 
 /// Builds the bus for `config`: the local bus, or a NATS connection with its
@@ -141,10 +187,10 @@ pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>
 
 impl Pending {
     /// Starts the publisher and the subscriber; both stop on `shutdown`.
-    pub fn spawn(self, hub: Arc<Hub>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+    pub fn spawn(self, hub: Arc<Hub>, groups: Arc<GroupHints>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
         let Pending { client, subscriber, prefix, rx } = self;
         let publisher = tokio::spawn(publish_loop(client, prefix, rx, shutdown.clone()));
-        let listener = tokio::spawn(subscribe_loop(subscriber, hub, shutdown));
+        let listener = tokio::spawn(subscribe_loop(subscriber, hub, groups, shutdown));
         vec![publisher, listener]
     }
 }
@@ -152,31 +198,36 @@ impl Pending {
 async fn publish_loop(
     client: async_nats::Client,
     prefix: String,
-    mut rx: mpsc::Receiver<(String, u64)>,
+    mut rx: mpsc::Receiver<BusHint>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     loop {
-        let (user, hw) = tokio::select! {
+        let hint = tokio::select! {
             next = rx.recv() => match next {
                 Some(hint) => hint,
                 None => return,
             },
             _ = crate::util::stopped(&mut shutdown) => return,
         };
-        let subject = format!("{prefix}.{}", user_token(&user));
+        let subject = subject_of(&prefix, &hint);
         // The client buffers while reconnecting; an error here is a hint
         // lost, which the re-hint sweep and client syncs cover.
-        match client.publish(subject, encode(&user, hw).into()).await {
+        match client.publish(subject.clone(), encode(&hint).into()).await {
             Ok(()) => metrics::counter!(m::HINTS_BUS_PUBLISHED).increment(1),
             Err(e) => {
                 metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
-                tracing::debug!(%user, error = %e, "hint not published");
+                tracing::debug!(%subject, error = %e, "hint not published");
             }
         }
     }
 }
 
-async fn subscribe_loop(mut subscriber: async_nats::Subscriber, hub: Arc<Hub>, mut shutdown: watch::Receiver<bool>) {
+async fn subscribe_loop(
+    mut subscriber: async_nats::Subscriber,
+    hub: Arc<Hub>,
+    groups: Arc<GroupHints>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         let message = tokio::select! {
             next = subscriber.next() => match next {
@@ -192,9 +243,13 @@ async fn subscribe_loop(mut subscriber: async_nats::Subscriber, hub: Arc<Hub>, m
             }
         };
         match decode(&message.payload) {
-            Some((user, hw)) => {
+            Some(Heard::User(user, hw)) => {
                 metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
                 hub.notify_user(&user, hw);
+            }
+            Some(Heard::Conv(moved)) => {
+                metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
+                groups.deliver(&moved).await;
             }
             None => tracing::warn!(subject = %message.subject, "malformed hint on the bus ignored"),
         }
@@ -208,8 +263,21 @@ mod tests {
     #[test]
     fn payloads_round_trip_and_bad_ones_are_refused() {
         for (user, hw) in [("bob", 7), ("a.b@c", u64::MAX)] {
-            assert_eq!(decode(&encode(user, hw)), Some((user.to_owned(), hw)));
+            let hint = BusHint { user: user.to_owned(), high_watermark: hw, conv: None };
+            assert_eq!(decode(&encode(&hint)), Some(Heard::User(user.to_owned(), hw)));
         }
+        let moved = ConvMoved { conv: "g1".into(), target: 9, version: 4, members_seq: 3 };
+        let bus = HintBus::default();
+        bus.publish_conv(&moved);
+        let hint = BusHint {
+            user: String::new(),
+            high_watermark: 0,
+            conv: Some(BusConv { conv: "g1".into(), target: 9, version: 4, members_seq: 3 }),
+        };
+        assert_eq!(decode(&encode(&hint)), Some(Heard::Conv(moved)));
+        assert_eq!(subject_of("p", &hint), "p._conv.g1");
+        // A payload from a node before large groups still reads.
+        assert_eq!(decode(b"{\"user\":\"bob\",\"high_watermark\":3}"), Some(Heard::User("bob".into(), 3)));
         assert_eq!(decode(b"{\"user\":\"bob\"}"), None);
         assert_eq!(decode(b"{\"user\":\"b b\",\"high_watermark\":1}"), None);
         assert_eq!(decode(b"not json"), None);

@@ -61,6 +61,8 @@ pub struct ServerConfig {
     pub hold_fanout: bool,
     /// How hints reach the other nodes: in-process only (one node), or NATS.
     pub hint_bus: HintBusConfig,
+    /// When a group leaves per-member fan-out for the shared log (G3).
+    pub group_policy: tidemark_core::large::GroupPolicy,
 }
 
 impl Default for ServerConfig {
@@ -92,6 +94,7 @@ impl Default for ServerConfig {
             retention_every: Duration::from_secs(60),
             hold_fanout: false,
             hint_bus: HintBusConfig::Local,
+            group_policy: tidemark_core::large::GroupPolicy::default(),
         }
     }
 }

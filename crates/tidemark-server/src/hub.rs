@@ -8,7 +8,7 @@
 //! connect and periodically, and [`Hub::rehint_sweep`] repeats the hint to a
 //! device whose ACK lags its user's watermark for longer than a bound.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -29,6 +29,10 @@ pub struct ConnEntry {
     /// The device's ACK as last seen by this server.
     acked: AtomicU64,
     last_hint_at_ms: AtomicI64,
+    /// Large groups (G2): per group, the latest marker `(target, version)`
+    /// not yet sent. One slot per group the user is in, so bounded by the
+    /// user's memberships; many moves before the writer wakes are one frame.
+    conv_hints: Mutex<HashMap<String, (u64, u64)>>,
     /// Woken when a hint is pending.
     pub wake: Notify,
     /// Set once when the hub decides to end this connection.
@@ -45,6 +49,26 @@ impl ConnEntry {
         }
         let before = self.hinted.fetch_max(hw, Ordering::AcqRel);
         (hw > before || rehint).then_some((hw, rehint))
+    }
+
+    /// The large-group hints to send now: `(conv, target, version)`.
+    pub fn take_conv_hints(&self) -> Vec<(String, u64, u64)> {
+        let mut slots = self.conv_hints.lock().expect("conv hint lock");
+        slots.drain().map(|(conv, (target, version))| (conv, target, version)).collect()
+    }
+
+    /// The highest user watermark hinted on this connection so far.
+    pub fn hinted(&self) -> u64 {
+        self.hinted.load(Ordering::Acquire)
+    }
+
+    fn hint_conv(&self, conv: &str, target: u64, version: u64) {
+        {
+            let mut slots = self.conv_hints.lock().expect("conv hint lock");
+            let slot = slots.entry(conv.to_owned()).or_insert((0, 0));
+            *slot = (slot.0.max(target), slot.1.max(version));
+        }
+        self.wake.notify_one();
     }
 
     /// The kick reason, once the hub decided to end this connection.
@@ -108,6 +132,7 @@ impl Hub {
             rehint: AtomicBool::new(false),
             acked: AtomicU64::new(acked),
             last_hint_at_ms: AtomicI64::new(crate::util::now_ms()),
+            conv_hints: Mutex::new(HashMap::new()),
             wake: Notify::new(),
             kick: watch::channel(None).0,
         });
@@ -143,6 +168,34 @@ impl Hub {
         for c in &u.conns {
             c.hint(hw, false, now);
         }
+    }
+
+    /// A large group moved (G2): queues its marker on the connections of
+    /// `members` here, walking whichever of the members and the connected
+    /// users is smaller. Returns how many connections were hinted.
+    pub fn notify_conv(&self, members: &HashSet<String>, conv: &str, target: u64, version: u64) -> usize {
+        let users = self.users.lock().expect("hub lock");
+        let mut n = 0;
+        let mut hint = |u: &UserConns| {
+            for c in &u.conns {
+                c.hint_conv(conv, target, version);
+                n += 1;
+            }
+        };
+        if members.len() <= users.len() {
+            for m in members {
+                if let Some(u) = users.get(m) {
+                    hint(u);
+                }
+            }
+        } else {
+            for (user, u) in users.iter() {
+                if members.contains(user) {
+                    hint(u);
+                }
+            }
+        }
+        n
     }
 
     pub fn on_ack(&self, user: &str, device: &str, acked: u64) {
@@ -200,6 +253,25 @@ mod tests {
         assert_eq!(c.take_hint(), None);
         hub.notify_user("bob", 40);
         assert_eq!(c.take_hint(), None, "an older watermark is not hinted again");
+    }
+
+    #[test]
+    fn group_hints_reach_connected_members_once_per_group() {
+        let hub = Hub::default();
+        let bob = hub.register("bob", "phone", 0, 0);
+        let carol = hub.register("carol", "laptop", 0, 0);
+        let members: HashSet<String> = ["bob", "dave"].iter().map(|s| s.to_string()).collect();
+        for v in 1..=20 {
+            assert_eq!(hub.notify_conv(&members, "g", 100 + v, v), 1);
+        }
+        // Walking the connected users instead (more members than users).
+        let many: HashSet<String> = (0..10).map(|i| format!("u{i}")).chain(["bob".to_string()]).collect();
+        assert_eq!(hub.notify_conv(&many, "h", 5, 1), 1);
+        let mut got = bob.take_conv_hints();
+        got.sort();
+        assert_eq!(got, vec![("g".to_string(), 120, 20), ("h".to_string(), 5, 1)]);
+        assert!(bob.take_conv_hints().is_empty());
+        assert!(carol.take_conv_hints().is_empty());
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub mod bus;
 pub mod config;
 pub mod error;
 pub mod gateway;
+pub mod groups;
 pub mod hub;
 pub mod limits;
 pub mod metrics;

@@ -58,7 +58,8 @@ impl OpClass {
             | op::DELIVERY_ACK
             | op::SNAPSHOT_BEGIN
             | op::SNAPSHOT_PAGE
-            | op::SNAPSHOT_ACK => OpClass::Sync,
+            | op::SNAPSHOT_ACK
+            | op::DIRTY_CLEAR => OpClass::Sync,
             op::HISTORY | op::CONV_SYNC | op::CONV_LIST => OpClass::Read,
             op::CONV_CREATE | op::CONV_ADD | op::CONV_REMOVE | op::CONV_LEAVE | op::CONV_SETTINGS => OpClass::Change,
             op::PING | op::DEVICE_REVOKE => OpClass::Free,
@@ -498,6 +499,7 @@ mod tests {
             (op::RECALL, OpClass::Send),
             (op::SYNC, OpClass::Sync),
             (op::ACK, OpClass::Sync),
+            (op::DIRTY_CLEAR, OpClass::Sync),
             (op::HISTORY, OpClass::Read),
             (op::CONV_SYNC, OpClass::Read),
             (op::CONV_CREATE, OpClass::Change),

@@ -84,6 +84,9 @@ pub const HINTS: &str = "tidemark_hints_sent_total";
 pub const HINTS_BUS_PUBLISHED: &str = "tidemark_hints_bus_published_total";
 pub const HINTS_BUS_RECEIVED: &str = "tidemark_hints_bus_received_total";
 pub const HINTS_BUS_DROPPED: &str = "tidemark_hints_bus_dropped_total";
+pub const HINTS_GROUP: &str = "tidemark_hints_group_queued_total";
+pub const MARKERS_PUBLISHED: &str = "tidemark_group_markers_published_total";
+pub const MARKER_CLEARS: &str = "tidemark_group_marker_clears_total";
 pub const SLOW_CONSUMERS: &str = "tidemark_slow_consumer_disconnects_total";
 pub const TRIMMED_EVENTS: &str = "tidemark_retention_trimmed_events_total";
 pub const SNAPSHOTS: &str = "tidemark_snapshots_total";
@@ -152,6 +155,13 @@ pub const FAMILIES: &[Family] = &[
     family(HINTS_BUS_PUBLISHED, Kind::Counter, "Hints published to the other nodes (NATS hint bus)."),
     family(HINTS_BUS_RECEIVED, Kind::Counter, "Hints received from the other nodes (NATS hint bus)."),
     family(HINTS_BUS_DROPPED, Kind::Counter, "Hints not published: queue full or NATS error (only latency is lost)."),
+    family(HINTS_GROUP, Kind::Counter, "Large-group hints queued on connections (coalesced per connection and group)."),
+    family(MARKERS_PUBLISHED, Kind::Counter, "Large-group marker publications (one per group per relay batch)."),
+    family(
+        MARKER_CLEARS,
+        Kind::CounterBy("outcome", || vec!["cleared", "stale"]),
+        "dirty.clear calls, by outcome (cleared, stale: the marker stays dirty).",
+    ),
     family(SLOW_CONSUMERS, Kind::Counter, "WebSocket connections closed because their send queue filled."),
     family(TRIMMED_EVENTS, Kind::Counter, "User-log events removed by retention."),
     family(

@@ -37,11 +37,15 @@ impl Server {
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
         let config_limits = config.limits.clone();
+        store.set_group_policy(config.group_policy);
+        let hub = Arc::new(Hub::default());
+        let groups = Arc::new(crate::groups::GroupHints::new(store.clone(), hub.clone()));
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
             config,
-            hub: Arc::new(Hub::default()),
+            hub,
+            groups,
             bus,
             relay_wake: Notify::new(),
             revoked: RwLock::new(revoked),
@@ -75,7 +79,7 @@ impl Server {
         let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
         let mut tasks = vec![http, relay, rehint, retention, sweep];
         if let Some(pending) = bus_pending {
-            let bus_tasks = pending.spawn(state.hub.clone(), shutdown_rx);
+            let bus_tasks = pending.spawn(state.hub.clone(), state.groups.clone(), shutdown_rx);
             tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));
         }
         tracing::info!(%addr, "tidemark listening");

@@ -35,6 +35,8 @@ pub struct AppState {
     pub ws_slots: Arc<ConnSlots>,
     /// Rate limits and the password-hash bound.
     pub limits: crate::limits::Limits,
+    /// Large-group hints (G2): the member cache and the hub.
+    pub groups: Arc<crate::groups::GroupHints>,
 }
 
 impl AppState {
@@ -43,6 +45,13 @@ impl AppState {
     pub fn hint_user(&self, user: &str, hw: u64) {
         self.hub.notify_user(user, hw);
         self.bus.publish(user, hw);
+    }
+
+    /// A large group's marker was published here: hint its members on this
+    /// node and on the others.
+    pub async fn hint_conv(&self, moved: &tidemark_store::ConvMoved) {
+        self.groups.deliver(moved).await;
+        self.bus.publish_conv(moved);
     }
 
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {

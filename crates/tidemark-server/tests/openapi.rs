@@ -9,6 +9,7 @@ use common::*;
 use futures_util::StreamExt;
 use jsonschema::Draft;
 use serde_json::{json, Value};
+use tidemark_server::ServerConfig;
 use tidemark_client::proto::{op, ErrorCode};
 
 /// The served document, and the checks of a reply against it.
@@ -229,7 +230,10 @@ async fn every_operation_is_documented_with_every_status() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_replies_validate_against_the_document() {
-    let ts = TestServer::start().await;
+    // A low large-group threshold, so the group below switches to shared
+    // mode and conv.list, sync and dirty.clear show their marker fields.
+    let policy = tidemark_core::large::GroupPolicy::new(2).unwrap();
+    let ts = TestServer::start_with(ServerConfig { group_policy: policy, ..ServerConfig::default() }).await;
     let base = ts.running().url();
     let doc = Doc::fetch(&base).await;
     let mut p = Probe { doc: &doc, base: base.clone(), http: reqwest::Client::new(), checked: Vec::new() };
@@ -327,6 +331,12 @@ async fn real_replies_validate_against_the_document() {
     let last = events.last().unwrap()["sync_seq"].clone();
     p.rpc(&ben, op::ACK, json!({"batch_token": all["batch_token"], "sync_seq": last})).await;
     p.rpc(&ben, op::CONV_LIST, json!({})).await;
+    let listed = p.rpc(&ann, op::CONV_LIST, json!({})).await;
+    let shared = listed["conversations"].as_array().unwrap().iter().find(|c| c["conv"] == gconv.as_str()).unwrap();
+    assert_eq!(shared["mode"], "shared", "{shared}");
+    let clear = json!({"conv": gconv, "dirty_version": shared["dirty_version"], "last_msg_seq": shared["dirty_target_msg_seq"]});
+    let cleared = p.rpc(&ann, op::DIRTY_CLEAR, clear).await;
+    assert_eq!(cleared["cleared"], true, "{cleared}");
     p.rpc(&ben, op::CONV_SYNC, json!({"conv": conv, "after": 0, "limit": 2})).await;
     p.rpc(&ben, op::HISTORY, json!({"conv": conv})).await;
     p.rpc(&ann, op::HISTORY, json!({"conv": conv, "before_seq": 2, "limit": 1})).await;

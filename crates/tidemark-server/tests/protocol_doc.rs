@@ -63,8 +63,10 @@ fn the_documented_operations_are_the_dispatched_ones() {
     let intro_set: BTreeSet<String> = intro.iter().cloned().collect();
     assert_eq!(intro_set.len(), intro.len(), "§3's list names an operation twice: {intro:?}");
     assert_eq!(intro_set, all, "the list opening §3 of docs/protocol.md vs op::ALL");
+    // §6's table may be empty (every contract operation implemented); what
+    // it lists must not be dispatched.
     let missing = not_implemented(&doc);
-    assert!(!missing.is_empty(), "§6 lists the contract operations not implemented");
+    assert!(section(&doc, 6).contains("| operation | requirement |"), "§6 keeps its table");
     for name in &missing {
         assert!(!all.contains(name), "§6 says {name} is not implemented, but op::ALL has it");
     }

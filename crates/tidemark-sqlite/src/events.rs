@@ -11,6 +11,7 @@ use rusqlite::types::Value;
 use rusqlite::vtab::array::Array;
 use rusqlite::{params, Connection, OptionalExtension};
 use tidemark_core::control::{self, ControlDecision, Target};
+use tidemark_core::large::{self, ClearDecision, MarkerFacts};
 use tidemark_core::membership::{self, MembershipDecision, MembershipFacts};
 use tidemark_core::projection::{self, Settings};
 use tidemark_proto::content::{self, Payload};
@@ -119,7 +120,7 @@ pub(crate) fn known_users(c: &Connection, users: &[String]) -> R<Vec<String>> {
     rows.collect::<Result<_, _>>().map_err(internal)
 }
 
-pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String]) -> R<(String, u64)> {
+pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String], policy: GroupPolicy) -> R<(String, u64)> {
     // A retried create finds the group its first attempt made.
     let earlier: Option<(String, String)> = c
         .prepare_cached("SELECT conv_id, kind FROM messages WHERE sender = ?1 AND client_msg_id = ?2")
@@ -151,7 +152,48 @@ pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String
             params![u, cmd.conv],
         )?;
     }
+    // A group created large is shared from its first event on: the
+    // conv.created is fanned out to every member (they learn of the group),
+    // everything after it is read from the conversation log (G3).
+    if policy.mode_for_new_group(all.len() as u64) == large::MODE_SHARED {
+        set_shared(c, &cmd.conv, seq)?;
+    }
+    exec(c, "UPDATE conversations SET members_seq = ?2 WHERE conv_id = ?1", params![cmd.conv, seq as i64])?;
     Ok((cmd.conv.clone(), seq))
+}
+
+/// Puts `conv` in shared mode from `from` (the switch event's msg_seq) on,
+/// and flags every member's row so the sync path finds it.
+fn set_shared(c: &Connection, conv: &str, from: u64) -> R<()> {
+    exec(
+        c,
+        "UPDATE conversations SET mode = ?2, shared_from = ?3 WHERE conv_id = ?1",
+        params![conv, large::MODE_SHARED, from as i64],
+    )?;
+    exec(
+        c,
+        "UPDATE user_convs SET shared = 1 WHERE conv_id = ?1
+         AND user_id IN (SELECT user_id FROM membership_periods WHERE conv_id = ?1)",
+        params![conv],
+    )?;
+    Ok(())
+}
+
+/// G3: a join took the group over the threshold: the switch event, at the
+/// next msg_seq, by the writer that ordered the join. Its idempotency key
+/// is derived from the join's, so a retried join finds the join and
+/// writes nothing more.
+fn switch_to_shared(c: &Connection, cmd: &ConvEventCmd, members: u64) -> R<u64> {
+    let switch = ConvEventCmd {
+        event_id: format!("{}.mode", cmd.event_id),
+        client_msg_id: format!("{}.mode", cmd.client_msg_id),
+        ..cmd.clone()
+    };
+    let content = content::ModeChanged { mode: large::MODE_SHARED, members }.to_json();
+    let seq = append_conv_event(c, &switch, KIND_MODE, &content, None, None, STATE_NORMAL)?;
+    set_shared(c, &cmd.conv, seq)?;
+    tracing::info!(conv = %cmd.conv, msg_seq = seq, members, "group switched to shared mode");
+    Ok(seq)
 }
 
 /// What a membership change decides on, in one statement (`None`: no
@@ -180,7 +222,13 @@ fn membership_facts(c: &Connection, conv: &str, actor: &str, target: &str) -> R<
     .map_err(internal)
 }
 
-pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str, change: MembershipChange) -> R<u64> {
+pub(crate) fn change_membership(
+    c: &Connection,
+    cmd: &ConvEventCmd,
+    target: &str,
+    change: MembershipChange,
+    policy: GroupPolicy,
+) -> R<u64> {
     if let Some((_, _, seq, _)) =
         existing_event_of(c, &cmd.actor, &cmd.client_msg_id, &cmd.conv, &[KIND_JOIN, KIND_LEAVE])?
     {
@@ -202,11 +250,20 @@ pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str
             "INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES (?1, ?2, ?3, NULL)",
             params![cmd.conv, target, seq as i64],
         )?;
+        let mode: String = q(c, "SELECT mode FROM conversations WHERE conv_id = ?1", params![cmd.conv])?
+            .unwrap_or_else(|| large::MODE_PER_MEMBER.to_owned());
+        let shared = mode == large::MODE_SHARED;
         exec(
             c,
-            "INSERT INTO user_convs (user_id, conv_id) VALUES (?1, ?2) ON CONFLICT(user_id, conv_id) DO UPDATE SET active = 1",
-            params![target, cmd.conv],
+            "INSERT INTO user_convs (user_id, conv_id, shared) VALUES (?1, ?2, ?3)
+             ON CONFLICT(user_id, conv_id) DO UPDATE SET active = 1, shared = excluded.shared",
+            params![target, cmd.conv, shared],
         )?;
+        let members = facts.as_ref().map_or(0, |f| f.active_members) + 1;
+        exec(c, "UPDATE conversations SET members_seq = ?2 WHERE conv_id = ?1", params![cmd.conv, seq as i64])?;
+        if policy.switches(&mode, members) {
+            switch_to_shared(c, cmd, members)?;
+        }
     } else {
         // The leave event is the period's last visible seq: the leaver's
         // devices learn of it; nothing after it is theirs (G1).
@@ -217,6 +274,7 @@ pub(crate) fn change_membership(c: &Connection, cmd: &ConvEventCmd, target: &str
         )?;
         assert_eq!(n, 1, "exactly one open period per member");
         exec(c, "UPDATE user_convs SET active = 0 WHERE user_id = ?1 AND conv_id = ?2", params![target, cmd.conv])?;
+        exec(c, "UPDATE conversations SET members_seq = ?2 WHERE conv_id = ?1", params![cmd.conv, seq as i64])?;
     }
     Ok(seq)
 }
@@ -454,17 +512,21 @@ pub(crate) fn mark_read(c: &Connection, user: &str, conv: &str, read_to_seq: u64
         .map_err(internal)?;
     let Some((read_seq, head)) = row else { return Err(not_found_or_not_member(c, conv)?) };
     let Some(target) = projection::read_target(read_to_seq, head as u64, read_seq as u64) else {
-        let unread: i64 =
-            q(c, "SELECT unread FROM user_convs WHERE user_id = ?1 AND conv_id = ?2", params![user, conv])?
-                .unwrap_or(0);
-        return Ok(ReadOutcome { read_seq: read_seq as u64, unread: unread as u64, written: None });
+        let unread = crate::read::conv_rows(c, user, None, crate::read::Rows::One(conv))?.pop().map_or(0, |s| s.unread);
+        return Ok(ReadOutcome { read_seq: read_seq as u64, unread, written: None });
     };
     exec(
         c,
         "UPDATE user_convs SET read_seq = ?3 WHERE user_id = ?1 AND conv_id = ?2",
         params![user, conv, target as i64],
     )?;
-    let unread = recount(c, user, conv)?;
+    let mut unread = recount(c, user, conv)?;
+    // A shared group's unread above the switch is counted from the log.
+    if let Some(state) = crate::read::conv_rows(c, user, None, crate::read::Rows::One(conv))?.pop() {
+        if state.mode == large::MODE_SHARED {
+            unread = state.unread;
+        }
+    }
     let data = content::ReadData { read_seq: target, unread }.to_json();
     let source = projection::read_event_id(conv, target);
     let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms)?;
@@ -578,4 +640,62 @@ pub(crate) fn rebuild_unread(c: &Connection) -> R<UnreadRebuild> {
 pub(crate) fn not_found_or_not_member(c: &Connection, conv: &str) -> R<StoreError> {
     let exists: Option<i64> = q(c, "SELECT 1 FROM conversations WHERE conv_id = ?1", params![conv])?;
     Ok(control::not_member(conv, exists.is_some()).into())
+}
+
+/// `dirty.clear` (G2): loads the marker's facts for the device, lets
+/// `large::decide_clear` decide, and records a clear.
+pub(crate) fn clear_marker(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    conv: &str,
+    observed_version: u64,
+    last_msg_seq: u64,
+) -> R<(bool, Marker)> {
+    type Row = (String, i64, i64, bool, Option<i64>, i64);
+    let row: Option<Row> = c
+        .prepare_cached(
+            "SELECT c.mode, COALESCE(mk.target, 0), COALESCE(mk.version, 0),
+                    EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = c.conv_id AND p.user_id = ?2
+                            AND p.leave_seq IS NULL),
+                    (SELECT MAX(p.leave_seq) FROM membership_periods p WHERE p.conv_id = c.conv_id AND p.user_id = ?2),
+                    COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = ?2 AND dm.device_id = ?3
+                              AND dm.conv_id = c.conv_id), 0)
+             FROM conversations c LEFT JOIN conv_markers mk ON mk.conv_id = c.conv_id WHERE c.conv_id = ?1",
+        )
+        .map_err(internal)?
+        .query_row(params![conv, user, device], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?))
+        })
+        .optional()
+        .map_err(internal)?;
+    let Some((mode, target, version, active, last_leave, cleared)) = row else {
+        return Err(StoreError::NotFound(format!("conversation {conv}")));
+    };
+    if !active && last_leave.is_none() {
+        return Err(StoreError::NotMember);
+    }
+    if mode != large::MODE_SHARED {
+        return Err(StoreError::Invalid(format!("conversation {conv} is not in shared mode")));
+    }
+    let facts = MarkerFacts {
+        published_target: target as u64,
+        version: version as u64,
+        left_at: if active { None } else { last_leave.map(|v| v as u64) },
+        cleared_seq: cleared as u64,
+    };
+    match large::decide_clear(&facts, observed_version, last_msg_seq) {
+        ClearDecision::Stale => Ok((false, large::marker(&facts))),
+        ClearDecision::Cleared { cleared_seq } => {
+            exec(
+                c,
+                "INSERT INTO device_markers (user_id, device_id, conv_id, cleared_seq, cleared_version)
+                 VALUES (?1, ?2, ?3, ?4, ?5)
+                 ON CONFLICT(user_id, device_id, conv_id) DO UPDATE SET
+                    cleared_seq = MAX(cleared_seq, excluded.cleared_seq), cleared_version = excluded.cleared_version",
+                params![user, device, conv, cleared_seq as i64, observed_version as i64],
+            )?;
+            Ok((true, large::marker(&MarkerFacts { cleared_seq, ..facts })))
+        }
+    }
 }

@@ -30,10 +30,11 @@ use rusqlite::trace::{TraceEvent, TraceEventCodes};
 use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
 use tidemark_core::control;
 use tidemark_core::cursor::{self, CasDecision, DeviceCursor, DeviceState};
+use tidemark_core::large::{self, Route};
 use tidemark_core::membership::{control_recipients, recipients_at, Period};
 use tidemark_core::page::{PageQuery, SyncFacts};
 use tidemark_core::projection;
-use tidemark_core::SyncSeq;
+use tidemark_core::{MsgSeq, SyncSeq};
 use tidemark_store::*;
 
 use read::ReadPool;
@@ -49,6 +50,8 @@ pub(crate) fn internal(e: rusqlite::Error) -> StoreError {
 }
 
 pub struct SqliteStore {
+    /// `GroupPolicy::large_members`, set by [`Store::set_group_policy`].
+    large_members: AtomicU64,
     writer: Writer,
     readers: ReadPool,
     path: PathBuf,
@@ -95,6 +98,10 @@ fn configure(conn: &Connection) -> rusqlite::Result<()> {
 }
 
 impl SqliteStore {
+    fn group_policy(&self) -> GroupPolicy {
+        GroupPolicy { large_members: self.large_members.load(Ordering::Relaxed) }
+    }
+
     /// Opens (creating if needed) the store in `data_dir` and applies the
     /// schema migrations it lacks (`schema::migrate`); a database migrated
     /// by a newer build is refused with [`StoreError::SchemaTooNew`].
@@ -127,6 +134,7 @@ impl SqliteStore {
         }
         let (writer, handle) = Writer::start(conn);
         Ok(Arc::new(SqliteStore {
+            large_members: AtomicU64::new(GroupPolicy::default().large_members),
             writer,
             readers: ReadPool::new(readers),
             path,
@@ -247,32 +255,52 @@ fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<
     rows.collect::<Result<Vec<_>, _>>().map_err(internal)
 }
 
-/// The recipients of one outbox item (F4, E1): the periods covering its
-/// `msg_seq` and, for a control event, those covering its target's, as
-/// `control_recipients` combines them.
-fn resolve(conn: &Connection, item: &OutboxItem) -> StoreResult<tidemark_core::membership::Recipients> {
-    let (kind, target_seq): (String, Option<i64>) = conn
+/// The recipients of one outbox item (F4, E1, G2): the periods covering
+/// its `msg_seq` and, for a control event, those covering its target's, as
+/// `control_recipients` combines them; in a shared group, as
+/// `large::route` decides (nobody, or the subject of a membership change).
+/// The route comes back beside them.
+fn resolve(conn: &Connection, item: &OutboxItem) -> StoreResult<(tidemark_core::membership::Recipients, Route)> {
+    let (kind, target_seq, mode, shared_from): (String, Option<i64>, String, Option<i64>) = conn
         .prepare_cached(
-            "SELECT s.kind, t.msg_seq FROM messages s
+            "SELECT s.kind, t.msg_seq, c.mode, c.shared_from FROM messages s
+             JOIN conversations c ON c.conv_id = s.conv_id
              LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
              WHERE s.message_id = ?1",
         )
         .map_err(internal)?
-        .query_row(params![item.source_event_id], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row(params![item.source_event_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
         .map_err(internal)?;
-    let at_event = recipients_at(&periods_covering(conn, &item.conv, item.msg_seq)?, item.msg_seq);
+    let route = large::route(&mode, shared_from.map(|v| v as u64), item.msg_seq, &kind);
+    let periods = match route {
+        Route::Shared => return Ok((Default::default(), route)),
+        Route::PerMember => periods_covering(conn, &item.conv, item.msg_seq)?,
+        // The period the change opened or closed at this msg_seq.
+        Route::Subject => periods_covering(conn, &item.conv, item.msg_seq)?
+            .into_iter()
+            .filter(|p| p.join_seq == item.msg_seq || p.leave_seq == Some(item.msg_seq))
+            .collect(),
+    };
+    let at_event = recipients_at(&periods, item.msg_seq);
     let holders = match target_seq.map(|t| t as u64) {
         Some(t) => Some(recipients_at(&periods_covering(conn, &item.conv, t)?, t)),
         None => None,
     };
-    Ok(control_recipients(at_event, holders, &kind))
+    Ok((control_recipients(at_event, holders, &kind), route))
 }
 
 fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResult<FanoutReport> {
     let mut report = FanoutReport::default();
     let mut touched: std::collections::BTreeMap<String, SyncSeq> = Default::default();
+    // Shared groups this batch moved, with their highest msg_seq: one
+    // marker publication each, whatever the number of items (G2).
+    let mut moved: std::collections::BTreeMap<String, u64> = Default::default();
     for item in items {
-        let recipients = resolve(conn, item)?;
+        let (recipients, route) = resolve(conn, item)?;
+        if route != Route::PerMember {
+            let seq = moved.entry(item.conv.clone()).or_default();
+            *seq = (*seq).max(item.msg_seq);
+        }
         for user in &recipients.quarantined {
             conn.prepare_cached(
                 "INSERT OR IGNORE INTO fanout_quarantine (source_event_id, user_id, conv_id, msg_seq, reason, created_at)
@@ -342,6 +370,29 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
             .execute(params![item.outbox_id])
             .map_err(internal)?;
         report.items_done += 1;
+    }
+    for (conv, max_seq) in moved {
+        let (was_target, was_version): (i64, i64) = conn
+            .prepare_cached("SELECT target, version FROM conv_markers WHERE conv_id = ?1")
+            .map_err(internal)?
+            .query_row(params![conv], |r| Ok((r.get(0)?, r.get(1)?)))
+            .optional()
+            .map_err(internal)?
+            .unwrap_or((0, 0));
+        let (target, version) = large::publish(was_target as u64, was_version as u64, max_seq);
+        conn.prepare_cached(
+            "INSERT INTO conv_markers (conv_id, target, version) VALUES (?1, ?2, ?3)
+             ON CONFLICT(conv_id) DO UPDATE SET target = excluded.target, version = excluded.version",
+        )
+        .map_err(internal)?
+        .execute(params![conv, target as i64, version as i64])
+        .map_err(internal)?;
+        let members_seq: i64 = conn
+            .prepare_cached("SELECT members_seq FROM conversations WHERE conv_id = ?1")
+            .map_err(internal)?
+            .query_row(params![conv], |r| r.get(0))
+            .map_err(internal)?;
+        report.convs.push(ConvMoved { conv, target, version, members_seq: members_seq as u64 });
     }
     report.users = touched.into_iter().collect();
     Ok(report)
@@ -516,18 +567,19 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| read::conversation(c, &conv)).await
     }
 
-    async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>> {
-        let user = user.to_owned();
-        self.readers.read_store(move |c| read::list_conversations(c, &user)).await
+    async fn list_conversations(&self, user: &str, device: Option<&str>) -> StoreResult<Vec<ConvState>> {
+        let (user, device) = (user.to_owned(), device.map(str::to_owned));
+        self.readers.read_store(move |c| read::list_conversations(c, &user, device.as_deref())).await
     }
 
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
-        self.writer.write(move |c| events::create_group(c, &cmd, &members)).await
+        let policy = self.group_policy();
+        self.writer.write(move |c| events::create_group(c, &cmd, &members, policy)).await
     }
 
     async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
-        let target = target.to_owned();
-        self.writer.write(move |c| events::change_membership(c, &cmd, &target, change)).await
+        let (target, policy) = (target.to_owned(), self.group_policy());
+        self.writer.write(move |c| events::change_membership(c, &cmd, &target, change, policy)).await
     }
 
     async fn bump_epoch(&self, conv: &str) -> StoreResult<u64> {
@@ -595,8 +647,12 @@ impl Store for SqliteStore {
                 move |c| events::update_settings(c, &user, &conv, muted, pinned, now_ms)
             })
             .await?;
-        let state =
-            self.list_conversations(&user).await?.into_iter().find(|s| s.conv == conv).ok_or(StoreError::NotMember)?;
+        let state = self
+            .list_conversations(&user, None)
+            .await?
+            .into_iter()
+            .find(|s| s.conv == conv)
+            .ok_or(StoreError::NotMember)?;
         Ok((state, UserEventOutcome { written }))
     }
 
@@ -838,6 +894,34 @@ impl Store for SqliteStore {
     ) -> StoreResult<Option<tidemark_core::cursor::RecoveryInfo>> {
         let (user, device) = (user.to_owned(), device.to_owned());
         self.readers.read_store(move |c| lifecycle::recovery_session(c, &user, &device)).await
+    }
+
+    fn set_group_policy(&self, policy: GroupPolicy) {
+        self.large_members.store(policy.large_members, Ordering::Relaxed);
+    }
+
+    async fn clear_marker(
+        &self,
+        user: &str,
+        device: &str,
+        conv: &str,
+        observed_version: u64,
+        last_msg_seq: MsgSeq,
+    ) -> StoreResult<(bool, Marker)> {
+        let (user, device, conv) = (user.to_owned(), device.to_owned(), conv.to_owned());
+        self.writer
+            .write(move |c| events::clear_marker(c, &user, &device, &conv, observed_version, last_msg_seq))
+            .await
+    }
+
+    async fn dirty_markers(&self, user: &str, device: &str) -> StoreResult<Vec<DeviceMarker>> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers.read_store(move |c| read::dirty_markers(c, &user, &device)).await
+    }
+
+    async fn active_members(&self, conv: &str) -> StoreResult<(MsgSeq, Vec<String>)> {
+        let conv = conv.to_owned();
+        self.readers.read_store(move |c| read::active_members(c, &conv)).await
     }
 
     fn stats(&self) -> StoreStats {

@@ -55,7 +55,7 @@ pub(crate) fn begin_snapshot(
         params![snapshot_id, user, device, generation as i64, base as i64, now_ms, expires_at_ms],
     )
     .map_err(internal)?;
-    let convs = read::list_conversations(c, user)?;
+    let convs = read::list_conversations(c, user, Some(device))?;
     snapshot::check_conversations(convs.len())?;
     let mut view = Vec::with_capacity(convs.len());
     for state in convs {

@@ -269,17 +269,37 @@ pub(crate) fn conversation(c: &Connection, conv: &str) -> StoreResult<Option<Con
     Ok(Some(Conversation { conv: conv.into(), kind, members, head: head as u64 }))
 }
 
-pub(crate) fn list_conversations(c: &Connection, user: &str) -> StoreResult<Vec<ConvState>> {
-    let mut stmt = c
-        .prepare_cached(
-            "SELECT uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread, uc.muted, uc.pinned, uc.active
-             FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
-             WHERE uc.user_id = ?1 ORDER BY uc.pinned DESC, uc.last_msg_seq DESC, uc.conv_id",
-        )
-        .map_err(internal)?;
-    let rows = stmt
-        .query_map(params![user], |r| {
-            Ok(ConvState {
+/// The conversation list's columns: the projection, then what a shared
+/// group's marker and unread are computed from (G2).
+const LIST_COLS: &str = "uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.unread, uc.muted, uc.pinned, uc.active,
+        c.mode, c.shared_from, COALESCE(mk.target, 0), COALESCE(mk.version, 0),
+        CASE WHEN uc.active THEN NULL ELSE (SELECT MAX(p.leave_seq) FROM membership_periods p
+             WHERE p.conv_id = uc.conv_id AND p.user_id = uc.user_id) END,
+        COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = uc.user_id
+             AND dm.device_id = ?2 AND dm.conv_id = uc.conv_id), 0)";
+
+/// Which rows of a user's list [`conv_rows`] reads.
+pub(crate) enum Rows<'a> {
+    All,
+    Shared,
+    One(&'a str),
+}
+
+/// The rows of `user`'s list, markers evaluated for `device`.
+pub(crate) fn conv_rows(c: &Connection, user: &str, device: Option<&str>, which: Rows<'_>) -> StoreResult<Vec<ConvState>> {
+    let (filter, conv) = match which {
+        Rows::All => ("", None),
+        Rows::Shared => ("AND uc.shared = 1", None),
+        Rows::One(conv) => ("AND uc.conv_id = ?3", Some(conv)),
+    };
+    let sql = format!(
+        "SELECT {LIST_COLS} FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
+         LEFT JOIN conv_markers mk ON mk.conv_id = uc.conv_id
+         WHERE uc.user_id = ?1 {filter}"
+    );
+    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+    let map = |r: &rusqlite::Row<'_>| {
+            let state = ConvState {
                 conv: r.get(0)?,
                 kind: r.get(1)?,
                 last_msg_seq: r.get::<_, i64>(2)? as u64,
@@ -288,10 +308,110 @@ pub(crate) fn list_conversations(c: &Connection, user: &str) -> StoreResult<Vec<
                 muted: r.get(5)?,
                 pinned: r.get(6)?,
                 active: r.get(7)?,
-            })
-        })
+                mode: r.get(8)?,
+                marker: None,
+                unread_capped: false,
+            };
+            let shared_from = r.get::<_, Option<i64>>(9)?.map(|v| v as u64);
+            let facts = tidemark_core::large::MarkerFacts {
+                published_target: r.get::<_, i64>(10)? as u64,
+                version: r.get::<_, i64>(11)? as u64,
+                left_at: r.get::<_, Option<i64>>(12)?.map(|v| v as u64),
+                cleared_seq: r.get::<_, i64>(13)? as u64,
+            };
+            Ok((state, shared_from, facts))
+    };
+    let rows = match conv {
+        Some(conv) => stmt.query_map(params![user, device, conv], map),
+        None => stmt.query_map(params![user, device], map),
+    }
+    .map_err(internal)?
+    .collect::<Result<Vec<_>, _>>()
+    .map_err(internal)?;
+    let mut out = Vec::with_capacity(rows.len());
+    for (mut state, shared_from, facts) in rows {
+        if let (tidemark_core::large::MODE_SHARED, Some(from)) = (state.mode.as_str(), shared_from) {
+            let marker = tidemark_core::large::marker(&facts);
+            // Unread: the projection's count up to the switch, plus the
+            // messages above it counted from the log on read (exact up to
+            // the cap, so it cannot drift).
+            let counted = shared_unread_above(c, user, &state.conv, state.read_seq.max(from), marker.target)?;
+            let (unread, capped) = tidemark_core::large::shared_unread(state.unread + counted);
+            state.last_msg_seq = state.last_msg_seq.max(marker.target);
+            state.unread = unread;
+            state.unread_capped = capped;
+            state.marker = Some(marker);
+        }
+        out.push(state);
+    }
+    Ok(out)
+}
+
+/// Messages from others in `conv` in `(above, upto]` the user may see and
+/// has not read, recalled or deleted for themselves, counted up to
+/// `large::UNREAD_COUNT_MAX + 1`.
+pub(crate) fn shared_unread_above(c: &Connection, user: &str, conv: &str, above: u64, upto: u64) -> StoreResult<u64> {
+    if upto <= above {
+        return Ok(0);
+    }
+    let control =
+        tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
+    let sql = format!(
+        "SELECT COUNT(*) FROM (SELECT 1 FROM messages m
+         WHERE m.conv_id = ?1 AND m.msg_seq > ?3 AND m.msg_seq <= ?4 AND m.sender <> ?2
+           AND m.kind NOT IN ({control}) AND m.state <> '{STATE_RECALLED}'
+           AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?2 AND d.message_id = m.message_id)
+           AND {VISIBLE} LIMIT ?5 + 0)"
+    );
+    let n: i64 = c
+        .prepare_cached(&sql)
+        .map_err(internal)?
+        .query_row(
+            params![conv, user, above as i64, upto as i64, tidemark_core::large::UNREAD_COUNT_MAX as i64 + 1],
+            |r| r.get(0),
+        )
         .map_err(internal)?;
-    rows.collect::<Result<Vec<_>, _>>().map_err(internal)
+    Ok(n as u64)
+}
+
+pub(crate) fn list_conversations(c: &Connection, user: &str, device: Option<&str>) -> StoreResult<Vec<ConvState>> {
+    let mut rows = conv_rows(c, user, device, Rows::All)?;
+    rows.sort_by(|a, b| b.pinned.cmp(&a.pinned).then(b.last_msg_seq.cmp(&a.last_msg_seq)).then(a.conv.cmp(&b.conv)));
+    Ok(rows)
+}
+
+/// The shared groups whose marker is dirty for `device` (G2).
+pub(crate) fn dirty_markers(c: &Connection, user: &str, device: &str) -> StoreResult<Vec<DeviceMarker>> {
+    Ok(conv_rows(c, user, Some(device), Rows::Shared)?
+        .into_iter()
+        .filter_map(|s| s.marker.filter(|m| m.dirty).map(|marker| DeviceMarker { conv: s.conv, marker }))
+        .collect())
+}
+
+/// The active members of `conv` and the msg_seq of its last membership
+/// change, in one read transaction.
+pub(crate) fn active_members(c: &Connection, conv: &str) -> StoreResult<(u64, Vec<String>)> {
+    c.execute_batch("BEGIN DEFERRED").map_err(internal)?;
+    let result = (|| {
+        let seq: i64 = c
+            .prepare_cached("SELECT members_seq FROM conversations WHERE conv_id = ?1")
+            .map_err(internal)?
+            .query_row(params![conv], |r| r.get(0))
+            .optional()
+            .map_err(internal)?
+            .ok_or_else(|| StoreError::NotFound(format!("conversation {conv}")))?;
+        let mut stmt = c
+            .prepare_cached("SELECT user_id FROM membership_periods WHERE conv_id = ?1 AND leave_seq IS NULL")
+            .map_err(internal)?;
+        let users = stmt
+            .query_map(params![conv], |r| r.get(0))
+            .map_err(internal)?
+            .collect::<Result<Vec<String>, _>>()
+            .map_err(internal)?;
+        Ok((seq as u64, users))
+    })();
+    let _ = c.execute_batch("COMMIT");
+    result
 }
 
 pub(crate) fn pending_outbox(c: &Connection, limit: u32) -> StoreResult<Vec<OutboxItem>> {

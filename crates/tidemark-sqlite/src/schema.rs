@@ -36,7 +36,10 @@ pub struct Migration {
 
 /// Every step, in order. This backend numbers its own steps, independently
 /// of PostgreSQL's.
-pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial schema", sql: SCHEMA },
+    Migration { version: 2, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
+];
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
@@ -324,6 +327,46 @@ CREATE TABLE IF NOT EXISTS fanout_quarantine (
     created_at       INTEGER NOT NULL,
     PRIMARY KEY (source_event_id, user_id)
 );
+"#;
+
+/// Step 2, large groups (G2, G3).
+pub const LARGE_GROUPS: &str = r#"
+-- A group's mode: 'per_member' (every event fanned out into each member's
+-- log) or 'shared' (events above `shared_from`, the switch event's
+-- msg_seq, live only in the conversation log). One-way. `members_seq` is
+-- the msg_seq of the last membership change (it keys the servers' caches
+-- of who is in the group).
+ALTER TABLE conversations ADD COLUMN mode TEXT NOT NULL DEFAULT 'per_member';
+ALTER TABLE conversations ADD COLUMN shared_from INTEGER;
+ALTER TABLE conversations ADD COLUMN members_seq INTEGER NOT NULL DEFAULT 0;
+
+-- A shared group's published marker, one row per group, written by the
+-- fan-out only: `target` only grows, `version` only increments, once per
+-- relay batch that moved the group. Apart from `conversations` so the
+-- fan-out never takes the row a send locks (PostgreSQL keeps the same
+-- layout).
+CREATE TABLE conv_markers (
+    conv_id  TEXT PRIMARY KEY,
+    target   INTEGER NOT NULL,
+    version  INTEGER NOT NULL
+) WITHOUT ROWID;
+
+-- 1 for the user's rows of groups in shared mode: the sync path finds a
+-- user's shared groups without reading the rest.
+ALTER TABLE user_convs ADD COLUMN shared INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX user_convs_shared ON user_convs (user_id) WHERE shared = 1;
+
+-- What each device cleared of a shared group's marker (G2): the marker is
+-- dirty for the device while `cleared_seq` is below its target; written
+-- only by a successful `dirty.clear` CAS, never by a message.
+CREATE TABLE device_markers (
+    user_id          TEXT NOT NULL,
+    device_id        TEXT NOT NULL,
+    conv_id          TEXT NOT NULL,
+    cleared_seq      INTEGER NOT NULL,
+    cleared_version  INTEGER NOT NULL,
+    PRIMARY KEY (user_id, device_id, conv_id)
+) WITHOUT ROWID;
 "#;
 
 #[cfg(test)]

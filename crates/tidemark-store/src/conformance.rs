@@ -67,6 +67,135 @@ where
     recall_edit_react_rules(&*fresh().await).await;
     snapshot_installability(&*fresh().await).await;
     group_commit_batches_concurrent_writes(fresh().await).await;
+    large_group_rules(&*fresh().await).await;
+    large_group_created_shared(&*fresh().await).await;
+}
+
+/// Drains the outbox through the fan-out claim, as the relay does.
+async fn drain(store: &dyn Store) -> Vec<ConvMoved> {
+    let mut moved = Vec::new();
+    loop {
+        let claimed = store.fan_out_next(100, T0).await.unwrap();
+        if claimed.items.is_empty() {
+            return moved;
+        }
+        moved.extend(claimed.report.convs);
+    }
+}
+
+fn state_of(list: Vec<ConvState>, conv: &str) -> ConvState {
+    list.into_iter().find(|s| s.conv == conv).unwrap_or_else(|| panic!("{conv} not listed"))
+}
+
+/// G2, G3 (`core::large`): a group crossing the threshold switches at a
+/// msg_seq; events up to the switch are in members' logs, later ones only
+/// in the conversation log; markers publish once per batch, a clear is a
+/// version CAS after the pull; unread carries across the switch; membership
+/// changes above the switch reach their subject's log alone.
+pub async fn large_group_rules(store: &dyn Store) {
+    use MembershipChange::{Add, Leave};
+    store.set_group_policy(GroupPolicy::new(3).unwrap());
+    users(store, &["a", "b", "c", "d", "e"]).await;
+    store.create_group(ev("g", "a", "create"), vec!["b".into(), "c".into()]).await.unwrap(); // 1
+    assert_eq!(state_of(store.list_conversations("b", None).await.unwrap(), "g").mode, "per_member");
+    store.accept_send(send("a", "g", "m2")).await.unwrap(); // 2
+    drain(store).await;
+    let b_hw = store.user_high_watermark("b").await.unwrap();
+    // The fourth member crosses the threshold: join at 3, switch at 4.
+    assert_eq!(store.change_membership(ev("g", "a", "add-d"), "d", Add).await, Ok(3));
+    assert_eq!(store.change_membership(ev("g", "a", "add-d"), "d", Add).await, Ok(3), "a retry writes no second switch");
+    assert_eq!(store.conversation("g").await.unwrap().unwrap().head, 4);
+    let moved = drain(store).await;
+    assert!(moved.is_empty(), "the join and the switch are fanned out per member: {moved:?}");
+    let b_events = store.read_user_events("b", b_hw, 1_000_000, 10).await.unwrap();
+    let kinds: Vec<(&str, Option<u64>)> = b_events.iter().map(|e| (e.kind.as_str(), e.msg_seq)).collect();
+    assert_eq!(kinds, vec![(EVENT_MEMBERSHIP, Some(3)), (EVENT_MODE, Some(4))], "the switch is in every member's log");
+    let hw_after_switch = store.user_high_watermark("b").await.unwrap();
+
+    // Above the switch: nothing per member; one marker publication.
+    for i in 0..5 {
+        store.accept_send(send("a", "g", &format!("s{i}"))).await.unwrap(); // 5..=9
+    }
+    let moved = drain(store).await;
+    assert_eq!(moved.len(), 1, "one publication per group per batch: {moved:?}");
+    assert_eq!((moved[0].target, moved[0].version), (9, 1));
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), hw_after_switch, "G2: no user event per message");
+    let b = state_of(store.list_conversations("b", Some("phone")).await.unwrap(), "g");
+    assert_eq!(b.mode, "shared");
+    assert_eq!(b.marker, Some(Marker { target: 9, version: 1, dirty: true }));
+    assert_eq!(b.last_msg_seq, 9);
+    assert_eq!(b.unread, 6, "unread carries over the switch: m2 below it, s0..s4 above");
+    assert_eq!(state_of(store.list_conversations("a", None).await.unwrap(), "g").unread, 0, "own messages");
+    let dirty = store.dirty_markers("b", "phone").await.unwrap();
+    assert_eq!(dirty, vec![DeviceMarker { conv: "g".into(), marker: Marker { target: 9, version: 1, dirty: true } }]);
+
+    // The seed's race: read (9, v1), a message lands, clear with v1 fails.
+    store.accept_send(send("a", "g", "s5")).await.unwrap(); // 10
+    let moved = drain(store).await;
+    assert_eq!((moved[0].target, moved[0].version), (10, 2));
+    let stale = store.clear_marker("b", "phone", "g", 1, 9).await.unwrap();
+    assert_eq!(stale, (false, Marker { target: 10, version: 2, dirty: true }));
+    assert_eq!(store.dirty_markers("b", "phone").await.unwrap().len(), 1, "the marker stays dirty");
+    // The right version without the pull is refused too; then caught up.
+    assert!(!store.clear_marker("b", "phone", "g", 2, 9).await.unwrap().0);
+    let done = store.clear_marker("b", "phone", "g", 2, 10).await.unwrap();
+    assert_eq!(done, (true, Marker { target: 10, version: 2, dirty: false }));
+    assert!(store.dirty_markers("b", "phone").await.unwrap().is_empty());
+    assert_eq!(store.dirty_markers("b", "laptop").await.unwrap().len(), 1, "each device clears for itself");
+    // A clear never moves read, nor read the marker.
+    let b = state_of(store.list_conversations("b", Some("phone")).await.unwrap(), "g");
+    assert_eq!((b.read_seq, b.unread), (0, 7));
+    let read = store.mark_read("b", "g", 8, T0).await.unwrap();
+    assert_eq!((read.read_seq, read.unread), (8, 2), "read inside the shared range, counted from the log");
+    assert!(store.dirty_markers("b", "phone").await.unwrap().is_empty(), "read does not dirty the marker");
+
+    // conv.sync serves the shared range inside the member's period.
+    let page = store.conv_sync("d", "g", 4, 50, None).await.unwrap();
+    let seqs: Vec<u64> = page.events.iter().map(|m| m.msg_seq).collect();
+    assert_eq!(seqs, vec![5, 6, 7, 8, 9, 10]);
+
+    // A join above the switch reaches only its subject's log; a leave caps
+    // the leaver's marker at the leave.
+    let e_hw = store.user_high_watermark("e").await.unwrap();
+    let b_hw = store.user_high_watermark("b").await.unwrap();
+    assert_eq!(store.change_membership(ev("g", "a", "add-e"), "e", Add).await, Ok(11));
+    assert_eq!(store.change_membership(ev("g", "c", "lv-c"), "c", Leave).await, Ok(12));
+    store.accept_send(send("a", "g", "s6")).await.unwrap(); // 13
+    let moved = drain(store).await;
+    assert_eq!((moved[0].target, moved[0].version), (13, 3));
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), b_hw, "others read membership from the conversation log");
+    let e_events = store.read_user_events("e", e_hw, 1_000_000, 10).await.unwrap();
+    assert_eq!(e_events.iter().map(|e| e.msg_seq).collect::<Vec<_>>(), vec![Some(11)], "the subject learns");
+    let e = state_of(store.list_conversations("e", None).await.unwrap(), "g");
+    assert_eq!((e.mode.as_str(), e.marker.map(|m| m.target)), ("shared", Some(13)));
+    let c = state_of(store.list_conversations("c", Some("c1")).await.unwrap(), "g");
+    assert_eq!((c.active, c.marker.map(|m| m.target)), (false, Some(12)), "a leaver's marker stops at the leave");
+    assert_eq!(store.clear_marker("c", "c1", "g", 3, 12).await.unwrap().0, true);
+    assert_eq!(store.active_members("g").await.unwrap().0, 12, "members_seq is the last membership change");
+    let mut members = store.active_members("g").await.unwrap().1;
+    members.sort();
+    assert_eq!(members, vec!["a", "b", "d", "e"]);
+    assert_eq!(store.clear_marker("zz", "p", "g", 1, 1).await, Err(StoreError::NotMember));
+    let (direct, _) = store.create_direct("a", "b", "d1", T0).await.unwrap();
+    assert_eq!(
+        store.clear_marker("a", "p", &direct, 1, 1).await,
+        Err(invalid(&format!("conversation {direct} is not in shared mode")))
+    );
+}
+
+/// G3: a group created above the threshold is shared from its first event.
+pub async fn large_group_created_shared(store: &dyn Store) {
+    store.set_group_policy(GroupPolicy::new(2).unwrap());
+    users(store, &["a", "b", "c"]).await;
+    store.create_group(ev("big", "a", "create"), vec!["b".into(), "c".into()]).await.unwrap();
+    assert!(drain(store).await.is_empty(), "conv.created is fanned out per member");
+    assert_eq!(store.user_high_watermark("c").await.unwrap(), 1);
+    store.accept_send(send("b", "big", "x")).await.unwrap();
+    let moved = drain(store).await;
+    assert_eq!(moved.iter().map(|m| (m.conv.as_str(), m.target)).collect::<Vec<_>>(), vec![("big", 2)]);
+    assert_eq!(store.user_high_watermark("c").await.unwrap(), 1);
+    let c = state_of(store.list_conversations("c", None).await.unwrap(), "big");
+    assert_eq!((c.mode.as_str(), c.unread, c.last_msg_seq), ("shared", 1, 2));
 }
 
 /// G1: one conversation per direct pair, whatever the order.
@@ -434,9 +563,9 @@ pub async fn fan_out_is_idempotent_and_projects_once(store: &dyn Store) {
     let again = store.fan_out(items, T0).await.unwrap();
     assert_eq!((again.events_written, again.duplicates_skipped), (0, 6), "F3: redelivery writes nothing");
     assert_eq!(store.user_high_watermark("b").await.unwrap(), 3);
-    let list = store.list_conversations("b").await.unwrap();
+    let list = store.list_conversations("b", None).await.unwrap();
     assert_eq!((list[0].last_msg_seq, list[0].unread), (3, 3), "R3: unread moved once per event");
-    let own = store.list_conversations("a").await.unwrap();
+    let own = store.list_conversations("a", None).await.unwrap();
     assert_eq!((own[0].unread, own[0].read_seq), (0, 3), "own messages are not unread");
     let events = store.read_user_events("b", 0, 3, 10).await.unwrap();
     let seqs: Vec<u64> = events.iter().map(|e| e.sync_seq).collect();

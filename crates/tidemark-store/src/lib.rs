@@ -23,6 +23,7 @@ use async_trait::async_trait;
 pub use tidemark_core::control::ControlOutcome;
 use tidemark_core::cursor::{AckDecision, DeviceCursor};
 pub use tidemark_core::kinds::*;
+pub use tidemark_core::large::{GroupPolicy, Marker};
 pub use tidemark_core::membership::MembershipChange;
 use tidemark_core::{MsgSeq, Refusal, SyncSeq};
 
@@ -184,6 +185,8 @@ pub struct FanoutReport {
     /// Users hit by two membership periods of one message (F4).
     pub quarantined: u64,
     pub items_done: u64,
+    /// Shared groups whose marker this batch published (G2), once each.
+    pub convs: Vec<ConvMoved>,
 }
 
 /// What one [`Store::fan_out_next`] claimed and did.
@@ -287,6 +290,32 @@ pub struct ConvState {
     pub pinned: bool,
     /// False once the user left or was removed.
     pub active: bool,
+    /// `per_member` or `shared` (G2); a direct conversation is per member.
+    pub mode: String,
+    /// Shared mode: the member's marker, `dirty` for the asking device
+    /// (`None` asks for no device: dirty while anything is published).
+    /// `last_msg_seq` is then the marker's target.
+    pub marker: Option<Marker>,
+    /// Shared mode: `unread` reached `large::UNREAD_COUNT_MAX` and reads as
+    /// it (counted exactly below it).
+    pub unread_capped: bool,
+}
+
+/// A shared group that moved in one fan-out batch: its published marker
+/// and the `msg_seq` of its last membership change.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConvMoved {
+    pub conv: String,
+    pub target: MsgSeq,
+    pub version: u64,
+    pub members_seq: MsgSeq,
+}
+
+/// The marker of one shared group for one device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceMarker {
+    pub conv: String,
+    pub marker: Marker,
 }
 
 /// A conversation event written by the conversation's writer.
@@ -526,8 +555,9 @@ pub trait Store: Send + Sync + 'static {
 
     async fn conversation(&self, conv: &str) -> StoreResult<Option<Conversation>>;
 
-    /// The user's conversation list with its projections.
-    async fn list_conversations(&self, user: &str) -> StoreResult<Vec<ConvState>>;
+    /// The user's conversation list with its projections; the markers of
+    /// shared groups are evaluated for `device` (G2).
+    async fn list_conversations(&self, user: &str, device: Option<&str>) -> StoreResult<Vec<ConvState>>;
 
     /// Creates a group: `conv.created` at `msg_seq` 1 and a membership
     /// period from 1 for the creator and each member. A retry with the same
@@ -778,6 +808,33 @@ pub trait Store: Send + Sync + 'static {
         user: &str,
         device: &str,
     ) -> StoreResult<Option<tidemark_core::cursor::RecoveryInfo>>;
+
+    // --------------------------------------------------------- large groups
+
+    /// When groups leave per-member mode (G3); applies to the next group
+    /// created and the next membership change.
+    fn set_group_policy(&self, policy: GroupPolicy);
+
+    /// `dirty.clear` (G2): the version CAS of `large::decide_clear` for the
+    /// device, in one writer transaction. Returns whether it cleared and
+    /// the marker as it now is. `NotMember` unless the user ever had a
+    /// period in `conv`; `Invalid` for a conversation not in shared mode.
+    async fn clear_marker(
+        &self,
+        user: &str,
+        device: &str,
+        conv: &str,
+        observed_version: u64,
+        last_msg_seq: MsgSeq,
+    ) -> StoreResult<(bool, Marker)>;
+
+    /// The markers of the user's shared groups that are dirty for `device`,
+    /// from one read.
+    async fn dirty_markers(&self, user: &str, device: &str) -> StoreResult<Vec<DeviceMarker>>;
+
+    /// The active members of `conv` and the `msg_seq` of its last
+    /// membership change, from one read (the hint path's member cache).
+    async fn active_members(&self, conv: &str) -> StoreResult<(MsgSeq, Vec<String>)>;
 
     // -------------------------------------------------------- observability
 

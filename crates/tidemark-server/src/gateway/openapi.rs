@@ -128,6 +128,12 @@ fn rpcs(s: &mut Schemas) -> Vec<Rpc> {
             s.of::<MessageDeleteReq>(),
             s.of::<MessageDeleteOk>(),
         ),
+        rpc(
+            op::DIRTY_CLEAR,
+            "Clear a large group's dirty marker: a version CAS after the pull (G2)",
+            s.of::<DirtyClearReq>(),
+            s.of::<DirtyClearOk>(),
+        ),
         no_fields(op::SNAPSHOT_BEGIN, "Build a snapshot at a frozen base (D7)", s.of::<SnapshotBeginOk>()),
         rpc(op::SNAPSHOT_PAGE, "One page of a snapshot (D7)", s.of::<SnapshotPageReq>(), s.of::<SnapshotPageOk>()),
         rpc(

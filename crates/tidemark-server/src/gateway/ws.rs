@@ -293,15 +293,31 @@ async fn write_loop(
                 Some(text) => sink.send(Message::Text(text.into())).await,
                 None => return,
             },
-            _ = entry.wake.notified() => match entry.take_hint() {
-                Some((hw, rehint)) => {
+            _ = entry.wake.notified() => {
+                let mut frames = Vec::new();
+                if let Some((hw, rehint)) = entry.take_hint() {
                     let why = if rehint { reason::LAGGING_ACK } else { reason::NEW_EVENT };
-                    metrics::counter!(m::HINTS).increment(1);
-                    let frame = ServerFrame::Hint(Hint { user_sync_high_watermark: hw, reason: why.into() });
-                    sink.send(Message::Text(server_frame_text(&frame).into())).await
+                    frames.push(Hint::user(hw, why));
                 }
-                None => Ok(()),
-            },
+                for (conv, target, version) in entry.take_conv_hints() {
+                    frames.push(Hint {
+                        user_sync_high_watermark: entry.hinted(),
+                        reason: reason::CONV_MOVED.into(),
+                        conv: Some(conv),
+                        dirty_target_msg_seq: Some(target),
+                        dirty_version: Some(version),
+                    });
+                }
+                let mut sent = Ok(());
+                for hint in frames {
+                    metrics::counter!(m::HINTS).increment(1);
+                    sent = sink.send(Message::Text(server_frame_text(&ServerFrame::Hint(hint)).into())).await;
+                    if sent.is_err() {
+                        break;
+                    }
+                }
+                sent
+            }
             _ = ticker.tick() => sink.send(Message::Ping(Default::default())).await,
         };
         if sent.is_err() {

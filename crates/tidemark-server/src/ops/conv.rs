@@ -3,7 +3,7 @@
 //! `history`, `conv.settings` and `read`.
 
 use tidemark_proto::{
-    ConvCreateOk, ConvCreateReq, ConvListOk, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, ConvSummary,
+    ConvCreateOk, ConvCreateReq, DirtyClearOk, DirtyClearReq, ConvListOk, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, ConvSummary,
     ConvSyncOk, ConvSyncReq, HistoryOk, HistoryReq, ReadOk, ReadReq, CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX,
     HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
 };
@@ -116,21 +116,43 @@ pub async fn membership(
 }
 
 pub async fn list(state: &AppState, ctx: &AuthCtx) -> ApiResult<ConvListOk> {
-    let rows = state.store.list_conversations(&ctx.user).await?;
-    Ok(ConvListOk {
-        conversations: rows
-            .into_iter()
-            .map(|r| ConvSummary {
-                conv: r.conv,
-                kind: r.kind,
-                last_msg_seq: r.last_msg_seq,
-                read_seq: r.read_seq,
-                unread: r.unread,
-                muted: r.muted,
-                pinned: r.pinned,
-                active: r.active,
-            })
-            .collect(),
+    let rows = state.store.list_conversations(&ctx.user, Some(&ctx.device)).await?;
+    Ok(ConvListOk { conversations: rows.into_iter().map(summary).collect() })
+}
+
+/// A conversation-list row on the wire (`conv.list`, snapshot items).
+pub fn summary(r: tidemark_store::ConvState) -> ConvSummary {
+    ConvSummary {
+        conv: r.conv,
+        kind: r.kind,
+        last_msg_seq: r.last_msg_seq,
+        read_seq: r.read_seq,
+        unread: r.unread,
+        muted: r.muted,
+        pinned: r.pinned,
+        active: r.active,
+        mode: r.mode,
+        dirty_target_msg_seq: r.marker.map(|m| m.target),
+        dirty_version: r.marker.map(|m| m.version),
+        dirty: r.marker.map(|m| m.dirty),
+        unread_capped: r.unread_capped,
+    }
+}
+
+/// `dirty.clear` (G2): the version CAS after the device's pull.
+pub async fn dirty_clear(state: &AppState, ctx: &AuthCtx, req: DirtyClearReq) -> ApiResult<DirtyClearOk> {
+    check_conv(&req.conv)?;
+    let (cleared, marker) = state
+        .store
+        .clear_marker(&ctx.user, &ctx.device, &req.conv, req.dirty_version, req.last_msg_seq)
+        .await?;
+    metrics::counter!(crate::metrics::MARKER_CLEARS, "outcome" => if cleared { "cleared" } else { "stale" })
+        .increment(1);
+    Ok(DirtyClearOk {
+        conv: req.conv,
+        cleared,
+        dirty_target_msg_seq: marker.target,
+        dirty_version: marker.version,
     })
 }
 

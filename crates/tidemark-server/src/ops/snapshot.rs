@@ -13,7 +13,7 @@ use sha2::Digest;
 use tidemark_core::cursor::{DeviceCursor, DeviceState};
 use tidemark_core::token::{SnapshotClaims, TokenError};
 use tidemark_proto::{
-    canonical_item, ConvSummary, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem,
+    canonical_item, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem,
     SnapshotPageOk, SnapshotPageReq,
 };
 use tidemark_store::SnapshotConv;
@@ -37,17 +37,7 @@ fn item(item: &SnapshotItem) -> ApiResult<Value> {
 fn items(view: Vec<SnapshotConv>) -> ApiResult<Vec<Value>> {
     let mut out = Vec::new();
     for c in view {
-        let s = c.state;
-        out.push(item(&SnapshotItem::Conv(ConvSummary {
-            conv: s.conv,
-            kind: s.kind,
-            last_msg_seq: s.last_msg_seq,
-            read_seq: s.read_seq,
-            unread: s.unread,
-            muted: s.muted,
-            pinned: s.pinned,
-            active: s.active,
-        }))?);
+        out.push(item(&SnapshotItem::Conv(super::conv::summary(c.state)))?);
         for msg in c.messages {
             out.push(item(&SnapshotItem::Message { message: envelope(msg)? })?);
         }

@@ -39,7 +39,28 @@ fn token_error(e: TokenError) -> ApiError {
     ApiError::new(ErrorCode::TokenInvalid, format!("batch token refused: {e}"))
 }
 
+/// `sync`: one page; the page that ends a batch also carries the caller's
+/// dirty large-group markers (G2), read after the page, so a group that
+/// moved meanwhile shows as dirty rather than being missed.
 pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk<RawJson>> {
+    let mut page = page_of(state, ctx, req).await?;
+    if !page.has_more {
+        page.dirty = state
+            .store
+            .dirty_markers(&ctx.user, &ctx.device)
+            .await?
+            .into_iter()
+            .map(|d| tidemark_proto::DirtyMarker {
+                conv: d.conv,
+                dirty_target_msg_seq: d.marker.target,
+                dirty_version: d.marker.version,
+            })
+            .collect();
+    }
+    Ok(page)
+}
+
+async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk<RawJson>> {
     let limit = req.limit.unwrap_or(SYNC_LIMIT_DEFAULT);
     if limit == 0 || limit > SYNC_LIMIT_MAX {
         return Err(ApiError::bad_request(format!("limit must be 1..={SYNC_LIMIT_MAX}")));
@@ -259,6 +280,7 @@ fn page(
         next_cursor,
         has_more,
         batch_token: token,
+        dirty: Vec::new(),
     })
 }
 
