@@ -13,8 +13,8 @@
 //! event locks the user's head row before touching the user's other rows.
 //! This module knows no pool, no queue and no read path.
 
-use tidemark_core::large::{self, ClearDecision, MarkerFacts};
 use tidemark_core::control::{self, ControlDecision, Target};
+use tidemark_core::large::{self, ClearDecision, MarkerFacts};
 use tidemark_core::membership::{self, MembershipDecision, MembershipFacts};
 use tidemark_core::projection::{self, Settings};
 use tidemark_proto::content::{self, Payload};

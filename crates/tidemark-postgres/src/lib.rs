@@ -507,9 +507,7 @@ impl Store for PgStore {
 
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         let policy = self.group_policy();
-        self.writer
-            .write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members, policy).await }))
-            .await
+        self.writer.write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members, policy).await })).await
     }
 
     async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
@@ -873,9 +871,9 @@ impl Store for PgStore {
         let (user, device, conv) = (user.to_owned(), device.to_owned(), conv.to_owned());
         self.writer
             .write(move |c| {
-                Box::pin(async move {
-                    events::clear_marker(c, &user, &device, &conv, observed_version, last_msg_seq).await
-                })
+                Box::pin(
+                    async move { events::clear_marker(c, &user, &device, &conv, observed_version, last_msg_seq).await },
+                )
             })
             .await
     }

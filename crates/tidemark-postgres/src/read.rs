@@ -165,8 +165,7 @@ pub(crate) async fn shared_unread_above(c: &Conn, user: &str, conv: &str, above:
     if upto <= above {
         return Ok(0);
     }
-    let control =
-        tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
+    let control = tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
     let sql = format!(
         "SELECT COUNT(*) FROM (SELECT 1 FROM messages m
          WHERE m.conv_id = $1 AND m.msg_seq > $3 AND m.msg_seq <= $4 AND m.sender <> $2

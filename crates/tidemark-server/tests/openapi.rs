@@ -9,8 +9,8 @@ use common::*;
 use futures_util::StreamExt;
 use jsonschema::Draft;
 use serde_json::{json, Value};
-use tidemark_server::ServerConfig;
 use tidemark_client::proto::{op, ErrorCode};
+use tidemark_server::ServerConfig;
 
 /// The served document, and the checks of a reply against it.
 struct Doc(Value);

@@ -120,7 +120,12 @@ pub(crate) fn known_users(c: &Connection, users: &[String]) -> R<Vec<String>> {
     rows.collect::<Result<_, _>>().map_err(internal)
 }
 
-pub(crate) fn create_group(c: &Connection, cmd: &ConvEventCmd, members: &[String], policy: GroupPolicy) -> R<(String, u64)> {
+pub(crate) fn create_group(
+    c: &Connection,
+    cmd: &ConvEventCmd,
+    members: &[String],
+    policy: GroupPolicy,
+) -> R<(String, u64)> {
     // A retried create finds the group its first attempt made.
     let earlier: Option<(String, String)> = c
         .prepare_cached("SELECT conv_id, kind FROM messages WHERE sender = ?1 AND client_msg_id = ?2")

@@ -909,9 +909,7 @@ impl Store for SqliteStore {
         last_msg_seq: MsgSeq,
     ) -> StoreResult<(bool, Marker)> {
         let (user, device, conv) = (user.to_owned(), device.to_owned(), conv.to_owned());
-        self.writer
-            .write(move |c| events::clear_marker(c, &user, &device, &conv, observed_version, last_msg_seq))
-            .await
+        self.writer.write(move |c| events::clear_marker(c, &user, &device, &conv, observed_version, last_msg_seq)).await
     }
 
     async fn dirty_markers(&self, user: &str, device: &str) -> StoreResult<Vec<DeviceMarker>> {

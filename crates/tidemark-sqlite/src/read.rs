@@ -286,7 +286,12 @@ pub(crate) enum Rows<'a> {
 }
 
 /// The rows of `user`'s list, markers evaluated for `device`.
-pub(crate) fn conv_rows(c: &Connection, user: &str, device: Option<&str>, which: Rows<'_>) -> StoreResult<Vec<ConvState>> {
+pub(crate) fn conv_rows(
+    c: &Connection,
+    user: &str,
+    device: Option<&str>,
+    which: Rows<'_>,
+) -> StoreResult<Vec<ConvState>> {
     let (filter, conv) = match which {
         Rows::All => ("", None),
         Rows::Shared => ("AND uc.shared = 1", None),
@@ -299,27 +304,27 @@ pub(crate) fn conv_rows(c: &Connection, user: &str, device: Option<&str>, which:
     );
     let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
     let map = |r: &rusqlite::Row<'_>| {
-            let state = ConvState {
-                conv: r.get(0)?,
-                kind: r.get(1)?,
-                last_msg_seq: r.get::<_, i64>(2)? as u64,
-                read_seq: r.get::<_, i64>(3)? as u64,
-                unread: r.get::<_, i64>(4)? as u64,
-                muted: r.get(5)?,
-                pinned: r.get(6)?,
-                active: r.get(7)?,
-                mode: r.get(8)?,
-                marker: None,
-                unread_capped: false,
-            };
-            let shared_from = r.get::<_, Option<i64>>(9)?.map(|v| v as u64);
-            let facts = tidemark_core::large::MarkerFacts {
-                published_target: r.get::<_, i64>(10)? as u64,
-                version: r.get::<_, i64>(11)? as u64,
-                left_at: r.get::<_, Option<i64>>(12)?.map(|v| v as u64),
-                cleared_seq: r.get::<_, i64>(13)? as u64,
-            };
-            Ok((state, shared_from, facts))
+        let state = ConvState {
+            conv: r.get(0)?,
+            kind: r.get(1)?,
+            last_msg_seq: r.get::<_, i64>(2)? as u64,
+            read_seq: r.get::<_, i64>(3)? as u64,
+            unread: r.get::<_, i64>(4)? as u64,
+            muted: r.get(5)?,
+            pinned: r.get(6)?,
+            active: r.get(7)?,
+            mode: r.get(8)?,
+            marker: None,
+            unread_capped: false,
+        };
+        let shared_from = r.get::<_, Option<i64>>(9)?.map(|v| v as u64);
+        let facts = tidemark_core::large::MarkerFacts {
+            published_target: r.get::<_, i64>(10)? as u64,
+            version: r.get::<_, i64>(11)? as u64,
+            left_at: r.get::<_, Option<i64>>(12)?.map(|v| v as u64),
+            cleared_seq: r.get::<_, i64>(13)? as u64,
+        };
+        Ok((state, shared_from, facts))
     };
     let rows = match conv {
         Some(conv) => stmt.query_map(params![user, device, conv], map),
@@ -354,8 +359,7 @@ pub(crate) fn shared_unread_above(c: &Connection, user: &str, conv: &str, above:
     if upto <= above {
         return Ok(0);
     }
-    let control =
-        tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
+    let control = tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
     let sql = format!(
         "SELECT COUNT(*) FROM (SELECT 1 FROM messages m
          WHERE m.conv_id = ?1 AND m.msg_seq > ?3 AND m.msg_seq <= ?4 AND m.sender <> ?2

@@ -103,7 +103,11 @@ pub async fn large_group_rules(store: &dyn Store) {
     let b_hw = store.user_high_watermark("b").await.unwrap();
     // The fourth member crosses the threshold: join at 3, switch at 4.
     assert_eq!(store.change_membership(ev("g", "a", "add-d"), "d", Add).await, Ok(3));
-    assert_eq!(store.change_membership(ev("g", "a", "add-d"), "d", Add).await, Ok(3), "a retry writes no second switch");
+    assert_eq!(
+        store.change_membership(ev("g", "a", "add-d"), "d", Add).await,
+        Ok(3),
+        "a retry writes no second switch"
+    );
     assert_eq!(store.conversation("g").await.unwrap().unwrap().head, 4);
     let moved = drain(store).await;
     assert!(moved.is_empty(), "the join and the switch are fanned out per member: {moved:?}");

@@ -3,9 +3,9 @@
 //! `history`, `conv.settings` and `read`.
 
 use tidemark_proto::{
-    ConvCreateOk, ConvCreateReq, DirtyClearOk, DirtyClearReq, ConvListOk, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, ConvSummary,
-    ConvSyncOk, ConvSyncReq, HistoryOk, HistoryReq, ReadOk, ReadReq, CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX,
-    HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
+    ConvCreateOk, ConvCreateReq, ConvListOk, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, ConvSummary,
+    ConvSyncOk, ConvSyncReq, DirtyClearOk, DirtyClearReq, HistoryOk, HistoryReq, ReadOk, ReadReq,
+    CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX, HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
 };
 use tidemark_store::{ConvEventCmd, MembershipChange, CONV_DIRECT, CONV_GROUP};
 
@@ -142,18 +142,11 @@ pub fn summary(r: tidemark_store::ConvState) -> ConvSummary {
 /// `dirty.clear` (G2): the version CAS after the device's pull.
 pub async fn dirty_clear(state: &AppState, ctx: &AuthCtx, req: DirtyClearReq) -> ApiResult<DirtyClearOk> {
     check_conv(&req.conv)?;
-    let (cleared, marker) = state
-        .store
-        .clear_marker(&ctx.user, &ctx.device, &req.conv, req.dirty_version, req.last_msg_seq)
-        .await?;
+    let (cleared, marker) =
+        state.store.clear_marker(&ctx.user, &ctx.device, &req.conv, req.dirty_version, req.last_msg_seq).await?;
     metrics::counter!(crate::metrics::MARKER_CLEARS, "outcome" => if cleared { "cleared" } else { "stale" })
         .increment(1);
-    Ok(DirtyClearOk {
-        conv: req.conv,
-        cleared,
-        dirty_target_msg_seq: marker.target,
-        dirty_version: marker.version,
-    })
+    Ok(DirtyClearOk { conv: req.conv, cleared, dirty_target_msg_seq: marker.target, dirty_version: marker.version })
 }
 
 pub async fn sync(state: &AppState, ctx: &AuthCtx, req: ConvSyncReq) -> ApiResult<ConvSyncOk> {

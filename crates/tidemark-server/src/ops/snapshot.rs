@@ -13,8 +13,8 @@ use sha2::Digest;
 use tidemark_core::cursor::{DeviceCursor, DeviceState};
 use tidemark_core::token::{SnapshotClaims, TokenError};
 use tidemark_proto::{
-    canonical_item, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem,
-    SnapshotPageOk, SnapshotPageReq,
+    canonical_item, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem, SnapshotPageOk,
+    SnapshotPageReq,
 };
 use tidemark_store::SnapshotConv;
 
