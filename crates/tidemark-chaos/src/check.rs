@@ -784,6 +784,7 @@ pub(crate) mod tests {
         Conversation {
             conv: conv.into(),
             kind: "direct".into(),
+            shared: false,
             contiguous_msg_seq: last,
             history_to: 0,
             last_msg_seq: last,

@@ -406,6 +406,11 @@ impl Timeline {
             Change::Hint { high_watermark, reason } => {
                 format!("hint: the log reached sync_seq {high_watermark} ({reason}); syncing")
             }
+            Change::GroupPulled { conv, last_msg_seq, cleared } => format!(
+                "large group {}: pulled by conv.sync up to #{last_msg_seq}, committed; marker {}",
+                short(conv),
+                if *cleared { "cleared" } else { "moved meanwhile, pulling again" }
+            ),
             Change::PageApplied(p) if p.applied == 0 => format!(
                 "sync page (resume_from {}, watermark {}): {} event(s) already applied, skipped",
                 p.resume_from, p.batch_high_watermark, p.skipped

@@ -104,6 +104,21 @@ impl Client {
         })
     }
 
+    /// Opens `conv` (G2's slow path): pulls it with `conv.sync` from this
+    /// device's position up to the server's authoritative head, whatever
+    /// its marker says or whether a hint was lost, and commits it locally
+    /// in one transaction; returns the conversation as now held. Call it
+    /// when the app shows a conversation, and on foreground.
+    pub async fn open_conversation(&self, conv: &str) -> Result<crate::store::Conversation, SdkError> {
+        let (reply, rx) = oneshot::channel();
+        self.command(Command::Pull { conv: conv.to_owned(), reply }, rx).await?;
+        let c = conv.to_owned();
+        self.inner
+            .db(move |s, _| s.conversation(&c))
+            .await?
+            .ok_or_else(|| SdkError::Invalid(format!("conversation {conv} is not held")))
+    }
+
     /// Creates a group with `members` (the caller is its owner and a member
     /// whether listed or not). One idempotency key per call.
     pub async fn create_group(&self, members: &[&str]) -> Result<ConvCreateOk, SdkError> {

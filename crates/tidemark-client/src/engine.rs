@@ -67,6 +67,12 @@ pub(crate) enum Command {
         body: serde_json::Value,
         reply: oneshot::Sender<Result<serde_json::Value, SdkError>>,
     },
+    /// Pull a conversation from this device's position to the server's head
+    /// (opening a conversation: the slow path of G2); replies the position.
+    Pull {
+        conv: String,
+        reply: oneshot::Sender<Result<u64, SdkError>>,
+    },
 }
 
 /// State shared by the app handle and the engine task.
@@ -265,6 +271,9 @@ fn refuse_offline(cmd: Command) {
             let _ = reply.send(Err(SdkError::Offline));
         }
         Command::Request { reply, .. } => {
+            let _ = reply.send(Err(SdkError::Offline));
+        }
+        Command::Pull { reply, .. } => {
             let _ = reply.send(Err(SdkError::Offline));
         }
     }
@@ -498,6 +507,14 @@ async fn serve(inner: &Arc<Inner>, ws: &WsConn, cmd: Command) {
         }
         Command::Request { op, body, reply } => {
             let result = inner.call(ws.request::<_, serde_json::Value>(op, &body)).await.map_err(SdkError::Refused);
+            let _ = reply.send(result);
+        }
+        Command::Pull { conv, reply } => {
+            let result = match pull_conversation(inner, ws, &conv).await {
+                Ok(Some(held)) => Ok(held),
+                Ok(None) => Err(SdkError::Unavailable(format!("conv.sync of {conv} failed; try again"))),
+                Err(e) => Err(SdkError::Store(e)),
+            };
             let _ = reply.send(result);
         }
     }
@@ -852,6 +869,9 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
                 if let Err(e) = run_repairs(&inner, &ws).await {
                     return RoundEnd::End(End::store(e));
                 }
+                if let Err(e) = run_markers(&inner, &ws, std::mem::take(&mut page.dirty)).await {
+                    return RoundEnd::End(End::store(e));
+                }
                 let gaps_left = match inner.db(|s, _| s.conversations_with_gap()).await {
                     Ok(convs) => !convs.is_empty(),
                     Err(e) => return RoundEnd::End(End::store(e)),
@@ -936,6 +956,80 @@ async fn run_repairs(inner: &Arc<Inner>, ws: &WsConn) -> StoreResult<()> {
         }
     }
     Ok(())
+}
+
+/// Rounds of pull-then-clear one dirty marker gets in one sync round; a
+/// group that keeps moving stays dirty and is pulled again next round.
+pub(crate) const MARKER_ROUNDS_MAX: usize = 3;
+
+/// K2 for large groups (G2): for each dirty marker the sync reported, pull
+/// `conv.sync` from this device's own position, commit the events and the
+/// new position in one local transaction, and only then `dirty.clear` with
+/// the version read; `cleared: false` (the group moved, or this device
+/// holds less than the target) means pull again. A failed pull or clear
+/// leaves the marker dirty on the server: the next sync shows it again
+/// (level-triggered). Only a local store failure ends the round.
+async fn run_markers(inner: &Arc<Inner>, ws: &WsConn, dirty: Vec<tidemark_proto::DirtyMarker>) -> StoreResult<()> {
+    for marker in dirty {
+        let conv = marker.conv.clone();
+        let mut version = marker.dirty_version;
+        let mut target = marker.dirty_target_msg_seq;
+        let c = conv.clone();
+        inner.db(move |s, _| s.mark_shared(&c)).await?;
+        for _ in 0..MARKER_ROUNDS_MAX {
+            let Some(held) = pull_conversation(inner, ws, &conv).await? else { break };
+            if held < target {
+                // More than one round of pages: the rest comes next round.
+                break;
+            }
+            let req = tidemark_proto::DirtyClearReq { conv: conv.clone(), dirty_version: version, last_msg_seq: held };
+            let ok: tidemark_proto::DirtyClearOk = match inner.call(ws.request(op::DIRTY_CLEAR, &req)).await {
+                Ok(ok) => ok,
+                Err(e) => {
+                    tracing::debug!(conv = %conv, error = %e, "dirty.clear failed; the marker stays dirty");
+                    break;
+                }
+            };
+            inner.emit(Change::GroupPulled { conv: conv.clone(), last_msg_seq: held, cleared: ok.cleared });
+            if ok.cleared {
+                break;
+            }
+            (version, target) = (ok.dirty_version, ok.dirty_target_msg_seq);
+        }
+    }
+    Ok(())
+}
+
+/// Pulls `conv` from this device's position to the server's head by
+/// `conv.sync` and applies it in one local transaction (the slow path of
+/// G2 too). Returns the `msg_seq` up to which this device now holds the
+/// conversation as the server serves it to this user, or `None` when the
+/// pull failed (logged; nothing was applied).
+pub(crate) async fn pull_conversation(inner: &Arc<Inner>, ws: &WsConn, conv: &str) -> StoreResult<Option<u64>> {
+    let c = conv.to_owned();
+    let from = inner.db(move |s, _| Ok(s.conversation(&c)?.map_or(0, |c| c.contiguous_msg_seq) + 1)).await?;
+    let (events, complete, next_from) = match fetch_conversation(inner, ws, conv, from).await {
+        Ok(fetched) => fetched,
+        Err(e) => {
+            tracing::debug!(conv = %conv, error = %e, "conv.sync pull failed");
+            return Ok(None);
+        }
+    };
+    let c = conv.to_owned();
+    match inner.db(move |s, _| Ok(s.apply_pull(&c, &events, complete, next_from))).await? {
+        Ok(moved) => {
+            if let Some(m) = moved {
+                inner.emit(Change::CursorMoved(m));
+            }
+            inner.committed();
+            Ok(Some(next_from.saturating_sub(1)))
+        }
+        Err(ApplyError::Store(e)) => Err(e),
+        Err(e) => {
+            tracing::warn!(conv = %conv, error = %e, "pulled events refused locally");
+            Ok(None)
+        }
+    }
 }
 
 /// `conv`'s events from `from_msg_seq` on, by `conv.sync` pages:

@@ -240,6 +240,14 @@ pub enum Change {
     Repaired {
         conv: String,
     },
+    /// A large group (G2) was pulled by `conv.sync` up to `last_msg_seq`
+    /// and committed locally; `cleared` says whether its marker cleared
+    /// (false: it moved meanwhile and is pulled again).
+    GroupPulled {
+        conv: String,
+        last_msg_seq: u64,
+        cleared: bool,
+    },
     Kicked {
         reason: String,
     },
@@ -270,4 +278,8 @@ pub enum SdkError {
     Invalid(String),
     #[error("timed out")]
     Timeout,
+    /// A multi-request call failed part way; nothing of it was applied
+    /// locally. Try again.
+    #[error("unavailable: {0}")]
+    Unavailable(String),
 }

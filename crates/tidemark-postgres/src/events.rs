@@ -241,11 +241,11 @@ pub(crate) async fn create_group(
         &[&cmd.conv, &all],
     )
     .await?;
-    // A group created large is shared from its first event on: the
-    // conv.created is fanned out to every member, everything after it is
-    // read from the conversation log (G3).
+    // A group created large switches at once: the conv.created and the
+    // switch are fanned out to every member (they learn of the group and
+    // of its mode), everything after is read from the conversation log.
     if policy.mode_for_new_group(all.len() as u64) == large::MODE_SHARED {
-        set_shared(c, &cmd.conv, at).await?;
+        switch_to_shared(c, cmd, all.len() as u64).await?;
     }
     exec(c, "UPDATE conversations SET members_seq = $2 WHERE conv_id = $1", &[&cmd.conv, &big(at)]).await?;
     Ok((cmd.conv.clone(), at))

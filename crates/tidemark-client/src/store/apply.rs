@@ -490,8 +490,14 @@ pub(super) fn apply_envelope(
     }
     // Only groups have a creation event and membership events: a
     // conversation first learned from one is a group, whatever was assumed.
-    if matches!(env.kind.as_str(), "conv.created" | "member.join" | "member.leave") {
+    if matches!(env.kind.as_str(), "conv.created" | "member.join" | "member.leave" | "conv.mode") {
         tx.execute("UPDATE conversations SET kind = 'group' WHERE conv = ?1 AND kind <> 'group'", params![env.conv])
+            .map_err(StoreError::from)?;
+    }
+    // The switch (G3): later events of the group come by `conv.sync`, when
+    // its marker says so.
+    if env.kind == "conv.mode" && env.content["mode"].as_str() == Some("shared") {
+        tx.execute("UPDATE conversations SET mode = 'shared' WHERE conv = ?1", params![env.conv])
             .map_err(StoreError::from)?;
     }
     if (env.kind == "member.join" || env.kind == "member.leave") && env.content["user"].as_str() == Some(user) {

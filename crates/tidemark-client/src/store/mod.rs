@@ -214,6 +214,9 @@ impl Message {
 pub struct Conversation {
     pub conv: String,
     pub kind: String,
+    /// A large group in shared mode (G2): its events after the switch come
+    /// from `conv.sync` when its marker is dirty, not from the user log.
+    pub shared: bool,
     /// Every `msg_seq` in `history_to + 1 ..= contiguous_msg_seq` is held
     /// locally or outside this user's view (K2): the point a sync continues
     /// after.

@@ -13,7 +13,7 @@ impl LocalStore {
     pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
         let mut stmt = self.conn.prepare(&format!(
             "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
-                    c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv)
+                    c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv), c.mode
              FROM conversations c
              ORDER BY c.pinned DESC,
                       COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
@@ -34,6 +34,7 @@ impl LocalStore {
                     history_to: r.get::<_, i64>(8)? as u64,
                     active: r.get(9)?,
                     needs_repair: r.get(10)?,
+                    shared: r.get::<_, String>(11)? == "shared",
                     last_message: None,
                 })
             })?

@@ -77,6 +77,30 @@ impl LocalStore {
         Ok(self.conn.query_row(&format!("{REPAIR_SELECT} WHERE conv = ?1"), params![conv], repair_row)?)
     }
 
+    /// Applies a pull of `conv` (`conv.sync` from this device's position,
+    /// for a large group's marker or when the app opens a conversation) in
+    /// one transaction, as a repair applies; a pending repair of `conv`
+    /// is satisfied by it when `complete`.
+    pub fn apply_pull(
+        &mut self,
+        conv: &str,
+        events: &[Envelope],
+        complete: bool,
+        next_from: u64,
+    ) -> Result<Option<CursorMove>, ApplyError> {
+        self.apply_repair(conv, events, complete, next_from)
+    }
+
+    /// Records that `conv` is a large group in shared mode (its marker was
+    /// seen before its switch event, say for a group created large).
+    pub fn mark_shared(&mut self, conv: &str) -> StoreResult<()> {
+        let tx = self.conn.transaction()?;
+        super::apply::ensure_conv(&tx, conv)?;
+        tx.execute("UPDATE conversations SET mode = 'shared', kind = 'group' WHERE conv = ?1", params![conv])?;
+        tx.commit()?;
+        Ok(())
+    }
+
     /// Applies what the server served for a repaired conversation (its
     /// events from the repair's `from_msg_seq`, in order) in one
     /// transaction and, when `complete`, deletes the repair record; else

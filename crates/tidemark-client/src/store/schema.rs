@@ -12,7 +12,7 @@ use super::StoreResult;
 pub const CONTROL_KINDS: &[&str] = &["conv.created", "member.join", "member.leave", "recall", "edit", "reaction"];
 /// The same list as an SQL tuple (checked against [`CONTROL_KINDS`] by a test).
 pub(super) const CONTROL_KINDS_SQL: &str =
-    "('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction')";
+    "('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction', 'conv.mode')";
 
 pub const STATE_NORMAL: &str = "normal";
 pub const STATE_EDITED: &str = "edited";
@@ -104,6 +104,8 @@ const CONVERSATION_COLUMNS: &[(&str, &str)] = &[
     ("history_to", "INTEGER NOT NULL DEFAULT 0"),
     ("unread_below", "INTEGER NOT NULL DEFAULT 0"),
     ("active", "INTEGER NOT NULL DEFAULT 1"),
+    // `per_member` or `shared` (a large group, G2).
+    ("mode", "TEXT NOT NULL DEFAULT 'per_member'"),
 ];
 
 /// Adds the columns of [`CONVERSATION_COLUMNS`] that an older database lacks.

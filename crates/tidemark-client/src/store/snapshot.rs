@@ -162,8 +162,9 @@ impl LocalStore {
             tx.execute(
                 "INSERT INTO conversations (conv, kind, contiguous_msg_seq, last_msg_seq, read_seq, unread, muted,
                                             pinned, settings_version, updated_sync_seq, history_to, unread_below,
-                                            active)
-                 VALUES (?1, ?2, ?3, ?3, ?4, ?5, ?6, ?7, 0, ?8, ?9, ?10, ?11)",
+                                            active, mode)
+                 VALUES (?1, ?2, ?3, ?3, ?4, ?5, ?6, ?7, 0, ?8, ?9, ?10, ?11,
+                         CASE WHEN ?12 THEN 'shared' ELSE 'per_member' END)",
                 params![
                     c.conv,
                     c.kind,
@@ -175,7 +176,8 @@ impl LocalStore {
                     snap.base_sync_seq as i64,
                     history_to as i64,
                     c.unread.saturating_sub(held_unread) as i64,
-                    c.active
+                    c.active,
+                    c.shared
                 ],
             )
             .map_err(StoreError::from)?;
@@ -227,6 +229,7 @@ struct SnapshotConv {
     muted: bool,
     pinned: bool,
     active: bool,
+    shared: bool,
     messages: Vec<Envelope>,
 }
 
@@ -252,6 +255,7 @@ fn parse_snapshot(items: &[Value]) -> Result<Vec<SnapshotConv>, ApplyError> {
                     muted: flag("muted")?,
                     pinned: flag("pinned")?,
                     active: item["active"].as_bool().unwrap_or(true),
+                    shared: item["mode"].as_str() == Some("shared"),
                     messages: Vec::new(),
                 };
                 if !seen.insert(c.conv.clone()) {
