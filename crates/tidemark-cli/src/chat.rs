@@ -70,7 +70,7 @@ const HELP: &[(&str, &str)] = &[
     ("/remove USER", "remove USER from the current group (its owner only)"),
     ("/leave", "leave the current group"),
     ("/open ID", "open a conversation by (the start of) its id, as /list shows it"),
-    ("/list", "conversations with their last msg_seq and unread count"),
+    ("/list", "conversations with their last msg_seq and unread count (large groups marked)"),
     ("/history", "the current conversation as held locally"),
     ("/recall N", "recall your message #N (it becomes a placeholder everywhere)"),
     ("/edit N TEXT", "replace the text of your message #N"),
@@ -330,7 +330,14 @@ impl Chat {
                 let found: Vec<_> = convs.iter().filter(|c| c.conv.starts_with(id)).collect();
                 match found.as_slice() {
                     [c] => {
-                        println!("[chat] talking in {} ({})", short(&c.conv), kind_of(&c.conv));
+                        // Opening checks the authoritative head (a large
+                        // group's slow path, G2) when connected.
+                        let held = match self.client.open_conversation(&c.conv).await {
+                            Ok(now) => now.contiguous_msg_seq,
+                            Err(_) => c.contiguous_msg_seq,
+                        };
+                        let large = if c.shared { ", large group" } else { "" };
+                        println!("[chat] talking in {} ({}{large}), held up to #{held}", short(&c.conv), kind_of(&c.conv));
                         self.current = Some(c.conv.clone());
                     }
                     [] => bail!("no conversation {id} held locally (/list shows them)"),
@@ -345,10 +352,11 @@ impl Chat {
                 for c in convs {
                     let here = if self.current.as_deref() == Some(c.conv.as_str()) { " (open)" } else { "" };
                     let gone = if c.active { "" } else { " (left)" };
+                    let kind = if c.shared { "large group" } else { kind_of(&c.conv) };
                     println!(
                         "[list] {} {} last #{} unread {}{here}{gone}",
                         short(&c.conv),
-                        kind_of(&c.conv),
+                        kind,
                         c.last_msg_seq,
                         c.unread
                     );

@@ -9,7 +9,8 @@ use super::StoreResult;
 
 /// Envelope kinds of control events (docs/protocol.md §3.4.1): they take a
 /// `msg_seq` but are not user content and never count as unread.
-pub const CONTROL_KINDS: &[&str] = &["conv.created", "member.join", "member.leave", "recall", "edit", "reaction"];
+pub const CONTROL_KINDS: &[&str] =
+    &["conv.created", "member.join", "member.leave", "recall", "edit", "reaction", "conv.mode"];
 /// The same list as an SQL tuple (checked against [`CONTROL_KINDS`] by a test).
 pub(super) const CONTROL_KINDS_SQL: &str =
     "('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction', 'conv.mode')";
