@@ -337,7 +337,11 @@ impl Chat {
                             Err(_) => c.contiguous_msg_seq,
                         };
                         let large = if c.shared { ", large group" } else { "" };
-                        println!("[chat] talking in {} ({}{large}), held up to #{held}", short(&c.conv), kind_of(&c.conv));
+                        println!(
+                            "[chat] talking in {} ({}{large}), held up to #{held}",
+                            short(&c.conv),
+                            kind_of(&c.conv)
+                        );
                         self.current = Some(c.conv.clone());
                     }
                     [] => bail!("no conversation {id} held locally (/list shows them)"),

@@ -215,3 +215,58 @@ async fn a_leave_racing_messages_in_a_large_group_is_ordered_by_the_writer() {
         c.stop().await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_device_mid_snapshot_at_the_switch_ends_with_every_message_once() {
+    use tidemark_client::{Exit, FaultPoint};
+    let h = Harness::start_with(config()).await;
+    for u in ["ann", "ben", "cat", "dan"] {
+        h.user(u).await;
+    }
+    let ann = h.ready("ann", "phone").await;
+    let ben = h.ready("ben", "phone").await;
+    let g = ann.create_group(&["ben", "cat"]).await.unwrap().conv; // 1, per member
+    let mut expect: Vec<(u64, &str)> = Vec::new();
+    for t in ["p1", "p2", "p3", "p4"] {
+        expect.push((send_ok(&ann, &g, t).await.0, t)); // 2..=5
+    }
+    wait_exact(&ben, &g, &texts(&expect)).await;
+    let log = h.server().state.store.user_high_watermark("ben").await.unwrap();
+    h.wait_server_ack("ben", "phone", log).await;
+    let state = &h.server().state;
+    state.store.trim_user_logs(state.config.retention.unwrap(), tidemark_server::util::now_ms() + 1).await.unwrap();
+
+    // ben's tablet fetches a snapshot built before the switch and is killed
+    // before installing it.
+    let mut cfg = h.config("ben", "tablet");
+    cfg.fault = Some(abort_once(|p| matches!(p, FaultPoint::SnapshotBeforeCommit { .. })));
+    let tablet = Client::open(cfg).unwrap();
+    tablet.start().await.unwrap();
+    let exit = tokio::time::timeout(WAIT, tablet.closed()).await.unwrap();
+    assert!(matches!(exit, Exit::Aborted(FaultPoint::SnapshotBeforeCommit { .. })), "{exit:?}");
+    drop(tablet);
+
+    // Meanwhile the group switches and moves on.
+    assert_eq!(ann.add_member(&g, "dan").await.unwrap(), 6); // join 6, switch 7
+    for t in ["s1", "s2"] {
+        expect.push((send_ok(&ann, &g, t).await.0, t)); // 8, 9
+    }
+    // The tablet finishes the pending install (the pre-switch snapshot),
+    // then syncs on from its base: the switch from its log, the rest by
+    // the marker.
+    let tablet = h.ready("ben", "tablet").await;
+    let conv = tablet.conversation(&g).await.unwrap().unwrap();
+    let tail = texts(&expect[expect.len() - 5..]);
+    wait_exact(&tablet, &g, &tail).await;
+    let conv_now = tablet.conversation(&g).await.unwrap().unwrap();
+    assert!(conv_now.shared, "{conv_now:?}");
+    assert_eq!(conv.history_to, 2, "the snapshot carried the latest 3 of p1..p4");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !h.server().state.store.dirty_markers("ben", "tablet").await.unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the tablet never cleared its marker");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    for c in [ann, ben, tablet] {
+        c.stop().await;
+    }
+}
