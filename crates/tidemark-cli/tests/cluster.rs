@@ -356,3 +356,54 @@ async fn device_on_node_b_is_hinted_for_a_send_through_node_a() {
     }
     ws.close().await;
 }
+
+/// G2 across nodes: a large group's marker, published by A's relay, reaches
+/// a member connected to B as a `conv_moved` hint over NATS (B loads the
+/// group's members from the shared store), and the member then reads the
+/// message from the conversation log through B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_group_member_on_node_b_is_hinted_for_a_send_through_node_a() {
+    let Some(services) = services("a_large_group_member_on_node_b_is_hinted_for_a_send_through_node_a").await else {
+        return;
+    };
+    let cluster = Cluster::new(services);
+    let a = cluster.node(&["--large-group-members", "2"]);
+    // B never fans out: every hint its devices get came from A over NATS.
+    let b = cluster.node(&["--hold-fanout"]);
+    let (http_a, http_b) = (Http::new(&a.url), Http::new(&b.url));
+    for u in ["ann", "ben", "cat"] {
+        http_a.create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let ann = http_a.login("ann", "pw", "phone").await.unwrap().access_token;
+    let ben = http_b.login("ben", "pw", "phone").await.unwrap().access_token;
+    let conv = create_group(&http_a, &ann, &["ben", "cat"]).await;
+    let (ws, mut events) = WsConn::connect(&b.ws, &ben).await.unwrap();
+    for round in 1..=3u64 {
+        let req = SendReq {
+            conv: conv.clone(),
+            client_msg_id: format!("big{round}"),
+            kind: "text".into(),
+            content: serde_json::json!({"round": round}),
+        };
+        let sent: SendOk = http_a.rpc(&ann, "send", &req).await.unwrap();
+        tokio::time::timeout(HINT_WITHIN, async {
+            loop {
+                match events.recv().await.expect("ben's connection ended") {
+                    ServerEvent::Hint { reason, .. } if reason == "conv_moved" => return,
+                    _ => {}
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("round {round}: no conv_moved hint on node B within {HINT_WITHIN:?}"));
+        let page: serde_json::Value =
+            http_b.rpc(&ben, "conv.sync", &serde_json::json!({"conv": conv, "after": sent.msg_seq - 1})).await.unwrap();
+        assert_eq!(page["events"][0]["msg_seq"], sent.msg_seq, "{page}");
+    }
+    // Nothing was written into ben's log per message: conv.created and the
+    // switch only.
+    let listed: serde_json::Value = http_b.rpc(&ben, "conv.list", &serde_json::json!({})).await.unwrap();
+    let row = &listed["conversations"][0];
+    assert_eq!((row["mode"].as_str(), row["dirty"].as_bool()), (Some("shared"), Some(true)), "{row}");
+    ws.close().await;
+}
