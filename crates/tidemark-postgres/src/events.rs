@@ -247,7 +247,12 @@ pub(crate) async fn create_group(
     if policy.mode_for_new_group(all.len() as u64) == large::MODE_SHARED {
         switch_to_shared(c, cmd, all.len() as u64).await?;
     }
-    exec(c, "UPDATE conversations SET members_seq = $2 WHERE conv_id = $1", &[&cmd.conv, &big(at)]).await?;
+    exec(
+        c,
+        "UPDATE conversations SET members_seq = $2, active_members = $3 WHERE conv_id = $1",
+        &[&cmd.conv, &big(at), &(all.len() as i64)],
+    )
+    .await?;
     Ok((cmd.conv.clone(), at))
 }
 
@@ -298,7 +303,7 @@ async fn membership_facts(c: &Conn, conv: &str, actor: &str, target: &str) -> R<
                 EXISTS (SELECT 1 FROM users WHERE user_id = $3),
                 (SELECT join_seq FROM membership_periods WHERE conv_id = $1 AND user_id = $3 AND leave_seq IS NULL
                  LIMIT 1),
-                (SELECT COUNT(*) FROM membership_periods WHERE conv_id = $1 AND leave_seq IS NULL)",
+                (SELECT active_members FROM conversations WHERE conv_id = $1)",
         &[&conv, &actor, &target],
     )
     .await?;
@@ -351,7 +356,12 @@ pub(crate) async fn change_membership(
             &[&target, &cmd.conv, &shared],
         )
         .await?;
-        exec(c, "UPDATE conversations SET members_seq = $2 WHERE conv_id = $1", &[&cmd.conv, &big(at)]).await?;
+        exec(
+            c,
+            "UPDATE conversations SET members_seq = $2, active_members = active_members + 1 WHERE conv_id = $1",
+            &[&cmd.conv, &big(at)],
+        )
+        .await?;
         let members = facts.as_ref().map_or(0, |f| f.active_members) + 1;
         if policy.switches(&mode, members) {
             switch_to_shared(c, cmd, members).await?;
@@ -368,7 +378,12 @@ pub(crate) async fn change_membership(
         assert_eq!(n, 1, "exactly one open period per member");
         exec(c, "UPDATE user_convs SET active = FALSE WHERE user_id = $1 AND conv_id = $2", &[&target, &cmd.conv])
             .await?;
-        exec(c, "UPDATE conversations SET members_seq = $2 WHERE conv_id = $1", &[&cmd.conv, &big(at)]).await?;
+        exec(
+            c,
+            "UPDATE conversations SET members_seq = $2, active_members = active_members - 1 WHERE conv_id = $1",
+            &[&cmd.conv, &big(at)],
+        )
+        .await?;
     }
     Ok(at)
 }

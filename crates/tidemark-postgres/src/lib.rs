@@ -302,8 +302,8 @@ async fn create_direct_tx(
     // waits for it and yields to its row instead of failing.
     let created = exec(
         c,
-        "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at)
-         VALUES ($1, $2, $3, 0, 1, NULL, $4) ON CONFLICT (direct_key) DO NOTHING",
+        "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at, active_members)
+         VALUES ($1, $2, $3, 0, 1, NULL, $4, 2) ON CONFLICT (direct_key) DO NOTHING",
         &[&conv_id, &CONV_DIRECT, &key, &now_ms],
     )
     .await?;

@@ -418,6 +418,11 @@ pub const LARGE_GROUPS: &str = r#"
 ALTER TABLE conversations ADD COLUMN mode TEXT NOT NULL DEFAULT 'per_member';
 ALTER TABLE conversations ADD COLUMN shared_from BIGINT;
 ALTER TABLE conversations ADD COLUMN members_seq BIGINT NOT NULL DEFAULT 0;
+-- Open membership periods, kept by the writer with each join and leave
+-- (the size cap and the threshold read it instead of counting).
+ALTER TABLE conversations ADD COLUMN active_members BIGINT NOT NULL DEFAULT 0;
+UPDATE conversations SET active_members =
+    (SELECT COUNT(*) FROM membership_periods p WHERE p.conv_id = conversations.conv_id AND p.leave_seq IS NULL);
 
 -- A shared group's published marker, written by the fan-out only (target
 -- only grows, version only increments, once per relay batch). Its own row,

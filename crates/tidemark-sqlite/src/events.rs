@@ -163,7 +163,11 @@ pub(crate) fn create_group(
     if policy.mode_for_new_group(all.len() as u64) == large::MODE_SHARED {
         switch_to_shared(c, cmd, all.len() as u64)?;
     }
-    exec(c, "UPDATE conversations SET members_seq = ?2 WHERE conv_id = ?1", params![cmd.conv, seq as i64])?;
+    exec(
+        c,
+        "UPDATE conversations SET members_seq = ?2, active_members = ?3 WHERE conv_id = ?1",
+        params![cmd.conv, seq as i64, all.len() as i64],
+    )?;
     Ok((cmd.conv.clone(), seq))
 }
 
@@ -209,7 +213,7 @@ fn membership_facts(c: &Connection, conv: &str, actor: &str, target: &str) -> R<
                 EXISTS (SELECT 1 FROM membership_periods WHERE conv_id = c.conv_id AND user_id = ?2 AND leave_seq IS NULL),
                 EXISTS (SELECT 1 FROM users WHERE user_id = ?3),
                 (SELECT join_seq FROM membership_periods WHERE conv_id = c.conv_id AND user_id = ?3 AND leave_seq IS NULL),
-                (SELECT COUNT(*) FROM membership_periods WHERE conv_id = c.conv_id AND leave_seq IS NULL)
+                c.active_members
          FROM conversations c WHERE c.conv_id = ?1",
     )
     .map_err(internal)?
@@ -265,7 +269,11 @@ pub(crate) fn change_membership(
             params![target, cmd.conv, shared],
         )?;
         let members = facts.as_ref().map_or(0, |f| f.active_members) + 1;
-        exec(c, "UPDATE conversations SET members_seq = ?2 WHERE conv_id = ?1", params![cmd.conv, seq as i64])?;
+        exec(
+            c,
+            "UPDATE conversations SET members_seq = ?2, active_members = active_members + 1 WHERE conv_id = ?1",
+            params![cmd.conv, seq as i64],
+        )?;
         if policy.switches(&mode, members) {
             switch_to_shared(c, cmd, members)?;
         }
@@ -279,7 +287,11 @@ pub(crate) fn change_membership(
         )?;
         assert_eq!(n, 1, "exactly one open period per member");
         exec(c, "UPDATE user_convs SET active = 0 WHERE user_id = ?1 AND conv_id = ?2", params![target, cmd.conv])?;
-        exec(c, "UPDATE conversations SET members_seq = ?2 WHERE conv_id = ?1", params![cmd.conv, seq as i64])?;
+        exec(
+            c,
+            "UPDATE conversations SET members_seq = ?2, active_members = active_members - 1 WHERE conv_id = ?1",
+            params![cmd.conv, seq as i64],
+        )?;
     }
     Ok(seq)
 }

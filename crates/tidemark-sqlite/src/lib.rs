@@ -539,8 +539,8 @@ impl Store for SqliteStore {
                 let pair = [a.clone(), b.clone()];
                 tidemark_core::membership::all_known(&pair, &events::known_users(c, &pair)?)?;
                 c.execute(
-                    "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at)
-                     VALUES (?1, ?2, ?3, 0, 1, NULL, ?4)",
+                    "INSERT INTO conversations (conv_id, kind, direct_key, head, epoch, owner, created_at, active_members)
+                     VALUES (?1, ?2, ?3, 0, 1, NULL, ?4, 2)",
                     params![conv_id, CONV_DIRECT, key, now_ms],
                 )
                 .map_err(internal)?;

@@ -339,6 +339,12 @@ pub const LARGE_GROUPS: &str = r#"
 ALTER TABLE conversations ADD COLUMN mode TEXT NOT NULL DEFAULT 'per_member';
 ALTER TABLE conversations ADD COLUMN shared_from INTEGER;
 ALTER TABLE conversations ADD COLUMN members_seq INTEGER NOT NULL DEFAULT 0;
+-- Open membership periods, kept by the writer with each join and leave, so
+-- a join into a 100,000-member group does not count them (G1's size cap
+-- and G3's threshold read it).
+ALTER TABLE conversations ADD COLUMN active_members INTEGER NOT NULL DEFAULT 0;
+UPDATE conversations SET active_members =
+    (SELECT COUNT(*) FROM membership_periods p WHERE p.conv_id = conversations.conv_id AND p.leave_seq IS NULL);
 
 -- A shared group's published marker, one row per group, written by the
 -- fan-out only: `target` only grows, `version` only increments, once per
