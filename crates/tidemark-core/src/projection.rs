@@ -23,8 +23,9 @@ pub struct Delivery {
     /// the read cursor and the recipient did not delete it for themselves.
     pub counts_unread: bool,
     /// Recount unread from the facts afterwards: a recalled message no
-    /// longer counts; an own message moved the read cursor over whatever
-    /// was unread below it.
+    /// longer counts; any own event (a message, an edit, a reaction, a
+    /// membership change) moved the read cursor over whatever was unread
+    /// below it.
     pub recount: bool,
 }
 
@@ -33,7 +34,7 @@ pub struct Delivery {
 pub fn delivery(kind: &str, recipient: &str, actor: &str) -> Delivery {
     let own = recipient == actor;
     let message = kind == EVENT_MESSAGE;
-    Delivery { own, counts_unread: message && !own, recount: kind == EVENT_RECALL || (own && message) }
+    Delivery { own, counts_unread: message && !own, recount: kind == EVENT_RECALL || own }
 }
 
 /// R1: where `mark_read` moves the read cursor: to `read_to`, capped at the
@@ -108,7 +109,10 @@ mod tests {
         check((EVENT_RECALL, "b"), (false, false, true));
         check((EVENT_RECALL, "a"), (true, false, true));
         check((EVENT_EDIT, "b"), (false, false, false));
-        check((EVENT_REACTION, "a"), (true, false, false));
+        // An own control event moves read_seq too: recount (issue 16's drift).
+        check((EVENT_REACTION, "a"), (true, false, true));
+        check((EVENT_EDIT, "a"), (true, false, true));
+        check((EVENT_MEMBERSHIP, "a"), (true, false, true));
         check((EVENT_MEMBERSHIP, "b"), (false, false, false));
     }
 
