@@ -197,13 +197,22 @@ impl Client {
     async fn enqueue(&self, op: OutboxOp, conv: &str, kind: &str, content: Value) -> Result<OutboxEntry, SdkError> {
         let client_msg_id = format!("{:032x}", rand::random::<u128>());
         let (c, k) = (conv.to_owned(), kind.to_owned());
-        let entry = self.inner.db(move |s, _| s.enqueue(&client_msg_id, op, &c, &k, &content)).await?;
-        self.inner.emit(Change::OutboxQueued {
-            op,
-            client_msg_id: entry.client_msg_id.clone(),
-            conv: entry.conv.clone(),
-        });
-        self.inner.committed();
+        // Announced under the store lock right after the commit, so no
+        // later commit (the pump's acceptance of this entry) is announced
+        // first.
+        let entry = self
+            .inner
+            .db(move |s, inner| {
+                let entry = s.enqueue(&client_msg_id, op, &c, &k, &content)?;
+                inner.emit(Change::OutboxQueued {
+                    op,
+                    client_msg_id: entry.client_msg_id.clone(),
+                    conv: entry.conv.clone(),
+                });
+                inner.committed();
+                Ok(entry)
+            })
+            .await?;
         self.inner.outbox_wake.notify_one();
         Ok(entry)
     }

@@ -806,10 +806,14 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
             && server_acked <= position.applied_sync_seq
         {
             let generation = page.sync_generation;
-            if let Err(e) = inner.db(move |s, _| s.record_ack(generation, server_acked)).await {
+            let recorded = inner.db(move |s, inner| {
+                s.record_ack(generation, server_acked)?;
+                inner.emit(Change::Acked { sync_seq: server_acked, acked_sync_seq: server_acked, generation });
+                Ok(())
+            });
+            if let Err(e) = recorded.await {
                 return RoundEnd::End(End::store(e));
             }
-            inner.emit(Change::Acked { sync_seq: server_acked, acked_sync_seq: server_acked, generation });
         }
         let token = page.batch_token.clone();
         // What this batch has ACKed so far. It starts at the batch's start,
@@ -819,7 +823,19 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
         loop {
             let report = {
                 let page = page.clone();
-                inner.db(move |s, inner| Ok(s.apply_page(&page, &|p| inner.fault(p)))).await
+                // Announced under the store lock right after the commit:
+                // the change stream is in commit order (K-issue 17).
+                inner
+                    .db(move |s, inner| {
+                        let report = s.apply_page(&page, &|p| inner.fault(p));
+                        if let Ok(r) = &report {
+                            if r.applied > 0 || r.skipped > 0 {
+                                announce_page(inner, r.clone());
+                            }
+                        }
+                        Ok(report)
+                    })
+                    .await
             };
             let report = match report {
                 Ok(Ok(report)) => report,
@@ -834,9 +850,6 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
             };
             applied_total += report.applied;
             let (page_applied, applied_sync_seq) = (report.applied, report.applied_sync_seq);
-            if report.applied > 0 || report.skipped > 0 {
-                announce_page(&inner, report);
-            }
             if page_applied > 0 {
                 let point = FaultPoint::AfterCommit { applied_sync_seq };
                 if inner.fault(&point) == FaultAction::Abort {
@@ -850,11 +863,15 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
                     Ok(ok) => {
                         acked = acked.max(ack_to);
                         let (generation, value) = (ok.sync_generation, ok.acked_sync_seq);
-                        if let Err(e) = inner.db(move |s, _| s.record_ack(generation, value)).await {
+                        let recorded = inner.db(move |s, inner| {
+                            s.record_ack(generation, value)?;
+                            inner.emit(Change::Acked { sync_seq: ack_to, acked_sync_seq: value, generation });
+                            inner.committed();
+                            Ok(())
+                        });
+                        if let Err(e) = recorded.await {
                             return RoundEnd::End(End::store(e));
                         }
-                        inner.emit(Change::Acked { sync_seq: ack_to, acked_sync_seq: value, generation });
-                        inner.committed();
                     }
                     Err(e) => match on_round_error(&inner, &ws, Op::Ack, &e).await {
                         Flow::RestartBatch => {
@@ -925,17 +942,22 @@ async fn run_repairs(inner: &Arc<Inner>, ws: &WsConn) -> StoreResult<()> {
         let outcome = match fetched {
             Ok((events, complete, next_from)) => {
                 let c = conv.clone();
-                match inner.db(move |s, _| Ok(s.apply_repair(&c, &events, complete, next_from))).await? {
-                    Ok(moved) => {
-                        if let Some(m) = moved {
-                            inner.emit(Change::CursorMoved(m));
+                let done = conv.clone();
+                let applied = inner.db(move |s, inner| {
+                    let moved = s.apply_repair(&c, &events, complete, next_from);
+                    if let Ok(m) = &moved {
+                        if let Some(m) = m {
+                            inner.emit(Change::CursorMoved(m.clone()));
                         }
                         if complete {
-                            inner.emit(Change::Repaired { conv: conv.clone() });
+                            inner.emit(Change::Repaired { conv: done });
                         }
                         inner.committed();
-                        Ok(())
                     }
+                    Ok(moved)
+                });
+                match applied.await? {
+                    Ok(_) => Ok(()),
                     Err(ApplyError::Store(e)) => return Err(e),
                     Err(e) => Err(e.to_string()),
                 }
@@ -1016,14 +1038,18 @@ pub(crate) async fn pull_conversation(inner: &Arc<Inner>, ws: &WsConn, conv: &st
         }
     };
     let c = conv.to_owned();
-    match inner.db(move |s, _| Ok(s.apply_pull(&c, &events, complete, next_from))).await? {
-        Ok(moved) => {
-            if let Some(m) = moved {
-                inner.emit(Change::CursorMoved(m));
+    let applied = inner.db(move |s, inner| {
+        let moved = s.apply_pull(&c, &events, complete, next_from);
+        if let Ok(m) = &moved {
+            if let Some(m) = m {
+                inner.emit(Change::CursorMoved(m.clone()));
             }
             inner.committed();
-            Ok(Some(next_from.saturating_sub(1)))
         }
+        Ok(moved)
+    });
+    match applied.await? {
+        Ok(_) => Ok(Some(next_from.saturating_sub(1))),
         Err(ApplyError::Store(e)) => Err(e),
         Err(e) => {
             tracing::warn!(conv = %conv, error = %e, "pulled events refused locally");
@@ -1136,7 +1162,8 @@ async fn pump(inner: Arc<Inner>, ws: WsConn) -> PumpEnd {
                 other => return PumpEnd::End(End::of(other)),
             },
         };
-        announce_record(&inner, record);
+        // Announced when it was recorded (`recorded`).
+        let _ = record;
     }
 }
 
@@ -1164,7 +1191,10 @@ async fn send_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sen
         return Ok(Err(end));
     }
     let id = entry.id;
-    Ok(inner.db(move |s, _| s.record_send_ok(id, &ok)).await.map_err(|e| PumpEnd::End(End::store(e))))
+    Ok(inner
+        .db(move |s, inner| recorded(inner, s.record_send_ok(id, &ok)))
+        .await
+        .map_err(|e| PumpEnd::End(End::store(e))))
 }
 
 async fn recall_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sent {
@@ -1179,7 +1209,10 @@ async fn recall_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> S
         return Ok(Err(end));
     }
     let id = entry.id;
-    Ok(inner.db(move |s, _| s.record_recall_ok(id, &ok)).await.map_err(|e| PumpEnd::End(End::store(e))))
+    Ok(inner
+        .db(move |s, inner| recorded(inner, s.record_recall_ok(id, &ok)))
+        .await
+        .map_err(|e| PumpEnd::End(End::store(e))))
 }
 
 async fn read_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sent {
@@ -1190,7 +1223,18 @@ async fn read_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sen
         return Ok(Err(end));
     }
     let id = entry.id;
-    Ok(inner.db(move |s, _| s.record_read_ok(id, &ok)).await.map_err(|e| PumpEnd::End(End::store(e))))
+    Ok(inner
+        .db(move |s, inner| recorded(inner, s.record_read_ok(id, &ok)))
+        .await
+        .map_err(|e| PumpEnd::End(End::store(e))))
+}
+
+/// Announces a recorded acceptance under the store lock, right after its
+/// commit, so the change stream is in commit order.
+fn recorded(inner: &Inner, record: StoreResult<OutboxRecord>) -> StoreResult<OutboxRecord> {
+    let record = record?;
+    announce_record(inner, record.clone());
+    Ok(record)
 }
 
 /// Notifies what an accepted entry changed, then bumps the version.
