@@ -630,7 +630,15 @@ impl Store for PgStore {
     }
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {
-        self.writer.write(move |c| Box::pin(async move { events::accept_send(c, &cmd).await })).await
+        if tidemark_core::control::check_send_kind(&cmd.kind).is_err() {
+            // A reserved kind is refused, after the idempotency lookup as
+            // ever (a retry of a stored message still finds it); the
+            // statement below is for the sends that may write.
+            return self.writer.write(move |c| Box::pin(async move { events::reserved_send(c, &cmd).await })).await;
+        }
+        let params = events::send_params(&cmd);
+        let cmd = Arc::new(cmd);
+        self.writer.write_statement(events::SEND_SQL, params, move |rows| events::decide_send(&cmd, rows)).await
     }
 
     async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
