@@ -849,6 +849,53 @@ impl Store for PgStore {
         self.writer.write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
     }
 
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        // One statement: pipelined with the sends of its batch.
+        let params: Vec<writer::Param> = vec![Box::new(user), Box::new(device.clone())];
+        self.writer
+            .write_statement(
+                "UPDATE devices SET connection_epoch = connection_epoch + 1
+                 WHERE user_id = $1 AND device_id = $2 RETURNING connection_epoch",
+                params,
+                move |rows| {
+                    writer::Decided::Answer(match rows.first() {
+                        Some(r) => seq(r, 0),
+                        None => Err(StoreError::NotFound(format!("device {device}"))),
+                    })
+                },
+            )
+            .await
+    }
+
+    async fn device_fences(&self, devices: &[(String, String)]) -> StoreResult<Vec<DeviceFence>> {
+        let (users, ids): (Vec<String>, Vec<String>) = devices.iter().cloned().unzip();
+        self.readers
+            .read(move |c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT d.user_id, d.device_id, d.connection_epoch, d.state = 'REVOKED'
+                         FROM unnest($1::text[], $2::text[]) AS t(u, d0)
+                         JOIN devices d ON d.user_id = t.u AND d.device_id = t.d0",
+                        &[&users, &ids],
+                    )
+                    .await?;
+                    rows.iter()
+                        .map(|r| {
+                            Ok(DeviceFence {
+                                user: col(r, 0)?,
+                                device: col(r, 1)?,
+                                connection_epoch: seq(r, 2)?,
+                                revoked: col(r, 3)?,
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
+
     fn stats(&self) -> StoreStats {
         let s = &self.writer.stats;
         StoreStats {

@@ -60,7 +60,18 @@ pub struct Migration {
 pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 1, name: "initial schema", sql: SCHEMA },
     Migration { version: 2, name: "send in one statement", sql: SEND_FUNCTION },
+    Migration { version: 3, name: "durable connection epochs", sql: CONNECTION_EPOCH },
 ];
+
+/// Step 3: each device's newest WebSocket connection (P2), moved by
+/// `Store::open_connection` on whichever node the device connects to; and
+/// an index of the revoked devices, which every node of a cluster reloads
+/// periodically (`Store::revoked_devices`) as the fallback of the bus's
+/// revocation kicks.
+pub const CONNECTION_EPOCH: &str = r#"
+ALTER TABLE devices ADD COLUMN IF NOT EXISTS connection_epoch BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS devices_revoked ON devices (user_id, device_id) WHERE state = 'REVOKED';
+"#;
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;

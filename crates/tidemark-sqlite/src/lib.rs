@@ -840,6 +840,45 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| lifecycle::recovery_session(c, &user, &device)).await
     }
 
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                let epoch: Option<i64> = c
+                    .query_row(
+                        "UPDATE devices SET connection_epoch = connection_epoch + 1
+                         WHERE user_id = ?1 AND device_id = ?2 RETURNING connection_epoch",
+                        params![user, device],
+                        |r| r.get(0),
+                    )
+                    .optional()
+                    .map_err(internal)?;
+                let epoch = epoch.ok_or_else(|| StoreError::NotFound(format!("device {device}")))?;
+                u64::try_from(epoch).map_err(|_| StoreError::Internal(format!("negative connection epoch {epoch}")))
+            })
+            .await
+    }
+
+    async fn device_fences(&self, devices: &[(String, String)]) -> StoreResult<Vec<DeviceFence>> {
+        let devices = devices.to_vec();
+        self.readers
+            .read(move |c| {
+                let mut stmt = c.prepare_cached(
+                    "SELECT connection_epoch, state = 'REVOKED' FROM devices WHERE user_id = ?1 AND device_id = ?2",
+                )?;
+                let mut out = Vec::with_capacity(devices.len());
+                for (user, device) in devices {
+                    let row: Option<(i64, bool)> =
+                        stmt.query_row(params![user, device], |r| Ok((r.get(0)?, r.get(1)?))).optional()?;
+                    if let Some((epoch, revoked)) = row {
+                        out.push(DeviceFence { user, device, connection_epoch: epoch.max(0) as u64, revoked });
+                    }
+                }
+                Ok(out)
+            })
+            .await
+    }
+
     fn stats(&self) -> StoreStats {
         let s = &self.writer.stats;
         StoreStats {

@@ -36,7 +36,14 @@ pub struct Migration {
 
 /// Every step, in order. This backend numbers its own steps, independently
 /// of PostgreSQL's.
-pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial schema", sql: SCHEMA },
+    Migration { version: 2, name: "durable connection epochs", sql: CONNECTION_EPOCH },
+];
+
+/// Step 2: each device's newest WebSocket connection (P2), moved by
+/// `Store::open_connection`; a frame of an older one is dropped.
+pub const CONNECTION_EPOCH: &str = "ALTER TABLE devices ADD COLUMN connection_epoch INTEGER NOT NULL DEFAULT 0;";
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
