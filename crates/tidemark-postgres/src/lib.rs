@@ -8,8 +8,11 @@
 //!   group-commits every write: the requests queued while the previous
 //!   transaction committed run in one `READ COMMITTED` transaction, each in
 //!   its own SAVEPOINT, and are answered only after COMMIT (one WAL flush
-//!   per batch). [`Store::stats`] counts commits and the requests they
-//!   carried; PostgreSQL checkpoints on its own, so `checkpoints` is 0.
+//!   per batch). A second writer, on its own connection, runs the relay's
+//!   fan-out (`fan_out_next`, `fan_out`), so sends never queue behind it;
+//!   the two are two writers on one database, as two nodes are.
+//!   [`Store::stats`] counts commits and the requests they carried (both
+//!   writers); PostgreSQL checkpoints on its own, so `checkpoints` is 0.
 //! - `read`: a pool of connections for reads. Multi-statement reads
 //!   (`conv.sync`, `history`, user-log pages, a conversation and its
 //!   members) run in one `REPEATABLE READ READ ONLY` transaction, i.e. one
@@ -139,11 +142,17 @@ impl PgConfig {
 
 pub struct PgStore {
     writer: Writer,
+    /// The relay's writer: fan-out (`fan_out_next`, `fan_out`) commits on
+    /// its own connection, so a send never queues behind a fan-out
+    /// transaction of many statements. Its SQL is the one several nodes
+    /// already run side by side (claims `SKIP LOCKED`, heads locked in
+    /// `user_id` order, lock conflicts retried).
+    fanout_writer: Writer,
     readers: ReadPool,
     schema: Option<String>,
-    /// The writer task ends once `writer` (its queue's only sender) is
-    /// dropped with the store, after answering what was queued.
-    writer_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The writer tasks end once their `Writer` (each queue's only sender)
+    /// is dropped with the store, after answering what was queued.
+    writer_task: Mutex<Option<[tokio::task::JoinHandle<()>; 2]>>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -201,17 +210,28 @@ impl PgStore {
             let conn = writer_pool.get().await.map_err(db::pool_error)?;
             schema::migrate(&conn, config.schema.as_deref()).await?;
         }
+        let fanout_pool = pool(pg.clone(), 1)?;
         let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
         let (writer, task) = Writer::start(writer_pool);
-        Ok(Arc::new(PgStore { writer, readers, schema: config.schema, writer_task: Mutex::new(Some(task)) }))
+        let (fanout_writer, fanout_task) = Writer::start(fanout_pool);
+        Ok(Arc::new(PgStore {
+            writer,
+            fanout_writer,
+            readers,
+            schema: config.schema,
+            writer_task: Mutex::new(Some([task, fanout_task])),
+        }))
     }
 
     /// Requests this store's writer ran again after a deadlock or a
     /// serialisation failure, and requests that failed so on their last
     /// allowed run (answered `Unavailable`).
     pub fn conflict_retries(&self) -> (u64, u64) {
-        let s = &self.writer.stats;
-        (s.conflict_retries.load(Ordering::Relaxed), s.conflict_give_ups.load(Ordering::Relaxed))
+        let [a, b] = [&self.writer.stats, &self.fanout_writer.stats];
+        (
+            a.conflict_retries.load(Ordering::Relaxed) + b.conflict_retries.load(Ordering::Relaxed),
+            a.conflict_give_ups.load(Ordering::Relaxed) + b.conflict_give_ups.load(Ordering::Relaxed),
+        )
     }
 
     /// The PostgreSQL schema holding this store's tables, if one was named.
@@ -650,11 +670,11 @@ impl Store for PgStore {
     }
 
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
-        self.writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
+        self.fanout_writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
     }
 
     async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
-        self.writer
+        self.fanout_writer
             .write(move |c| {
                 Box::pin(async move {
                     let items = fanout::claim(c, limit).await?;
@@ -897,10 +917,10 @@ impl Store for PgStore {
     }
 
     fn stats(&self) -> StoreStats {
-        let s = &self.writer.stats;
+        let [a, b] = [&self.writer.stats, &self.fanout_writer.stats];
         StoreStats {
-            commits: s.commits.load(Ordering::Relaxed),
-            writes: s.writes.load(Ordering::Relaxed),
+            commits: a.commits.load(Ordering::Relaxed) + b.commits.load(Ordering::Relaxed),
+            writes: a.writes.load(Ordering::Relaxed) + b.writes.load(Ordering::Relaxed),
             checkpoints: 0,
             statements: db::STATEMENTS.load(Ordering::Relaxed),
             read_statements: None,
@@ -908,6 +928,9 @@ impl Store for PgStore {
     }
 
     fn health(&self) -> tidemark_store::StoreHealth {
-        self.writer.health()
+        match self.writer.health() {
+            StoreHealth { write_failure: None } => self.fanout_writer.health(),
+            failing => failing,
+        }
     }
 }
