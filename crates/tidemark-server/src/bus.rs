@@ -11,6 +11,13 @@
 //! the user's watermark in the hub, so the re-hint sweep also covers a device
 //! connected here whose log grew through another node.
 //!
+//! The same subjects carry fences (`BusHint::kick`, P2/P5): a revocation
+//! or a newer connection of a device, which the node that committed it
+//! publishes with [`HintBus::publish_kick`] and every node applies to its
+//! connections at once ([`Fences::apply`]). Losing one costs a bounded
+//! delay, not a fence: each node also reloads the fences from the store
+//! (`fence::run_refresh`).
+//!
 //! Everything here is a hint (D8): a publish that cannot be queued is
 //! dropped and counted, a message lost by NATS or a node's disconnection
 //! costs latency only, because devices sync from their durable cursor on
@@ -21,11 +28,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tidemark_proto::BusHint;
+use tidemark_proto::{BusHint, BusKick};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use crate::config::HintBusConfig;
+use crate::fence::Fences;
 use crate::hub::Hub;
 use crate::metrics as m;
 
@@ -53,14 +61,26 @@ pub enum BusError {
 #[derive(Debug, Default)]
 pub struct HintBus {
     /// `None` for the local bus.
-    tx: Option<mpsc::Sender<(String, u64)>>,
+    tx: Option<mpsc::Sender<BusHint>>,
 }
 
 impl HintBus {
     /// Queues `(user, hw)` for the other nodes; never waits.
     pub fn publish(&self, user: &str, hw: u64) {
+        self.queue(BusHint { user: user.to_owned(), high_watermark: hw, kick: None });
+    }
+
+    /// Queues a fence of `user`'s `device` for the other nodes (a `kicked`
+    /// reason and, for `superseded`, the newest connection epoch); never
+    /// waits. Published only after the store committed the fence.
+    pub fn publish_kick(&self, user: &str, device: &str, reason: &str, connection_epoch: u64) {
+        let kick = BusKick { device: device.to_owned(), reason: reason.to_owned(), connection_epoch };
+        self.queue(BusHint { user: user.to_owned(), high_watermark: 0, kick: Some(kick) });
+    }
+
+    fn queue(&self, hint: BusHint) {
         let Some(tx) = &self.tx else { return };
-        if tx.try_send((user.to_owned(), hw)).is_err() {
+        if tx.try_send(hint).is_err() {
             metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
         }
     }
@@ -72,7 +92,7 @@ pub struct Pending {
     client: async_nats::Client,
     subscriber: async_nats::Subscriber,
     prefix: String,
-    rx: mpsc::Receiver<(String, u64)>,
+    rx: mpsc::Receiver<BusHint>,
 }
 
 fn valid_prefix(prefix: &str) -> bool {
@@ -97,18 +117,20 @@ pub fn user_token(user: &str) -> String {
     }
 }
 
-fn encode(user: &str, hw: u64) -> Vec<u8> {
-    let hint = BusHint { user: user.to_owned(), high_watermark: hw };
-    serde_json::to_vec(&hint).expect("a bus hint serializes")
+fn encode(hint: &BusHint) -> Vec<u8> {
+    serde_json::to_vec(hint).expect("a bus hint serializes")
 }
 
-fn decode(payload: &[u8]) -> Option<(String, u64)> {
+fn decode(payload: &[u8]) -> Option<BusHint> {
     if payload.len() > HINT_PAYLOAD_BYTES_MAX {
         return None;
     }
     let hint: BusHint = serde_json::from_slice(payload).ok()?;
     tidemark_core::ids::check_user(&hint.user).ok()?;
-    Some((hint.user, hint.high_watermark))
+    if let Some(kick) = &hint.kick {
+        tidemark_core::ids::check_device_id(&kick.device).ok()?;
+    }
+    Some(hint)
 }
 
 /// Builds the bus for `config`: the local bus, or a NATS connection with its
@@ -141,10 +163,10 @@ pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>
 
 impl Pending {
     /// Starts the publisher and the subscriber; both stop on `shutdown`.
-    pub fn spawn(self, hub: Arc<Hub>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+    pub fn spawn(self, hub: Arc<Hub>, fences: Arc<Fences>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
         let Pending { client, subscriber, prefix, rx } = self;
         let publisher = tokio::spawn(publish_loop(client, prefix, rx, shutdown.clone()));
-        let listener = tokio::spawn(subscribe_loop(subscriber, hub, shutdown));
+        let listener = tokio::spawn(subscribe_loop(subscriber, hub, fences, shutdown));
         vec![publisher, listener]
     }
 }
@@ -152,31 +174,36 @@ impl Pending {
 async fn publish_loop(
     client: async_nats::Client,
     prefix: String,
-    mut rx: mpsc::Receiver<(String, u64)>,
+    mut rx: mpsc::Receiver<BusHint>,
     mut shutdown: watch::Receiver<bool>,
 ) {
     loop {
-        let (user, hw) = tokio::select! {
+        let hint = tokio::select! {
             next = rx.recv() => match next {
                 Some(hint) => hint,
                 None => return,
             },
             _ = crate::util::stopped(&mut shutdown) => return,
         };
-        let subject = format!("{prefix}.{}", user_token(&user));
+        let subject = format!("{prefix}.{}", user_token(&hint.user));
         // The client buffers while reconnecting; an error here is a hint
         // lost, which the re-hint sweep and client syncs cover.
-        match client.publish(subject, encode(&user, hw).into()).await {
+        match client.publish(subject, encode(&hint).into()).await {
             Ok(()) => metrics::counter!(m::HINTS_BUS_PUBLISHED).increment(1),
             Err(e) => {
                 metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
-                tracing::debug!(%user, error = %e, "hint not published");
+                tracing::debug!(user = %hint.user, error = %e, "hint not published");
             }
         }
     }
 }
 
-async fn subscribe_loop(mut subscriber: async_nats::Subscriber, hub: Arc<Hub>, mut shutdown: watch::Receiver<bool>) {
+async fn subscribe_loop(
+    mut subscriber: async_nats::Subscriber,
+    hub: Arc<Hub>,
+    fences: Arc<Fences>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         let message = tokio::select! {
             next = subscriber.next() => match next {
@@ -192,9 +219,10 @@ async fn subscribe_loop(mut subscriber: async_nats::Subscriber, hub: Arc<Hub>, m
             }
         };
         match decode(&message.payload) {
-            Some((user, hw)) => {
+            Some(BusHint { user, kick: Some(kick), .. }) => fences.apply(&user, &kick),
+            Some(BusHint { user, high_watermark, kick: None }) => {
                 metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
-                hub.notify_user(&user, hw);
+                hub.notify_user(&user, high_watermark);
             }
             None => tracing::warn!(subject = %message.subject, "malformed hint on the bus ignored"),
         }
@@ -208,8 +236,17 @@ mod tests {
     #[test]
     fn payloads_round_trip_and_bad_ones_are_refused() {
         for (user, hw) in [("bob", 7), ("a.b@c", u64::MAX)] {
-            assert_eq!(decode(&encode(user, hw)), Some((user.to_owned(), hw)));
+            let hint = BusHint { user: user.to_owned(), high_watermark: hw, kick: None };
+            assert_eq!(decode(&encode(&hint)), Some(hint));
         }
+        let kick = BusKick { device: "phone".into(), reason: "superseded".into(), connection_epoch: 3 };
+        let hint = BusHint { user: "bob".into(), high_watermark: 0, kick: Some(kick) };
+        assert_eq!(decode(&encode(&hint)), Some(hint));
+        assert_eq!(
+            decode(br#"{"user":"bob","high_watermark":0,"kick":{"device":"","reason":"superseded"}}"#),
+            None,
+            "a kick names a valid device"
+        );
         assert_eq!(decode(b"{\"user\":\"bob\"}"), None);
         assert_eq!(decode(b"{\"user\":\"b b\",\"high_watermark\":1}"), None);
         assert_eq!(decode(b"not json"), None);
