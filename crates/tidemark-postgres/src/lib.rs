@@ -895,7 +895,7 @@ impl Store for PgStore {
                 Box::pin(async move {
                     let rows = query(
                         c,
-                        "SELECT d.user_id, d.device_id, d.connection_epoch, d.state = 'REVOKED'
+                        "SELECT d.user_id, d.device_id, d.connection_epoch, d.state = 'REVOKED', d.acked_sync_seq
                          FROM unnest($1::text[], $2::text[]) AS t(u, d0)
                          JOIN devices d ON d.user_id = t.u AND d.device_id = t.d0",
                         &[&users, &ids],
@@ -908,6 +908,7 @@ impl Store for PgStore {
                                 device: col(r, 1)?,
                                 connection_epoch: seq(r, 2)?,
                                 revoked: col(r, 3)?,
+                                acked_sync_seq: seq(r, 4)?,
                             })
                         })
                         .collect()

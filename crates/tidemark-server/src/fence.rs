@@ -91,8 +91,8 @@ pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<boo
     }
 }
 
-/// One reload: the revoked devices, then the epochs of the devices
-/// connected here.
+/// One reload: the revoked devices, then the epochs and committed ACKs of
+/// the devices connected here.
 pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
     for (user, device) in state.store.revoked_devices().await? {
         if !state.fences.is_revoked(&user, &device) && state.fences.revoke(&user, &device) {
@@ -108,6 +108,9 @@ pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
             state.fences.revoke(&fence.user, &fence.device);
         }
         state.fences.supersede(&fence.user, &fence.device, fence.connection_epoch);
+        // An ACK taken by another node: the re-hint sweep measures the
+        // device's lag from the store's cursor, not only from ACKs seen here.
+        state.hub.on_ack(&fence.user, &fence.device, fence.acked_sync_seq);
     }
     Ok(())
 }

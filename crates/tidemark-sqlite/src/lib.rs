@@ -864,14 +864,16 @@ impl Store for SqliteStore {
         self.readers
             .read(move |c| {
                 let mut stmt = c.prepare_cached(
-                    "SELECT connection_epoch, state = 'REVOKED' FROM devices WHERE user_id = ?1 AND device_id = ?2",
+                    "SELECT connection_epoch, state = 'REVOKED', acked_sync_seq FROM devices
+                     WHERE user_id = ?1 AND device_id = ?2",
                 )?;
                 let mut out = Vec::with_capacity(devices.len());
                 for (user, device) in devices {
-                    let row: Option<(i64, bool)> =
-                        stmt.query_row(params![user, device], |r| Ok((r.get(0)?, r.get(1)?))).optional()?;
-                    if let Some((epoch, revoked)) = row {
-                        out.push(DeviceFence { user, device, connection_epoch: epoch.max(0) as u64, revoked });
+                    let row: Option<(i64, bool, i64)> =
+                        stmt.query_row(params![user, device], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional()?;
+                    if let Some((epoch, revoked, acked)) = row {
+                        let (connection_epoch, acked_sync_seq) = (epoch.max(0) as u64, acked.max(0) as u64);
+                        out.push(DeviceFence { user, device, connection_epoch, revoked, acked_sync_seq });
                     }
                 }
                 Ok(out)

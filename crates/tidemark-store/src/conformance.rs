@@ -719,11 +719,14 @@ pub async fn connection_epochs_are_per_device_and_durable(store: &dyn Store) {
     assert_eq!(store.open_connection("b", "phone").await.unwrap(), 2);
     assert!(matches!(store.open_connection("b", "gone").await, Err(StoreError::NotFound(_))));
     // A re-login keeps the epoch: it numbers connections, not logins.
-    store.login_device("b", "phone", "Phone", T0 + 1).await.unwrap();
+    let phone = store.login_device("b", "phone", "Phone", T0 + 1).await.unwrap();
+    let active = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::Active };
+    assert!(store.cas_device_cursor("b", "phone", phone.cursor, active, T0).await.unwrap().0);
+    store.ack("b", "phone", 1, None, 7, T0).await.unwrap();
     assert!(store.revoke_device("b", "desk", T0).await.unwrap());
     let mut fences = store.device_fences(&[pair("phone"), pair("desk")]).await.unwrap();
     fences.sort_by(|a, b| a.device.cmp(&b.device));
-    let seen: Vec<(&str, u64, bool)> =
-        fences.iter().map(|f| (f.device.as_str(), f.connection_epoch, f.revoked)).collect();
-    assert_eq!(seen, vec![("desk", 1, true), ("phone", 2, false)], "P2/P5: the fences as committed");
+    let seen: Vec<(&str, u64, bool, u64)> =
+        fences.iter().map(|f| (f.device.as_str(), f.connection_epoch, f.revoked, f.acked_sync_seq)).collect();
+    assert_eq!(seen, vec![("desk", 1, true, 0), ("phone", 2, false, 7)], "P2/P5/D8: the fences as committed");
 }

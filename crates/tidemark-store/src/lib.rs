@@ -795,7 +795,8 @@ pub trait Store: Send + Sync + 'static {
     async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64>;
 
     /// The durable fences of these devices (absent ones are left out), in
-    /// one read: what a node checks its live connections against.
+    /// one read: what a node checks its live connections against, and the
+    /// ACK its re-hint sweep measures their lag from.
     async fn device_fences(&self, devices: &[(String, String)]) -> StoreResult<Vec<DeviceFence>>;
 }
 
@@ -808,4 +809,6 @@ pub struct DeviceFence {
     /// The epoch of the device's newest connection (0: none yet).
     pub connection_epoch: u64,
     pub revoked: bool,
+    /// The device's committed ACK, whichever node took it (D8's lag).
+    pub acked_sync_seq: u64,
 }
