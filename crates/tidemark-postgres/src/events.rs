@@ -14,6 +14,7 @@
 //! This module knows no pool, no queue and no read path.
 
 use tidemark_core::control::{self, ControlDecision, Target};
+use tidemark_core::kinds::CONTROL_KINDS;
 use tidemark_core::large::{self, ClearDecision, MarkerFacts};
 use tidemark_core::membership::{self, MembershipDecision, MembershipFacts};
 use tidemark_core::projection::{self, Settings};
@@ -21,6 +22,7 @@ use tidemark_proto::content::{self, Payload};
 use tidemark_store::*;
 
 use crate::db::{self, big, col, exec, query, query_opt, scalar, seq, seq_opt, Conn};
+use crate::writer::{Decided, Param};
 
 type R<T> = StoreResult<T>;
 
@@ -44,16 +46,6 @@ pub(crate) async fn existing_event_of(
     let (event_conv, kind): (String, String) = (col(&r, 1)?, col(&r, 4)?);
     control::check_replay((&event_conv, &kind), conv, kinds, client_msg_id)?;
     Ok(Some((col(&r, 0)?, event_conv, seq(&r, 2)?, col(&r, 3)?)))
-}
-
-pub(crate) async fn is_active_member(c: &Conn, conv: &str, user: &str) -> R<bool> {
-    Ok(scalar::<i64>(
-        c,
-        "SELECT period_id FROM membership_periods WHERE conv_id = $1 AND user_id = $2 AND leave_seq IS NULL LIMIT 1",
-        &[&conv, &user],
-    )
-    .await?
-    .is_some())
 }
 
 /// Locks the conversation row until COMMIT: the linearisation point of
@@ -159,38 +151,103 @@ pub(crate) async fn append_conv_event(
     Ok(at)
 }
 
-/// Accepts one send (S1–S3): the original on a retry, else the membership
-/// check at the conversation's linearisation point and the next `msg_seq`.
-pub(crate) async fn accept_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
+/// One send (S1–S3) in one statement, `tidemark_send` (schema step 2):
+/// the original on a retry, else the membership check at the
+/// conversation's linearisation point, the quote check and the next
+/// `msg_seq` with the message and its outbox record. One statement, so
+/// the writer pipelines the sends of a batch (`Writer::write_statement`).
+/// The parameters are [`send_params`]; [`decide_send`] reads the outcome.
+pub(crate) const SEND_SQL: &str = "SELECT * FROM tidemark_send($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+
+/// A send whose kind `control::check_send_kind` refuses: the original on
+/// a retry of its key, else that refusal. Writes nothing.
+pub(crate) async fn reserved_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
     if let Some((message_id, conv, msg_seq, created_at_ms)) =
         existing_event_of(c, &cmd.sender, &cmd.client_msg_id, &cmd.conv, &[]).await?
     {
         return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
     control::check_send_kind(&cmd.kind)?;
-    // The msg_seq is taken first: its row lock orders this send against
-    // membership changes from any writer (G1), and the checks below read
-    // what was committed before it. A refusal rolls the increment back.
-    let msg_seq = next_seq(c, &cmd.conv).await?;
-    if !is_active_member(c, &cmd.conv, &cmd.sender).await? {
-        return Err(StoreError::NotMember);
+    Err(StoreError::Internal(format!("kind {} is not reserved", cmd.kind)))
+}
+
+/// The parameters of [`SEND_SQL`] for `cmd`.
+pub(crate) fn send_params(cmd: &SendCmd) -> Vec<Param> {
+    let control_kinds: Vec<String> = CONTROL_KINDS.iter().map(|k| (*k).to_owned()).collect();
+    vec![
+        Box::new(cmd.conv.clone()),
+        Box::new(cmd.message_id.clone()),
+        Box::new(cmd.sender.clone()),
+        Box::new(cmd.sender_device.clone()),
+        Box::new(cmd.client_msg_id.clone()),
+        Box::new(cmd.kind.clone()),
+        Box::new(cmd.content.clone()),
+        Box::new(STATE_NORMAL),
+        Box::new(cmd.quote_id.clone()),
+        Box::new(cmd.now_ms),
+        Box::new(event_kind_of(&cmd.kind)),
+        Box::new(control_kinds),
+    ]
+}
+
+/// What the rules of `tidemark-core` make of `tidemark_send`'s row: the
+/// statement only gathered the facts at the right moment (and wrote
+/// nothing unless it accepted); the decisions are core's, as in SQLite.
+/// The statement's own refusal of a quote is cross-checked against
+/// `control::check_quote`: were they ever to disagree, the send is undone
+/// and answered `Internal`, never committed against core's rule.
+pub(crate) fn decide_send(cmd: &SendCmd, rows: &[tokio_postgres::Row]) -> Decided<Accepted> {
+    let decided = (|| -> R<Decided<Accepted>> {
+        let [r] = rows else {
+            return Err(StoreError::Internal(format!("tidemark_send returned {} rows", rows.len())));
+        };
+        let status: String = col(r, 0)?;
+        let quote = |r: &tokio_postgres::Row| -> R<Option<(String, bool)>> {
+            let kind: Option<String> = col(r, 6)?;
+            let sees: Option<bool> = col(r, 7)?;
+            Ok(kind.map(|k| (k, sees.unwrap_or(false))))
+        };
+        Ok(match status.as_str() {
+            "dup" => {
+                let (event_conv, kind): (String, String) = (col(r, 2)?, col(r, 5)?);
+                control::check_replay((&event_conv, &kind), &cmd.conv, &[], &cmd.client_msg_id)?;
+                Decided::Answer(Ok(Accepted {
+                    message_id: col(r, 1)?,
+                    conv: event_conv,
+                    msg_seq: seq(r, 3)?,
+                    created_at_ms: col(r, 4)?,
+                    duplicate: true,
+                }))
+            }
+            "no_conv" => Decided::Answer(Err(control::not_member(&cmd.conv, false).into())),
+            "not_member" => Decided::Answer(Err(StoreError::NotMember)),
+            "quote" => {
+                let quoted = cmd.quote_id.as_deref().unwrap_or_default();
+                let facts = quote(r)?;
+                control::check_quote(quoted, facts.as_ref().map(|(k, sees)| (k.as_str(), *sees)))?;
+                Decided::Answer(Err(StoreError::Internal(format!(
+                    "tidemark_send refused quote {quoted}, which check_quote accepts"
+                ))))
+            }
+            "ok" => {
+                if let Some(quoted) = &cmd.quote_id {
+                    let facts = quote(r)?;
+                    if let Err(e) = control::check_quote(quoted, facts.as_ref().map(|(k, sees)| (k.as_str(), *sees))) {
+                        return Ok(Decided::Undo(StoreError::Internal(format!(
+                            "tidemark_send accepted quote {quoted}, which check_quote refuses: {e}"
+                        ))));
+                    }
+                }
+                Decided::Answer(Ok(cmd.accepted(seq(r, 3)?)))
+            }
+            other => Decided::Answer(Err(StoreError::Internal(format!("tidemark_send status {other}")))),
+        })
+    })();
+    match decided {
+        Ok(d) => d,
+        // A refusal read from the facts: the statement wrote nothing.
+        Err(e) => Decided::Answer(Err(e)),
     }
-    if let Some(quoted) = &cmd.quote_id {
-        let row = query_opt(
-            c,
-            "SELECT m.kind, EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id
-                    AND p.user_id = $3 AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= m.msg_seq))
-             FROM messages m WHERE m.conv_id = $1 AND m.message_id = $2",
-            &[&cmd.conv, quoted, &cmd.sender],
-        )
-        .await?
-        .map(|r| Ok::<_, StoreError>((col::<String>(&r, 0)?, col::<bool>(&r, 1)?)))
-        .transpose()?;
-        control::check_quote(quoted, row.as_ref().map(|(kind, sees)| (kind.as_str(), *sees)))?;
-    }
-    insert_event(c, &cmd.as_event(), msg_seq, &cmd.kind, &cmd.content, None, cmd.quote_id.as_deref(), STATE_NORMAL)
-        .await?;
-    Ok(cmd.accepted(msg_seq))
 }
 
 /// The users among `users` that have an account.

@@ -8,8 +8,11 @@
 //!   group-commits every write: the requests queued while the previous
 //!   transaction committed run in one `READ COMMITTED` transaction, each in
 //!   its own SAVEPOINT, and are answered only after COMMIT (one WAL flush
-//!   per batch). [`Store::stats`] counts commits and the requests they
-//!   carried; PostgreSQL checkpoints on its own, so `checkpoints` is 0.
+//!   per batch). A second writer, on its own connection, runs the relay's
+//!   fan-out (`fan_out_next`, `fan_out`), so sends never queue behind it;
+//!   the two are two writers on one database, as two nodes are.
+//!   [`Store::stats`] counts commits and the requests they carried (both
+//!   writers); PostgreSQL checkpoints on its own, so `checkpoints` is 0.
 //! - `read`: a pool of connections for reads. Multi-statement reads
 //!   (`conv.sync`, `history`, user-log pages, a conversation and its
 //!   members) run in one `REPEATABLE READ READ ONLY` transaction, i.e. one
@@ -141,11 +144,17 @@ pub struct PgStore {
     /// `GroupPolicy::large_members`, set by [`Store::set_group_policy`].
     large_members: std::sync::atomic::AtomicU64,
     writer: Writer,
+    /// The relay's writer: fan-out (`fan_out_next`, `fan_out`) commits on
+    /// its own connection, so a send never queues behind a fan-out
+    /// transaction of many statements. Its SQL is the one several nodes
+    /// already run side by side (claims `SKIP LOCKED`, heads locked in
+    /// `user_id` order, lock conflicts retried).
+    fanout_writer: Writer,
     readers: ReadPool,
     schema: Option<String>,
-    /// The writer task ends once `writer` (its queue's only sender) is
-    /// dropped with the store, after answering what was queued.
-    writer_task: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The writer tasks end once their `Writer` (each queue's only sender)
+    /// is dropped with the store, after answering what was queued.
+    writer_task: Mutex<Option<[tokio::task::JoinHandle<()>; 2]>>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -207,14 +216,17 @@ impl PgStore {
             let conn = writer_pool.get().await.map_err(db::pool_error)?;
             schema::migrate(&conn, config.schema.as_deref()).await?;
         }
+        let fanout_pool = pool(pg.clone(), 1)?;
         let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
         let (writer, task) = Writer::start(writer_pool);
+        let (fanout_writer, fanout_task) = Writer::start(fanout_pool);
         Ok(Arc::new(PgStore {
             large_members: std::sync::atomic::AtomicU64::new(GroupPolicy::default().large_members),
             writer,
+            fanout_writer,
             readers,
             schema: config.schema,
-            writer_task: Mutex::new(Some(task)),
+            writer_task: Mutex::new(Some([task, fanout_task])),
         }))
     }
 
@@ -222,8 +234,11 @@ impl PgStore {
     /// serialisation failure, and requests that failed so on their last
     /// allowed run (answered `Unavailable`).
     pub fn conflict_retries(&self) -> (u64, u64) {
-        let s = &self.writer.stats;
-        (s.conflict_retries.load(Ordering::Relaxed), s.conflict_give_ups.load(Ordering::Relaxed))
+        let [a, b] = [&self.writer.stats, &self.fanout_writer.stats];
+        (
+            a.conflict_retries.load(Ordering::Relaxed) + b.conflict_retries.load(Ordering::Relaxed),
+            a.conflict_give_ups.load(Ordering::Relaxed) + b.conflict_give_ups.load(Ordering::Relaxed),
+        )
     }
 
     /// The PostgreSQL schema holding this store's tables, if one was named.
@@ -645,7 +660,15 @@ impl Store for PgStore {
     }
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {
-        self.writer.write(move |c| Box::pin(async move { events::accept_send(c, &cmd).await })).await
+        if tidemark_core::control::check_send_kind(&cmd.kind).is_err() {
+            // A reserved kind is refused, after the idempotency lookup as
+            // ever (a retry of a stored message still finds it); the
+            // statement below is for the sends that may write.
+            return self.writer.write(move |c| Box::pin(async move { events::reserved_send(c, &cmd).await })).await;
+        }
+        let params = events::send_params(&cmd);
+        let cmd = Arc::new(cmd);
+        self.writer.write_statement(events::SEND_SQL, params, move |rows| events::decide_send(&cmd, rows)).await
     }
 
     async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
@@ -657,11 +680,11 @@ impl Store for PgStore {
     }
 
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
-        self.writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
+        self.fanout_writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
     }
 
     async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
-        self.writer
+        self.fanout_writer
             .write(move |c| {
                 Box::pin(async move {
                     let items = fanout::claim(c, limit).await?;
@@ -878,6 +901,54 @@ impl Store for PgStore {
             .await
     }
 
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        // One statement: pipelined with the sends of its batch.
+        let params: Vec<writer::Param> = vec![Box::new(user), Box::new(device.clone())];
+        self.writer
+            .write_statement(
+                "UPDATE devices SET connection_epoch = connection_epoch + 1
+                 WHERE user_id = $1 AND device_id = $2 RETURNING connection_epoch",
+                params,
+                move |rows| {
+                    writer::Decided::Answer(match rows.first() {
+                        Some(r) => seq(r, 0),
+                        None => Err(StoreError::NotFound(format!("device {device}"))),
+                    })
+                },
+            )
+            .await
+    }
+
+    async fn device_fences(&self, devices: &[(String, String)]) -> StoreResult<Vec<DeviceFence>> {
+        let (users, ids): (Vec<String>, Vec<String>) = devices.iter().cloned().unzip();
+        self.readers
+            .read(move |c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT d.user_id, d.device_id, d.connection_epoch, d.state = 'REVOKED', d.acked_sync_seq
+                         FROM unnest($1::text[], $2::text[]) AS t(u, d0)
+                         JOIN devices d ON d.user_id = t.u AND d.device_id = t.d0",
+                        &[&users, &ids],
+                    )
+                    .await?;
+                    rows.iter()
+                        .map(|r| {
+                            Ok(DeviceFence {
+                                user: col(r, 0)?,
+                                device: col(r, 1)?,
+                                connection_epoch: seq(r, 2)?,
+                                revoked: col(r, 3)?,
+                                acked_sync_seq: seq(r, 4)?,
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
+
     async fn dirty_markers(&self, user: &str, device: &str) -> StoreResult<Vec<DeviceMarker>> {
         let (user, device) = (user.to_owned(), device.to_owned());
         self.readers.snapshot(move |c| Box::pin(async move { read::dirty_markers(c, &user, &device).await })).await
@@ -889,10 +960,10 @@ impl Store for PgStore {
     }
 
     fn stats(&self) -> StoreStats {
-        let s = &self.writer.stats;
+        let [a, b] = [&self.writer.stats, &self.fanout_writer.stats];
         StoreStats {
-            commits: s.commits.load(Ordering::Relaxed),
-            writes: s.writes.load(Ordering::Relaxed),
+            commits: a.commits.load(Ordering::Relaxed) + b.commits.load(Ordering::Relaxed),
+            writes: a.writes.load(Ordering::Relaxed) + b.writes.load(Ordering::Relaxed),
             checkpoints: 0,
             statements: db::STATEMENTS.load(Ordering::Relaxed),
             read_statements: None,
@@ -900,6 +971,9 @@ impl Store for PgStore {
     }
 
     fn health(&self) -> tidemark_store::StoreHealth {
-        self.writer.health()
+        match self.writer.health() {
+            StoreHealth { write_failure: None } => self.fanout_writer.health(),
+            failing => failing,
+        }
     }
 }

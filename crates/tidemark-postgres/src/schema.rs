@@ -59,8 +59,20 @@ pub struct Migration {
 /// of SQLite's.
 pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 1, name: "initial schema", sql: SCHEMA },
-    Migration { version: 2, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
+    Migration { version: 2, name: "send in one statement", sql: SEND_FUNCTION },
+    Migration { version: 3, name: "durable connection epochs", sql: CONNECTION_EPOCH },
+    Migration { version: 4, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
 ];
+
+/// Step 3: each device's newest WebSocket connection (P2), moved by
+/// `Store::open_connection` on whichever node the device connects to; and
+/// an index of the revoked devices, which every node of a cluster reloads
+/// periodically (`Store::revoked_devices`) as the fallback of the bus's
+/// revocation kicks.
+pub const CONNECTION_EPOCH: &str = r#"
+ALTER TABLE devices ADD COLUMN IF NOT EXISTS connection_epoch BIGINT NOT NULL DEFAULT 0;
+CREATE INDEX IF NOT EXISTS devices_revoked ON devices (user_id, device_id) WHERE state = 'REVOKED';
+"#;
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
@@ -332,6 +344,79 @@ CREATE TABLE IF NOT EXISTS fanout_quarantine (
 );
 "#;
 
+/// Step 2: `tidemark_send`, a send in one statement, so a send is one round
+/// trip and the writer can pipeline the sends of one group commit
+/// (`events::accept_send`). It does what the multi-statement send did, in
+/// the same order, inside the caller's transaction: the idempotency lookup
+/// (`dup`: the earlier event, for `control::check_replay` to judge), the
+/// conversation row lock (`no_conv`), the membership check at that
+/// linearisation point (`not_member`; every statement of a volatile
+/// PL/pgSQL function takes a fresh snapshot under READ COMMITTED, so it sees
+/// every change committed before the lock was granted, G1), the quote's
+/// facts (`quote`: refused when `control::check_quote` would refuse them;
+/// the facts come back so the caller lets core decide and cross-checks),
+/// then `head + 1` under the lock (S2) and the message with its outbox
+/// record (S3). A refusal writes nothing, so it needs no savepoint. An
+/// idempotency key committed by another writer since the lookup raises a
+/// serialisation failure (40001): the request rolls back and the writer
+/// runs it again, when the lookup finds it (S1).
+pub const SEND_FUNCTION: &str = r#"
+CREATE OR REPLACE FUNCTION tidemark_send(
+    p_conv TEXT, p_message_id TEXT, p_sender TEXT, p_sender_device TEXT, p_client_msg_id TEXT,
+    p_kind TEXT, p_content TEXT, p_state TEXT, p_quote_id TEXT, p_now BIGINT, p_outbox_kind TEXT,
+    p_control_kinds TEXT[],
+    OUT o_status TEXT, OUT o_message_id TEXT, OUT o_conv_id TEXT, OUT o_msg_seq BIGINT, OUT o_created_at BIGINT,
+    OUT o_kind TEXT, OUT o_quote_kind TEXT, OUT o_quote_sees BOOLEAN)
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    SELECT m.message_id, m.conv_id, m.msg_seq, m.created_at, m.kind
+      INTO o_message_id, o_conv_id, o_msg_seq, o_created_at, o_kind
+      FROM messages m WHERE m.sender = p_sender AND m.client_msg_id = p_client_msg_id;
+    IF FOUND THEN
+        o_status := 'dup';
+        RETURN;
+    END IF;
+    PERFORM 1 FROM conversations c WHERE c.conv_id = p_conv FOR UPDATE;
+    IF NOT FOUND THEN
+        o_status := 'no_conv';
+        RETURN;
+    END IF;
+    PERFORM 1 FROM membership_periods p WHERE p.conv_id = p_conv AND p.user_id = p_sender AND p.leave_seq IS NULL;
+    IF NOT FOUND THEN
+        o_status := 'not_member';
+        RETURN;
+    END IF;
+    IF p_quote_id IS NOT NULL THEN
+        SELECT q.kind, EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = q.conv_id AND p.user_id = p_sender
+                                 AND p.join_seq <= q.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= q.msg_seq))
+          INTO o_quote_kind, o_quote_sees
+          FROM messages q WHERE q.conv_id = p_conv AND q.message_id = p_quote_id;
+        IF NOT FOUND OR o_quote_kind = ANY (p_control_kinds) OR NOT o_quote_sees THEN
+            o_status := 'quote';
+            RETURN;
+        END IF;
+    END IF;
+    UPDATE conversations c SET head = c.head + 1 WHERE c.conv_id = p_conv RETURNING c.head INTO o_msg_seq;
+    INSERT INTO messages (conv_id, msg_seq, message_id, sender, sender_device, client_msg_id, kind, content,
+                          state, version, target_id, quote_id, created_at)
+    VALUES (p_conv, o_msg_seq, p_message_id, p_sender, p_sender_device, p_client_msg_id, p_kind, p_content,
+            p_state, 1, NULL, p_quote_id, p_now)
+    ON CONFLICT (sender, client_msg_id) DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'client_msg_id % was committed concurrently', p_client_msg_id
+            USING ERRCODE = 'serialization_failure';
+    END IF;
+    INSERT INTO outbox (conv_id, kind, source_event_id, msg_seq, actor, created_at)
+    VALUES (p_conv, p_outbox_kind, p_message_id, o_msg_seq, p_sender, p_now);
+    o_status := 'ok';
+    o_message_id := p_message_id;
+    o_conv_id := p_conv;
+    o_created_at := p_now;
+    o_kind := p_kind;
+END
+$fn$;
+"#;
+
 /// Longest schema name accepted (PostgreSQL truncates identifiers at 63).
 pub const SCHEMA_NAME_MAX: usize = 63;
 
@@ -409,7 +494,7 @@ async fn legacy_stamp(c: &ClientWrapper) -> StoreResult<Option<i64>> {
         .transpose()
 }
 
-/// Step 2, large groups (G2, G3); the same layout as SQLite's step 2.
+/// Step 4, large groups (G2, G3); the same layout as SQLite's step 3.
 pub const LARGE_GROUPS: &str = r#"
 -- A group's mode: 'per_member' or 'shared' (events above `shared_from`,
 -- the switch event's msg_seq, live only in the conversation log). One-way.

@@ -25,6 +25,11 @@
 //! connection (as a client's own retry would). Only the last attempt's error
 //! reaches the caller; other `Unavailable` causes are not retried here.
 //!
+//! A request of one statement ([`Writer::write_statement`]; a send, see
+//! `events::SEND_SQL`) is pipelined with the one-statement requests beside
+//! it in the batch: their statements go out back to back behind one
+//! savepoint, costing one round trip for the run ([`run_pipelined`]).
+//!
 //! One writer per store is the design, as in the SQLite backend: requests
 //! run in queue order and never wait on each other's locks. The SQL the
 //! requests run is still safe with several writers on one database (other
@@ -47,11 +52,14 @@ use deadpool_postgres::Pool;
 use tidemark_store::metric_names as names;
 use tidemark_store::{StoreError, StoreHealth, StoreResult, WriteFailure};
 use tokio::sync::{mpsc, oneshot};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
 
 use crate::db::{self, Conn};
 
-/// Most requests in one transaction. A request costs a few round trips to
-/// the server, so the bound also caps how long the first request of a
+/// Most requests in one transaction. A request costs up to a few round
+/// trips to the server (a run of one-statement requests one for the run),
+/// so the bound also caps how long the first request of a
 /// batch waits for its reply (and how long the batch holds its row locks).
 pub const WRITE_BATCH_MAX: usize = 256;
 /// Most requests waiting for the writer; callers wait (backpressure) beyond.
@@ -95,7 +103,103 @@ pub(crate) type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
 /// Completes one request once the batch's commit outcome is known.
 type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
 
-/// One queued write request.
+/// One queued write request: a transaction body of any number of
+/// statements, run alone in its savepoint, or one statement that is
+/// pipelined with its neighbours (see [`run_pipelined`]).
+enum Queued {
+    Body(Box<dyn Job>),
+    Statement(Box<dyn PipedJob>),
+}
+
+impl Queued {
+    fn fail(self, e: StoreError) {
+        match self {
+            Queued::Body(job) => job.fail(e),
+            Queued::Statement(job) => job.fail(e),
+        }
+    }
+}
+
+/// An owned statement parameter, so a request can run again.
+pub(crate) type Param = Box<dyn ToSql + Sync + Send>;
+
+/// What a one-statement request decided from the rows its statement
+/// returned.
+pub(crate) enum Decided<T> {
+    /// The answer; whatever the statement wrote stands.
+    Answer(StoreResult<T>),
+    /// A refusal found after the statement wrote: its writes must not
+    /// commit, and the caller hears this error.
+    Undo(StoreError),
+}
+
+/// A queued one-statement request.
+trait PipedJob: Send {
+    fn sql(&self) -> &'static str;
+    fn params(&self) -> Vec<&(dyn ToSql + Sync)>;
+    /// Decides from the statement's rows and keeps the answer; `false` if
+    /// the statement's writes must be undone (the answer is then an error).
+    fn decide(&mut self, rows: &[Row]) -> bool;
+    /// Keeps `e` as the answer: the request's statement failed.
+    fn refuse(&mut self, e: StoreError);
+    /// Completes the request with the kept answer once the commit outcome
+    /// is known.
+    fn completer(self: Box<Self>) -> Completer;
+    /// Answers the request without running it.
+    fn fail(self: Box<Self>, e: StoreError);
+}
+
+struct Piped<T, D> {
+    sql: &'static str,
+    params: Arc<Vec<Param>>,
+    decide: D,
+    answer: Option<StoreResult<T>>,
+    reply: oneshot::Sender<StoreResult<T>>,
+}
+
+impl<T, D> PipedJob for Piped<T, D>
+where
+    T: Send + 'static,
+    D: Fn(&[Row]) -> Decided<T> + Send + 'static,
+{
+    fn sql(&self) -> &'static str {
+        self.sql
+    }
+
+    fn params(&self) -> Vec<&(dyn ToSql + Sync)> {
+        self.params.iter().map(|p| p.as_ref() as &(dyn ToSql + Sync)).collect()
+    }
+
+    fn decide(&mut self, rows: &[Row]) -> bool {
+        let (answer, keep) = match (self.decide)(rows) {
+            Decided::Answer(answer) => (answer, true),
+            Decided::Undo(e) => (Err(e), false),
+        };
+        self.answer = Some(answer);
+        keep
+    }
+
+    fn refuse(&mut self, e: StoreError) {
+        self.answer = Some(Err(e));
+    }
+
+    fn completer(self: Box<Self>) -> Completer {
+        let Piped { answer, reply, .. } = *self;
+        let answer = answer.unwrap_or_else(|| Err(StoreError::Internal("a pipelined request was never run".into())));
+        Box::new(move |commit_error: Option<StoreError>| {
+            let _ = reply.send(match commit_error {
+                Some(e) => Err(e),
+                None => answer,
+            });
+        })
+    }
+
+    fn fail(self: Box<Self>, e: StoreError) {
+        let _ = self.reply.send(Err(e));
+    }
+}
+
+/// One queued write request of many statements.
 trait Job: Send {
     /// Runs the request inside the open transaction, in its own savepoint.
     /// Returns how to complete it after COMMIT, and whether the transaction
@@ -149,7 +253,7 @@ pub struct WriterStats {
 
 #[derive(Clone)]
 pub(crate) struct Writer {
-    jobs: mpsc::Sender<Box<dyn Job>>,
+    jobs: mpsc::Sender<Queued>,
     pub(crate) stats: Arc<WriterStats>,
     failure: Arc<WriteFailure>,
 }
@@ -158,7 +262,7 @@ impl Writer {
     /// Starts the writer task on `pool` (a pool of one connection). The task
     /// ends once every `Writer` clone is gone and the queue is drained.
     pub(crate) fn start(pool: Pool) -> (Writer, tokio::task::JoinHandle<()>) {
-        let (tx, rx) = mpsc::channel::<Box<dyn Job>>(WRITE_QUEUE_MAX);
+        let (tx, rx) = mpsc::channel::<Queued>(WRITE_QUEUE_MAX);
         let stats = Arc::new(WriterStats::default());
         let failure = Arc::new(WriteFailure::default());
         abort_on_writer_panic();
@@ -186,9 +290,41 @@ impl Writer {
         T: Send + 'static,
         F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Clone + Send + 'static,
     {
+        self.retrying(|reply| Queued::Body(Box::new(Request { f: f.clone(), reply }))).await
+    }
+
+    /// Runs one statement (`sql` with `params`) in the next group-committed
+    /// transaction, pipelined with the other one-statement requests beside
+    /// it in the queue, and answers what `decide` makes of its rows once
+    /// that transaction is durable. `decide` may run more than once (the
+    /// statement runs again when a neighbour in its pipeline failed); only
+    /// its last answer counts. Retried on lock conflicts as [`Writer::write`].
+    /// The statement must refuse without an error (by what it returns) or
+    /// leave the transaction usable only through its savepoint.
+    pub(crate) async fn write_statement<T, D>(&self, sql: &'static str, params: Vec<Param>, decide: D) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        D: Fn(&[Row]) -> Decided<T> + Clone + Send + 'static,
+    {
+        let params = Arc::new(params);
+        self.retrying(|reply| {
+            Queued::Statement(Box::new(Piped {
+                sql,
+                params: params.clone(),
+                decide: decide.clone(),
+                answer: None,
+                reply,
+            }))
+        })
+        .await
+    }
+
+    /// Queues the request `make` builds until it is answered other than by
+    /// a lock conflict, or [`WRITE_ATTEMPTS_MAX`] runs.
+    async fn retrying<T>(&self, make: impl Fn(oneshot::Sender<StoreResult<T>>) -> Queued) -> StoreResult<T> {
         let mut attempt = 1;
         loop {
-            let result = self.write_once(f.clone()).await;
+            let result = self.write_once(&make).await;
             match result {
                 Err(e) if db::is_lock_conflict(&e) => {
                     if attempt >= WRITE_ATTEMPTS_MAX {
@@ -209,15 +345,10 @@ impl Writer {
         }
     }
 
-    /// One run of `f` in the next batch.
-    async fn write_once<T, F>(&self, f: F) -> StoreResult<T>
-    where
-        T: Send + 'static,
-        F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Send + 'static,
-    {
+    /// One run of a request in the next batch.
+    async fn write_once<T>(&self, make: &impl Fn(oneshot::Sender<StoreResult<T>>) -> Queued) -> StoreResult<T> {
         let (reply, rx) = oneshot::channel::<StoreResult<T>>();
-        let job: Box<dyn Job> = Box::new(Request { f, reply });
-        self.jobs.send(job).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
+        self.jobs.send(make(reply)).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
         rx.await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?
     }
 }
@@ -280,6 +411,144 @@ async fn both<A: Future, B: Future>(first: A, second: B) -> (A::Output, B::Outpu
     (a.expect("polled to completion"), b.expect("polled to completion"))
 }
 
+/// Runs consecutive one-statement requests as one pipeline: their
+/// statements are sent back to back, in queue order, behind the run's
+/// savepoint, and the server answers them in that order, so the whole run
+/// costs one round trip instead of one per request (tokio-postgres sends a
+/// request when its future is first polled; [`in_order`] polls them in
+/// order). Returns whether the transaction is still usable; pushes one
+/// completer per request.
+///
+/// The run shares one savepoint. A statement that fails (a deadlock
+/// victim, say) aborts the transaction, and every statement after it fails
+/// with it (25P02): the run rolls back to its savepoint, the first failed
+/// request keeps its error, and the others run again. So does a request
+/// whose `decide` refused after its statement wrote ([`Decided::Undo`]).
+/// Each rerun removes at least one request, so a run of `n` ends within
+/// `n` pipelines; a refusal by result (the statement wrote nothing, as
+/// every refusal of `tidemark_send`) costs no rerun.
+async fn run_pipelined(
+    c: &Conn,
+    mut run: Vec<Box<dyn PipedJob>>,
+    after_savepoint: bool,
+    completers: &mut Vec<Completer>,
+) -> bool {
+    // Prepared once per connection (cached), before the pipeline: a
+    // statement prepared inside it would take a round trip of its own and
+    // send its request out of order.
+    let mut statements = Vec::with_capacity(run.len());
+    let sqls: Vec<&'static str> = run.iter().map(|job| job.sql()).collect();
+    for sql in sqls {
+        match c.prepare_cached(sql).await {
+            Ok(stmt) => statements.push(stmt),
+            Err(e) => {
+                let e = db::error(e);
+                for mut job in run {
+                    job.refuse(e.clone());
+                    completers.push(job.completer());
+                }
+                return false;
+            }
+        }
+    }
+    let begin = if after_savepoint { "RELEASE SAVEPOINT job; SAVEPOINT job" } else { "SAVEPOINT job" };
+    let mut opening = Some(begin);
+    loop {
+        if run.is_empty() {
+            return true;
+        }
+        let params: Vec<Vec<&(dyn ToSql + Sync)>> = run.iter().map(|job| job.params()).collect();
+        let mut results = {
+            let mut futures: Vec<BoxFut<'_, Result<Vec<Row>, tokio_postgres::Error>>> =
+                Vec::with_capacity(run.len() + 1);
+            if let Some(sql) = opening {
+                futures.push(Box::pin(async move { db::batch(c, sql).await.map(|()| Vec::new()) }));
+            }
+            for (stmt, params) in statements.iter().zip(&params) {
+                db::counted();
+                futures.push(Box::pin(async move { c.query(stmt, params).await }));
+            }
+            in_order(futures).await
+        };
+        drop(params);
+        if opening.take().is_some() {
+            if let Err(e) = results.remove(0) {
+                // Nothing of the run can have run outside its savepoint.
+                let e = db::error(e);
+                for mut job in run {
+                    job.refuse(e.clone());
+                    completers.push(job.completer());
+                }
+                return false;
+            }
+        }
+        // The first failure is the culprit; those after it only shared its
+        // aborted transaction.
+        let undo: Vec<usize> = match results.iter().position(Result::is_err) {
+            Some(k) => {
+                let Err(e) = results.swap_remove(k) else { unreachable!("an error at {k}") };
+                run[k].refuse(db::error(e));
+                vec![k]
+            }
+            None => run
+                .iter_mut()
+                .zip(&results)
+                .enumerate()
+                .filter_map(|(i, (job, rows))| {
+                    let rows = rows.as_ref().expect("no error in this pipeline");
+                    (!job.decide(rows)).then_some(i)
+                })
+                .collect(),
+        };
+        if undo.is_empty() {
+            completers.extend(run.into_iter().map(|job| job.completer()));
+            return true;
+        }
+        if let Err(e) = db::batch(c, "ROLLBACK TO SAVEPOINT job").await {
+            let e = db::error(e);
+            for mut job in run {
+                job.refuse(e.clone());
+                completers.push(job.completer());
+            }
+            return false;
+        }
+        for &i in undo.iter().rev() {
+            completers.push(run.remove(i).completer());
+            statements.remove(i);
+        }
+    }
+}
+
+/// Runs `futures` on this task to completion, polling each unfinished one
+/// in index order on every wake-up, so what each sends on its first poll
+/// reaches the connection in index order (a `join_all` of many futures
+/// does not promise that order).
+async fn in_order<'c, T>(futures: Vec<BoxFut<'c, T>>) -> Vec<T> {
+    let mut futures: Vec<Option<BoxFut<'c, T>>> = futures.into_iter().map(Some).collect();
+    let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if let Some(f) = future {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(out) => {
+                        *output = Some(out);
+                        *future = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(|o| o.expect("polled to completion")).collect()
+}
+
 /// Commits the open transaction. The `SELECT 1` first is a guard: PostgreSQL
 /// answers COMMIT on a transaction in the aborted state with a rollback and
 /// no error, so a failed statement that slipped through would otherwise be
@@ -287,8 +556,8 @@ async fn both<A: Future, B: Future>(first: A, second: B) -> (A::Output, B::Outpu
 /// of the string is skipped.
 const COMMIT_SQL: &str = "SELECT 1; COMMIT";
 
-async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<WriterStats>, failure: Arc<WriteFailure>) {
-    let mut batch: Vec<Box<dyn Job>> = Vec::with_capacity(WRITE_BATCH_MAX);
+async fn run(pool: Pool, mut rx: mpsc::Receiver<Queued>, stats: Arc<WriterStats>, failure: Arc<WriteFailure>) {
+    let mut batch: Vec<Queued> = Vec::with_capacity(WRITE_BATCH_MAX);
     let pause = Duration::from_millis(WRITER_RETRY_PAUSE_MS);
     while let Some(first) = rx.recv().await {
         batch.push(first);
@@ -321,17 +590,37 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
         }
         let mut completers: Vec<Completer> = Vec::with_capacity(batch.len());
         let mut broken: Option<StoreError> = None;
-        for (i, job) in batch.drain(..).enumerate() {
+        // Whether an earlier request (or run of statements) of this
+        // transaction left its savepoint open.
+        let mut after_savepoint = false;
+        let mut queued = batch.drain(..).peekable();
+        while let Some(next) = queued.next() {
             if let Some(e) = &broken {
-                job.fail(e.clone());
+                next.fail(e.clone());
                 continue;
             }
-            let (complete, healthy) = job.run(&conn, i > 0).await;
-            completers.push(complete);
+            let healthy = match next {
+                Queued::Body(job) => {
+                    let (complete, healthy) = job.run(&conn, after_savepoint).await;
+                    completers.push(complete);
+                    healthy
+                }
+                Queued::Statement(job) => {
+                    // The run of one-statement requests that starts here.
+                    let mut run = vec![job];
+                    while let Some(Queued::Statement(_)) = queued.peek() {
+                        let Some(Queued::Statement(job)) = queued.next() else { unreachable!("peeked") };
+                        run.push(job);
+                    }
+                    run_pipelined(&conn, run, after_savepoint, &mut completers).await
+                }
+            };
+            after_savepoint = true;
             if !healthy {
                 broken = Some(StoreError::Unavailable("store transaction broken; batch rolled back".into()));
             }
         }
+        drop(queued);
         let commit_error = match broken {
             Some(e) => {
                 let _ = db::batch(&conn, "ROLLBACK").await;
@@ -361,8 +650,106 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Box<dyn Job>>, stats: Arc<Writer
     }
 }
 
-fn fail_all(batch: &mut Vec<Box<dyn Job>>, e: StoreError) {
+fn fail_all(batch: &mut Vec<Queued>, e: StoreError) {
     for job in batch.drain(..) {
         job.fail(e.clone());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The pipeline's failure paths, on a real PostgreSQL
+    //! (`TIDEMARK_TEST_PG_URL`; without it the test says so and returns).
+    use super::*;
+
+    const URL_VAR: &str = "TIDEMARK_TEST_PG_URL";
+
+    /// Writes `v` into `t`, then fails on `v = 0` (division by zero, after
+    /// the row is written): an error inside a pipeline.
+    const WRITE_SQL: &str = "WITH w AS (INSERT INTO t (v) VALUES ($1) RETURNING v) SELECT 10 / v FROM w";
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_or_undone_statement_rolls_back_alone_inside_its_pipeline() {
+        let Ok(url) = std::env::var(URL_VAR) else {
+            eprintln!("skipping: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
+            return;
+        };
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let schema = format!("t_pipeline_{}_{nanos}", std::process::id());
+        let mut pg: tokio_postgres::Config = url.parse().unwrap();
+        pg.options(format!("-c search_path={schema}"));
+        let (raw, conn) = pg.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        raw.batch_execute(&format!("CREATE SCHEMA {schema}; CREATE TABLE {schema}.t (v INT PRIMARY KEY)"))
+            .await
+            .unwrap();
+        let (writer, _task) = Writer::start(crate::pool(pg, 1).unwrap());
+
+        // Hold the writer inside a batch until every request below queued
+        // up, so they all run in the next batch, as one pipeline.
+        let (started_tx, started) = oneshot::channel::<()>();
+        let (release, release_rx) = oneshot::channel::<()>();
+        let blocker = {
+            let writer = writer.clone();
+            let slot = Arc::new(std::sync::Mutex::new(Some((started_tx, release_rx))));
+            tokio::spawn(async move {
+                writer
+                    .write(move |_c| {
+                        let slot = slot.clone();
+                        Box::pin(async move {
+                            let (started, release) = slot.lock().unwrap().take().expect("runs once");
+                            let _ = started.send(());
+                            let _ = release.await;
+                            Ok(())
+                        })
+                    })
+                    .await
+            })
+        };
+        started.await.unwrap();
+        // 0 fails in SQL; 3 is written, then undone by its `decide`.
+        let values = [1, 2, 0, 3, 4, 5];
+        let mut requests = Vec::new();
+        for v in values {
+            let queue = writer.clone();
+            requests.push(tokio::spawn(async move {
+                queue
+                    .write_statement(WRITE_SQL, vec![Box::new(v)], move |rows| {
+                        let q: i32 = rows[0].get(0);
+                        if v == 3 {
+                            Decided::Undo(StoreError::Invalid("three is refused after writing".into()))
+                        } else {
+                            Decided::Answer(Ok(q))
+                        }
+                    })
+                    .await
+            }));
+            // Queued in this order before the next one is spawned.
+            let queued = WRITE_QUEUE_MAX - requests.len();
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while writer.jobs.capacity() > queued && std::time::Instant::now() < deadline {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            assert!(writer.jobs.capacity() <= queued, "request {v} never queued");
+        }
+        release.send(()).unwrap();
+        blocker.await.unwrap().unwrap();
+        let mut answers = Vec::new();
+        for r in requests {
+            answers.push(r.await.unwrap());
+        }
+        assert_eq!(answers[0], Ok(10));
+        assert_eq!(answers[1], Ok(5));
+        assert!(matches!(&answers[2], Err(StoreError::Internal(m)) if m.contains("22012")), "{:?}", answers[2]);
+        assert!(matches!(&answers[3], Err(StoreError::Invalid(_))), "{:?}", answers[3]);
+        assert_eq!(answers[4], Ok(2));
+        assert_eq!(answers[5], Ok(2));
+        let stored: Vec<i32> =
+            raw.query("SELECT v FROM t ORDER BY v", &[]).await.unwrap().iter().map(|r| r.get(0)).collect();
+        assert_eq!(stored, vec![1, 2, 4, 5], "the failed and the undone rows rolled back, the rest committed");
+        assert_eq!(writer.stats.commits.load(Ordering::Relaxed), 2, "the blocker's batch, then one for all six");
+        raw.batch_execute(&format!("DROP SCHEMA {schema} CASCADE")).await.unwrap();
     }
 }

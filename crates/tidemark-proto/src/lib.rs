@@ -902,17 +902,24 @@ pub enum ServerFrame {
 }
 
 /// The hint bus payload between nodes (cluster mode): a user's log grew to
-/// `high_watermark` on the node that published it.
+/// `high_watermark` on the node that published it, or (with `kick`) a
+/// fence every node applies to its connections of one of the user's
+/// devices. `kick` was added later: absent, the payload is a plain hint,
+/// as every earlier build sends; a build that does not know it reads a
+/// kick as a hint of watermark 0, which changes nothing.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BusHint {
     pub user: String,
+    /// 0 in a kick.
     pub high_watermark: u64,
     /// A large group moved (G2): `user` is empty, the marker and the
     /// `msg_seq` of its last membership change (`members_seq`, which keys
     /// each node's member cache) follow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub conv: Option<BusConv>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kick: Option<BusKick>,
 }
 
 /// The large-group part of a [`BusHint`].
@@ -923,6 +930,20 @@ pub struct BusConv {
     pub target: u64,
     pub version: u64,
     pub members_seq: u64,
+}
+
+/// A fence carried by the hint bus (P2, P5).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusKick {
+    pub device: String,
+    /// A `kicked` reason: `device_revoked` (end every connection of the
+    /// device and refuse its requests) or `superseded` (end its
+    /// connections older than `connection_epoch`).
+    pub reason: String,
+    /// The device's newest connection epoch (`superseded`); 0 otherwise.
+    #[serde(default)]
+    pub connection_epoch: u64,
 }
 
 /// `GET /healthz` while the store answers.
@@ -1018,8 +1039,17 @@ mod tests {
         let item = serde_json::to_value(SnapshotItem::Message { message: env }).unwrap();
         assert_eq!(item, serde_json::json!({"type": "message", "message": message}));
 
-        let bus = serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9, conv: None }).unwrap();
-        assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#);
+        let bus =
+            serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9, kick: None, conv: None }).unwrap();
+        assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#, "a plain hint is what earlier builds send");
+        let kick = BusKick { device: "phone".into(), reason: reason::SUPERSEDED.into(), connection_epoch: 4 };
+        let bus = serde_json::to_value(BusHint { user: "ann".into(), high_watermark: 0, kick: Some(kick), conv: None })
+            .unwrap();
+        assert_eq!(
+            bus,
+            serde_json::json!({"user": "ann", "high_watermark": 0,
+                "kick": {"device": "phone", "reason": "superseded", "connection_epoch": 4}})
+        );
         let ok = MessageDeleteOk { conv: "c1".into(), message_id: "m1".into() };
         assert_eq!(serde_json::to_value(ok).unwrap(), serde_json::json!({"conv": "c1", "message_id": "m1"}));
         assert_eq!(serde_json::to_string(&Empty {}).unwrap(), "{}");

@@ -11,6 +11,13 @@
 //! the user's watermark in the hub, so the re-hint sweep also covers a device
 //! connected here whose log grew through another node.
 //!
+//! The same subjects carry fences (`BusHint::kick`, P2/P5): a revocation
+//! or a newer connection of a device, which the node that committed it
+//! publishes with [`HintBus::publish_kick`] and every node applies to its
+//! connections at once ([`Fences::apply`]). Losing one costs a bounded
+//! delay, not a fence: each node also reloads the fences from the store
+//! (`fence::run_refresh`).
+//!
 //! Everything here is a hint (D8): a publish that cannot be queued is
 //! dropped and counted, a message lost by NATS or a node's disconnection
 //! costs latency only, because devices sync from their durable cursor on
@@ -21,12 +28,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tidemark_proto::{BusConv, BusHint};
+use tidemark_proto::{BusConv, BusHint, BusKick};
 use tidemark_store::ConvMoved;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use crate::config::HintBusConfig;
+use crate::fence::Fences;
 use crate::groups::GroupHints;
 use crate::hub::Hub;
 use crate::metrics as m;
@@ -61,7 +69,7 @@ pub struct HintBus {
 impl HintBus {
     /// Queues `(user, hw)` for the other nodes; never waits.
     pub fn publish(&self, user: &str, hw: u64) {
-        self.queue(BusHint { user: user.to_owned(), high_watermark: hw, conv: None });
+        self.queue(BusHint { user: user.to_owned(), high_watermark: hw, conv: None, kick: None });
     }
 
     /// Queues a large group's published marker for the other nodes (G2).
@@ -75,7 +83,16 @@ impl HintBus {
                 version: moved.version,
                 members_seq: moved.members_seq,
             }),
+            kick: None,
         });
+    }
+
+    /// Queues a fence of `user`'s `device` for the other nodes (a `kicked`
+    /// reason and, for `superseded`, the newest connection epoch); never
+    /// waits. Published only after the store committed the fence.
+    pub fn publish_kick(&self, user: &str, device: &str, reason: &str, connection_epoch: u64) {
+        let kick = BusKick { device: device.to_owned(), reason: reason.to_owned(), connection_epoch };
+        self.queue(BusHint { user: user.to_owned(), high_watermark: 0, conv: None, kick: Some(kick) });
     }
 
     fn queue(&self, hint: BusHint) {
@@ -83,15 +100,6 @@ impl HintBus {
         if tx.try_send(hint).is_err() {
             metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
         }
-    }
-}
-
-/// The subject of a hint: `<prefix>.<user token>` for a user, and
-/// `<prefix>._conv.<token>` (two tokens, so never a user's) for a group.
-fn subject_of(prefix: &str, hint: &BusHint) -> String {
-    match &hint.conv {
-        Some(c) => format!("{prefix}._conv.{}", user_token(&c.conv)),
-        None => format!("{prefix}.{}", user_token(&hint.user)),
     }
 }
 
@@ -126,35 +134,36 @@ pub fn user_token(user: &str) -> String {
     }
 }
 
+/// The subject of a hint: `<prefix>.<user token>` for a user, and
+/// `<prefix>._conv.<token>` (two tokens, so never a user's) for a group.
+fn subject_of(prefix: &str, hint: &BusHint) -> String {
+    match &hint.conv {
+        Some(c) => format!("{prefix}._conv.{}", user_token(&c.conv)),
+        None => format!("{prefix}.{}", user_token(&hint.user)),
+    }
+}
+
 fn encode(hint: &BusHint) -> Vec<u8> {
     serde_json::to_vec(hint).expect("a bus hint serializes")
 }
 
-/// What a node heard on the bus.
-#[derive(Debug, PartialEq, Eq)]
-enum Heard {
-    User(String, u64),
-    Conv(ConvMoved),
-}
-
-fn decode(payload: &[u8]) -> Option<Heard> {
+fn decode(payload: &[u8]) -> Option<BusHint> {
     if payload.len() > HINT_PAYLOAD_BYTES_MAX {
         return None;
     }
     let hint: BusHint = serde_json::from_slice(payload).ok()?;
-    if let Some(c) = hint.conv {
-        if c.conv.is_empty() || c.conv.len() > tidemark_proto::ID_BYTES_MAX {
+    if let Some(c) = &hint.conv {
+        // A large group's marker names no user.
+        if c.conv.is_empty() || c.conv.len() > tidemark_proto::ID_BYTES_MAX || hint.kick.is_some() {
             return None;
         }
-        return Some(Heard::Conv(ConvMoved {
-            conv: c.conv,
-            target: c.target,
-            version: c.version,
-            members_seq: c.members_seq,
-        }));
+        return Some(hint);
     }
     tidemark_core::ids::check_user(&hint.user).ok()?;
-    Some(Heard::User(hint.user, hint.high_watermark))
+    if let Some(kick) = &hint.kick {
+        tidemark_core::ids::check_device_id(&kick.device).ok()?;
+    }
+    Some(hint)
 }
 
 /// Builds the bus for `config`: the local bus, or a NATS connection with its
@@ -187,10 +196,16 @@ pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>
 
 impl Pending {
     /// Starts the publisher and the subscriber; both stop on `shutdown`.
-    pub fn spawn(self, hub: Arc<Hub>, groups: Arc<GroupHints>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+    pub fn spawn(
+        self,
+        hub: Arc<Hub>,
+        fences: Arc<Fences>,
+        groups: Arc<GroupHints>,
+        shutdown: watch::Receiver<bool>,
+    ) -> Vec<JoinHandle<()>> {
         let Pending { client, subscriber, prefix, rx } = self;
         let publisher = tokio::spawn(publish_loop(client, prefix, rx, shutdown.clone()));
-        let listener = tokio::spawn(subscribe_loop(subscriber, hub, groups, shutdown));
+        let listener = tokio::spawn(subscribe_loop(subscriber, hub, fences, groups, shutdown));
         vec![publisher, listener]
     }
 }
@@ -225,6 +240,7 @@ async fn publish_loop(
 async fn subscribe_loop(
     mut subscriber: async_nats::Subscriber,
     hub: Arc<Hub>,
+    fences: Arc<Fences>,
     groups: Arc<GroupHints>,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -243,13 +259,16 @@ async fn subscribe_loop(
             }
         };
         match decode(&message.payload) {
-            Some(Heard::User(user, hw)) => {
+            Some(BusHint { conv: Some(c), .. }) => {
                 metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
-                hub.notify_user(&user, hw);
-            }
-            Some(Heard::Conv(moved)) => {
-                metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
+                let moved =
+                    ConvMoved { conv: c.conv, target: c.target, version: c.version, members_seq: c.members_seq };
                 groups.deliver(&moved).await;
+            }
+            Some(BusHint { user, kick: Some(kick), .. }) => fences.apply(&user, &kick),
+            Some(BusHint { user, high_watermark, kick: None, .. }) => {
+                metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
+                hub.notify_user(&user, high_watermark);
             }
             None => tracing::warn!(subject = %message.subject, "malformed hint on the bus ignored"),
         }
@@ -263,21 +282,28 @@ mod tests {
     #[test]
     fn payloads_round_trip_and_bad_ones_are_refused() {
         for (user, hw) in [("bob", 7), ("a.b@c", u64::MAX)] {
-            let hint = BusHint { user: user.to_owned(), high_watermark: hw, conv: None };
-            assert_eq!(decode(&encode(&hint)), Some(Heard::User(user.to_owned(), hw)));
+            let hint = BusHint { user: user.to_owned(), high_watermark: hw, conv: None, kick: None };
+            assert_eq!(decode(&encode(&hint)), Some(hint));
         }
-        let moved = ConvMoved { conv: "g1".into(), target: 9, version: 4, members_seq: 3 };
-        let bus = HintBus::default();
-        bus.publish_conv(&moved);
+        let kick = BusKick { device: "phone".into(), reason: "superseded".into(), connection_epoch: 3 };
+        let hint = BusHint { user: "bob".into(), high_watermark: 0, conv: None, kick: Some(kick) };
+        assert_eq!(decode(&encode(&hint)), Some(hint));
+        // A large group's marker (G2): no user, its own subject.
         let hint = BusHint {
             user: String::new(),
             high_watermark: 0,
             conv: Some(BusConv { conv: "g1".into(), target: 9, version: 4, members_seq: 3 }),
+            kick: None,
         };
-        assert_eq!(decode(&encode(&hint)), Some(Heard::Conv(moved)));
+        assert_eq!(decode(&encode(&hint)), Some(hint.clone()));
         assert_eq!(subject_of("p", &hint), "p._conv.g1");
-        // A payload from a node before large groups still reads.
-        assert_eq!(decode(b"{\"user\":\"bob\",\"high_watermark\":3}"), Some(Heard::User("bob".into(), 3)));
+        let bus = HintBus::default();
+        bus.publish_conv(&ConvMoved { conv: "g1".into(), target: 9, version: 4, members_seq: 3 });
+        assert_eq!(
+            decode(br#"{"user":"bob","high_watermark":0,"kick":{"device":"","reason":"superseded"}}"#),
+            None,
+            "a kick names a valid device"
+        );
         assert_eq!(decode(b"{\"user\":\"bob\"}"), None);
         assert_eq!(decode(b"{\"user\":\"b b\",\"high_watermark\":1}"), None);
         assert_eq!(decode(b"not json"), None);

@@ -19,7 +19,8 @@ use tokio::sync::{watch, Notify};
 pub struct ConnEntry {
     pub user: String,
     pub device: String,
-    /// Increases with each connection of any device (P2).
+    /// The device's connection epoch, from the store (`open_connection`):
+    /// a newer connection of the device, on any node, has a higher one (P2).
     pub epoch: u64,
     /// Highest watermark to hint; 0 when nothing is pending.
     pending_hint: AtomicU64,
@@ -115,14 +116,14 @@ struct UserConns {
 #[derive(Debug, Default)]
 pub struct Hub {
     users: Mutex<HashMap<String, UserConns>>,
-    epoch: AtomicU64,
 }
 
 impl Hub {
-    /// Registers a connection; an older connection of the same device is
-    /// kicked as superseded (P2). `acked` and `user_hw` seed the lag check.
-    pub fn register(&self, user: &str, device: &str, acked: u64, user_hw: u64) -> Arc<ConnEntry> {
-        let epoch = self.epoch.fetch_add(1, Ordering::AcqRel) + 1;
+    /// Registers a connection of connection epoch `epoch`; a connection of
+    /// the same device with a lower epoch is kicked as superseded (P2), and
+    /// so is this one if one with a higher epoch is already here (two
+    /// connections raced). `acked` and `user_hw` seed the lag check.
+    pub fn register(&self, user: &str, device: &str, epoch: u64, acked: u64, user_hw: u64) -> Arc<ConnEntry> {
         let entry = Arc::new(ConnEntry {
             user: user.into(),
             device: device.into(),
@@ -139,10 +140,13 @@ impl Hub {
         let mut users = self.users.lock().expect("hub lock");
         let u = users.entry(user.to_owned()).or_default();
         u.high_watermark = u.high_watermark.max(user_hw);
-        for old in u.conns.iter().filter(|c| c.device == device) {
-            old.kick(tidemark_proto::reason::SUPERSEDED);
+        for other in u.conns.iter().filter(|c| c.device == device) {
+            let older = if other.epoch < epoch { other } else { &entry };
+            older.kick(tidemark_proto::reason::SUPERSEDED);
         }
-        u.conns.retain(|c| c.device != device);
+        if entry.kicked().is_none() {
+            u.conns.retain(|c| c.device != device);
+        }
         u.conns.push(entry.clone());
         metrics::gauge!(crate::metrics::WS_CONNECTIONS).increment(1.0);
         entry
@@ -213,6 +217,26 @@ impl Hub {
         }
     }
 
+    /// A connection of the device with epoch `epoch` opened on another
+    /// node: this node's older ones end as superseded (P2).
+    pub fn supersede(&self, user: &str, device: &str, epoch: u64) {
+        let users = self.users.lock().expect("hub lock");
+        let conns = users.get(user).into_iter().flat_map(|u| &u.conns);
+        for c in conns.filter(|c| c.device == device && c.epoch < epoch) {
+            c.kick(tidemark_proto::reason::SUPERSEDED);
+        }
+    }
+
+    /// The devices connected here, each once.
+    pub fn devices(&self) -> Vec<(String, String)> {
+        let users = self.users.lock().expect("hub lock");
+        let mut out: Vec<(String, String)> =
+            users.values().flat_map(|u| &u.conns).map(|c| (c.user.clone(), c.device.clone())).collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
     /// Re-hints every connected device whose ACK is below its user's
     /// watermark and that was not hinted for `after_ms` (D8). Returns how
     /// many connections were re-hinted.
@@ -245,7 +269,7 @@ mod tests {
     #[test]
     fn hints_coalesce_to_the_latest_watermark() {
         let hub = Hub::default();
-        let c = hub.register("bob", "phone", 0, 0);
+        let c = hub.register("bob", "phone", 1, 0, 0);
         for hw in 1..=50 {
             hub.notify_user("bob", hw);
         }
@@ -258,8 +282,8 @@ mod tests {
     #[test]
     fn group_hints_reach_connected_members_once_per_group() {
         let hub = Hub::default();
-        let bob = hub.register("bob", "phone", 0, 0);
-        let carol = hub.register("carol", "laptop", 0, 0);
+        let bob = hub.register("bob", "phone", 1, 0, 0);
+        let carol = hub.register("carol", "laptop", 1, 0, 0);
         let members: HashSet<String> = ["bob", "dave"].iter().map(|s| s.to_string()).collect();
         for v in 1..=20 {
             assert_eq!(hub.notify_conv(&members, "g", 100 + v, v), 1);
@@ -277,7 +301,7 @@ mod tests {
     #[test]
     fn lagging_device_is_rehinted_and_a_newer_connection_supersedes() {
         let hub = Hub::default();
-        let c = hub.register("bob", "phone", 0, 0);
+        let c = hub.register("bob", "phone", 1, 0, 0);
         hub.notify_user("bob", 7);
         assert_eq!(c.take_hint(), Some((7, false)));
         let now = crate::util::now_ms();
@@ -286,12 +310,28 @@ mod tests {
         assert_eq!(c.take_hint(), Some((7, true)));
         hub.on_ack("bob", "phone", 7);
         assert_eq!(hub.rehint_sweep(now + 120_000, 60_000), 0, "caught up");
-        let newer = hub.register("bob", "phone", 7, 7);
+        let newer = hub.register("bob", "phone", 2, 7, 7);
         assert_eq!(c.kicked(), Some(tidemark_proto::reason::SUPERSEDED));
         assert_eq!(newer.kicked(), None);
         assert_eq!(hub.connections(), 1);
         hub.unregister(&c);
         hub.unregister(&newer);
         assert!(hub.users.lock().unwrap().is_empty(), "no memory kept for users without connections");
+    }
+
+    #[test]
+    fn the_highest_connection_epoch_of_a_device_wins_wherever_it_opened() {
+        let hub = Hub::default();
+        let late = hub.register("bob", "phone", 5, 0, 0);
+        let raced = hub.register("bob", "phone", 4, 0, 0);
+        assert_eq!(raced.kicked(), Some(tidemark_proto::reason::SUPERSEDED), "an older epoch registering late loses");
+        assert_eq!(late.kicked(), None);
+        let desk = hub.register("bob", "desk", 1, 0, 0);
+        hub.supersede("bob", "phone", 5);
+        assert_eq!(late.kicked(), None, "the same epoch is not superseded");
+        hub.supersede("bob", "phone", 6);
+        assert_eq!(late.kicked(), Some(tidemark_proto::reason::SUPERSEDED), "a newer epoch on another node");
+        assert_eq!(desk.kicked(), None, "other devices are not touched");
+        assert_eq!(hub.devices(), vec![("bob".into(), "desk".into()), ("bob".into(), "phone".into())]);
     }
 }

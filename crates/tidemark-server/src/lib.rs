@@ -12,6 +12,8 @@
 //! - [`hub`]: live connections per user, coalesced hints, kicks, re-hints.
 //! - [`bus`]: the hint bus carrying hints to the other nodes (NATS), or
 //!   nowhere when the node runs alone.
+//! - [`fence`]: revocation and superseding on every node: applied at once
+//!   where they commit, carried by the bus, reloaded from the store.
 //!
 //! The server holds no message state of its own: every fact is in the
 //! store, hints are only hints (D8), and two servers can run in one process
@@ -21,6 +23,7 @@ pub mod accounts;
 pub mod bus;
 pub mod config;
 pub mod error;
+pub mod fence;
 pub mod gateway;
 pub mod groups;
 pub mod hub;

@@ -1,10 +1,9 @@
 //! Wiring: the listener and the background workers, each with one owner
 //! that awaits it and a shutdown signal, around the shared [`AppState`].
 
-use std::collections::HashSet;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use tidemark_core::token::TokenKeys;
 use tidemark_store::Store;
@@ -32,13 +31,14 @@ impl Server {
         crate::limits::return_large_allocations_to_the_os();
         let io = |e: tidemark_store::StoreError| std::io::Error::other(e.to_string());
         let secret = store.server_secret().await.map_err(io)?;
-        let revoked: HashSet<(String, String)> = store.revoked_devices().await.map_err(io)?.into_iter().collect();
+        let revoked = store.revoked_devices().await.map_err(io)?;
+        let hub = Arc::new(Hub::default());
+        let fences = Arc::new(crate::fence::Fences::new(hub.clone(), revoked));
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
         let config_limits = config.limits.clone();
         store.set_group_policy(config.group_policy);
-        let hub = Arc::new(Hub::default());
         let groups = Arc::new(crate::groups::GroupHints::new(store.clone(), hub.clone()));
         let state = Arc::new(AppState {
             store,
@@ -48,7 +48,7 @@ impl Server {
             groups,
             bus,
             relay_wake: Notify::new(),
-            revoked: RwLock::new(revoked),
+            fences,
             metrics: crate::metrics::install(),
             shutdown: shutdown_rx.clone(),
             ws_slots,
@@ -79,7 +79,11 @@ impl Server {
         let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
         let mut tasks = vec![http, relay, rehint, retention, sweep];
         if let Some(pending) = bus_pending {
-            let bus_tasks = pending.spawn(state.hub.clone(), state.groups.clone(), shutdown_rx);
+            // Cluster mode: fences reach this node on the bus, and from the
+            // store should the bus lose one (`fence`).
+            let refresh = spawn_fatal("fence refresh", crate::fence::run_refresh(state.clone(), shutdown_rx.clone()));
+            tasks.push(refresh);
+            let bus_tasks = pending.spawn(state.hub.clone(), state.fences.clone(), state.groups.clone(), shutdown_rx);
             tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));
         }
         tracing::info!(%addr, "tidemark listening");

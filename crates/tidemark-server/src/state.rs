@@ -3,9 +3,8 @@
 //! explicitly (no globals). It sits below every module that uses it, so no
 //! import circles through the wiring.
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use tidemark_core::token::TokenKeys;
@@ -26,8 +25,9 @@ pub struct AppState {
     pub bus: HintBus,
     /// Wakes the outbox relay after a send commits (a hint: it also polls).
     pub relay_wake: Notify,
-    /// Revoked devices, fenced in memory so no request of theirs runs.
-    pub revoked: RwLock<HashSet<(String, String)>>,
+    /// Revoked devices, fenced in memory so no request of theirs runs, and
+    /// the cluster-wide fences (`fence`).
+    pub fences: Arc<crate::fence::Fences>,
     pub metrics: PrometheusHandle,
     pub shutdown: watch::Receiver<bool>,
     /// This node's WebSocket connections, at most
@@ -55,7 +55,7 @@ impl AppState {
     }
 
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {
-        self.revoked.read().expect("revoked lock").contains(&(user.to_owned(), device.to_owned()))
+        self.fences.is_revoked(user, device)
     }
 }
 

@@ -922,6 +922,47 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| read::active_members(c, &conv)).await
     }
 
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer
+            .write(move |c| {
+                let epoch: Option<i64> = c
+                    .query_row(
+                        "UPDATE devices SET connection_epoch = connection_epoch + 1
+                         WHERE user_id = ?1 AND device_id = ?2 RETURNING connection_epoch",
+                        params![user, device],
+                        |r| r.get(0),
+                    )
+                    .optional()
+                    .map_err(internal)?;
+                let epoch = epoch.ok_or_else(|| StoreError::NotFound(format!("device {device}")))?;
+                u64::try_from(epoch).map_err(|_| StoreError::Internal(format!("negative connection epoch {epoch}")))
+            })
+            .await
+    }
+
+    async fn device_fences(&self, devices: &[(String, String)]) -> StoreResult<Vec<DeviceFence>> {
+        let devices = devices.to_vec();
+        self.readers
+            .read(move |c| {
+                let mut stmt = c.prepare_cached(
+                    "SELECT connection_epoch, state = 'REVOKED', acked_sync_seq FROM devices
+                     WHERE user_id = ?1 AND device_id = ?2",
+                )?;
+                let mut out = Vec::with_capacity(devices.len());
+                for (user, device) in devices {
+                    let row: Option<(i64, bool, i64)> =
+                        stmt.query_row(params![user, device], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).optional()?;
+                    if let Some((epoch, revoked, acked)) = row {
+                        let (connection_epoch, acked_sync_seq) = (epoch.max(0) as u64, acked.max(0) as u64);
+                        out.push(DeviceFence { user, device, connection_epoch, revoked, acked_sync_seq });
+                    }
+                }
+                Ok(out)
+            })
+            .await
+    }
+
     fn stats(&self) -> StoreStats {
         let s = &self.writer.stats;
         StoreStats {

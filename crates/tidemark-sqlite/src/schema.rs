@@ -38,8 +38,13 @@ pub struct Migration {
 /// of PostgreSQL's.
 pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 1, name: "initial schema", sql: SCHEMA },
-    Migration { version: 2, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
+    Migration { version: 2, name: "durable connection epochs", sql: CONNECTION_EPOCH },
+    Migration { version: 3, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
 ];
+
+/// Step 2: each device's newest WebSocket connection (P2), moved by
+/// `Store::open_connection`; a frame of an older one is dropped.
+pub const CONNECTION_EPOCH: &str = "ALTER TABLE devices ADD COLUMN connection_epoch INTEGER NOT NULL DEFAULT 0;";
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
@@ -329,7 +334,7 @@ CREATE TABLE IF NOT EXISTS fanout_quarantine (
 );
 "#;
 
-/// Step 2, large groups (G2, G3).
+/// Step 3, large groups (G2, G3).
 pub const LARGE_GROUPS: &str = r#"
 -- A group's mode: 'per_member' (every event fanned out into each member's
 -- log) or 'shared' (events above `shared_from`, the switch event's

@@ -52,6 +52,7 @@ where
     revocation_is_durable(&*fresh().await).await;
     history_retention_moves_the_boundary(&*fresh().await).await;
     sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
+    connection_epochs_are_per_device_and_durable(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -835,4 +836,32 @@ pub async fn sync_pages_read_their_facts_and_events_together(store: &dyn Store) 
     );
     let read = store.sync_page("b", "phone", next(6), 100).await.unwrap().unwrap();
     assert_eq!(read.events.first().map(|e| e.sync_seq), Some(7));
+}
+
+/// P2, P5: each connection of a device gets the next epoch of that device
+/// (another device's connections do not move it), and the fences read back
+/// what was committed: the newest epoch and the revocation.
+pub async fn connection_epochs_are_per_device_and_durable(store: &dyn Store) {
+    users(store, &["b"]).await;
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("b", "desk", "Desk", T0).await.unwrap();
+    let pair = |d: &str| ("b".to_string(), d.to_string());
+    let fences = store.device_fences(&[pair("phone"), pair("desk"), pair("gone")]).await.unwrap();
+    assert!(fences.iter().all(|f| f.connection_epoch == 0 && !f.revoked), "P2: no connection yet: {fences:?}");
+    assert_eq!(fences.len(), 2, "an unknown device has no fences");
+    assert_eq!(store.open_connection("b", "phone").await.unwrap(), 1);
+    assert_eq!(store.open_connection("b", "desk").await.unwrap(), 1, "P2: epochs are per device");
+    assert_eq!(store.open_connection("b", "phone").await.unwrap(), 2);
+    assert!(matches!(store.open_connection("b", "gone").await, Err(StoreError::NotFound(_))));
+    // A re-login keeps the epoch: it numbers connections, not logins.
+    let phone = store.login_device("b", "phone", "Phone", T0 + 1).await.unwrap();
+    let active = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::Active };
+    assert!(store.cas_device_cursor("b", "phone", phone.cursor, active, T0).await.unwrap().0);
+    store.ack("b", "phone", 1, None, 7, T0).await.unwrap();
+    assert!(store.revoke_device("b", "desk", T0).await.unwrap());
+    let mut fences = store.device_fences(&[pair("phone"), pair("desk")]).await.unwrap();
+    fences.sort_by(|a, b| a.device.cmp(&b.device));
+    let seen: Vec<(&str, u64, bool, u64)> =
+        fences.iter().map(|f| (f.device.as_str(), f.connection_epoch, f.revoked, f.acked_sync_seq)).collect();
+    assert_eq!(seen, vec![("desk", 1, true, 0), ("phone", 2, false, 7)], "P2/P5/D8: the fences as committed");
 }

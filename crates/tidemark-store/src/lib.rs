@@ -842,4 +842,30 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether writes commit; read without touching the database.
     fn health(&self) -> StoreHealth;
+
+    // ------------------------------------------------------ cluster fences
+
+    /// A new WebSocket connection of the device (P2): its
+    /// `connection_epoch`, one above the device's previous connection on
+    /// any node, committed before it returns. `NotFound` for a device that
+    /// never logged in.
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64>;
+
+    /// The durable fences of these devices (absent ones are left out), in
+    /// one read: what a node checks its live connections against, and the
+    /// ACK its re-hint sweep measures their lag from.
+    async fn device_fences(&self, devices: &[(String, String)]) -> StoreResult<Vec<DeviceFence>>;
+}
+
+/// A device's durable fences: its latest connection and whether it is
+/// revoked (P2, P5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceFence {
+    pub user: String,
+    pub device: String,
+    /// The epoch of the device's newest connection (0: none yet).
+    pub connection_epoch: u64,
+    pub revoked: bool,
+    /// The device's committed ACK, whichever node took it (D8's lag).
+    pub acked_sync_seq: u64,
 }

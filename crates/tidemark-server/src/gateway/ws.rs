@@ -165,7 +165,19 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
         Ok(Some(f)) => (f.device.acked_sync_seq, f.log.high_watermark),
         _ => (0, 0),
     };
-    let entry = state.hub.register(&ctx.user, &ctx.device, acked, user_hw);
+    // The device's next connection epoch, durable and shared by every node
+    // (P2): committed before the connection is registered, so an older
+    // connection anywhere has a lower one.
+    let epoch = match state.store.open_connection(&ctx.user, &ctx.device).await {
+        Ok(epoch) => epoch,
+        Err(e) => {
+            let _ = sink.send(Message::Text(error_text(ApiError::from(e), auth_rid.flatten()).into())).await;
+            return;
+        }
+    };
+    let entry = state.hub.register(&ctx.user, &ctx.device, epoch, acked, user_hw);
+    // The other nodes end their older connections of this device.
+    state.bus.publish_kick(&ctx.user, &ctx.device, reason::SUPERSEDED, epoch);
     tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket connected");
     let (out_tx, out_rx) = mpsc::channel::<String>(state.config.ws_send_queue_max);
     if let Some(rid) = auth_rid {
@@ -242,6 +254,11 @@ async fn handle_text(
         Ok(f) => f,
         Err((rid, m)) => return push(out, entry, error_text(ApiError::bad_request(m), rid)),
     };
+    if entry.kicked().is_some() {
+        // Superseded or revoked: a frame read after the kick has no effect
+        // (P2); the connection is closing.
+        return;
+    }
     if frame.t == op::AUTH {
         let e = ApiError::bad_request("this connection is already authenticated");
         return push(out, entry, error_text(e, frame.rid));

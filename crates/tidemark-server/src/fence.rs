@@ -1,0 +1,116 @@
+//! Fences that hold on every node of a cluster (P2, P5): a revoked device
+//! is refused and disconnected everywhere, and a newer connection of a
+//! device ends the older ones wherever they are.
+//!
+//! The store is the truth: `devices.state = 'REVOKED'` and the device's
+//! `connection_epoch`, committed before anything is announced. The node
+//! where a fence happens applies it at once and announces it on the hint
+//! bus ([`crate::bus::HintBus::publish_kick`]); every node applies what it
+//! hears at once. A bus message can be lost (it is fire-and-forget), so in
+//! cluster mode [`run_refresh`] reloads the fences from the store every
+//! [`FENCE_REFRESH_EVERY`]: the revoked devices (every request checks that
+//! set, [`Fences::is_revoked`]) and the connection epochs of the devices
+//! connected here. The bound: a revoked device is refused by, and a
+//! superseded connection ends on, every node within the bus's latency, and
+//! never later than one refresh period plus the reload's own time after
+//! the fence committed, whatever the bus lost. Meanwhile a frame that
+//! arrives on a connection the hub already kicked is dropped unread
+//! (`gateway::ws`), so once a node knows, nothing of the old connection
+//! runs there.
+
+use std::collections::HashSet;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use tidemark_proto::reason;
+use tokio::sync::watch;
+
+use crate::hub::Hub;
+use crate::state::AppState;
+
+/// How often a cluster node reloads the fences from the store: the bound
+/// on a fence whose bus message was lost.
+pub const FENCE_REFRESH_EVERY: Duration = Duration::from_secs(1);
+
+/// The revoked devices this node knows of, and the hub whose connections
+/// the fences end.
+#[derive(Debug)]
+pub struct Fences {
+    revoked: RwLock<HashSet<(String, String)>>,
+    hub: Arc<Hub>,
+}
+
+impl Fences {
+    pub fn new(hub: Arc<Hub>, revoked: impl IntoIterator<Item = (String, String)>) -> Fences {
+        Fences { revoked: RwLock::new(revoked.into_iter().collect()), hub }
+    }
+
+    pub fn is_revoked(&self, user: &str, device: &str) -> bool {
+        self.revoked.read().expect("revoked lock").contains(&(user.to_owned(), device.to_owned()))
+    }
+
+    /// The device is revoked: refuse its requests and end its connections
+    /// here. Returns whether this node did not know it yet.
+    pub fn revoke(&self, user: &str, device: &str) -> bool {
+        let new = self.revoked.write().expect("revoked lock").insert((user.to_owned(), device.to_owned()));
+        self.hub.kick_device(user, device, reason::DEVICE_REVOKED);
+        new
+    }
+
+    /// A connection of the device with `epoch` opened (on any node): the
+    /// older ones here end.
+    pub fn supersede(&self, user: &str, device: &str, epoch: u64) {
+        self.hub.supersede(user, device, epoch);
+    }
+
+    /// Applies a fence heard on the bus; an unknown reason is ignored (a
+    /// newer build's fence this one does not know).
+    pub fn apply(&self, user: &str, kick: &tidemark_proto::BusKick) {
+        match kick.reason.as_str() {
+            reason::DEVICE_REVOKED => {
+                self.revoke(user, &kick.device);
+            }
+            reason::SUPERSEDED => self.supersede(user, &kick.device, kick.connection_epoch),
+            other => tracing::debug!(reason = other, "unknown fence on the bus ignored"),
+        }
+    }
+}
+
+/// Reloads the fences from the store every [`FENCE_REFRESH_EVERY`] (cluster
+/// mode), the fallback of the bus: a fence lost on the bus holds here one
+/// period later. A failed reload is retried at the next period.
+pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(FENCE_REFRESH_EVERY) => {}
+            _ = crate::util::stopped(&mut shutdown) => return,
+        }
+        if let Err(e) = refresh_once(&state).await {
+            tracing::warn!(error = %e, "fence reload failed; retrying next period");
+        }
+    }
+}
+
+/// One reload: the revoked devices, then the epochs and committed ACKs of
+/// the devices connected here.
+pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
+    for (user, device) in state.store.revoked_devices().await? {
+        if !state.fences.is_revoked(&user, &device) && state.fences.revoke(&user, &device) {
+            tracing::info!(%user, %device, "revocation learnt from the store");
+        }
+    }
+    let connected = state.hub.devices();
+    if connected.is_empty() {
+        return Ok(());
+    }
+    for fence in state.store.device_fences(&connected).await? {
+        if fence.revoked {
+            state.fences.revoke(&fence.user, &fence.device);
+        }
+        state.fences.supersede(&fence.user, &fence.device, fence.connection_epoch);
+        // An ACK taken by another node: the re-hint sweep measures the
+        // device's lag from the store's cursor, not only from ACKs seen here.
+        state.hub.on_ack(&fence.user, &fence.device, fence.acked_sync_seq);
+    }
+    Ok(())
+}
