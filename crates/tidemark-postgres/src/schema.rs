@@ -57,7 +57,10 @@ pub struct Migration {
 
 /// Every step, in order. This backend numbers its own steps, independently
 /// of SQLite's.
-pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial schema", sql: SCHEMA },
+    Migration { version: 2, name: "user privacy switches", sql: USER_PRIVACY },
+];
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
@@ -69,6 +72,20 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
     name        TEXT COLLATE "C" NOT NULL,
     applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
 )"#;
+
+/// Step 2 (issue 18): a user's privacy switches, keyed by user (a user
+/// table, distributed by `user_id`). No row means both off. Presence itself
+/// is never stored: it lives in the nodes' memory only.
+pub const USER_PRIVACY: &str = r#"
+CREATE TABLE user_privacy (
+    user_id           TEXT COLLATE "C" PRIMARY KEY,
+    -- Others see the user offline; no presence frame of theirs goes out.
+    hide_presence     BOOLEAN NOT NULL DEFAULT FALSE,
+    -- Others do not see the user's read positions (conv.receipts).
+    private_receipts  BOOLEAN NOT NULL DEFAULT FALSE,
+    updated_at        BIGINT NOT NULL
+);
+"#;
 
 /// Step 1, the schema as first released (before numbered migrations it
 /// was run at every open, hence `IF NOT EXISTS` throughout: on a database

@@ -36,7 +36,10 @@ pub struct Migration {
 
 /// Every step, in order. This backend numbers its own steps, independently
 /// of PostgreSQL's.
-pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial schema", sql: SCHEMA },
+    Migration { version: 2, name: "user privacy switches", sql: USER_PRIVACY },
+];
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;
@@ -324,6 +327,20 @@ CREATE TABLE IF NOT EXISTS fanout_quarantine (
     created_at       INTEGER NOT NULL,
     PRIMARY KEY (source_event_id, user_id)
 );
+"#;
+
+/// Step 2 (issue 18): a user's privacy switches, keyed by user (a user
+/// table, sharded with the user's data). No row means both off. Presence
+/// itself is never stored: it lives in the nodes' memory only.
+pub const USER_PRIVACY: &str = r#"
+CREATE TABLE user_privacy (
+    user_id           TEXT PRIMARY KEY,
+    -- Others see the user offline; no presence frame of theirs goes out.
+    hide_presence     INTEGER NOT NULL DEFAULT 0,
+    -- Others do not see the user's read positions (conv.receipts).
+    private_receipts  INTEGER NOT NULL DEFAULT 0,
+    updated_at        INTEGER NOT NULL
+) WITHOUT ROWID;
 "#;
 
 #[cfg(test)]
