@@ -350,7 +350,8 @@ mod tests {
 
     #[test]
     fn delivery_receipts_are_the_senders_in_direct_conversations() {
-        fn check(input: (Option<&str>, bool, &[(&str, Option<&str>)]), expect: Result<(), Refusal>) {
+        type Input<'a> = (Option<&'a str>, bool, &'a [(&'a str, Option<&'a str>)]);
+        fn check(input: Input<'_>, expect: Result<(), Refusal>) {
             let senders: Vec<(String, Option<String>)> =
                 input.2.iter().map(|(i, s)| (i.to_string(), s.map(String::from))).collect();
             let facts = DeliveryFacts { kind: input.0, caller_member: input.1, senders: &senders };

@@ -15,11 +15,13 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 pub mod content;
+pub mod ephemeral;
 pub mod error;
 #[cfg(feature = "openapi")]
 pub mod openapi;
 pub mod push;
 pub mod whole;
+pub use ephemeral::*;
 pub use error::{ErrorCode, ErrorFrame};
 
 /// Largest WebSocket frame or HTTP body the server accepts, in bytes.
@@ -76,6 +78,12 @@ pub mod op {
     pub const SNAPSHOT_ACK: &str = "snapshot.ack";
     /// Tidemark extension: delete a message for the caller only (E3).
     pub const MESSAGE_DELETE: &str = "message.delete";
+    /// Tidemark extensions of the ephemeral lane and receipts (issue 18).
+    pub const TYPING: &str = "typing";
+    pub const PRESENCE_SET: &str = "presence.set";
+    pub const PRIVACY_SET: &str = "privacy.set";
+    pub const CONV_RECEIPTS: &str = "conv.receipts";
+    pub const DELIVERY_RECEIPTS: &str = "delivery.receipts";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -100,6 +108,11 @@ pub mod op {
         SNAPSHOT_ACK,
         DEVICE_REVOKE,
         PING,
+        TYPING,
+        PRESENCE_SET,
+        PRIVACY_SET,
+        CONV_RECEIPTS,
+        DELIVERY_RECEIPTS,
     ];
 }
 
@@ -107,6 +120,9 @@ pub mod op {
 pub mod server_frame {
     pub const HINT: &str = "hint";
     pub const KICKED: &str = "kicked";
+    /// Ephemeral frames (issue 18): never in a sync log, shed first.
+    pub const TYPING: &str = "typing";
+    pub const PRESENCE: &str = "presence";
 }
 
 /// A client frame split into its operation, request id and body.
@@ -785,6 +801,12 @@ pub enum ServerFrame {
     /// The server ends the connection; the close frame follows.
     #[serde(rename = "kicked")]
     Kicked(Kicked),
+    /// A member of a conversation started or stopped typing (ephemeral).
+    #[serde(rename = "typing")]
+    Typing(TypingFrame),
+    /// A user sharing a conversation changed presence (ephemeral).
+    #[serde(rename = "presence")]
+    Presence(PresenceFrame),
 }
 
 /// The hint bus payload between nodes (cluster mode): a user's log grew to
@@ -793,7 +815,13 @@ pub enum ServerFrame {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BusHint {
     pub user: String,
+    /// 0 on a payload that carries only an ephemeral signal.
     pub high_watermark: u64,
+    /// A typing or presence signal of `user` (issue 18). Absent on a plain
+    /// hint; a node that does not know the field reads the payload as a
+    /// hint of watermark 0, which hints nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ephemeral: Option<BusEphemeral>,
 }
 
 /// `GET /healthz` while the store answers.
@@ -886,8 +914,25 @@ mod tests {
         let item = serde_json::to_value(SnapshotItem::Message { message: env }).unwrap();
         assert_eq!(item, serde_json::json!({"type": "message", "message": message}));
 
-        let bus = serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9 }).unwrap();
+        let bus = serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9, ephemeral: None }).unwrap();
         assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#);
+        let old: BusHint = serde_json::from_str(r#"{"user":"ann","high_watermark":9}"#).unwrap();
+        assert_eq!(old.ephemeral, None, "a hint of an older node stays readable");
+        let typing =
+            ServerFrame::Typing(TypingFrame { conv: "c1".into(), user: "ann".into(), typing: true, timeout_ms: 5 });
+        let v = serde_json::to_value(&typing).unwrap();
+        assert_eq!(v, serde_json::json!({"t": "typing", "conv": "c1", "user": "ann", "typing": true, "timeout_ms": 5}));
+        let presence =
+            ServerFrame::Presence(PresenceFrame { user: "ann".into(), state: "offline".into(), last_seen: Some(3) });
+        let v = serde_json::to_value(&presence).unwrap();
+        assert_eq!(v, serde_json::json!({"t": "presence", "user": "ann", "state": "offline", "last_seen": 3}));
+        let eph = BusHint {
+            user: "ann".into(),
+            high_watermark: 0,
+            ephemeral: Some(BusEphemeral { to: vec!["ben".into()], frame: Some(presence), answer: true }),
+        };
+        let text = serde_json::to_string(&eph).unwrap();
+        assert_eq!(serde_json::from_str::<BusHint>(&text).unwrap(), eph);
         let ok = MessageDeleteOk { conv: "c1".into(), message_id: "m1".into() };
         assert_eq!(serde_json::to_value(ok).unwrap(), serde_json::json!({"conv": "c1", "message_id": "m1"}));
         assert_eq!(serde_json::to_string(&Empty {}).unwrap(), "{}");

@@ -26,6 +26,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use crate::config::HintBusConfig;
+use crate::ephemeral::Lane;
 use crate::hub::Hub;
 use crate::metrics as m;
 
@@ -54,6 +55,8 @@ pub enum BusError {
 pub struct HintBus {
     /// `None` for the local bus.
     tx: Option<mpsc::Sender<(String, u64)>>,
+    /// The ephemeral lane's payloads (issue 18), `None` for the local bus.
+    ephemeral: Option<mpsc::Sender<BusHint>>,
 }
 
 impl HintBus {
@@ -64,6 +67,11 @@ impl HintBus {
             metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
         }
     }
+
+    /// Where the ephemeral lane queues its payloads for the other nodes.
+    pub fn ephemeral_sender(&self) -> Option<mpsc::Sender<BusHint>> {
+        self.ephemeral.clone()
+    }
 }
 
 /// A connected NATS bus not yet running: [`connect`] happens before the
@@ -73,6 +81,7 @@ pub struct Pending {
     subscriber: async_nats::Subscriber,
     prefix: String,
     rx: mpsc::Receiver<(String, u64)>,
+    ephemeral_rx: mpsc::Receiver<BusHint>,
 }
 
 fn valid_prefix(prefix: &str) -> bool {
@@ -98,17 +107,37 @@ pub fn user_token(user: &str) -> String {
 }
 
 fn encode(user: &str, hw: u64) -> Vec<u8> {
-    let hint = BusHint { user: user.to_owned(), high_watermark: hw };
+    let hint = BusHint { user: user.to_owned(), high_watermark: hw, ephemeral: None };
     serde_json::to_vec(&hint).expect("a bus hint serializes")
 }
 
-fn decode(payload: &[u8]) -> Option<(String, u64)> {
-    if payload.len() > HINT_PAYLOAD_BYTES_MAX {
+/// What a bus payload says: a hint, or an ephemeral signal (issue 18).
+#[derive(Debug, PartialEq)]
+enum Heard {
+    Hint(String, u64),
+    Ephemeral(String, tidemark_proto::BusEphemeral),
+}
+
+fn decode_heard(payload: &[u8]) -> Option<Heard> {
+    if payload.len() > crate::ephemeral::BUS_EPHEMERAL_PAYLOAD_BYTES_MAX {
         return None;
     }
     let hint: BusHint = serde_json::from_slice(payload).ok()?;
     tidemark_core::ids::check_user(&hint.user).ok()?;
-    Some((hint.user, hint.high_watermark))
+    match hint.ephemeral {
+        Some(eph) if eph.to.len() <= crate::ephemeral::BUS_RECIPIENTS_MAX => Some(Heard::Ephemeral(hint.user, eph)),
+        Some(_) => None,
+        None if payload.len() <= HINT_PAYLOAD_BYTES_MAX => Some(Heard::Hint(hint.user, hint.high_watermark)),
+        None => None,
+    }
+}
+
+#[cfg(test)]
+fn decode(payload: &[u8]) -> Option<(String, u64)> {
+    match decode_heard(payload)? {
+        Heard::Hint(user, hw) => Some((user, hw)),
+        Heard::Ephemeral(..) => None,
+    }
 }
 
 /// Builds the bus for `config`: the local bus, or a NATS connection with its
@@ -135,17 +164,22 @@ pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>
         .map_err(|_| subscribe_err("flush timed out".into()))?
         .map_err(|e| subscribe_err(e.to_string()))?;
     let (tx, rx) = mpsc::channel(HINT_PUBLISH_QUEUE_MAX);
+    let (ephemeral, ephemeral_rx) = mpsc::channel(crate::ephemeral::BUS_EPHEMERAL_QUEUE_MAX);
     tracing::info!(%url, prefix = %subject_prefix, "hint bus on NATS");
-    Ok((HintBus { tx: Some(tx) }, Some(Pending { client, subscriber, prefix: subject_prefix.clone(), rx })))
+    let pending = Pending { client, subscriber, prefix: subject_prefix.clone(), rx, ephemeral_rx };
+    Ok((HintBus { tx: Some(tx), ephemeral: Some(ephemeral) }, Some(pending)))
 }
 
 impl Pending {
-    /// Starts the publisher and the subscriber; both stop on `shutdown`.
-    pub fn spawn(self, hub: Arc<Hub>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
-        let Pending { client, subscriber, prefix, rx } = self;
+    /// Starts the publishers (hints, ephemeral signals) and the
+    /// subscriber; all stop on `shutdown`.
+    pub fn spawn(self, hub: Arc<Hub>, lane: Arc<Lane>, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+        let Pending { client, subscriber, prefix, rx, ephemeral_rx } = self;
+        let ephemeral =
+            tokio::spawn(publish_ephemeral_loop(client.clone(), prefix.clone(), ephemeral_rx, shutdown.clone()));
         let publisher = tokio::spawn(publish_loop(client, prefix, rx, shutdown.clone()));
-        let listener = tokio::spawn(subscribe_loop(subscriber, hub, shutdown));
-        vec![publisher, listener]
+        let listener = tokio::spawn(subscribe_loop(subscriber, hub, lane, shutdown));
+        vec![publisher, ephemeral, listener]
     }
 }
 
@@ -176,7 +210,39 @@ async fn publish_loop(
     }
 }
 
-async fn subscribe_loop(mut subscriber: async_nats::Subscriber, hub: Arc<Hub>, mut shutdown: watch::Receiver<bool>) {
+/// Publishes the ephemeral lane's payloads; an error loses one signal.
+async fn publish_ephemeral_loop(
+    client: async_nats::Client,
+    prefix: String,
+    mut rx: mpsc::Receiver<BusHint>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        let hint = tokio::select! {
+            next = rx.recv() => match next {
+                Some(hint) => hint,
+                None => return,
+            },
+            _ = crate::util::stopped(&mut shutdown) => return,
+        };
+        let subject = format!("{prefix}.{}", user_token(&hint.user));
+        let payload = serde_json::to_vec(&hint).expect("a bus payload serializes");
+        match client.publish(subject, payload.into()).await {
+            Ok(()) => metrics::counter!(m::EPHEMERAL_BUS_PUBLISHED).increment(1),
+            Err(e) => {
+                metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "bus_queue_full").increment(1);
+                tracing::debug!(error = %e, "ephemeral signal not published");
+            }
+        }
+    }
+}
+
+async fn subscribe_loop(
+    mut subscriber: async_nats::Subscriber,
+    hub: Arc<Hub>,
+    lane: Arc<Lane>,
+    mut shutdown: watch::Receiver<bool>,
+) {
     loop {
         let message = tokio::select! {
             next = subscriber.next() => match next {
@@ -191,11 +257,12 @@ async fn subscribe_loop(mut subscriber: async_nats::Subscriber, hub: Arc<Hub>, m
                 return;
             }
         };
-        match decode(&message.payload) {
-            Some((user, hw)) => {
+        match decode_heard(&message.payload) {
+            Some(Heard::Hint(user, hw)) => {
                 metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
                 hub.notify_user(&user, hw);
             }
+            Some(Heard::Ephemeral(user, eph)) => lane.from_bus(user, eph).await,
             None => tracing::warn!(subject = %message.subject, "malformed hint on the bus ignored"),
         }
     }
@@ -213,6 +280,10 @@ mod tests {
         assert_eq!(decode(b"{\"user\":\"bob\"}"), None);
         assert_eq!(decode(b"{\"user\":\"b b\",\"high_watermark\":1}"), None);
         assert_eq!(decode(b"not json"), None);
+        let eph = r#"{"user":"ann","high_watermark":0,"ephemeral":{"to":["ben"],"answer":true}}"#;
+        let heard = decode_heard(eph.as_bytes());
+        let probe = tidemark_proto::BusEphemeral { to: vec!["ben".into()], frame: None, answer: true };
+        assert_eq!(heard, Some(Heard::Ephemeral("ann".into(), probe)), "an ephemeral payload is not a hint");
     }
 
     #[test]

@@ -61,6 +61,8 @@ pub struct ServerConfig {
     pub hold_fanout: bool,
     /// How hints reach the other nodes: in-process only (one node), or NATS.
     pub hint_bus: HintBusConfig,
+    /// Bounds of the ephemeral lane: typing and presence (issue 18).
+    pub ephemeral: crate::ephemeral::EphemeralConfig,
 }
 
 impl Default for ServerConfig {
@@ -92,6 +94,7 @@ impl Default for ServerConfig {
             retention_every: Duration::from_secs(60),
             hold_fanout: false,
             hint_bus: HintBusConfig::Local,
+            ephemeral: crate::ephemeral::EphemeralConfig::default(),
         }
     }
 }

@@ -12,6 +12,8 @@
 //! - [`hub`]: live connections per user, coalesced hints, kicks, re-hints.
 //! - [`bus`]: the hint bus carrying hints to the other nodes (NATS), or
 //!   nowhere when the node runs alone.
+//! - [`ephemeral`]: typing and presence of this node's connections,
+//!   bounded, coalesced and shed first; never written to a sync log.
 //!
 //! The server holds no message state of its own: every fact is in the
 //! store, hints are only hints (D8), and two servers can run in one process
@@ -20,6 +22,7 @@
 pub mod accounts;
 pub mod bus;
 pub mod config;
+pub mod ephemeral;
 pub mod error;
 pub mod gateway;
 pub mod hub;

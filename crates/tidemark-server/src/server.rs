@@ -37,6 +37,8 @@ impl Server {
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
         let config_limits = config.limits.clone();
+        let lane =
+            Arc::new(crate::ephemeral::Lane::new(store.clone(), config.ephemeral.clone(), bus.ephemeral_sender()));
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
@@ -49,6 +51,7 @@ impl Server {
             shutdown: shutdown_rx.clone(),
             ws_slots,
             limits: crate::limits::Limits::new(config_limits),
+            lane,
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;
@@ -73,9 +76,10 @@ impl Server {
         let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
         let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
         let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
-        let mut tasks = vec![http, relay, rehint, retention, sweep];
+        let typing = spawn_fatal("typing sweep", state.lane.clone().run_sweep(shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention, sweep, typing];
         if let Some(pending) = bus_pending {
-            let bus_tasks = pending.spawn(state.hub.clone(), shutdown_rx);
+            let bus_tasks = pending.spawn(state.hub.clone(), state.lane.clone(), shutdown_rx);
             tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));
         }
         tracing::info!(%addr, "tidemark listening");

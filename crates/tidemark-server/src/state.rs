@@ -35,6 +35,8 @@ pub struct AppState {
     pub ws_slots: Arc<ConnSlots>,
     /// Rate limits and the password-hash bound.
     pub limits: crate::limits::Limits,
+    /// Typing and presence of this node's connections (issue 18).
+    pub lane: Arc<crate::ephemeral::Lane>,
 }
 
 impl AppState {
