@@ -557,3 +557,57 @@ impl Lane {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn() -> EphConn {
+        EphConn {
+            user: "ben".into(),
+            device: "phone".into(),
+            epoch: 1,
+            presence: Mutex::new(Presence::Online),
+            slots: Mutex::default(),
+            wake: Notify::new(),
+        }
+    }
+
+    fn typing(conv: &str, user: &str, on: bool) -> ServerFrame {
+        ServerFrame::Typing(TypingFrame { conv: conv.into(), user: user.into(), typing: on, timeout_ms: 10 })
+    }
+
+    fn presence(user: &str, state: &str) -> ServerFrame {
+        ServerFrame::Presence(PresenceFrame { user: user.into(), state: state.into(), last_seen: None })
+    }
+
+    /// Slots coalesce to the latest frame per key, drop new keys past the
+    /// bound (existing keys still update), and drop typing gone stale while
+    /// it waited; presence comes first.
+    #[test]
+    fn slots_are_bounded_coalesced_and_drop_stale_typing() {
+        let config = EphemeralConfig { typing_slots_max: 2, presence_slots_max: 1, ..EphemeralConfig::default() };
+        let c = conn();
+        assert!(c.offer(typing("g1", "ann", true), Some(100), &config));
+        assert!(c.offer(typing("g1", "ann", false), None, &config), "the same key replaces");
+        assert!(c.offer(typing("g2", "ann", true), Some(100), &config));
+        assert!(!c.offer(typing("g3", "ann", true), Some(100), &config), "a third key is shed");
+        assert!(c.offer(typing("g2", "ann", true), Some(50), &config), "a held key still updates");
+        assert!(c.offer(presence("ann", "idle"), None, &config));
+        assert!(c.offer(presence("ann", "online"), None, &config));
+        assert!(!c.offer(presence("cat", "online"), None, &config));
+        assert!(c.pending());
+        let frames = c.take(60);
+        assert_eq!(frames[0], presence("ann", "online"), "presence first, the latest only");
+        assert_eq!(&frames[1..], &[typing("g1", "ann", false)], "g2's start went stale at 50 while waiting");
+        assert!(!c.pending() && c.take(60).is_empty());
+    }
+
+    #[test]
+    fn hints_and_kicks_never_take_a_slot() {
+        let c = conn();
+        let hint = ServerFrame::Hint(tidemark_proto::Hint { user_sync_high_watermark: 1, reason: "new_event".into() });
+        assert!(!c.offer(hint, None, &EphemeralConfig::default()));
+        assert!(!c.pending());
+    }
+}
