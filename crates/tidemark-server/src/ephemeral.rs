@@ -27,8 +27,9 @@
 //!   connection of the user on this node, `offline` for a hidden user. A
 //!   frame goes out only when that changes (heartbeats say nothing),
 //!   to the users sharing an open conversation (the audience, read from the
-//!   store on each connect and refreshed after
-//!   [`EphemeralConfig::audience_refresh`]). Every new connection also asks
+//!   store for each announcement, which coalescing makes rare, so a
+//!   conversation created since the user connected counts). Every new
+//!   connection also asks
 //!   its audience for their presence: each receiver that is online or idle,
 //!   and not hidden, answers with one presence frame to the new user.
 //! - **Across nodes** every signal is published once on the hint bus
@@ -75,8 +76,6 @@ pub struct EphemeralConfig {
     pub typing_slots_max: usize,
     /// Waiting presence frames per connection (distinct users).
     pub presence_slots_max: usize,
-    /// The audience of a connected user is read again after this long.
-    pub audience_refresh: Duration,
     /// Users one presence change reaches at most.
     pub audience_max: u32,
 }
@@ -89,7 +88,6 @@ impl Default for EphemeralConfig {
             typing_held_max: 100_000,
             typing_slots_max: 64,
             presence_slots_max: 512,
-            audience_refresh: Duration::from_secs(60),
             audience_max: rules::PRESENCE_AUDIENCE_MAX,
         }
     }
@@ -187,9 +185,6 @@ struct UserLocal {
     announced: Option<Presence>,
     /// Last time a connection of the user was opened or set `online`.
     last_active_ms: i64,
-    audience: Vec<String>,
-    /// When `audience` was read; 0 before the first read.
-    audience_at_ms: i64,
 }
 
 impl UserLocal {
@@ -277,49 +272,49 @@ impl Lane {
                 return;
             }
         };
-        let now = crate::util::now_ms();
         let signal = {
             let mut users = self.users.lock().expect("lane lock");
             let Some(u) = users.get_mut(user) else { return };
             u.hidden = privacy.hide_presence;
-            u.audience = audience;
-            u.audience_at_ms = now;
             let state = u.effective();
             let frame = rules::presence_changed(u.announced, state).then(|| u.frame(user, state));
             if frame.is_some() {
                 u.announced = Some(state);
             }
-            Signal { from: user.clone(), to: u.audience.clone(), frame, answer: true }
+            Signal { from: user.clone(), to: audience, frame, answer: true }
         };
         self.deliver(signal);
     }
 
     /// A connection closed: the user's presence is recomputed from the
     /// connections left here (offline with none) and announced if changed.
-    pub fn detach(&self, conn: &Arc<EphConn>) {
-        let signal = {
+    pub async fn detach(&self, conn: &Arc<EphConn>) {
+        let gone = {
             let mut users = self.users.lock().expect("lane lock");
             let Some(u) = users.get_mut(&conn.user) else { return };
             u.conns.retain(|c| !Arc::ptr_eq(c, conn));
-            let state = u.effective();
-            let changed = rules::presence_changed(u.announced, state);
-            if state == Presence::Offline {
-                u.last_active_ms = crate::util::now_ms();
+            if !u.conns.is_empty() {
+                None
+            } else {
+                let u = users.remove(&conn.user).expect("held above");
+                let was_shown = u.announced.unwrap_or(Presence::Offline) != Presence::Offline;
+                Some(was_shown.then(|| {
+                    let last_seen = (!u.hidden).then(crate::util::now_ms);
+                    let frame =
+                        PresenceFrame { user: conn.user.clone(), state: Presence::Offline.as_str().into(), last_seen };
+                    ServerFrame::Presence(frame)
+                }))
             }
-            let signal = changed.then(|| Signal {
-                from: conn.user.clone(),
-                to: u.audience.clone(),
-                frame: Some(u.frame(&conn.user, state)),
-                answer: false,
-            });
-            u.announced = Some(state);
-            if u.conns.is_empty() {
-                users.remove(&conn.user);
-            }
-            signal
         };
-        if let Some(signal) = signal {
-            self.deliver(signal);
+        match gone {
+            // Other connections remain: what they show now, if it changed.
+            None => self.announce(&conn.user, None, false).await,
+            Some(Some(offline)) => {
+                if let Some(to) = self.audience(&conn.user).await {
+                    self.deliver(Signal { from: conn.user.clone(), to, frame: Some(offline), answer: false });
+                }
+            }
+            Some(None) => {}
         }
     }
 
@@ -329,21 +324,42 @@ impl Lane {
         Ok((privacy, audience))
     }
 
-    /// The audience of `user`, read again when older than the refresh bound.
-    async fn refresh_audience(&self, user: &str, now_ms: i64) -> ApiResult<()> {
-        let stale = {
-            let users = self.users.lock().expect("lane lock");
-            let Some(u) = users.get(user) else { return Ok(()) };
-            now_ms - u.audience_at_ms >= self.config.audience_refresh.as_millis() as i64
-        };
-        if stale {
-            let audience = self.store.presence_audience(user, self.config.audience_max).await?;
-            if let Some(u) = self.users.lock().expect("lane lock").get_mut(user) {
-                u.audience = audience;
-                u.audience_at_ms = now_ms;
+    /// Who sees `user`'s presence now (read at every announcement, which
+    /// coalescing makes rare, so a conversation created or left since the
+    /// user connected counts at once); `None` when the store cannot say.
+    async fn audience(&self, user: &str) -> Option<Vec<String>> {
+        match self.store.presence_audience(user, self.config.audience_max).await {
+            Ok(a) => Some(a),
+            Err(e) => {
+                tracing::debug!(%user, error = %e, "presence audience not read; not announced");
+                None
             }
         }
-        Ok(())
+    }
+
+    /// Announces what others see of local `user` now if it differs from
+    /// what they were last told, or, with `force`, if it is not offline.
+    /// The state is read after the audience, so of two racing calls the
+    /// last one delivered carries the latest state. `hidden` sets the
+    /// privacy switch first when it is known anew.
+    async fn announce(&self, user: &str, hidden: Option<bool>, force: bool) {
+        if let Some(h) = hidden {
+            if let Some(u) = self.users.lock().expect("lane lock").get_mut(user) {
+                u.hidden = h;
+            }
+        }
+        let Some(to) = self.audience(user).await else { return };
+        let frame = {
+            let mut users = self.users.lock().expect("lane lock");
+            let Some(u) = users.get_mut(user) else { return };
+            let state = u.effective();
+            if !rules::presence_changed(u.announced, state) && !(force && state != Presence::Offline) {
+                return;
+            }
+            u.announced = Some(state);
+            u.frame(user, state)
+        };
+        self.deliver(Signal { from: user.into(), to, frame: Some(frame), answer: false });
     }
 
     // ---------------------------------------------------------- presence
@@ -352,8 +368,7 @@ impl Lane {
     /// this node. Returns what others now see and whether the user hides.
     pub async fn set_presence(&self, user: &str, device: &str, state: Presence) -> ApiResult<(Presence, bool)> {
         let now = crate::util::now_ms();
-        self.refresh_audience(user, now).await?;
-        let (signal, shown, hidden) = {
+        let (shown, hidden, changed) = {
             let mut users = self.users.lock().expect("lane lock");
             let u = users.get_mut(user).filter(|u| u.conns.iter().any(|c| c.device == device)).ok_or_else(|| {
                 ApiError::bad_request("presence.set needs a WebSocket connection of this device on this server")
@@ -365,51 +380,18 @@ impl Lane {
                 u.last_active_ms = now;
             }
             let shown = u.effective();
-            let signal = rules::presence_changed(u.announced, shown).then(|| Signal {
-                from: user.into(),
-                to: u.audience.clone(),
-                frame: Some(u.frame(user, shown)),
-                answer: false,
-            });
-            u.announced = Some(shown);
-            (signal, shown, u.hidden)
+            (shown, u.hidden, rules::presence_changed(u.announced, shown))
         };
-        if let Some(signal) = signal {
-            self.deliver(signal);
+        if changed {
+            self.announce(user, None, false).await;
         }
         Ok((shown, hidden))
     }
 
     /// The user's privacy changed (`privacy.set` committed): hiding says
     /// `offline` to the audience, showing again says the current state.
-    pub fn privacy_changed(&self, user: &str, privacy: tidemark_store::Privacy) {
-        self.reconsider(user, Some(privacy.hide_presence), false);
-    }
-
-    /// Recomputes what others see of local `user` (with `hidden` when it is
-    /// known anew) and announces it if it changed, or, with `force`, if it is
-    /// not offline.
-    fn reconsider(&self, user: &str, hidden: Option<bool>, force: bool) {
-        let signal = {
-            let mut users = self.users.lock().expect("lane lock");
-            let Some(u) = users.get_mut(user) else { return };
-            if let Some(h) = hidden {
-                u.hidden = h;
-            }
-            let state = u.effective();
-            let announce = rules::presence_changed(u.announced, state) || (force && state != Presence::Offline);
-            let signal = announce.then(|| Signal {
-                from: user.into(),
-                to: u.audience.clone(),
-                frame: Some(u.frame(user, state)),
-                answer: false,
-            });
-            u.announced = Some(state);
-            signal
-        };
-        if let Some(signal) = signal {
-            self.deliver(signal);
-        }
+    pub async fn privacy_changed(&self, user: &str, privacy: tidemark_store::Privacy) {
+        self.announce(user, Some(privacy.hide_presence), false).await;
     }
 
     // ------------------------------------------------------------ typing
@@ -553,7 +535,7 @@ impl Lane {
         // (which the other node may have just changed).
         if offline && self.users.lock().expect("lane lock").contains_key(&from) {
             let hidden = self.store.privacy(&from).await.ok().map(|p| p.hide_presence);
-            self.reconsider(&from, hidden, true);
+            self.announce(&from, hidden, true).await;
         }
     }
 }

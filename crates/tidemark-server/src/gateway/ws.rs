@@ -239,7 +239,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
         writer.abort();
     }
     state.hub.unregister(&entry);
-    state.lane.detach(&eph);
+    state.lane.detach(&eph).await;
     tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket closed");
 }
 

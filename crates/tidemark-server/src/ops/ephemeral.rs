@@ -34,7 +34,7 @@ pub async fn privacy_set(state: &AppState, ctx: &AuthCtx, req: PrivacySetReq) ->
     let after =
         state.store.set_privacy(&ctx.user, req.hide_presence, req.private_receipts, crate::util::now_ms()).await?;
     if after.hide_presence != before.hide_presence {
-        state.lane.privacy_changed(&ctx.user, after);
+        state.lane.privacy_changed(&ctx.user, after).await;
     }
     Ok(PrivacyOk { hide_presence: after.hide_presence, private_receipts: after.private_receipts })
 }
