@@ -353,7 +353,8 @@ impl Lane {
             let mut users = self.users.lock().expect("lane lock");
             let Some(u) = users.get_mut(user) else { return };
             let state = u.effective();
-            if !rules::presence_changed(u.announced, state) && !(force && state != Presence::Offline) {
+            let forced = force && state != Presence::Offline;
+            if !forced && !rules::presence_changed(u.announced, state) {
                 return;
             }
             u.announced = Some(state);
