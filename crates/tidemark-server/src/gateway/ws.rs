@@ -14,6 +14,9 @@
 //! - A client that does not read its replies fills its send queue and is
 //!   disconnected (`kicked {reason: "slow_consumer"}`); it resyncs from its
 //!   cursor, so nothing is silently skipped.
+//! - Ephemeral frames (typing, presence; [`crate::ephemeral`]) wait in the
+//!   connection's bounded slots and are written only while no reply is
+//!   queued: they are shed first and never count toward the send queue.
 
 use std::future::Future;
 use std::net::SocketAddr;
