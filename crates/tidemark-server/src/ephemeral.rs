@@ -526,17 +526,26 @@ impl Lane {
     /// the bus subscriber task.
     pub async fn from_bus(&self, from: String, eph: BusEphemeral) {
         metrics::counter!(m::EPHEMERAL_BUS_RECEIVED).increment(1);
-        let offline = matches!(&eph.frame, Some(ServerFrame::Presence(p))
-            if p.user == from && p.state == Presence::Offline.as_str());
+        let about_sender = match &eph.frame {
+            Some(ServerFrame::Presence(p)) if p.user == from => Some(p.state == Presence::Offline.as_str()),
+            _ => None,
+        };
         // Only this node's connections: the other nodes heard it too
         // (answers are delivered everywhere).
         self.deliver_local(&Signal { from: from.clone(), to: eph.to, frame: eph.frame, answer: eph.answer });
-        // Another node says `from` went offline while it is connected here:
-        // say again what this node sees, after reading the privacy switch
-        // (which the other node may have just changed).
-        if offline && self.users.lock().expect("lane lock").contains_key(&from) {
-            let hidden = self.store.privacy(&from).await.ok().map(|p| p.hide_presence);
+        // Another node announced `from`, who is connected here too: its
+        // privacy switch may have changed there, so it is read again. If it
+        // said offline, this node says again what it sees, so a user still
+        // connected here is not left shown offline.
+        let Some(offline) = about_sender else { return };
+        if !self.users.lock().expect("lane lock").contains_key(&from) {
+            return;
+        }
+        let hidden = self.store.privacy(&from).await.ok().map(|p| p.hide_presence);
+        if offline {
             self.announce(&from, hidden, true).await;
+        } else if let (Some(h), Some(u)) = (hidden, self.users.lock().expect("lane lock").get_mut(&from)) {
+            u.hidden = h;
         }
     }
 }
