@@ -34,6 +34,7 @@ mod depth;
 mod device;
 mod fanout;
 mod pg;
+mod presence;
 mod proc;
 mod reconnect;
 
@@ -57,6 +58,10 @@ pub enum BenchCommand {
     /// Server RSS per idle authenticated WebSocket (`tidemark serve` as a
     /// child process), beside a bare tokio-tungstenite server.
     Connections(connections::ConnectionsArgs),
+    /// Presence and typing storm (issue 18): ephemeral frames/s and the p99
+    /// of a concurrent send and sync page, beside a quiet phase of the same
+    /// run.
+    Presence(presence::PresenceArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -108,6 +113,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Fanout(args) => fanout::run(args).await,
         BenchCommand::Reconnect(args) => reconnect::run(args).await,
         BenchCommand::Connections(args) => connections::run(args).await,
+        BenchCommand::Presence(args) => presence::run(args).await,
     }
 }
 

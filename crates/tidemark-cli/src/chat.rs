@@ -77,6 +77,9 @@ const HELP: &[(&str, &str)] = &[
     ("/react N EMOJI", "add your reaction EMOJI to message #N"),
     ("/unreact N EMOJI", "remove your reaction EMOJI from message #N"),
     ("/read", "mark the current conversation read on all your devices"),
+    ("/seen", "who of the current conversation read up to where (read marks)"),
+    ("/typing", "tell the others in the current conversation you are typing"),
+    ("/away", "show yourself idle (/back: online again)"),
     ("/status", "connection state and this device's sync position"),
     ("/help", "this list"),
     ("/quit", "stop (queued operations stay in the outbox for the next start)"),
@@ -396,6 +399,25 @@ impl Chat {
                 self.client.mark_read(&conv, last).await.map_err(sdk)?;
                 println!("[chat] read up to #{last}");
             }
+            ("/seen", _) => {
+                let conv = self.current()?.to_owned();
+                let r = self.client.conv_receipts(&conv, None).await.map_err(sdk)?;
+                let marks: Vec<String> = r.members.iter().map(|m| format!("{} #{}", m.user, m.read_seq)).collect();
+                println!("[seen] {} ({} private)", marks.join(", "), r.hidden);
+            }
+            ("/typing", _) => {
+                let conv = self.current()?.to_owned();
+                self.client.typing(&conv, true, None).await.map_err(sdk)?;
+            }
+            (op @ ("/away" | "/back"), _) => {
+                let state = if op == "/away" {
+                    tidemark_client::PresenceState::Idle
+                } else {
+                    tidemark_client::PresenceState::Online
+                };
+                let r = self.client.set_presence(state).await.map_err(sdk)?;
+                println!("[presence] others see you {}", r.state);
+            }
             ("/status", _) => println!("{}", self.status().await?),
             (cmd, _) if cmd.starts_with('/') => {
                 bail!("{cmd} {rest}: unknown command or missing argument; /help lists the commands")
@@ -466,6 +488,8 @@ impl Chat {
                 println!("[status] {conv} needs repair from #{from_msg_seq}; it is fetched again, the rest syncs on")
             }
             Change::Repaired { conv } => println!("[status] {conv} repaired"),
+            Change::Typing { conv, user, typing: true, .. } => println!("[typing] {user} is typing in {conv}"),
+            Change::Presence { user, state, .. } => println!("[presence] {user} is {state}"),
             Change::Exited(exit) => return Ok(Some(exit)),
             _ => {}
         }

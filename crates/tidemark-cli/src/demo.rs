@@ -494,8 +494,9 @@ impl Timeline {
                 format!("repair of {} failed ({attempts}x); retry in {retry_in_ms} ms", short(conv))
             }
             Change::Repaired { conv } => format!("{} repaired", short(conv)),
-            // The story says when a device stops.
-            Change::Exited(Exit::Stopped) => return Vec::new(),
+            // The story says when a device stops; it tells the durable
+            // state, not the ephemeral lane's typing and presence.
+            Change::Exited(Exit::Stopped) | Change::Typing { .. } | Change::Presence { .. } => return Vec::new(),
             Change::Exited(exit) => format!("engine stopped: {exit:?}"),
         };
         vec![text]

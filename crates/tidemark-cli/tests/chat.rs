@@ -296,3 +296,40 @@ async fn chat_started_offline_queues_and_delivers_later() {
     ben.quit().await;
     server.stop().await;
 }
+
+/// The ephemeral lane and read marks in the chat (issue 18): a peer's
+/// presence and typing are printed, `/away` shows the user idle to the
+/// peer, and `/seen` prints the members' read positions.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_shows_presence_typing_and_read_marks() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = server_with(dir.path(), &["ann", "ben"]).await;
+    let url = server.url();
+    let mut ann = Session::new(chat(&url, "ann", dir.path(), Some("ben")));
+    ann.expect("[chat] talking to ben").await;
+    let mut ben = Session::new(chat(&url, "ben", dir.path(), Some("ann")));
+    ben.expect("[chat] talking to ann").await;
+    ann.expect("[presence] ben is online").await;
+    ann.type_line("/typing").await;
+    ben.expect("[typing] ann is typing in").await;
+    ben.type_line("/away").await;
+    ben.expect("[presence] others see you idle").await;
+    ann.expect("[presence] ben is idle").await;
+    ann.type_line("hello").await;
+    ben.expect("ann: hello").await;
+    ben.type_line("/read").await;
+    ben.expect("[chat] read up to #1").await;
+    // The read goes through ben's outbox: ask until the server has it.
+    let deadline = tokio::time::Instant::now() + LINE_WAIT;
+    loop {
+        ann.type_line("/seen").await;
+        let seen = ann.expect("[seen]").await;
+        if seen.contains("ben #1") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "ben's read mark never showed: {seen}");
+    }
+    ann.quit().await;
+    ben.quit().await;
+    server.stop().await;
+}

@@ -440,7 +440,7 @@ async fn kicked_within(events: &mut tokio::sync::mpsc::Receiver<ServerEvent>, wh
         loop {
             match events.recv().await {
                 Some(ServerEvent::Kicked { reason }) => return reason,
-                Some(ServerEvent::Hint { .. }) => {}
+                Some(ServerEvent::Hint { .. } | ServerEvent::Typing(_) | ServerEvent::Presence(_)) => {}
                 Some(ServerEvent::Closed) | None => panic!("{what}: closed without a kicked frame"),
             }
         }

@@ -55,7 +55,11 @@ fn encode<B: Serialize>(body: &B) -> Result<Value, SdkError> {
 
 impl Client {
     /// Sends `op` with `body` on the connection and parses the reply.
-    async fn request<B: Serialize, T: DeserializeOwned>(&self, op: &'static str, body: &B) -> Result<T, SdkError> {
+    pub(crate) async fn request<B: Serialize, T: DeserializeOwned>(
+        &self,
+        op: &'static str,
+        body: &B,
+    ) -> Result<T, SdkError> {
         let (reply, rx) = oneshot::channel();
         let value = self.command(Command::Request { op, body: encode(body)?, reply }, rx).await?;
         serde_json::from_value(value).map_err(|e| SdkError::Invalid(format!("{op} reply: {e}")))

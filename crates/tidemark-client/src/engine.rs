@@ -412,6 +412,9 @@ async fn session(
                     inner.emit(Change::Kicked { reason });
                     return end;
                 }
+                // The ephemeral lane (issue 18): surfaced, nothing applied.
+                Some(ServerEvent::Typing(t)) => inner.emit(crate::ephemeral::typing_change(t)),
+                Some(ServerEvent::Presence(p)) => inner.emit(crate::ephemeral::presence_change(p)),
                 Some(ServerEvent::Closed) | None => return End::reconnect(),
             },
             r = opt(&mut sync), if sync.is_some() => {

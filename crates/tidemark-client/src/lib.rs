@@ -115,6 +115,7 @@ mod calls;
 pub mod client;
 pub mod cursor;
 mod engine;
+mod ephemeral;
 mod http;
 pub mod policy;
 pub mod store;
@@ -123,6 +124,7 @@ mod ws;
 
 pub use calls::HistoryPage;
 pub use client::{Changes, Client};
+pub use ephemeral::PresenceState;
 pub use http::Http;
 pub use store::{
     manifest_digest, Conversation, CursorMove, FaultAction, FaultPoint, Gap, Message, OutboxEntry, OutboxOp,

@@ -251,6 +251,23 @@ pub enum Change {
     Kicked {
         reason: String,
     },
+    /// `user` started (`typing`, shown for `timeout_ms` unless renewed) or
+    /// stopped typing in `conv`. Ephemeral: never stored, may be lost.
+    Typing {
+        conv: String,
+        user: String,
+        typing: bool,
+        timeout_ms: u64,
+    },
+    /// `user`, who shares a conversation with this one, is now `state`
+    /// (`online`, `idle`, `offline`), last active at `last_seen` when
+    /// known. Ephemeral: never stored, may be lost; after a reconnect the
+    /// users online answer anew.
+    Presence {
+        user: String,
+        state: String,
+        last_seen: Option<i64>,
+    },
     /// This subscriber missed `missed` notifications.
     Lagged {
         missed: u64,

@@ -33,12 +33,18 @@ pub enum ServerEvent {
     Kicked {
         reason: String,
     },
+    /// A member of a conversation started or stopped typing (ephemeral:
+    /// dropped like hints when the buffer is full).
+    Typing(tidemark_proto::TypingFrame),
+    /// A user sharing a conversation changed presence (ephemeral).
+    Presence(tidemark_proto::PresenceFrame),
     /// The connection ended.
     Closed,
 }
 
-/// Server events buffered for the application; hints beyond this are
-/// dropped (a hint may be lost by design, D8), `kicked` and `Closed` never.
+/// Server events buffered for the application; hints, typing and presence
+/// beyond this are dropped (a hint may be lost by design, D8; the others
+/// are ephemeral), `kicked` and `Closed` never.
 pub const EVENTS_MAX: usize = 1024;
 /// Outgoing frames queued before `request` waits.
 pub const OUTGOING_MAX: usize = 256;
@@ -125,6 +131,12 @@ impl WsConn {
                     }
                     Ok(ServerFrame::Kicked(k)) => {
                         let _ = ev_tx.send(ServerEvent::Kicked { reason: k.reason }).await;
+                    }
+                    Ok(ServerFrame::Typing(t)) => {
+                        let _ = ev_tx.try_send(ServerEvent::Typing(t));
+                    }
+                    Ok(ServerFrame::Presence(p)) => {
+                        let _ = ev_tx.try_send(ServerEvent::Presence(p));
                     }
                     Err(_) => {}
                 }

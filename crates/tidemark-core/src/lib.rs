@@ -13,6 +13,7 @@
 pub mod control;
 pub mod convsync;
 pub mod cursor;
+pub mod ephemeral;
 pub mod ids;
 pub mod kinds;
 pub mod large;

@@ -88,6 +88,7 @@ mod events;
 mod fanout;
 mod lifecycle;
 mod read;
+mod receipts;
 pub mod schema;
 pub mod writer;
 
@@ -975,5 +976,51 @@ impl Store for PgStore {
             StoreHealth { write_failure: None } => self.fanout_writer.health(),
             failing => failing,
         }
+    }
+
+    async fn privacy(&self, user: &str) -> StoreResult<Privacy> {
+        let user = user.to_owned();
+        self.readers.read(move |c| Box::pin(async move { receipts::privacy(c, &user).await })).await
+    }
+
+    async fn set_privacy(
+        &self,
+        user: &str,
+        hide_presence: Option<bool>,
+        private_receipts: Option<bool>,
+        now_ms: i64,
+    ) -> StoreResult<Privacy> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move { receipts::set_privacy(c, &user, hide_presence, private_receipts, now_ms).await })
+            })
+            .await
+    }
+
+    async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {
+        let user = user.to_owned();
+        self.readers.read(move |c| Box::pin(async move { receipts::presence_audience(c, &user, limit).await })).await
+    }
+
+    async fn conv_receipts(&self, user: &str, conv: &str, at: Option<u64>) -> StoreResult<Receipts> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers
+            .snapshot(move |c| Box::pin(async move { receipts::conv_receipts(c, &user, &conv, at).await }))
+            .await
+    }
+
+    async fn delivery_receipts(
+        &self,
+        user: &str,
+        conv: &str,
+        message_ids: Vec<String>,
+    ) -> StoreResult<Vec<(String, Option<i64>)>> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers
+            .snapshot(move |c| {
+                Box::pin(async move { receipts::delivery_receipts(c, &user, &conv, &message_ids).await })
+            })
+            .await
     }
 }

@@ -62,6 +62,7 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 2, name: "send in one statement", sql: SEND_FUNCTION },
     Migration { version: 3, name: "durable connection epochs", sql: CONNECTION_EPOCH },
     Migration { version: 4, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
+    Migration { version: 5, name: "user privacy switches", sql: USER_PRIVACY },
 ];
 
 /// Step 3: each device's newest WebSocket connection (P2), moved by
@@ -84,6 +85,20 @@ CREATE TABLE IF NOT EXISTS schema_migrations (
     name        TEXT COLLATE "C" NOT NULL,
     applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
 )"#;
+
+/// Step 5 (issue 18): a user's privacy switches, keyed by user (a user
+/// table, distributed by `user_id`). No row means both off. Presence itself
+/// is never stored: it lives in the nodes' memory only.
+pub const USER_PRIVACY: &str = r#"
+CREATE TABLE user_privacy (
+    user_id           TEXT COLLATE "C" PRIMARY KEY,
+    -- Others see the user offline; no presence frame of theirs goes out.
+    hide_presence     BOOLEAN NOT NULL DEFAULT FALSE,
+    -- Others do not see the user's read positions (conv.receipts).
+    private_receipts  BOOLEAN NOT NULL DEFAULT FALSE,
+    updated_at        BIGINT NOT NULL
+);
+"#;
 
 /// Step 1, the schema as first released (before numbered migrations it
 /// was run at every open, hence `IF NOT EXISTS` throughout: on a database

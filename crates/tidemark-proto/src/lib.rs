@@ -15,11 +15,13 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 pub mod content;
+pub mod ephemeral;
 pub mod error;
 #[cfg(feature = "openapi")]
 pub mod openapi;
 pub mod push;
 pub mod whole;
+pub use ephemeral::*;
 pub use error::{ErrorCode, ErrorFrame};
 
 /// Largest WebSocket frame or HTTP body the server accepts, in bytes.
@@ -78,6 +80,12 @@ pub mod op {
     pub const MESSAGE_DELETE: &str = "message.delete";
     /// Clear a large group's dirty marker (G2).
     pub const DIRTY_CLEAR: &str = "dirty.clear";
+    /// Tidemark extensions of the ephemeral lane and receipts (issue 18).
+    pub const TYPING: &str = "typing";
+    pub const PRESENCE_SET: &str = "presence.set";
+    pub const PRIVACY_SET: &str = "privacy.set";
+    pub const CONV_RECEIPTS: &str = "conv.receipts";
+    pub const DELIVERY_RECEIPTS: &str = "delivery.receipts";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -103,6 +111,11 @@ pub mod op {
         SNAPSHOT_ACK,
         DEVICE_REVOKE,
         PING,
+        TYPING,
+        PRESENCE_SET,
+        PRIVACY_SET,
+        CONV_RECEIPTS,
+        DELIVERY_RECEIPTS,
     ];
 }
 
@@ -110,6 +123,9 @@ pub mod op {
 pub mod server_frame {
     pub const HINT: &str = "hint";
     pub const KICKED: &str = "kicked";
+    /// Ephemeral frames (issue 18): never in a sync log, shed first.
+    pub const TYPING: &str = "typing";
+    pub const PRESENCE: &str = "presence";
 }
 
 /// A client frame split into its operation, request id and body.
@@ -899,6 +915,12 @@ pub enum ServerFrame {
     /// The server ends the connection; the close frame follows.
     #[serde(rename = "kicked")]
     Kicked(Kicked),
+    /// A member of a conversation started or stopped typing (ephemeral).
+    #[serde(rename = "typing")]
+    Typing(TypingFrame),
+    /// A user sharing a conversation changed presence (ephemeral).
+    #[serde(rename = "presence")]
+    Presence(PresenceFrame),
 }
 
 /// The hint bus payload between nodes (cluster mode): a user's log grew to
@@ -911,7 +933,7 @@ pub enum ServerFrame {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BusHint {
     pub user: String,
-    /// 0 in a kick.
+    /// 0 in a kick, a large group's marker or an ephemeral signal.
     pub high_watermark: u64,
     /// A large group moved (G2): `user` is empty, the marker and the
     /// `msg_seq` of its last membership change (`members_seq`, which keys
@@ -920,6 +942,11 @@ pub struct BusHint {
     pub conv: Option<BusConv>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kick: Option<BusKick>,
+    /// A typing or presence signal of `user` (issue 18). Absent on a plain
+    /// hint; a node that does not know the field reads the payload as a
+    /// hint of watermark 0, which hints nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ephemeral: Option<BusEphemeral>,
 }
 
 /// The large-group part of a [`BusHint`].
@@ -1039,17 +1066,48 @@ mod tests {
         let item = serde_json::to_value(SnapshotItem::Message { message: env }).unwrap();
         assert_eq!(item, serde_json::json!({"type": "message", "message": message}));
 
-        let bus =
-            serde_json::to_string(&BusHint { user: "ann".into(), high_watermark: 9, kick: None, conv: None }).unwrap();
+        let bus = serde_json::to_string(&BusHint {
+            user: "ann".into(),
+            high_watermark: 9,
+            kick: None,
+            conv: None,
+            ephemeral: None,
+        })
+        .unwrap();
         assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#, "a plain hint is what earlier builds send");
         let kick = BusKick { device: "phone".into(), reason: reason::SUPERSEDED.into(), connection_epoch: 4 };
-        let bus = serde_json::to_value(BusHint { user: "ann".into(), high_watermark: 0, kick: Some(kick), conv: None })
-            .unwrap();
+        let bus = serde_json::to_value(BusHint {
+            user: "ann".into(),
+            high_watermark: 0,
+            kick: Some(kick),
+            conv: None,
+            ephemeral: None,
+        })
+        .unwrap();
         assert_eq!(
             bus,
             serde_json::json!({"user": "ann", "high_watermark": 0,
                 "kick": {"device": "phone", "reason": "superseded", "connection_epoch": 4}})
         );
+        let old: BusHint = serde_json::from_str(r#"{"user":"ann","high_watermark":9}"#).unwrap();
+        assert_eq!(old.ephemeral, None, "a hint of an older node stays readable");
+        let typing =
+            ServerFrame::Typing(TypingFrame { conv: "c1".into(), user: "ann".into(), typing: true, timeout_ms: 5 });
+        let v = serde_json::to_value(&typing).unwrap();
+        assert_eq!(v, serde_json::json!({"t": "typing", "conv": "c1", "user": "ann", "typing": true, "timeout_ms": 5}));
+        let presence =
+            ServerFrame::Presence(PresenceFrame { user: "ann".into(), state: "offline".into(), last_seen: Some(3) });
+        let v = serde_json::to_value(&presence).unwrap();
+        assert_eq!(v, serde_json::json!({"t": "presence", "user": "ann", "state": "offline", "last_seen": 3}));
+        let eph = BusHint {
+            user: "ann".into(),
+            high_watermark: 0,
+            conv: None,
+            kick: None,
+            ephemeral: Some(BusEphemeral { to: vec!["ben".into()], frame: Some(presence), answer: true }),
+        };
+        let text = serde_json::to_string(&eph).unwrap();
+        assert_eq!(serde_json::from_str::<BusHint>(&text).unwrap(), eph);
         let ok = MessageDeleteOk { conv: "c1".into(), message_id: "m1".into() };
         assert_eq!(serde_json::to_value(ok).unwrap(), serde_json::json!({"conv": "c1", "message_id": "m1"}));
         assert_eq!(serde_json::to_string(&Empty {}).unwrap(), "{}");

@@ -34,6 +34,7 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 pub use crate::config::HintBusConfig;
+use crate::ephemeral::Lane;
 use crate::fence::Fences;
 use crate::groups::GroupHints;
 use crate::hub::Hub;
@@ -64,12 +65,14 @@ pub enum BusError {
 pub struct HintBus {
     /// `None` for the local bus.
     tx: Option<mpsc::Sender<BusHint>>,
+    /// The ephemeral lane's payloads (issue 18), `None` for the local bus.
+    ephemeral: Option<mpsc::Sender<BusHint>>,
 }
 
 impl HintBus {
     /// Queues `(user, hw)` for the other nodes; never waits.
     pub fn publish(&self, user: &str, hw: u64) {
-        self.queue(BusHint { user: user.to_owned(), high_watermark: hw, conv: None, kick: None });
+        self.queue(BusHint { user: user.to_owned(), high_watermark: hw, conv: None, kick: None, ephemeral: None });
     }
 
     /// Queues a large group's published marker for the other nodes (G2).
@@ -84,6 +87,7 @@ impl HintBus {
                 members_seq: moved.members_seq,
             }),
             kick: None,
+            ephemeral: None,
         });
     }
 
@@ -92,7 +96,12 @@ impl HintBus {
     /// waits. Published only after the store committed the fence.
     pub fn publish_kick(&self, user: &str, device: &str, reason: &str, connection_epoch: u64) {
         let kick = BusKick { device: device.to_owned(), reason: reason.to_owned(), connection_epoch };
-        self.queue(BusHint { user: user.to_owned(), high_watermark: 0, conv: None, kick: Some(kick) });
+        self.queue(BusHint { user: user.to_owned(), high_watermark: 0, conv: None, kick: Some(kick), ephemeral: None });
+    }
+
+    /// Where the ephemeral lane queues its payloads for the other nodes.
+    pub fn ephemeral_sender(&self) -> Option<mpsc::Sender<BusHint>> {
+        self.ephemeral.clone()
     }
 
     fn queue(&self, hint: BusHint) {
@@ -103,6 +112,15 @@ impl HintBus {
     }
 }
 
+/// Who takes what a node hears on the bus: user hints (the hub), fences,
+/// large-group markers and the ephemeral lane.
+pub struct Receivers {
+    pub hub: Arc<Hub>,
+    pub fences: Arc<Fences>,
+    pub groups: Arc<GroupHints>,
+    pub lane: Arc<Lane>,
+}
+
 /// A connected NATS bus not yet running: [`connect`] happens before the
 /// server's state exists, [`Pending::spawn`] after.
 pub struct Pending {
@@ -110,6 +128,7 @@ pub struct Pending {
     subscriber: async_nats::Subscriber,
     prefix: String,
     rx: mpsc::Receiver<BusHint>,
+    ephemeral_rx: mpsc::Receiver<BusHint>,
 }
 
 fn valid_prefix(prefix: &str) -> bool {
@@ -148,10 +167,16 @@ fn encode(hint: &BusHint) -> Vec<u8> {
 }
 
 fn decode(payload: &[u8]) -> Option<BusHint> {
-    if payload.len() > HINT_PAYLOAD_BYTES_MAX {
+    if payload.len() > crate::ephemeral::BUS_EPHEMERAL_PAYLOAD_BYTES_MAX {
         return None;
     }
     let hint: BusHint = serde_json::from_slice(payload).ok()?;
+    // Only the ephemeral lane's payloads (issue 18) may exceed a hint's size.
+    match &hint.ephemeral {
+        Some(eph) if eph.to.len() > crate::ephemeral::BUS_RECIPIENTS_MAX => return None,
+        None if payload.len() > HINT_PAYLOAD_BYTES_MAX => return None,
+        _ => {}
+    }
     if let Some(c) = &hint.conv {
         // A large group's marker names no user.
         if c.conv.is_empty() || c.conv.len() > tidemark_proto::ID_BYTES_MAX || hint.kick.is_some() {
@@ -190,23 +215,22 @@ pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>
         .map_err(|_| subscribe_err("flush timed out".into()))?
         .map_err(|e| subscribe_err(e.to_string()))?;
     let (tx, rx) = mpsc::channel(HINT_PUBLISH_QUEUE_MAX);
+    let (ephemeral, ephemeral_rx) = mpsc::channel(crate::ephemeral::BUS_EPHEMERAL_QUEUE_MAX);
     tracing::info!(%url, prefix = %subject_prefix, "hint bus on NATS");
-    Ok((HintBus { tx: Some(tx) }, Some(Pending { client, subscriber, prefix: subject_prefix.clone(), rx })))
+    let pending = Pending { client, subscriber, prefix: subject_prefix.clone(), rx, ephemeral_rx };
+    Ok((HintBus { tx: Some(tx), ephemeral: Some(ephemeral) }, Some(pending)))
 }
 
 impl Pending {
-    /// Starts the publisher and the subscriber; both stop on `shutdown`.
-    pub fn spawn(
-        self,
-        hub: Arc<Hub>,
-        fences: Arc<Fences>,
-        groups: Arc<GroupHints>,
-        shutdown: watch::Receiver<bool>,
-    ) -> Vec<JoinHandle<()>> {
-        let Pending { client, subscriber, prefix, rx } = self;
+    /// Starts the publishers (hints, ephemeral signals) and the
+    /// subscriber; all stop on `shutdown`.
+    pub fn spawn(self, to: Receivers, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {
+        let Pending { client, subscriber, prefix, rx, ephemeral_rx } = self;
+        let ephemeral =
+            tokio::spawn(publish_ephemeral_loop(client.clone(), prefix.clone(), ephemeral_rx, shutdown.clone()));
         let publisher = tokio::spawn(publish_loop(client, prefix, rx, shutdown.clone()));
-        let listener = tokio::spawn(subscribe_loop(subscriber, hub, fences, groups, shutdown));
-        vec![publisher, listener]
+        let listener = tokio::spawn(subscribe_loop(subscriber, to, shutdown));
+        vec![publisher, ephemeral, listener]
     }
 }
 
@@ -237,13 +261,35 @@ async fn publish_loop(
     }
 }
 
-async fn subscribe_loop(
-    mut subscriber: async_nats::Subscriber,
-    hub: Arc<Hub>,
-    fences: Arc<Fences>,
-    groups: Arc<GroupHints>,
+/// Publishes the ephemeral lane's payloads; an error loses one signal.
+async fn publish_ephemeral_loop(
+    client: async_nats::Client,
+    prefix: String,
+    mut rx: mpsc::Receiver<BusHint>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    loop {
+        let hint = tokio::select! {
+            next = rx.recv() => match next {
+                Some(hint) => hint,
+                None => return,
+            },
+            _ = crate::util::stopped(&mut shutdown) => return,
+        };
+        let subject = format!("{prefix}.{}", user_token(&hint.user));
+        let payload = serde_json::to_vec(&hint).expect("a bus payload serializes");
+        match client.publish(subject, payload.into()).await {
+            Ok(()) => metrics::counter!(m::EPHEMERAL_BUS_PUBLISHED).increment(1),
+            Err(e) => {
+                metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "bus_queue_full").increment(1);
+                tracing::debug!(error = %e, "ephemeral signal not published");
+            }
+        }
+    }
+}
+
+async fn subscribe_loop(mut subscriber: async_nats::Subscriber, to: Receivers, mut shutdown: watch::Receiver<bool>) {
+    let Receivers { hub, fences, groups, lane } = to;
     loop {
         let message = tokio::select! {
             next = subscriber.next() => match next {
@@ -259,6 +305,7 @@ async fn subscribe_loop(
             }
         };
         match decode(&message.payload) {
+            Some(BusHint { user, ephemeral: Some(eph), .. }) => lane.from_bus(user, eph).await,
             Some(BusHint { conv: Some(c), .. }) => {
                 metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
                 let moved =
@@ -282,11 +329,11 @@ mod tests {
     #[test]
     fn payloads_round_trip_and_bad_ones_are_refused() {
         for (user, hw) in [("bob", 7), ("a.b@c", u64::MAX)] {
-            let hint = BusHint { user: user.to_owned(), high_watermark: hw, conv: None, kick: None };
+            let hint = BusHint { user: user.to_owned(), high_watermark: hw, conv: None, kick: None, ephemeral: None };
             assert_eq!(decode(&encode(&hint)), Some(hint));
         }
         let kick = BusKick { device: "phone".into(), reason: "superseded".into(), connection_epoch: 3 };
-        let hint = BusHint { user: "bob".into(), high_watermark: 0, conv: None, kick: Some(kick) };
+        let hint = BusHint { user: "bob".into(), high_watermark: 0, conv: None, kick: Some(kick), ephemeral: None };
         assert_eq!(decode(&encode(&hint)), Some(hint));
         // A large group's marker (G2): no user, its own subject.
         let hint = BusHint {
@@ -294,6 +341,7 @@ mod tests {
             high_watermark: 0,
             conv: Some(BusConv { conv: "g1".into(), target: 9, version: 4, members_seq: 3 }),
             kick: None,
+            ephemeral: None,
         };
         assert_eq!(decode(&encode(&hint)), Some(hint.clone()));
         assert_eq!(subject_of("p", &hint), "p._conv.g1");
@@ -307,6 +355,9 @@ mod tests {
         assert_eq!(decode(b"{\"user\":\"bob\"}"), None);
         assert_eq!(decode(b"{\"user\":\"b b\",\"high_watermark\":1}"), None);
         assert_eq!(decode(b"not json"), None);
+        let eph = r#"{"user":"ann","high_watermark":0,"ephemeral":{"to":["ben"],"answer":true}}"#;
+        let probe = tidemark_proto::BusEphemeral { to: vec!["ben".into()], frame: None, answer: true };
+        assert_eq!(decode(eph.as_bytes()).and_then(|h| h.ephemeral), Some(probe), "an ephemeral payload is not a hint");
     }
 
     #[test]

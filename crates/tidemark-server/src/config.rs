@@ -63,6 +63,8 @@ pub struct ServerConfig {
     pub hint_bus: HintBusConfig,
     /// When a group leaves per-member fan-out for the shared log (G3).
     pub group_policy: tidemark_core::large::GroupPolicy,
+    /// Bounds of the ephemeral lane: typing and presence (issue 18).
+    pub ephemeral: crate::ephemeral::EphemeralConfig,
 }
 
 impl Default for ServerConfig {
@@ -95,6 +97,7 @@ impl Default for ServerConfig {
             hold_fanout: false,
             hint_bus: HintBusConfig::Local,
             group_policy: tidemark_core::large::GroupPolicy::default(),
+            ephemeral: crate::ephemeral::EphemeralConfig::default(),
         }
     }
 }

@@ -14,6 +14,8 @@
 //!   nowhere when the node runs alone.
 //! - [`fence`]: revocation and superseding on every node: applied at once
 //!   where they commit, carried by the bus, reloaded from the store.
+//! - [`ephemeral`]: typing and presence of this node's connections,
+//!   bounded, coalesced and shed first; never written to a sync log.
 //!
 //! The server holds no message state of its own: every fact is in the
 //! store, hints are only hints (D8), and two servers can run in one process
@@ -22,6 +24,7 @@
 pub mod accounts;
 pub mod bus;
 pub mod config;
+pub mod ephemeral;
 pub mod error;
 pub mod fence;
 pub mod gateway;

@@ -41,6 +41,9 @@ pub enum OpClass {
     Read,
     /// Creating conversations and changing membership or settings.
     Change,
+    /// Typing and presence (issue 18): cheap, but a third of a chat
+    /// server's requests; never stored, so limited per device on their own.
+    Ephemeral,
     /// Cheap operations that are never limited (`ping`, `device.revoke`:
     /// revoking a device must work while it floods).
     Free,
@@ -60,8 +63,11 @@ impl OpClass {
             | op::SNAPSHOT_PAGE
             | op::SNAPSHOT_ACK
             | op::DIRTY_CLEAR => OpClass::Sync,
-            op::HISTORY | op::CONV_SYNC | op::CONV_LIST => OpClass::Read,
-            op::CONV_CREATE | op::CONV_ADD | op::CONV_REMOVE | op::CONV_LEAVE | op::CONV_SETTINGS => OpClass::Change,
+            op::HISTORY | op::CONV_SYNC | op::CONV_LIST | op::CONV_RECEIPTS | op::DELIVERY_RECEIPTS => OpClass::Read,
+            op::CONV_CREATE | op::CONV_ADD | op::CONV_REMOVE | op::CONV_LEAVE | op::CONV_SETTINGS | op::PRIVACY_SET => {
+                OpClass::Change
+            }
+            op::TYPING | op::PRESENCE_SET => OpClass::Ephemeral,
             op::PING | op::DEVICE_REVOKE => OpClass::Free,
             _ => OpClass::Read,
         }
@@ -111,6 +117,8 @@ pub struct LimitsConfig {
     pub sync_per_device: Rate,
     pub read_per_device: Rate,
     pub change_per_user: Rate,
+    /// `typing` and `presence.set` per device.
+    pub ephemeral_per_device: Rate,
     /// Login and refresh attempts per source address.
     pub login_per_address: Rate,
     /// WebSocket upgrades per source address.
@@ -135,6 +143,9 @@ pub const SEND_PER_USER_DEFAULT: Rate = Rate::new(100, 400);
 pub const SYNC_PER_DEVICE_DEFAULT: Rate = Rate::new(100, 500);
 pub const READ_PER_DEVICE_DEFAULT: Rate = Rate::new(50, 200);
 pub const CHANGE_PER_USER_DEFAULT: Rate = Rate::new(20, 100);
+/// A typist renews every few seconds and a client reports idle/online on
+/// transitions: 5 a second with a burst of 20 is far above both.
+pub const EPHEMERAL_PER_DEVICE_DEFAULT: Rate = Rate::new(5, 20);
 /// Per address, so a NAT or a proxy's many users share it: generous.
 pub const LOGIN_PER_ADDRESS_DEFAULT: Rate = Rate::new(20, 200);
 pub const CONNECT_PER_ADDRESS_DEFAULT: Rate = Rate::new(100, 2000);
@@ -168,6 +179,7 @@ impl Default for LimitsConfig {
             sync_per_device: SYNC_PER_DEVICE_DEFAULT,
             read_per_device: READ_PER_DEVICE_DEFAULT,
             change_per_user: CHANGE_PER_USER_DEFAULT,
+            ephemeral_per_device: EPHEMERAL_PER_DEVICE_DEFAULT,
             login_per_address: LOGIN_PER_ADDRESS_DEFAULT,
             connect_per_address: CONNECT_PER_ADDRESS_DEFAULT,
             password_hashes_concurrent_max: PASSWORD_HASHES_CONCURRENT_MAX,
@@ -197,6 +209,7 @@ pub struct Limits {
     sync_device: Keyed<(String, String)>,
     read_device: Keyed<(String, String)>,
     change_user: Keyed<String>,
+    ephemeral_device: Keyed<(String, String)>,
     login_address: Keyed<IpAddr>,
     connect_address: Keyed<IpAddr>,
     hashes: Semaphore,
@@ -246,6 +259,7 @@ impl Limits {
             sync_device: RateLimiter::keyed(config.sync_per_device.quota()),
             read_device: RateLimiter::keyed(config.read_per_device.quota()),
             change_user: RateLimiter::keyed(config.change_per_user.quota()),
+            ephemeral_device: RateLimiter::keyed(config.ephemeral_per_device.quota()),
             login_address: RateLimiter::keyed(config.login_per_address.quota()),
             connect_address: RateLimiter::keyed(config.connect_per_address.quota()),
             hashes: Semaphore::new(config.password_hashes_concurrent_max.max(1)),
@@ -272,6 +286,7 @@ impl Limits {
             OpClass::Sync => check(&self.sync_device, &device_key(), "syncs of this device"),
             OpClass::Read => check(&self.read_device, &device_key(), "reads of this device"),
             OpClass::Change => check(&self.change_user, &user.to_owned(), "conversation changes of this user"),
+            OpClass::Ephemeral => check(&self.ephemeral_device, &device_key(), "typing and presence of this device"),
             OpClass::Free => Ok(()),
         }
     }
@@ -370,7 +385,7 @@ impl Limits {
     /// Forgets limiter keys whose quota is whole again and failure counts
     /// past their forget window, so memory follows the active keys.
     pub fn sweep(&self, now_ms: i64) {
-        for l in [&self.send_device, &self.sync_device, &self.read_device] {
+        for l in [&self.send_device, &self.sync_device, &self.read_device, &self.ephemeral_device] {
             l.retain_recent();
             l.shrink_to_fit();
         }
@@ -392,6 +407,7 @@ impl Limits {
         self.send_device.len()
             + self.sync_device.len()
             + self.read_device.len()
+            + self.ephemeral_device.len()
             + self.send_user.len()
             + self.change_user.len()
             + self.login_address.len()

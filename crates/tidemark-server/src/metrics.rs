@@ -91,6 +91,17 @@ pub const SLOW_CONSUMERS: &str = "tidemark_slow_consumer_disconnects_total";
 pub const TRIMMED_EVENTS: &str = "tidemark_retention_trimmed_events_total";
 pub const SNAPSHOTS: &str = "tidemark_snapshots_total";
 pub const WS_CONNECTIONS: &str = "tidemark_ws_connections";
+/// Ephemeral frames (typing, presence) written to connections, by kind.
+pub const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
+/// Ephemeral frames dropped before reaching a connection, by reason.
+pub const EPHEMERAL_DROPPED: &str = "tidemark_ephemeral_dropped_total";
+/// Ephemeral signals published to and received from the other nodes.
+pub const EPHEMERAL_BUS_PUBLISHED: &str = "tidemark_ephemeral_bus_published_total";
+pub const EPHEMERAL_BUS_RECEIVED: &str = "tidemark_ephemeral_bus_received_total";
+/// Values of the `kind` label of [`EPHEMERAL_SENT`].
+pub const EPHEMERAL_KINDS: &[&str] = &["typing", "presence"];
+/// Values of the `reason` label of [`EPHEMERAL_DROPPED`].
+pub const EPHEMERAL_DROP_REASONS: &[&str] = &["slots_full", "expired", "bus_queue_full", "typing_held_full"];
 /// Write requests carried by the store's committed transactions, read from
 /// the store's own counters at scrape time.
 pub const STORE_WRITE_REQUESTS: &str = "tidemark_store_write_requests_total";
@@ -170,6 +181,18 @@ pub const FAMILIES: &[Family] = &[
         "Snapshots, by outcome (built, installed).",
     ),
     family(WS_CONNECTIONS, Kind::Gauge, "Open authenticated WebSocket connections."),
+    family(
+        EPHEMERAL_SENT,
+        Kind::CounterBy("kind", || EPHEMERAL_KINDS.to_vec()),
+        "Ephemeral frames (typing, presence) written to connections, by kind.",
+    ),
+    family(
+        EPHEMERAL_DROPPED,
+        Kind::CounterBy("reason", || EPHEMERAL_DROP_REASONS.to_vec()),
+        "Ephemeral frames dropped (shed) before reaching a connection, by reason.",
+    ),
+    family(EPHEMERAL_BUS_PUBLISHED, Kind::Counter, "Ephemeral signals published to the other nodes (NATS)."),
+    family(EPHEMERAL_BUS_RECEIVED, Kind::Counter, "Ephemeral signals received from the other nodes (NATS)."),
     family(store::COMMITS, Kind::Counter, "Store write transactions committed."),
     family(
         store::COMMIT_BATCH_REQUESTS,

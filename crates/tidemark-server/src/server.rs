@@ -40,6 +40,8 @@ impl Server {
         let config_limits = config.limits.clone();
         store.set_group_policy(config.group_policy);
         let groups = Arc::new(crate::groups::GroupHints::new(store.clone(), hub.clone()));
+        let lane =
+            Arc::new(crate::ephemeral::Lane::new(store.clone(), config.ephemeral.clone(), bus.ephemeral_sender()));
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
@@ -53,6 +55,7 @@ impl Server {
             shutdown: shutdown_rx.clone(),
             ws_slots,
             limits: crate::limits::Limits::new(config_limits),
+            lane,
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;
@@ -77,13 +80,20 @@ impl Server {
         let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
         let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
         let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
-        let mut tasks = vec![http, relay, rehint, retention, sweep];
+        let typing = spawn_fatal("typing sweep", state.lane.clone().run_sweep(shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention, sweep, typing];
         if let Some(pending) = bus_pending {
             // Cluster mode: fences reach this node on the bus, and from the
             // store should the bus lose one (`fence`).
             let refresh = spawn_fatal("fence refresh", crate::fence::run_refresh(state.clone(), shutdown_rx.clone()));
             tasks.push(refresh);
-            let bus_tasks = pending.spawn(state.hub.clone(), state.fences.clone(), state.groups.clone(), shutdown_rx);
+            let to = crate::bus::Receivers {
+                hub: state.hub.clone(),
+                fences: state.fences.clone(),
+                groups: state.groups.clone(),
+                lane: state.lane.clone(),
+            };
+            let bus_tasks = pending.spawn(to, shutdown_rx);
             tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));
         }
         tracing::info!(%addr, "tidemark listening");

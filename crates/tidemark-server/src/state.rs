@@ -37,6 +37,8 @@ pub struct AppState {
     pub limits: crate::limits::Limits,
     /// Large-group hints (G2): the member cache and the hub.
     pub groups: Arc<crate::groups::GroupHints>,
+    /// Typing and presence of this node's connections (issue 18).
+    pub lane: Arc<crate::ephemeral::Lane>,
 }
 
 impl AppState {

@@ -293,6 +293,27 @@ async fn real_replies_validate_against_the_document() {
     .await;
     p.rpc(&ben, op::CONV_SETTINGS, json!({"conv": conv, "muted": true})).await;
     p.rpc(&ben, op::DELIVERY_ACK, json!({"message_ids": [mid]})).await;
+    let receipts = p.rpc(&ann, op::DELIVERY_RECEIPTS, json!({"conv": conv, "message_ids": [mid]})).await;
+    assert!(receipts["receipts"][0]["delivered_at"].is_i64(), "{receipts}");
+    p.rpc(&ann, op::CONV_RECEIPTS, json!({"conv": conv, "msg_seq": 1})).await;
+    p.rpc(&ann, op::TYPING, json!({"conv": conv, "typing": true, "timeout_ms": 2000})).await;
+    let typing = loop {
+        let frame =
+            tokio::time::timeout(std::time::Duration::from_secs(10), ws.next()).await.unwrap().unwrap().unwrap();
+        if let tokio_tungstenite::tungstenite::Message::Text(t) = frame {
+            let v = serde_json::from_str::<Value>(&t).unwrap();
+            if v["t"] == "typing" {
+                break v;
+            }
+        }
+    };
+    doc.check_at("/components/schemas/ServerFrame", &typing).unwrap();
+    p.rpc(&ben, op::PRIVACY_SET, json!({})).await;
+    p.rpc(&ben, op::PRIVACY_SET, json!({"private_receipts": true})).await;
+    // Presence belongs to a WebSocket connection: ben's device has one, so
+    // the call applies to it; ann's has none and is refused.
+    p.rpc(&ben, op::PRESENCE_SET, json!({"state": "idle"})).await;
+    p.refused(Some(&ann), op::PRESENCE_SET, json!({"state": "idle"}), ErrorCode::BadRequest).await;
     p.rpc(&ben, op::MESSAGE_DELETE, json!({"conv": conv, "message_id": mid})).await;
     let group = p.rpc(&ann, op::CONV_CREATE, json!({"kind": "group", "members": ["ben"], "client_msg_id": "g1"})).await;
     let gconv = group["conv"].as_str().unwrap().to_owned();

@@ -18,6 +18,7 @@
 mod events;
 mod lifecycle;
 mod read;
+mod receipts;
 pub mod schema;
 pub mod writer;
 
@@ -976,6 +977,42 @@ impl Store for SqliteStore {
 
     fn health(&self) -> tidemark_store::StoreHealth {
         self.writer.health()
+    }
+
+    async fn privacy(&self, user: &str) -> StoreResult<Privacy> {
+        let user = user.to_owned();
+        self.readers.read_store(move |c| receipts::privacy(c, &user)).await
+    }
+
+    async fn set_privacy(
+        &self,
+        user: &str,
+        hide_presence: Option<bool>,
+        private_receipts: Option<bool>,
+        now_ms: i64,
+    ) -> StoreResult<Privacy> {
+        let user = user.to_owned();
+        self.writer.write(move |c| receipts::set_privacy(c, &user, hide_presence, private_receipts, now_ms)).await
+    }
+
+    async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {
+        let user = user.to_owned();
+        self.readers.read_store(move |c| receipts::presence_audience(c, &user, limit)).await
+    }
+
+    async fn conv_receipts(&self, user: &str, conv: &str, at: Option<u64>) -> StoreResult<Receipts> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers.read_store(move |c| receipts::conv_receipts(c, &user, &conv, at)).await
+    }
+
+    async fn delivery_receipts(
+        &self,
+        user: &str,
+        conv: &str,
+        message_ids: Vec<String>,
+    ) -> StoreResult<Vec<(String, Option<i64>)>> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers.read_store(move |c| receipts::delivery_receipts(c, &user, &conv, &message_ids)).await
     }
 }
 

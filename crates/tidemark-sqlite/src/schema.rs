@@ -40,6 +40,7 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 1, name: "initial schema", sql: SCHEMA },
     Migration { version: 2, name: "durable connection epochs", sql: CONNECTION_EPOCH },
     Migration { version: 3, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
+    Migration { version: 4, name: "user privacy switches", sql: USER_PRIVACY },
 ];
 
 /// Step 2: each device's newest WebSocket connection (P2), moved by
@@ -377,6 +378,20 @@ CREATE TABLE device_markers (
     cleared_seq      INTEGER NOT NULL,
     cleared_version  INTEGER NOT NULL,
     PRIMARY KEY (user_id, device_id, conv_id)
+) WITHOUT ROWID;
+"#;
+
+/// Step 4 (issue 18): a user's privacy switches, keyed by user (a user
+/// table, sharded with the user's data). No row means both off. Presence
+/// itself is never stored: it lives in the nodes' memory only.
+pub const USER_PRIVACY: &str = r#"
+CREATE TABLE user_privacy (
+    user_id           TEXT PRIMARY KEY,
+    -- Others see the user offline; no presence frame of theirs goes out.
+    hide_presence     INTEGER NOT NULL DEFAULT 0,
+    -- Others do not see the user's read positions (conv.receipts).
+    private_receipts  INTEGER NOT NULL DEFAULT 0,
+    updated_at        INTEGER NOT NULL
 ) WITHOUT ROWID;
 "#;
 

@@ -68,6 +68,7 @@ where
     recall_edit_react_rules(&*fresh().await).await;
     snapshot_installability(&*fresh().await).await;
     group_commit_batches_concurrent_writes(fresh().await).await;
+    privacy_audience_and_receipts(&*fresh().await).await;
     large_group_rules(&*fresh().await).await;
     large_group_created_shared(&*fresh().await).await;
 }
@@ -864,4 +865,74 @@ pub async fn connection_epochs_are_per_device_and_durable(store: &dyn Store) {
     let seen: Vec<(&str, u64, bool, u64)> =
         fences.iter().map(|f| (f.device.as_str(), f.connection_epoch, f.revoked, f.acked_sync_seq)).collect();
     assert_eq!(seen, vec![("desk", 1, true, 0), ("phone", 2, false, 7)], "P2/P5/D8: the fences as committed");
+}
+
+/// Issue 18: privacy switches are durable and written only on a change;
+/// presence reaches the users sharing an open conversation; read receipts
+/// show current members minus private ones (R2), a departed member is not
+/// shown; delivery receipts (R1) are the sender's, in direct conversations.
+pub async fn privacy_audience_and_receipts(store: &dyn Store) {
+    users(store, &["a", "b", "c", "d", "e"]).await;
+    assert_eq!(store.privacy("a").await.unwrap(), Privacy::default(), "switches start off");
+    let hidden = store.set_privacy("a", Some(true), None, T0).await.unwrap();
+    assert_eq!(hidden, Privacy { hide_presence: true, private_receipts: false });
+    assert_eq!(store.set_privacy("a", None, None, T0).await.unwrap(), hidden, "no change keeps them");
+    assert_eq!(store.privacy("a").await.unwrap(), hidden, "switches are durable");
+    store.set_privacy("a", Some(false), None, T0).await.unwrap();
+    assert!(matches!(store.set_privacy("nobody", Some(true), None, T0).await, Err(StoreError::NotFound(_))));
+
+    let (direct, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    store.create_group(ev("g1", "a", "e1"), vec!["c".into(), "d".into()]).await.unwrap();
+    let audience = |u: &'static str| async move { store.presence_audience(u, 100).await.unwrap() };
+    assert_eq!(audience("a").await, vec!["b", "c", "d"], "everyone sharing a conversation, sorted, once");
+    assert_eq!(audience("c").await, vec!["a", "d"]);
+    assert_eq!(audience("e").await, Vec::<String>::new());
+    assert_eq!(store.presence_audience("a", 2).await.unwrap(), vec!["b", "c"], "bounded by the limit");
+
+    for i in 0..3 {
+        store.accept_send(send("a", "g1", &format!("g{i}"))).await.unwrap();
+    }
+    let m1 = store.accept_send(send("a", &direct, "d1")).await.unwrap();
+    let m2 = store.accept_send(send("b", &direct, "d2")).await.unwrap();
+    while !store.fan_out_next(100, T0).await.unwrap().items.is_empty() {}
+    store.mark_read("c", "g1", 3, T0).await.unwrap();
+    store.mark_read("d", "g1", 2, T0).await.unwrap();
+    let seen = store.conv_receipts("a", "g1", Some(3)).await.unwrap();
+    let a_read = seen.members.iter().find(|(u, _)| u == "a").map(|(_, s)| *s).unwrap();
+    assert_eq!(seen.members, vec![("a".into(), a_read), ("c".into(), 3), ("d".into(), 2)], "R2 to others");
+    assert_eq!((seen.hidden, seen.read_count, seen.truncated), (0, Some(1), false));
+    store.set_privacy("d", None, Some(true), T0).await.unwrap();
+    let seen = store.conv_receipts("c", "g1", None).await.unwrap();
+    assert_eq!(seen.members.iter().map(|(u, _)| u.as_str()).collect::<Vec<_>>(), vec!["a", "c"], "d is private");
+    assert_eq!(seen.hidden, 1);
+    let own = store.conv_receipts("d", "g1", None).await.unwrap();
+    assert!(own.members.contains(&("d".into(), 2)), "a private member still sees their own position");
+    store.change_membership(ev("g1", "c", "leave-c"), "c", MembershipChange::Leave).await.unwrap();
+    let seen = store.conv_receipts("a", "g1", None).await.unwrap();
+    assert!(!seen.members.iter().any(|(u, _)| u == "c"), "a departed member's position is not shown");
+    assert_eq!(store.conv_receipts("c", "g1", None).await, Err(StoreError::NotMember), "nor to them");
+    assert_eq!(store.conv_receipts("e", "g1", None).await, Err(StoreError::NotMember));
+    assert!(matches!(store.conv_receipts("a", "nope", None).await, Err(StoreError::NotFound(_))));
+
+    let ids = vec![m1.message_id.clone()];
+    assert_eq!(store.delivery_receipts("a", &direct, ids.clone()).await.unwrap(), vec![(m1.message_id.clone(), None)]);
+    store.record_delivery("a", "d1", ids.clone(), T0).await.unwrap();
+    assert_eq!(
+        store.delivery_receipts("a", &direct, ids.clone()).await.unwrap(),
+        vec![(m1.message_id.clone(), None)],
+        "the sender's own devices are not a delivery"
+    );
+    store.record_delivery("b", "phone", ids.clone(), T0 + 5).await.unwrap();
+    store.record_delivery("b", "desk", ids.clone(), T0 + 9).await.unwrap();
+    assert_eq!(
+        store.delivery_receipts("a", &direct, ids.clone()).await.unwrap(),
+        vec![(m1.message_id.clone(), Some(T0 + 5))],
+        "R1: the first delivery to the peer"
+    );
+    let theirs = store.delivery_receipts("a", &direct, vec![m2.message_id.clone()]).await;
+    assert!(matches!(theirs, Err(StoreError::Forbidden(_))), "only the sender reads them: {theirs:?}");
+    let group = store.delivery_receipts("a", "g1", vec![]).await;
+    assert!(matches!(group, Err(StoreError::Forbidden(_))), "direct conversations only: {group:?}");
+    assert!(matches!(store.delivery_receipts("a", &direct, vec!["m-none".into()]).await, Err(StoreError::NotFound(_))));
+    assert_eq!(store.delivery_receipts("c", &direct, vec![]).await, Err(StoreError::NotMember));
 }

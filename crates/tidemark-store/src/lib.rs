@@ -22,6 +22,7 @@ pub mod metric_names;
 use async_trait::async_trait;
 pub use tidemark_core::control::ControlOutcome;
 use tidemark_core::cursor::{AckDecision, DeviceCursor};
+pub use tidemark_core::ephemeral::{MemberRead, Privacy, Receipts};
 pub use tidemark_core::kinds::*;
 pub use tidemark_core::large::{GroupPolicy, Marker};
 pub use tidemark_core::membership::MembershipChange;
@@ -843,6 +844,43 @@ pub trait Store: Send + Sync + 'static {
     /// Whether writes commit; read without touching the database.
     fn health(&self) -> StoreHealth;
 
+    // ------------------------------ ephemeral lane and receipts (issue 18)
+
+    /// The user's privacy switches (both off for a user who never set one).
+    async fn privacy(&self, user: &str) -> StoreResult<Privacy>;
+
+    /// Updates the user's privacy switches (`None` keeps one as it is;
+    /// `tidemark_core::ephemeral::privacy_after` decides, nothing is written
+    /// when nothing changes) and returns them. `NotFound` for an unknown user.
+    async fn set_privacy(
+        &self,
+        user: &str,
+        hide_presence: Option<bool>,
+        private_receipts: Option<bool>,
+        now_ms: i64,
+    ) -> StoreResult<Privacy>;
+
+    /// The users sharing a conversation with `user` in which both have an
+    /// open period, `user` excluded, sorted, at most `limit`: who may see
+    /// the user's presence.
+    async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>>;
+
+    /// The read positions (R2) of `conv`'s current members as `user` may
+    /// see them (`tidemark_core::ephemeral::visible_receipts`, on the
+    /// members, their `read_seq` and their privacy read in one statement);
+    /// with `at`, how many of them read it.
+    async fn conv_receipts(&self, user: &str, conv: &str, at: Option<MsgSeq>) -> StoreResult<Receipts>;
+
+    /// Delivery receipts (R1) of the caller's own messages in a direct
+    /// conversation (`tidemark_core::ephemeral::check_delivery_receipts`):
+    /// for each id, in the order asked, the earliest delivery to a device
+    /// of another user, `None` while there is none.
+    async fn delivery_receipts(
+        &self,
+        user: &str,
+        conv: &str,
+        message_ids: Vec<String>,
+    ) -> StoreResult<Vec<(String, Option<i64>)>>;
     // ------------------------------------------------------ cluster fences
 
     /// A new WebSocket connection of the device (P2): its

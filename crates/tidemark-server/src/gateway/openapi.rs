@@ -144,6 +144,32 @@ fn rpcs(s: &mut Schemas) -> Vec<Rpc> {
         ),
         rpc(op::DEVICE_REVOKE, "Revoke a device (P5)", s.of::<DeviceRevokeReq>(), s.of::<DeviceRevokeOk>()),
         no_fields(op::PING, "Liveness of the caller's session", empty.clone()),
+        rpc(op::TYPING, "Start or stop typing in a conversation (ephemeral)", s.of::<TypingReq>(), s.of::<TypingOk>()),
+        rpc(
+            op::PRESENCE_SET,
+            "Set this connection online or idle (ephemeral; WebSocket only)",
+            s.of::<PresenceSetReq>(),
+            s.of::<PresenceSetOk>(),
+        ),
+        Rpc {
+            op: op::PRIVACY_SET,
+            summary: "Hide presence, make read receipts private (an empty body reads them)",
+            request: s.of::<PrivacySetReq>(),
+            body_required: false,
+            reply: s.of::<PrivacyOk>(),
+        },
+        rpc(
+            op::CONV_RECEIPTS,
+            "Read positions of a conversation's members (R2)",
+            s.of::<ConvReceiptsReq>(),
+            s.of::<ConvReceiptsOk>(),
+        ),
+        rpc(
+            op::DELIVERY_RECEIPTS,
+            "Deliveries of the caller's messages in a direct conversation (R1)",
+            s.of::<DeliveryReceiptsReq>(),
+            s.of::<DeliveryReceiptsOk>(),
+        ),
     ]
 }
 

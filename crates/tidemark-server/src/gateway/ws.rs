@@ -14,6 +14,9 @@
 //! - A client that does not read its replies fills its send queue and is
 //!   disconnected (`kicked {reason: "slow_consumer"}`); it resyncs from its
 //!   cursor, so nothing is silently skipped.
+//! - Ephemeral frames (typing, presence; [`crate::ephemeral`]) wait in the
+//!   connection's bounded slots and are written only while no reply is
+//!   queued: they are shed first and never count toward the send queue.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -35,6 +38,7 @@ use tokio::task::JoinSet;
 use super::auth;
 use super::http::{bearer, error_response};
 use crate::config::WS_FULL_RETRY_AFTER_MS;
+use crate::ephemeral::EphConn;
 use crate::error::{ApiError, ApiResult};
 use crate::hub::ConnEntry;
 use crate::metrics as m;
@@ -185,10 +189,22 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
         let v = serde_json::to_value(ok).expect("auth.ok serializes");
         push(&out_tx, &entry, tidemark_proto::reply_frame(op::AUTH, rid.as_deref(), v).to_string());
     }
-    let mut writer =
-        tokio::spawn(write_loop(sink, out_rx, entry.clone(), state.config.ws_ping, state.shutdown.clone()));
+    // The ephemeral lane (issue 18): presence and typing of this connection.
+    let eph = state.lane.attach(&ctx.user, &ctx.device, entry.epoch);
+    let mut writer = tokio::spawn(write_loop(
+        sink,
+        out_rx,
+        entry.clone(),
+        eph.clone(),
+        state.config.ws_ping,
+        state.shutdown.clone(),
+    ));
     let inflight = Arc::new(Semaphore::new(state.config.ws_inflight_max));
     let mut tasks: JoinSet<()> = JoinSet::new();
+    {
+        let (state, eph) = (state.clone(), eph.clone());
+        tasks.spawn(async move { state.lane.connected(&eph).await });
+    }
     let mut kick = entry.kick_watch();
     let mut last_seen = Instant::now();
     let silent_max = state.config.ws_ping * 3;
@@ -238,6 +254,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<Au
         writer.abort();
     }
     state.hub.unregister(&entry);
+    state.lane.detach(&eph).await;
     tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket closed");
 }
 
@@ -288,10 +305,25 @@ async fn send_kicked(sink: &mut SplitSink<WebSocket, Message>, why: &'static str
     .await;
 }
 
+/// Writes the ephemeral frames waiting for this connection (issue 18).
+async fn send_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn) -> Result<(), axum::Error> {
+    let frames = eph.take(crate::util::now_ms());
+    if frames.is_empty() {
+        return Ok(());
+    }
+    for frame in &frames {
+        let kind = if matches!(frame, ServerFrame::Typing(_)) { "typing" } else { "presence" };
+        metrics::counter!(m::EPHEMERAL_SENT, "kind" => kind).increment(1);
+        sink.feed(Message::Text(server_frame_text(frame).into())).await?;
+    }
+    sink.flush().await
+}
+
 async fn write_loop(
     mut sink: SplitSink<WebSocket, Message>,
     mut out: mpsc::Receiver<String>,
     entry: Arc<ConnEntry>,
+    eph: Arc<EphConn>,
     ping: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
@@ -335,6 +367,9 @@ async fn write_loop(
                 }
                 sent
             }
+            // Shed first: ephemeral frames go only while no reply waits
+            // (they wait in their coalescing slots meanwhile).
+            _ = eph.wake.notified(), if out.is_empty() => send_ephemeral(&mut sink, &eph).await,
             _ = ticker.tick() => sink.send(Message::Ping(Default::default())).await,
         };
         if sent.is_err() {

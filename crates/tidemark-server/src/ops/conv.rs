@@ -15,7 +15,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::state::AppState;
 use crate::util::{new_id, now_ms};
 
-fn check_conv(conv: &str) -> ApiResult<()> {
+pub(super) fn check_conv(conv: &str) -> ApiResult<()> {
     if conv.is_empty() || conv.len() > tidemark_proto::ID_BYTES_MAX {
         return Err(ApiError::bad_request(format!("conv must be 1..={} bytes", tidemark_proto::ID_BYTES_MAX)));
     }

@@ -6,6 +6,8 @@
 pub mod control;
 pub mod conv;
 pub mod device;
+pub mod ephemeral;
+pub mod receipts;
 pub mod render;
 pub mod send;
 pub mod snapshot;
@@ -84,6 +86,11 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::SNAPSHOT_ACK => to_value(&snapshot::ack(&state, &ctx, parse(body)?).await?),
         op::DEVICE_REVOKE => to_value(&device::revoke(&state, &ctx, parse(body)?).await?),
         op::PING => to_value(&tidemark_proto::Empty {}),
+        op::TYPING => to_value(&ephemeral::typing(&state, &ctx, parse(body)?).await?),
+        op::PRESENCE_SET => to_value(&ephemeral::presence_set(&state, &ctx, parse(body)?).await?),
+        op::PRIVACY_SET => to_value(&ephemeral::privacy_set(&state, &ctx, parse(body)?).await?),
+        op::CONV_RECEIPTS => to_value(&receipts::conv_receipts(&state, &ctx, parse(body)?).await?),
+        op::DELIVERY_RECEIPTS => to_value(&receipts::delivery_receipts(&state, &ctx, parse(body)?).await?),
         other => Err(ApiError::bad_request(format!("unknown operation {other:?}"))),
     }
 }

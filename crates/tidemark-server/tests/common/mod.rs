@@ -244,10 +244,15 @@ impl Device {
     }
 
     /// The next hint within `within`; `None` on timeout, kick or close.
+    /// Ephemeral frames (typing, presence) in between are skipped.
     pub async fn next_hint(&mut self, within: Duration) -> Option<u64> {
-        match tokio::time::timeout(within, self.events.recv()).await {
-            Ok(Some(ServerEvent::Hint { high_watermark, .. })) => Some(high_watermark),
-            _ => None,
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            match tokio::time::timeout_at(deadline, self.events.recv()).await {
+                Ok(Some(ServerEvent::Hint { high_watermark, .. })) => return Some(high_watermark),
+                Ok(Some(ServerEvent::Typing(_) | ServerEvent::Presence(_))) => continue,
+                _ => return None,
+            }
         }
     }
 }

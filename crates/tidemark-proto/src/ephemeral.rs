@@ -1,0 +1,215 @@
+//! Wire shapes of the ephemeral lane and of receipts shown to others
+//! (issue 18, docs/protocol.md §3.26–3.30 and §4.3–4.4): the `typing`,
+//! `presence.set`, `privacy.set`, `conv.receipts` and `delivery.receipts`
+//! operations, and the `typing` and `presence` server frames (variants of
+//! [`crate::ServerFrame`]). Typing and presence never enter a sync log.
+
+use serde::{Deserialize, Serialize};
+
+use crate::whole;
+
+/// The presence states on the wire.
+pub mod presence_state {
+    pub const ONLINE: &str = "online";
+    pub const IDLE: &str = "idle";
+    pub const OFFLINE: &str = "offline";
+}
+
+#[cfg(feature = "openapi")]
+mod schema {
+    use utoipa::openapi::schema::{ObjectBuilder, Schema, Type};
+    use utoipa::openapi::RefOr;
+
+    use super::presence_state::*;
+
+    /// What a device may say of itself: online or idle.
+    pub fn settable_state() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .enum_values(Some([ONLINE, IDLE]))
+            .description(Some("this connection's presence"))
+            .into()
+    }
+
+    /// What others are shown.
+    pub fn state() -> RefOr<Schema> {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .enum_values(Some([ONLINE, IDLE, OFFLINE]))
+            .description(Some("the user's presence as others see it"))
+            .into()
+    }
+
+    pub fn typing_timeout() -> RefOr<Schema> {
+        use tidemark_core::ephemeral::*;
+        ObjectBuilder::new()
+            .schema_type(Type::Integer)
+            .minimum(Some(0))
+            .default(Some(TYPING_TIMEOUT_DEFAULT_MS.into()))
+            .description(Some(format!(
+                "milliseconds; cut to {TYPING_TIMEOUT_MIN_MS}..={TYPING_TIMEOUT_MAX_MS} (or the server's lower bound)"
+            )))
+            .into()
+    }
+}
+
+/// `typing`: start (`typing: true`) or stop typing in a conversation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TypingReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::openapi::conv))]
+    pub conv: String,
+    pub typing: bool,
+    /// How long the start holds without a renewal.
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = schema::typing_timeout))]
+    pub timeout_ms: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TypingOk {
+    pub conv: String,
+    pub typing: bool,
+    /// The timeout the server applies (0 for a stop).
+    pub timeout_ms: u64,
+}
+
+/// `presence.set`: this connection is online or idle.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PresenceSetReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = schema::settable_state))]
+    pub state: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PresenceSetOk {
+    /// The user's presence as others now see it (`offline` while hidden).
+    #[cfg_attr(feature = "openapi", schema(schema_with = schema::state))]
+    pub state: String,
+    pub hidden: bool,
+}
+
+/// `privacy.set`: the caller's privacy switches (absent: unchanged; an
+/// empty body reads them).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PrivacySetReq {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hide_presence: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub private_receipts: Option<bool>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PrivacyOk {
+    pub hide_presence: bool,
+    pub private_receipts: bool,
+}
+
+/// `conv.receipts`: the read positions of a conversation's members.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ConvReceiptsReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::openapi::conv))]
+    pub conv: String,
+    /// With it, the reply counts the members shown who read this `msg_seq`.
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
+    pub msg_seq: Option<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct MemberReceipt {
+    pub user: String,
+    pub read_seq: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ConvReceiptsOk {
+    pub conv: String,
+    /// Current members shown, by user (the caller included).
+    pub members: Vec<MemberReceipt>,
+    /// Current members whose read receipts are private.
+    pub hidden: u64,
+    /// With `msg_seq`: members shown, the caller excluded, whose `read_seq`
+    /// reaches it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_count: Option<u64>,
+    /// More members were shown than one reply lists.
+    pub truncated: bool,
+}
+
+/// `delivery.receipts`: deliveries of the caller's own messages in a
+/// direct conversation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DeliveryReceiptsReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::openapi::conv))]
+    pub conv: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::openapi::message_ids))]
+    pub message_ids: Vec<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DeliveryReceipt {
+    pub message_id: String,
+    /// When a device of the peer first recorded it (`delivery.ack`);
+    /// absent while none has.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delivered_at: Option<i64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DeliveryReceiptsOk {
+    pub conv: String,
+    /// In the order asked.
+    pub receipts: Vec<DeliveryReceipt>,
+}
+
+/// Server frame `typing`: `user` started (`typing: true`, shown for
+/// `timeout_ms` unless renewed) or stopped typing in `conv`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct TypingFrame {
+    pub conv: String,
+    pub user: String,
+    pub typing: bool,
+    #[serde(default)]
+    pub timeout_ms: u64,
+}
+
+/// Server frame `presence`: `user` is now `state`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PresenceFrame {
+    pub user: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = schema::state))]
+    pub state: String,
+    /// For `idle` and `offline`: when the user was last active (ms since
+    /// the epoch, server clock); absent when unknown or hidden.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_seen: Option<i64>,
+}
+
+/// What an ephemeral signal carries between nodes (cluster mode), inside a
+/// [`crate::BusHint`]: the frame for the users `to` on whichever node holds
+/// their connections.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusEphemeral {
+    pub to: Vec<String>,
+    /// Absent for a probe alone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub frame: Option<crate::ServerFrame>,
+    /// A connection of the hint's `user` just opened: each receiver that is
+    /// online or idle (and not hidden) answers with its own presence.
+    #[serde(default)]
+    pub answer: bool,
+}

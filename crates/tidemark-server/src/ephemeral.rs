@@ -1,0 +1,607 @@
+//! The ephemeral lane (issue 18): typing and presence, delivered to the
+//! connections allowed to see them and never written to any sync log.
+//!
+//! What is decided (who sees what, when a change is worth a frame, when
+//! typing expires) is `tidemark_core::ephemeral`; this module keeps the
+//! live state of one node and delivers:
+//!
+//! - **Per receiver, bounded and coalesced.** Every connection has slots,
+//!   one per `(conversation, typer)` for typing and one per user for
+//!   presence. A new frame replaces the one waiting in its slot; a frame
+//!   for a new key when the connection already holds
+//!   [`EphemeralConfig::typing_slots_max`] (or `presence_slots_max`) waiting
+//!   frames is dropped. Nothing queues without bound, and ephemeral frames
+//!   never count toward the reply queue or its slow-consumer kick.
+//! - **Shed first.** The connection's writer sends waiting ephemeral frames
+//!   only when its reply queue is empty, after replies and hints: while
+//!   replies wait, ephemeral frames wait too and coalesce in their slots;
+//!   a typing start whose timeout passed while it waited is dropped.
+//! - **Typing** is forwarded to the other current members of the
+//!   conversation (a store read per forwarded request, rate-limited per
+//!   device by [`crate::limits`]); renewals coalesce
+//!   (`core::ephemeral::typing_step`), and the node that took the start
+//!   sends the stop itself when the timeout passes without a renewal
+//!   ([`Lane::sweep`]), bounded by [`EphemeralConfig::typing_held_max`].
+//! - **Presence** is per connection (`online` on connect, `online`/`idle`
+//!   by `presence.set`, gone on close); what others see is the most present
+//!   connection of the user on this node, `offline` for a hidden user. A
+//!   frame goes out only when that changes (heartbeats say nothing),
+//!   to the users sharing an open conversation (the audience, read from the
+//!   store for each announcement, which coalescing makes rare, so a
+//!   conversation created since the user connected counts). Every new
+//!   connection also asks
+//!   its audience for their presence: each receiver that is online or idle,
+//!   and not hidden, answers with one presence frame to the new user.
+//! - **Across nodes** every signal is published once on the hint bus
+//!   ([`tidemark_proto::BusHint`] with its `ephemeral` field), its
+//!   recipients in chunks of [`BUS_RECIPIENTS_MAX`]; each node delivers to
+//!   its own connections of the recipients. A node that hears that a user
+//!   went `offline` while it still holds a connection of that user announces
+//!   the user's presence again, so a user connected to two nodes does not
+//!   stay shown offline when one of them closes; between nodes otherwise the
+//!   last announcement wins.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tidemark_core::ephemeral::{self as rules, Presence, Typing};
+use tidemark_proto::{BusEphemeral, BusHint, PresenceFrame, ServerFrame, TypingFrame};
+use tidemark_store::Store;
+use tokio::sync::{mpsc, watch, Notify};
+
+use crate::error::{ApiError, ApiResult};
+use crate::metrics as m;
+
+/// Recipients named by one bus payload; a longer list is split.
+pub const BUS_RECIPIENTS_MAX: usize = 256;
+/// Largest ephemeral bus payload accepted, in bytes (a full chunk of
+/// recipients of the longest user names, and the frame).
+pub const BUS_EPHEMERAL_PAYLOAD_BYTES_MAX: usize = 32 * 1024;
+/// Ephemeral payloads waiting for the bus publisher; beyond, dropped.
+pub const BUS_EPHEMERAL_QUEUE_MAX: usize = 4096;
+
+/// The bounds of the lane; every one has a name.
+#[derive(Debug, Clone)]
+pub struct EphemeralConfig {
+    /// The longest typing held without a renewal (server-side bound).
+    pub typing_timeout_max: Duration,
+    /// How often expired typing is looked for (and stopped).
+    pub typing_sweep_every: Duration,
+    /// Typing signals this node holds for their expiry at once; past it a
+    /// start is still forwarded but not stopped by the server (receivers
+    /// stop showing it after its `timeout_ms` anyway).
+    pub typing_held_max: usize,
+    /// Waiting typing frames per connection (distinct conversation, typer).
+    pub typing_slots_max: usize,
+    /// Waiting presence frames per connection (distinct users).
+    pub presence_slots_max: usize,
+    /// Users one presence change reaches at most.
+    pub audience_max: u32,
+}
+
+impl Default for EphemeralConfig {
+    fn default() -> Self {
+        EphemeralConfig {
+            typing_timeout_max: Duration::from_millis(rules::TYPING_TIMEOUT_MAX_MS),
+            typing_sweep_every: Duration::from_millis(250),
+            typing_held_max: 100_000,
+            typing_slots_max: 64,
+            presence_slots_max: 512,
+            audience_max: rules::PRESENCE_AUDIENCE_MAX,
+        }
+    }
+}
+
+/// A frame waiting in a connection's slot.
+#[derive(Debug, Clone)]
+struct Waiting {
+    frame: ServerFrame,
+    /// A typing start stops mattering at this time (`None`: never).
+    stale_at_ms: Option<i64>,
+}
+
+#[derive(Debug, Default)]
+struct Slots {
+    typing: HashMap<(String, String), Waiting>,
+    presence: HashMap<String, Waiting>,
+}
+
+/// One connection as the lane sees it.
+#[derive(Debug)]
+pub struct EphConn {
+    pub user: String,
+    pub device: String,
+    pub epoch: u64,
+    presence: Mutex<Presence>,
+    slots: Mutex<Slots>,
+    /// Woken when a frame waits.
+    pub wake: Notify,
+}
+
+impl EphConn {
+    /// Puts `frame` in its slot (replacing what waits there); `false` when
+    /// it was dropped because the slots are full.
+    fn offer(&self, frame: ServerFrame, stale_at_ms: Option<i64>, config: &EphemeralConfig) -> bool {
+        let mut slots = self.slots.lock().expect("slots lock");
+        let waiting = Waiting { frame, stale_at_ms };
+        let stored = match &waiting.frame {
+            ServerFrame::Typing(t) => {
+                let key = (t.conv.clone(), t.user.clone());
+                if slots.typing.len() >= config.typing_slots_max && !slots.typing.contains_key(&key) {
+                    false
+                } else {
+                    slots.typing.insert(key, waiting);
+                    true
+                }
+            }
+            ServerFrame::Presence(p) => {
+                if slots.presence.len() >= config.presence_slots_max && !slots.presence.contains_key(&p.user) {
+                    false
+                } else {
+                    slots.presence.insert(p.user.clone(), waiting);
+                    true
+                }
+            }
+            ServerFrame::Hint(_) | ServerFrame::Kicked(_) => false,
+        };
+        drop(slots);
+        if stored {
+            self.wake.notify_one();
+        } else {
+            metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "slots_full").increment(1);
+        }
+        stored
+    }
+
+    /// Whether frames wait.
+    pub fn pending(&self) -> bool {
+        let slots = self.slots.lock().expect("slots lock");
+        !slots.typing.is_empty() || !slots.presence.is_empty()
+    }
+
+    /// Empties the slots: the frames to send now, presence first; typing
+    /// starts gone stale while waiting are dropped.
+    pub fn take(&self, now_ms: i64) -> Vec<ServerFrame> {
+        let mut slots = self.slots.lock().expect("slots lock");
+        let mut out: Vec<ServerFrame> = slots.presence.drain().map(|(_, w)| w.frame).collect();
+        for (_, w) in slots.typing.drain() {
+            if w.stale_at_ms.is_some_and(|at| at <= now_ms) {
+                metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "expired").increment(1);
+            } else {
+                out.push(w.frame);
+            }
+        }
+        out
+    }
+}
+
+/// The local view of one user with connections on this node.
+#[derive(Debug, Default)]
+struct UserLocal {
+    conns: Vec<Arc<EphConn>>,
+    hidden: bool,
+    /// What others were last told (`None`: nothing since connecting).
+    announced: Option<Presence>,
+    /// Last time a connection of the user was opened or set `online`.
+    last_active_ms: i64,
+}
+
+impl UserLocal {
+    fn effective(&self) -> Presence {
+        let devices = self.conns.iter().map(|c| *c.presence.lock().expect("presence lock"));
+        rules::effective_presence(devices, self.hidden)
+    }
+
+    fn frame(&self, user: &str, state: Presence) -> ServerFrame {
+        let last_seen = (state != Presence::Online && !self.hidden).then_some(self.last_active_ms);
+        ServerFrame::Presence(PresenceFrame { user: user.into(), state: state.as_str().into(), last_seen })
+    }
+}
+
+/// A signal to deliver: the frame (or none, for a probe), to whom, and
+/// whether the receivers answer with their own presence.
+#[derive(Debug, Clone)]
+struct Signal {
+    from: String,
+    to: Vec<String>,
+    frame: Option<ServerFrame>,
+    answer: bool,
+}
+
+/// A typing signal held for its expiry, with the receivers of its stop.
+#[derive(Debug)]
+struct Held {
+    typing: Typing,
+    to: Vec<String>,
+}
+
+/// The lane of one node.
+pub struct Lane {
+    store: Arc<dyn Store>,
+    config: EphemeralConfig,
+    users: Mutex<HashMap<String, UserLocal>>,
+    typing: Mutex<HashMap<(String, String), Held>>,
+    /// `None` on a single node.
+    bus: Option<mpsc::Sender<BusHint>>,
+}
+
+impl std::fmt::Debug for Lane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Lane {
+    pub fn new(store: Arc<dyn Store>, config: EphemeralConfig, bus: Option<mpsc::Sender<BusHint>>) -> Lane {
+        Lane { store, config, users: Mutex::default(), typing: Mutex::default(), bus }
+    }
+
+    pub fn config(&self) -> &EphemeralConfig {
+        &self.config
+    }
+
+    // ------------------------------------------------------- connections
+
+    /// Registers a new connection, online. [`Lane::connected`] announces it.
+    pub fn attach(&self, user: &str, device: &str, epoch: u64) -> Arc<EphConn> {
+        let conn = Arc::new(EphConn {
+            user: user.into(),
+            device: device.into(),
+            epoch,
+            presence: Mutex::new(Presence::Online),
+            slots: Mutex::default(),
+            wake: Notify::new(),
+        });
+        let mut users = self.users.lock().expect("lane lock");
+        let u = users.entry(user.to_owned()).or_default();
+        u.conns.push(conn.clone());
+        u.last_active_ms = crate::util::now_ms();
+        conn
+    }
+
+    /// After [`Lane::attach`]: reads the user's privacy and audience, then
+    /// announces the user if that changes what others see, and asks the
+    /// audience for their presence.
+    pub async fn connected(&self, conn: &EphConn) {
+        let user = &conn.user;
+        let (privacy, audience) = match self.facts(user).await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!(%user, error = ?e.code, "presence facts not read; not announced");
+                return;
+            }
+        };
+        let signal = {
+            let mut users = self.users.lock().expect("lane lock");
+            let Some(u) = users.get_mut(user) else { return };
+            u.hidden = privacy.hide_presence;
+            let state = u.effective();
+            let frame = rules::presence_changed(u.announced, state).then(|| u.frame(user, state));
+            if frame.is_some() {
+                u.announced = Some(state);
+            }
+            Signal { from: user.clone(), to: audience, frame, answer: true }
+        };
+        self.deliver(signal);
+    }
+
+    /// A connection closed: the user's presence is recomputed from the
+    /// connections left here (offline with none) and announced if changed.
+    pub async fn detach(&self, conn: &Arc<EphConn>) {
+        let gone = {
+            let mut users = self.users.lock().expect("lane lock");
+            let Some(u) = users.get_mut(&conn.user) else { return };
+            u.conns.retain(|c| !Arc::ptr_eq(c, conn));
+            if !u.conns.is_empty() {
+                None
+            } else {
+                let u = users.remove(&conn.user).expect("held above");
+                let was_shown = u.announced.unwrap_or(Presence::Offline) != Presence::Offline;
+                Some(was_shown.then(|| {
+                    let last_seen = (!u.hidden).then(crate::util::now_ms);
+                    let frame =
+                        PresenceFrame { user: conn.user.clone(), state: Presence::Offline.as_str().into(), last_seen };
+                    ServerFrame::Presence(frame)
+                }))
+            }
+        };
+        match gone {
+            // Other connections remain: what they show now, if it changed.
+            None => self.announce(&conn.user, None, false).await,
+            Some(Some(offline)) => {
+                if let Some(to) = self.audience(&conn.user).await {
+                    self.deliver(Signal { from: conn.user.clone(), to, frame: Some(offline), answer: false });
+                }
+            }
+            Some(None) => {}
+        }
+    }
+
+    async fn facts(&self, user: &str) -> ApiResult<(tidemark_store::Privacy, Vec<String>)> {
+        let privacy = self.store.privacy(user).await?;
+        let audience = self.store.presence_audience(user, self.config.audience_max).await?;
+        Ok((privacy, audience))
+    }
+
+    /// Who sees `user`'s presence now (read at every announcement, which
+    /// coalescing makes rare, so a conversation created or left since the
+    /// user connected counts at once); `None` when the store cannot say.
+    async fn audience(&self, user: &str) -> Option<Vec<String>> {
+        match self.store.presence_audience(user, self.config.audience_max).await {
+            Ok(a) => Some(a),
+            Err(e) => {
+                tracing::debug!(%user, error = %e, "presence audience not read; not announced");
+                None
+            }
+        }
+    }
+
+    /// Announces what others see of local `user` now if it differs from
+    /// what they were last told, or, with `force`, if it is not offline.
+    /// The state is read after the audience, so of two racing calls the
+    /// last one delivered carries the latest state. `hidden` sets the
+    /// privacy switch first when it is known anew.
+    async fn announce(&self, user: &str, hidden: Option<bool>, force: bool) {
+        if let Some(h) = hidden {
+            if let Some(u) = self.users.lock().expect("lane lock").get_mut(user) {
+                u.hidden = h;
+            }
+        }
+        let Some(to) = self.audience(user).await else { return };
+        let frame = {
+            let mut users = self.users.lock().expect("lane lock");
+            let Some(u) = users.get_mut(user) else { return };
+            let state = u.effective();
+            let forced = force && state != Presence::Offline;
+            if !forced && !rules::presence_changed(u.announced, state) {
+                return;
+            }
+            u.announced = Some(state);
+            u.frame(user, state)
+        };
+        self.deliver(Signal { from: user.into(), to, frame: Some(frame), answer: false });
+    }
+
+    // ---------------------------------------------------------- presence
+
+    /// `presence.set` of `user`'s `device`, which must hold a WebSocket on
+    /// this node. Returns what others now see and whether the user hides.
+    pub async fn set_presence(&self, user: &str, device: &str, state: Presence) -> ApiResult<(Presence, bool)> {
+        let now = crate::util::now_ms();
+        let (shown, hidden, changed) = {
+            let mut users = self.users.lock().expect("lane lock");
+            let u = users.get_mut(user).filter(|u| u.conns.iter().any(|c| c.device == device)).ok_or_else(|| {
+                ApiError::bad_request("presence.set needs a WebSocket connection of this device on this server")
+            })?;
+            for c in u.conns.iter().filter(|c| c.device == device) {
+                *c.presence.lock().expect("presence lock") = state;
+            }
+            if state == Presence::Online {
+                u.last_active_ms = now;
+            }
+            let shown = u.effective();
+            (shown, u.hidden, rules::presence_changed(u.announced, shown))
+        };
+        if changed {
+            self.announce(user, None, false).await;
+        }
+        Ok((shown, hidden))
+    }
+
+    /// The user's privacy changed (`privacy.set` committed): hiding says
+    /// `offline` to the audience, showing again says the current state.
+    pub async fn privacy_changed(&self, user: &str, privacy: tidemark_store::Privacy) {
+        self.announce(user, Some(privacy.hide_presence), false).await;
+    }
+
+    // ------------------------------------------------------------ typing
+
+    /// `typing` of `user` in `conv`: to the other current members, with
+    /// renewals coalesced; returns the timeout applied (0 for a stop).
+    pub async fn typing(&self, user: &str, conv: &str, start: bool, timeout_ms: Option<u64>) -> ApiResult<u64> {
+        let conversation = self.store.conversation(conv).await?;
+        let members = conversation.as_ref().map(|c| c.members.as_slice());
+        let to = rules::typing_recipients(conv, members, user).map_err(tidemark_store::StoreError::from)?;
+        let max_ms = self.config.typing_timeout_max.as_millis() as u64;
+        let timeout = if start { rules::typing_timeout(timeout_ms, max_ms) } else { 0 };
+        let now = crate::util::now_ms();
+        let forward = {
+            let mut held = self.typing.lock().expect("typing lock");
+            let key = (conv.to_owned(), user.to_owned());
+            let step = rules::typing_step(held.get(&key).map(|h| h.typing), start, now, timeout);
+            match step.held {
+                Some(typing) if held.len() < self.config.typing_held_max || held.contains_key(&key) => {
+                    held.insert(key, Held { typing, to: to.clone() });
+                }
+                Some(_) => {
+                    metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "typing_held_full").increment(1);
+                }
+                None => {
+                    held.remove(&key);
+                }
+            }
+            step.forward
+        };
+        if forward {
+            let frame = ServerFrame::Typing(TypingFrame {
+                conv: conv.into(),
+                user: user.into(),
+                typing: start,
+                timeout_ms: timeout,
+            });
+            self.deliver(Signal { from: user.into(), to, frame: Some(frame), answer: false });
+        }
+        Ok(timeout)
+    }
+
+    /// Stops every held typing whose timeout passed; returns how many.
+    pub fn sweep(&self, now_ms: i64) -> usize {
+        let expired: Vec<((String, String), Held)> = {
+            let mut held = self.typing.lock().expect("typing lock");
+            let keys: Vec<_> =
+                held.iter().filter(|(_, h)| h.typing.expires_at_ms <= now_ms).map(|(k, _)| k.clone()).collect();
+            keys.into_iter().filter_map(|k| held.remove_entry(&k)).collect()
+        };
+        let n = expired.len();
+        for ((conv, user), h) in expired {
+            let frame = ServerFrame::Typing(TypingFrame { conv, user: user.clone(), typing: false, timeout_ms: 0 });
+            self.deliver(Signal { from: user, to: h.to, frame: Some(frame), answer: false });
+        }
+        n
+    }
+
+    /// Runs [`Lane::sweep`] every `typing_sweep_every` until shutdown.
+    pub async fn run_sweep(self: Arc<Self>, mut shutdown: watch::Receiver<bool>) {
+        let mut every = tokio::time::interval(self.config.typing_sweep_every);
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = every.tick() => {}
+                _ = crate::util::stopped(&mut shutdown) => return,
+            }
+            self.sweep(crate::util::now_ms());
+        }
+    }
+
+    // ---------------------------------------------------------- delivery
+
+    /// Delivers to this node's connections of the recipients and publishes
+    /// the signal for the other nodes.
+    fn deliver(&self, signal: Signal) {
+        self.publish(&signal);
+        self.deliver_local(&signal);
+    }
+
+    /// Offers the frame to the local connections of the recipients; with
+    /// `answer`, each recipient visible here answers with its presence.
+    fn deliver_local(&self, signal: &Signal) {
+        let stale_at = match &signal.frame {
+            Some(ServerFrame::Typing(t)) if t.typing => Some(crate::util::now_ms() + t.timeout_ms as i64),
+            _ => None,
+        };
+        let mut answers = Vec::new();
+        {
+            let users = self.users.lock().expect("lane lock");
+            for r in &signal.to {
+                let Some(u) = users.get(r) else { continue };
+                if let Some(frame) = &signal.frame {
+                    for c in &u.conns {
+                        c.offer(frame.clone(), stale_at, &self.config);
+                    }
+                }
+                if signal.answer {
+                    let state = u.effective();
+                    if state != Presence::Offline {
+                        answers.push(Signal {
+                            from: r.clone(),
+                            to: vec![signal.from.clone()],
+                            frame: Some(u.frame(r, state)),
+                            answer: false,
+                        });
+                    }
+                }
+            }
+        }
+        for a in answers {
+            self.deliver(a);
+        }
+    }
+
+    fn publish(&self, signal: &Signal) {
+        let Some(bus) = &self.bus else { return };
+        for to in signal.to.chunks(BUS_RECIPIENTS_MAX) {
+            let hint = BusHint {
+                user: signal.from.clone(),
+                high_watermark: 0,
+                conv: None,
+                kick: None,
+                ephemeral: Some(BusEphemeral { to: to.to_vec(), frame: signal.frame.clone(), answer: signal.answer }),
+            };
+            if bus.try_send(hint).is_err() {
+                metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "bus_queue_full").increment(1);
+            }
+        }
+    }
+
+    /// A signal another node published (`from` is the hint's user), run by
+    /// the bus subscriber task.
+    pub async fn from_bus(&self, from: String, eph: BusEphemeral) {
+        metrics::counter!(m::EPHEMERAL_BUS_RECEIVED).increment(1);
+        let about_sender = match &eph.frame {
+            Some(ServerFrame::Presence(p)) if p.user == from => Some(p.state == Presence::Offline.as_str()),
+            _ => None,
+        };
+        // Only this node's connections: the other nodes heard it too
+        // (answers are delivered everywhere).
+        self.deliver_local(&Signal { from: from.clone(), to: eph.to, frame: eph.frame, answer: eph.answer });
+        // Another node announced `from`, who is connected here too: its
+        // privacy switch may have changed there, so it is read again. If it
+        // said offline, this node says again what it sees, so a user still
+        // connected here is not left shown offline.
+        let Some(offline) = about_sender else { return };
+        if !self.users.lock().expect("lane lock").contains_key(&from) {
+            return;
+        }
+        let hidden = self.store.privacy(&from).await.ok().map(|p| p.hide_presence);
+        if offline {
+            self.announce(&from, hidden, true).await;
+        } else if let (Some(h), Some(u)) = (hidden, self.users.lock().expect("lane lock").get_mut(&from)) {
+            u.hidden = h;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn conn() -> EphConn {
+        EphConn {
+            user: "ben".into(),
+            device: "phone".into(),
+            epoch: 1,
+            presence: Mutex::new(Presence::Online),
+            slots: Mutex::default(),
+            wake: Notify::new(),
+        }
+    }
+
+    fn typing(conv: &str, user: &str, on: bool) -> ServerFrame {
+        ServerFrame::Typing(TypingFrame { conv: conv.into(), user: user.into(), typing: on, timeout_ms: 10 })
+    }
+
+    fn presence(user: &str, state: &str) -> ServerFrame {
+        ServerFrame::Presence(PresenceFrame { user: user.into(), state: state.into(), last_seen: None })
+    }
+
+    /// Slots coalesce to the latest frame per key, drop new keys past the
+    /// bound (existing keys still update), and drop typing gone stale while
+    /// it waited; presence comes first.
+    #[test]
+    fn slots_are_bounded_coalesced_and_drop_stale_typing() {
+        let config = EphemeralConfig { typing_slots_max: 2, presence_slots_max: 1, ..EphemeralConfig::default() };
+        let c = conn();
+        assert!(c.offer(typing("g1", "ann", true), Some(100), &config));
+        assert!(c.offer(typing("g1", "ann", false), None, &config), "the same key replaces");
+        assert!(c.offer(typing("g2", "ann", true), Some(100), &config));
+        assert!(!c.offer(typing("g3", "ann", true), Some(100), &config), "a third key is shed");
+        assert!(c.offer(typing("g2", "ann", true), Some(50), &config), "a held key still updates");
+        assert!(c.offer(presence("ann", "idle"), None, &config));
+        assert!(c.offer(presence("ann", "online"), None, &config));
+        assert!(!c.offer(presence("cat", "online"), None, &config));
+        assert!(c.pending());
+        let frames = c.take(60);
+        assert_eq!(frames[0], presence("ann", "online"), "presence first, the latest only");
+        assert_eq!(&frames[1..], &[typing("g1", "ann", false)], "g2's start went stale at 50 while waiting");
+        assert!(!c.pending() && c.take(60).is_empty());
+    }
+
+    #[test]
+    fn hints_and_kicks_never_take_a_slot() {
+        let c = conn();
+        let hint = ServerFrame::Hint(tidemark_proto::Hint::user(1, "new_event"));
+        assert!(!c.offer(hint, None, &EphemeralConfig::default()));
+        assert!(!c.pending());
+    }
+}

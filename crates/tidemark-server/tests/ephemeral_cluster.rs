@@ -1,0 +1,131 @@
+//! The ephemeral lane across two nodes (issue 18): two servers in this
+//! process on one PostgreSQL database (a fresh schema, dropped at the end)
+//! and one NATS server (a subject prefix of its own). Typing and presence
+//! of a user connected to node A reach a user connected to node B over the
+//! hint bus, typing's expiry stop too, and a user still connected to B is
+//! announced again when A says it went offline.
+//!
+//! The services come from `TIDEMARK_TEST_PG_URL` and
+//! `TIDEMARK_TEST_NATS_URL`; the test skips, saying so, only when one is
+//! unset.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tidemark_client::proto::PresenceFrame;
+use tidemark_client::{Http, ServerEvent, WsConn};
+use tidemark_postgres::{PgConfig, PgStore};
+use tidemark_server::config::HintBusConfig;
+use tidemark_server::{RunningServer, Server, ServerConfig};
+use tokio::sync::mpsc;
+
+const ADMIN: &str = "cluster-admin";
+const PASSWORD: &str = "correct horse";
+const ARRIVES_WITHIN: Duration = Duration::from_secs(10);
+
+fn services() -> Option<(String, String)> {
+    let mut urls = Vec::new();
+    for var in ["TIDEMARK_TEST_PG_URL", "TIDEMARK_TEST_NATS_URL"] {
+        match std::env::var(var) {
+            Ok(url) if !url.is_empty() => urls.push(url),
+            _ => {
+                println!("SKIPPED ephemeral_cluster: {var} is not set");
+                return None;
+            }
+        }
+    }
+    Some((urls[0].clone(), urls[1].clone()))
+}
+
+async fn node(pg: &str, schema: &str, nats: &str, prefix: &str) -> RunningServer {
+    let store = PgStore::open(PgConfig { schema: Some(schema.into()), ..PgConfig::new(pg) }).await.unwrap();
+    let config = ServerConfig {
+        admin_token: Some(ADMIN.into()),
+        hint_bus: HintBusConfig::Nats { url: nats.into(), subject_prefix: prefix.into() },
+        ..ServerConfig::default()
+    };
+    Server::start("127.0.0.1:0", store as Arc<dyn tidemark_store::Store>, config).await.unwrap()
+}
+
+async fn connect(server: &RunningServer, user: &str, device: &str) -> (WsConn, mpsc::Receiver<ServerEvent>) {
+    let login = Http::new(&server.url()).login(user, PASSWORD, device).await.unwrap();
+    let (ws, events) = WsConn::connect(&format!("ws://{}/v1/ws", server.addr), &login.access_token).await.unwrap();
+    ws.request_value("ping", json!({})).await.unwrap();
+    (ws, events)
+}
+
+/// Ephemeral events until one matches (included); panics after the bound.
+async fn until(
+    events: &mut mpsc::Receiver<ServerEvent>,
+    what: &str,
+    f: impl Fn(&ServerEvent) -> bool,
+) -> Vec<ServerEvent> {
+    let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
+    let mut seen = Vec::new();
+    loop {
+        let ev = tokio::time::timeout_at(deadline, events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("no {what} within {ARRIVES_WITHIN:?}; saw {seen:?}"))
+            .unwrap_or_else(|| panic!("connection ended waiting for {what}"));
+        let done = f(&ev);
+        if !matches!(ev, ServerEvent::Hint { .. }) {
+            seen.push(ev);
+        }
+        if done {
+            return seen;
+        }
+    }
+}
+
+fn presence(ev: &ServerEvent, user: &str, state: &str) -> bool {
+    matches!(ev, ServerEvent::Presence(PresenceFrame { user: u, state: s, .. }) if u == user && s == state)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn typing_and_presence_cross_nodes_over_the_hint_bus() {
+    let Some((pg, nats)) = services() else { return };
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let schema = format!("t_eph_{}_{nanos}", std::process::id());
+    let prefix = format!("test.eph{}x{nanos}", std::process::id());
+    let a = node(&pg, &schema, &nats, &prefix).await;
+    let b = node(&pg, &schema, &nats, &prefix).await;
+    let http = Http::new(&a.url());
+    for u in ["ann", "ben"] {
+        assert!(http.create_user(ADMIN, u, PASSWORD).await.unwrap().created);
+    }
+    let (ben, mut ben_events) = connect(&b, "ben", "phone").await;
+    let conv = ben.conv_create_direct("ann").await.unwrap().conv;
+
+    // ann connects to node A: ben, on B, sees her online; ann hears ben's
+    // answer, which B sent over the bus.
+    let (ann, mut ann_events) = connect(&a, "ann", "phone").await;
+    until(&mut ben_events, "ann online from node A", |e| presence(e, "ann", "online")).await;
+    until(&mut ann_events, "ben's answer from node B", |e| presence(e, "ben", "online")).await;
+
+    // Typing through A reaches B, and A's sweep stops it on B too.
+    let ok = ann.request_value("typing", json!({"conv": conv, "typing": true, "timeout_ms": 300})).await.unwrap();
+    assert_eq!(ok["t"], "typing.ok", "{ok}");
+    let typing =
+        |on: bool| move |e: &ServerEvent| matches!(e, ServerEvent::Typing(t) if t.user == "ann" && t.typing == on);
+    until(&mut ben_events, "ann typing across nodes", typing(true)).await;
+    until(&mut ben_events, "ann's typing to expire across nodes", typing(false)).await;
+
+    // ann also on B, then A's connection closes: A says offline, B says
+    // online again, so ben ends up seeing her online.
+    let (_ann_b, _ann_b_events) = connect(&b, "ann", "desk").await;
+    // B announces its own connection of ann first (B had announced nothing).
+    until(&mut ben_events, "ann online from node B", |e| presence(e, "ann", "online")).await;
+    ann.close().await;
+    // A's "offline" and B's answer to it may coalesce in ben's slot; what
+    // must arrive is B's "online" after the close (without it ben would be
+    // left with A's "offline" and this wait would fail).
+    until(&mut ben_events, "ann shown again by node B", |e| presence(e, "ann", "online")).await;
+    let _: Value = ben.request_value("ping", json!({})).await.unwrap();
+
+    a.stop().await;
+    b.stop().await;
+    let (client, conn) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
+}

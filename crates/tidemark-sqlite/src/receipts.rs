@@ -1,0 +1,137 @@
+//! Privacy switches, the presence audience and receipts shown to others
+//! (issue 18): the SQL only. What is shown to whom is decided by
+//! `tidemark_core::ephemeral` on the facts read here.
+
+use std::rc::Rc;
+
+use rusqlite::types::Value;
+use rusqlite::vtab::array::Array;
+use rusqlite::{params, Connection, OptionalExtension};
+use tidemark_core::ephemeral::{self, DeliveryFacts, MemberRead};
+use tidemark_store::*;
+
+use crate::internal;
+
+type R<T> = StoreResult<T>;
+
+pub(crate) fn privacy(c: &Connection, user: &str) -> R<Privacy> {
+    c.prepare_cached("SELECT hide_presence, private_receipts FROM user_privacy WHERE user_id = ?1")
+        .map_err(internal)?
+        .query_row(params![user], |r| Ok(Privacy { hide_presence: r.get(0)?, private_receipts: r.get(1)? }))
+        .optional()
+        .map_err(internal)
+        .map(Option::unwrap_or_default)
+}
+
+pub(crate) fn set_privacy(
+    c: &Connection,
+    user: &str,
+    hide_presence: Option<bool>,
+    private_receipts: Option<bool>,
+    now_ms: i64,
+) -> R<Privacy> {
+    let known: Option<i64> = c
+        .prepare_cached("SELECT 1 FROM users WHERE user_id = ?1")
+        .map_err(internal)?
+        .query_row(params![user], |r| r.get(0))
+        .optional()
+        .map_err(internal)?;
+    if known.is_none() {
+        return Err(StoreError::NotFound(format!("user {user}")));
+    }
+    let now = privacy(c, user)?;
+    let Some(next) = ephemeral::privacy_after(now, hide_presence, private_receipts) else {
+        return Ok(now);
+    };
+    c.prepare_cached(
+        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, updated_at) VALUES (?1, ?2, ?3, ?4)
+         ON CONFLICT(user_id) DO UPDATE SET hide_presence = excluded.hide_presence,
+             private_receipts = excluded.private_receipts, updated_at = excluded.updated_at",
+    )
+    .map_err(internal)?
+    .execute(params![user, next.hide_presence, next.private_receipts, now_ms])
+    .map_err(internal)?;
+    Ok(next)
+}
+
+pub(crate) fn presence_audience(c: &Connection, user: &str, limit: u32) -> R<Vec<String>> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT DISTINCT o.user_id FROM membership_periods m
+             JOIN membership_periods o ON o.conv_id = m.conv_id AND o.leave_seq IS NULL AND o.user_id <> ?1
+             WHERE m.user_id = ?1 AND m.leave_seq IS NULL
+             ORDER BY o.user_id LIMIT ?2",
+        )
+        .map_err(internal)?;
+    let rows = stmt.query_map(params![user, limit], |r| r.get(0)).map_err(internal)?;
+    rows.collect::<Result<_, _>>().map_err(internal)
+}
+
+fn conversation_kind(c: &Connection, conv: &str) -> R<Option<String>> {
+    c.prepare_cached("SELECT kind FROM conversations WHERE conv_id = ?1")
+        .map_err(internal)?
+        .query_row(params![conv], |r| r.get(0))
+        .optional()
+        .map_err(internal)
+}
+
+pub(crate) fn conv_receipts(c: &Connection, user: &str, conv: &str, at: Option<u64>) -> R<Receipts> {
+    // One statement, so the members, their positions and their switches
+    // are one snapshot.
+    let members: Vec<MemberRead> = {
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT mp.user_id, COALESCE(uc.read_seq, 0), COALESCE(p.private_receipts, 0)
+                 FROM membership_periods mp
+                 LEFT JOIN user_convs uc ON uc.user_id = mp.user_id AND uc.conv_id = mp.conv_id
+                 LEFT JOIN user_privacy p ON p.user_id = mp.user_id
+                 WHERE mp.conv_id = ?1 AND mp.leave_seq IS NULL ORDER BY mp.user_id",
+            )
+            .map_err(internal)?;
+        let rows = stmt
+            .query_map(params![conv], |r| {
+                Ok(MemberRead { user: r.get(0)?, read_seq: r.get::<_, i64>(1)? as u64, private_receipts: r.get(2)? })
+            })
+            .map_err(internal)?;
+        rows.collect::<Result<_, _>>().map_err(internal)?
+    };
+    // Whether the conversation exists matters only for a refusal.
+    let exists = members.iter().any(|m| m.user == user) || conversation_kind(c, conv)?.is_some();
+    Ok(ephemeral::visible_receipts(conv, exists, user, members, at)?)
+}
+
+pub(crate) fn delivery_receipts(
+    c: &Connection,
+    user: &str,
+    conv: &str,
+    ids: &[String],
+) -> R<Vec<(String, Option<i64>)>> {
+    tidemark_core::projection::check_delivery_ids(ids.len())?;
+    let kind = conversation_kind(c, conv)?;
+    let caller_member: Option<i64> = c
+        .prepare_cached("SELECT 1 FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 LIMIT 1")
+        .map_err(internal)?
+        .query_row(params![conv, user], |r| r.get(0))
+        .optional()
+        .map_err(internal)?;
+    let list: Array = Rc::new(ids.iter().cloned().map(Value::from).collect());
+    let found: std::collections::HashMap<String, (String, Option<i64>)> = {
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT m.message_id, m.sender,
+                        (SELECT MIN(d.delivered_at) FROM membership_periods p
+                         JOIN deliveries d ON d.user_id = p.user_id AND d.message_id = m.message_id
+                         WHERE p.conv_id = m.conv_id AND p.user_id <> m.sender)
+                 FROM messages m WHERE m.conv_id = ?1 AND m.message_id IN rarray(?2)",
+            )
+            .map_err(internal)?;
+        let rows =
+            stmt.query_map(params![conv, list], |r| Ok((r.get(0)?, (r.get(1)?, r.get(2)?)))).map_err(internal)?;
+        rows.collect::<Result<_, _>>().map_err(internal)?
+    };
+    let senders: Vec<(String, Option<String>)> =
+        ids.iter().map(|id| (id.clone(), found.get(id).map(|(s, _)| s.clone()))).collect();
+    let facts = DeliveryFacts { kind: kind.as_deref(), caller_member: caller_member.is_some(), senders: &senders };
+    ephemeral::check_delivery_receipts(conv, user, &facts)?;
+    Ok(ids.iter().map(|id| (id.clone(), found.get(id).and_then(|(_, at)| *at))).collect())
+}
