@@ -106,6 +106,8 @@ enum Command {
         ws_connections_max: usize,
         #[command(flatten)]
         limits: LimitArgs,
+        #[command(flatten)]
+        timeouts: TimeoutArgs,
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
@@ -125,6 +127,46 @@ enum Command {
     Demo,
     /// Chat interactively as one device of a user (the SDK with its local store).
     Chat(chat::ChatArgs),
+}
+
+/// Connection timeouts, so slow or silent clients cannot hold connections.
+#[derive(clap::Args)]
+struct TimeoutArgs {
+    /// An HTTP request head must be complete this many milliseconds after
+    /// the server starts waiting for it (the accept, or the previous
+    /// response on a keep-alive connection); else the connection is closed.
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_HEADER_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_header_timeout_ms: u64,
+    /// Longest pause between two chunks of an HTTP request body, milliseconds.
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_BODY_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_body_timeout_ms: u64,
+    /// Longest whole HTTP request (body included), milliseconds; past it 408.
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_REQUEST_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_request_timeout_ms: u64,
+    /// An HTTP connection with no request in progress that receives
+    /// nothing for this many milliseconds is closed (idle keep-alive).
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_IDLE_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_idle_timeout_ms: u64,
+    /// Milliseconds a WebSocket opened without a bearer header has to send
+    /// its `auth` frame.
+    #[arg(long, default_value_t = millis(tidemark_server::config::WS_AUTH_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    ws_auth_timeout_ms: u64,
+}
+
+const fn millis(d: std::time::Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+impl TimeoutArgs {
+    fn http(&self) -> tidemark_server::config::HttpTimeouts {
+        use std::time::Duration;
+        tidemark_server::config::HttpTimeouts {
+            header: Duration::from_millis(self.http_header_timeout_ms),
+            body: Duration::from_millis(self.http_body_timeout_ms),
+            request: Duration::from_millis(self.http_request_timeout_ms),
+            idle: Duration::from_millis(self.http_idle_timeout_ms),
+        }
+    }
 }
 
 /// Rate limits: a request over a quota is refused with RATE_LIMITED and
@@ -262,6 +304,7 @@ async fn main() -> Result<()> {
             snapshot_messages_per_conv,
             ws_connections_max,
             limits,
+            timeouts,
             hold_fanout,
         } => {
             init_logs("info");
@@ -290,6 +333,8 @@ async fn main() -> Result<()> {
                 hint_bus,
                 ws_connections_max,
                 limits: limits.config(),
+                http_timeouts: timeouts.http(),
+                ws_auth_timeout: std::time::Duration::from_millis(timeouts.ws_auth_timeout_ms),
                 ..defaults
             };
             let server = Server::start(&listen, store, config).await?;

@@ -24,6 +24,7 @@ pub mod error;
 pub mod gateway;
 pub mod hub;
 pub mod limits;
+pub mod listener;
 pub mod metrics;
 pub mod ops;
 pub mod relay;

@@ -53,22 +53,8 @@ impl Server {
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;
         let app = crate::gateway::router(state.clone());
-        // Replies and hints are small frames that must leave at once: with
-        // Nagle on, a reply queued behind a hint waits for the peer's
-        // delayed ACK (~40 ms) and senders stall instead of batching.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let mut http_shutdown = shutdown_rx.clone();
-        let http = spawn_fatal("http", async move {
-            let serve = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-                .with_graceful_shutdown(async move {
-                    crate::util::stopped(&mut http_shutdown).await;
-                });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "http server stopped");
-            }
-        });
+        let http =
+            spawn_fatal("http", crate::listener::serve(listener, app, state.config.http_timeouts, shutdown_rx.clone()));
         let relay = spawn_fatal("relay", crate::relay::run(state.clone(), shutdown_rx.clone()));
         let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
         let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));

@@ -68,6 +68,7 @@ pub async fn contract_errors(response: Response) -> Response {
     let (code, message) = match status {
         StatusCode::NOT_FOUND => (ErrorCode::NotFound, "no such route".to_string()),
         StatusCode::PAYLOAD_TOO_LARGE => (ErrorCode::BadRequest, "request body too large".to_string()),
+        StatusCode::REQUEST_TIMEOUT => (ErrorCode::BadRequest, "request not received in time".to_string()),
         other => (ErrorCode::BadRequest, format!("request refused: {other}")),
     };
     (status, Json(ApiError::new(code, message).into_frame(None))).into_response()

@@ -51,8 +51,6 @@ pub const WS_READ_BUFFER_BYTES: usize = 8 * 1024;
 /// flushed anyway); its default is 128 KiB.
 pub const WS_WRITE_BUFFER_BYTES: usize = 8 * 1024;
 
-/// Time a client has to send its `auth` frame.
-const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time the writer has to deliver the final `kicked` frame.
 const KICK_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// Time given to in-flight requests when a connection ends.
@@ -128,7 +126,7 @@ async fn first_frame_auth(
     sink: &mut SplitSink<WebSocket, Message>,
     stream: &mut SplitStream<WebSocket>,
 ) -> Option<(AuthCtx, Option<String>)> {
-    let deadline = tokio::time::Instant::now() + AUTH_TIMEOUT;
+    let deadline = tokio::time::Instant::now() + state.config.ws_auth_timeout;
     loop {
         let msg = tokio::time::timeout_at(deadline, stream.next()).await.ok()??.ok()?;
         let text = match msg {
