@@ -104,6 +104,11 @@ enum Command {
         /// upgrades are refused with UNAVAILABLE and a retry hint.
         #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_MAX_DEFAULT)]
         ws_connections_max: usize,
+        /// Most WebSocket connections one user holds on this node; one more
+        /// (from a device not already connected) is refused with
+        /// RATE_LIMITED and a retry hint.
+        #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_PER_USER_MAX_DEFAULT)]
+        ws_connections_per_user_max: usize,
         #[command(flatten)]
         limits: LimitArgs,
         #[command(flatten)]
@@ -303,6 +308,7 @@ async fn main() -> Result<()> {
             snapshot_ttl_secs,
             snapshot_messages_per_conv,
             ws_connections_max,
+            ws_connections_per_user_max,
             limits,
             timeouts,
             hold_fanout,
@@ -332,6 +338,7 @@ async fn main() -> Result<()> {
                 hold_fanout,
                 hint_bus,
                 ws_connections_max,
+                ws_connections_per_user_max,
                 limits: limits.config(),
                 http_timeouts: timeouts.http(),
                 ws_auth_timeout: std::time::Duration::from_millis(timeouts.ws_auth_timeout_ms),

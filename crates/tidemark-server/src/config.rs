@@ -8,6 +8,13 @@ use std::time::Duration;
 pub const WS_CONNECTIONS_MAX_DEFAULT: usize = 100_000;
 /// `retry_after_ms` of the refusal a full node answers an upgrade with.
 pub const WS_FULL_RETRY_AFTER_MS: u64 = 1_000;
+/// Default cap on one user's WebSocket connections on one node: far above
+/// the devices a person uses at once, far below what a script opening
+/// sockets in a loop would hold.
+pub const WS_CONNECTIONS_PER_USER_MAX_DEFAULT: usize = 20;
+/// `retry_after_ms` of the refusal a user at its cap gets: a slot frees
+/// only when one of its connections ends.
+pub const WS_USER_FULL_RETRY_AFTER_MS: u64 = 5_000;
 /// Time a WebSocket has from its upgrade to authenticate (`auth` frame).
 pub const WS_AUTH_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 
@@ -73,6 +80,10 @@ pub struct ServerConfig {
     /// [`WS_FULL_RETRY_AFTER_MS`]) so the device backs off and may reach
     /// another node.
     pub ws_connections_max: usize,
+    /// WebSocket connections one user holds on one node; one more (of a
+    /// device not yet connected) is refused with `RATE_LIMITED`
+    /// (`retry_after_ms` [`WS_USER_FULL_RETRY_AFTER_MS`]).
+    pub ws_connections_per_user_max: usize,
     /// Time a WebSocket opened without a bearer header has to send `auth`.
     pub ws_auth_timeout: Duration,
     /// HTTP header, body, request and idle timeouts.
@@ -122,6 +133,7 @@ impl Default for ServerConfig {
             ws_send_queue_max: 256,
             ws_inflight_max: 64,
             ws_connections_max: WS_CONNECTIONS_MAX_DEFAULT,
+            ws_connections_per_user_max: WS_CONNECTIONS_PER_USER_MAX_DEFAULT,
             ws_auth_timeout: WS_AUTH_TIMEOUT_DEFAULT,
             http_timeouts: HttpTimeouts::default(),
             limits: crate::limits::LimitsConfig::default(),

@@ -14,7 +14,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::ServerConfig;
 use crate::hub::Hub;
-use crate::state::{AppState, ConnSlots};
+use crate::state::{AppState, ConnSlots, UserConnSlots};
 
 pub struct Server;
 
@@ -36,6 +36,7 @@ impl Server {
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
+        let ws_user_slots = UserConnSlots::new(config.ws_connections_per_user_max);
         let config_limits = config.limits.clone();
         let state = Arc::new(AppState {
             store,
@@ -48,6 +49,7 @@ impl Server {
             metrics: crate::metrics::install(),
             shutdown: shutdown_rx.clone(),
             ws_slots,
+            ws_user_slots,
             limits: crate::limits::Limits::new(config_limits),
         });
         let listener = bind(listen).await?;

@@ -34,12 +34,12 @@ use tokio::task::JoinSet;
 
 use super::auth;
 use super::http::{bearer, error_response};
-use crate::config::WS_FULL_RETRY_AFTER_MS;
+use crate::config::{WS_FULL_RETRY_AFTER_MS, WS_USER_FULL_RETRY_AFTER_MS};
 use crate::error::{ApiError, ApiResult};
 use crate::hub::ConnEntry;
 use crate::metrics as m;
 use crate::ops::{self, AuthCtx};
-use crate::state::AppState;
+use crate::state::{AppState, UserConnSlot};
 
 /// Read buffer of a WebSocket. tungstenite's default (128 KiB) is read
 /// into whole, so every connection, idle or not, kept 128 KiB resident
@@ -72,7 +72,10 @@ pub async fn upgrade(
     let pre_auth = match bearer(&headers) {
         None => None,
         Some(token) => match auth::authenticate(&state, token) {
-            Ok(ctx) => Some(ctx),
+            Ok(ctx) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
+                Some(user_slot) => Some((ctx, user_slot)),
+                None => return error_response(user_full()),
+            },
             Err(e) => return error_response(e),
         },
     };
@@ -85,6 +88,11 @@ pub async fn upgrade(
             let _slot = slot;
             connection(state, socket, pre_auth).await
         })
+}
+
+/// The refusal of one more connection of a user at its per-node cap.
+fn user_full() -> ApiError {
+    crate::limits::rate_limited(WS_USER_FULL_RETRY_AFTER_MS, "this user holds its most WebSocket connections")
 }
 
 fn error_text(e: ApiError, rid: Option<String>) -> String {
@@ -148,12 +156,19 @@ async fn first_frame_auth(
     }
 }
 
-async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<AuthCtx>) {
+async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(AuthCtx, UserConnSlot)>) {
     let (mut sink, mut stream) = socket.split();
-    let (ctx, auth_rid) = match pre_auth {
-        Some(ctx) => (ctx, None),
+    let (ctx, auth_rid, _user_slot) = match pre_auth {
+        Some((ctx, slot)) => (ctx, None, slot),
         None => match first_frame_auth(&state, &mut sink, &mut stream).await {
-            Some((ctx, rid)) => (ctx, Some(rid)),
+            Some((ctx, rid)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
+                Some(slot) => (ctx, Some(rid), slot),
+                None => {
+                    let _ = sink.send(Message::Text(error_text(user_full(), rid).into())).await;
+                    let _ = sink.send(Message::Close(None)).await;
+                    return;
+                }
+            },
             None => return,
         },
     };
