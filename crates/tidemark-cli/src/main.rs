@@ -222,7 +222,8 @@ impl LimitArgs {
 enum UserCommand {
     /// Create a user; the password is read from the first line of stdin.
     Add {
-        /// The user name (1..=64 bytes, no `|` or control characters).
+        /// The user name: 1..=64 bytes of ASCII letters, digits, `_ - . @`,
+        /// stored lower-cased (`Alice` and `alice` are one account).
         name: String,
         #[command(flatten)]
         store: StoreArgs,
@@ -359,7 +360,7 @@ async fn main() -> Result<()> {
             if password.is_empty() {
                 bail!("empty password: write it to stdin");
             }
-            tidemark_server::accounts::check_new_account(&name, password).map_err(anyhow::Error::msg)?;
+            let name = tidemark_server::accounts::check_new_account(&name, password).map_err(anyhow::Error::msg)?;
             let hash = tidemark_server::accounts::hash_password(password).map_err(anyhow::Error::msg)?;
             let store = open_store(&store).await?;
             let now = tidemark_server::util::now_ms();

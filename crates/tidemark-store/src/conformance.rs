@@ -274,7 +274,7 @@ pub async fn membership_rules(store: &dyn Store) {
     let retry = store.create_group(ev("g-other", "own", "create"), vec![]).await;
     assert_eq!(retry, Ok(("g1".to_string(), 1)), "a retried create finds the first group");
     let unknown = store.create_group(ev("g2", "own", "create2"), vec!["x".into(), "zz".into()]).await;
-    assert_eq!(unknown, Err(not_found("user zz")));
+    assert_eq!(unknown, Err(not_found(tidemark_core::membership::NO_SUCH_USER)));
     assert_eq!(store.conversation("g2").await.unwrap(), None, "a refused create leaves nothing");
     assert_eq!(store.conversation("g1").await.unwrap().unwrap().members, vec!["m".to_string(), "own".to_string()]);
     assert_eq!(store.accept_send(send("own", "g1", "k")).await.unwrap().msg_seq, 2);
@@ -289,7 +289,7 @@ pub async fn membership_rules(store: &dyn Store) {
     assert_eq!(change("m", "add-x", "x", Add).await, Ok(3), "any member adds");
     assert_eq!(change("m", "add-x", "x", Add).await, Ok(3), "a retry answers the first join");
     assert_eq!(change("own", "add-x2", "x", Add).await, Ok(3), "adding a member answers its join");
-    assert_eq!(change("own", "add-zz", "zz", Add).await, Err(not_found("user zz")));
+    assert_eq!(change("own", "add-zz", "zz", Add).await, Err(not_found(tidemark_core::membership::NO_SUCH_USER)));
     assert_eq!(change("out", "add-out", "out", Add).await, Err(StoreError::NotMember), "only members add");
     assert_eq!(
         change("m", "rm-x", "x", Remove).await,

@@ -62,7 +62,10 @@ async fn issue(state: &AppState, user: &str, device: &str) -> ApiResult<LoginOk>
 /// the same refusal.
 pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<LoginOk> {
     state.limits.admit_login_attempt(peer)?;
-    tidemark_core::ids::check_user(&req.user).map_err(|_| unauthenticated("wrong user or password"))?;
+    // One account per name whatever its case: the folded name is the
+    // account, its throttle key and the token's user.
+    let user = tidemark_core::ids::canonical_user(&req.user).map_err(|_| unauthenticated("wrong user or password"))?;
+    let req = LoginReq { user, ..req };
     tidemark_core::ids::check_device_id(&req.device_id).map_err(ApiError::bad_request)?;
     if req.password.len() > accounts::PASSWORD_BYTES_MAX {
         return Err(unauthenticated("wrong user or password"));

@@ -193,9 +193,9 @@ pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: Head
         Err(r) => return *r,
     };
     match crate::accounts::create_user(&state, &req.user, &req.password).await {
-        Ok(created) => {
-            tracing::info!(user = %req.user, created, "admin created user");
-            Json(AdminUserOk { user: req.user, created }).into_response()
+        Ok((user, created)) => {
+            tracing::info!(user = %user, created, "admin created user");
+            Json(AdminUserOk { user, created }).into_response()
         }
         Err(e) => error_response(e),
     }
