@@ -18,6 +18,7 @@ pub mod kinds;
 pub mod membership;
 pub mod page;
 pub mod projection;
+pub mod refresh;
 pub mod retention;
 pub mod snapshot;
 pub mod throttle;

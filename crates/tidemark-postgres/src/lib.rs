@@ -435,38 +435,25 @@ impl Store for PgStore {
             .await
     }
 
-    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()> {
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord, now_ms: i64) -> StoreResult<()> {
         let (hash, rec) = (token_hash.to_owned(), rec.clone());
         self.writer
             .write(move |c| {
                 Box::pin(async move {
                     exec(
                         c,
-                        "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at) VALUES ($1, $2, $3, $4)",
-                        &[&hash, &rec.user, &rec.device, &rec.expires_at_ms],
+                        "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id = $2 AND expires_at <= $3",
+                        &[&rec.user, &rec.device, &now_ms],
+                    )
+                    .await?;
+                    exec(
+                        c,
+                        "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at, family) \
+                         VALUES ($1, $2, $3, $4, $5)",
+                        &[&hash, &rec.user, &rec.device, &rec.expires_at_ms, &rec.family],
                     )
                     .await?;
                     Ok(())
-                })
-            })
-            .await
-    }
-
-    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>> {
-        let hash = token_hash.to_owned();
-        self.writer
-            .write(move |c| {
-                Box::pin(async move {
-                    let row = query_opt(
-                        c,
-                        "DELETE FROM refresh_tokens WHERE token_hash = $1 RETURNING user_id, device_id, expires_at",
-                        &[&hash],
-                    )
-                    .await?;
-                    row.map(|r| {
-                        Ok(RefreshRecord { user: col(&r, 0)?, device: col(&r, 1)?, expires_at_ms: col(&r, 2)? })
-                    })
-                    .transpose()
                 })
             })
             .await
@@ -854,5 +841,56 @@ impl Store for PgStore {
 
     fn health(&self) -> tidemark_store::StoreHealth {
         self.writer.health()
+    }
+
+    async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse> {
+        use tidemark_core::refresh::{decide, Stored, Verdict};
+        let hash = token_hash.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    // FOR UPDATE: two nodes presenting the same token
+                    // concurrently decide one after the other.
+                    let row = query_opt(
+                        c,
+                        "SELECT user_id, device_id, expires_at, family, used_at FROM refresh_tokens \
+                         WHERE token_hash = $1 FOR UPDATE",
+                        &[&hash],
+                    )
+                    .await?;
+                    let row = row
+                        .map(|r| {
+                            let rec = RefreshRecord {
+                                user: col(&r, 0)?,
+                                device: col(&r, 1)?,
+                                expires_at_ms: col(&r, 2)?,
+                                family: col(&r, 3)?,
+                            };
+                            Ok::<_, StoreError>((rec, col::<Option<i64>>(&r, 4)?))
+                        })
+                        .transpose()?;
+                    let stored = row.as_ref().map(|(rec, used_at)| match used_at {
+                        Some(_) => Stored::Used,
+                        None => Stored::Live { expires_at_ms: rec.expires_at_ms },
+                    });
+                    Ok(match (decide(stored, now_ms), row) {
+                        (Verdict::Rotate, Some((rec, _))) => {
+                            exec(c, "UPDATE refresh_tokens SET used_at = $2 WHERE token_hash = $1", &[&hash, &now_ms])
+                                .await?;
+                            RefreshUse::Rotated(rec)
+                        }
+                        (Verdict::Expired, Some((rec, _))) => {
+                            exec(c, "DELETE FROM refresh_tokens WHERE token_hash = $1", &[&hash]).await?;
+                            RefreshUse::Expired(rec)
+                        }
+                        (Verdict::RevokeFamily, Some((rec, _))) => {
+                            exec(c, "DELETE FROM refresh_tokens WHERE family = $1", &[&rec.family]).await?;
+                            RefreshUse::FamilyRevoked(rec)
+                        }
+                        _ => RefreshUse::Unknown,
+                    })
+                })
+            })
+            .await
     }
 }

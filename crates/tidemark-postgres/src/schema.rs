@@ -57,7 +57,23 @@ pub struct Migration {
 
 /// Every step, in order. This backend numbers its own steps, independently
 /// of SQLite's.
-pub const MIGRATIONS: &[Migration] = &[Migration { version: 1, name: "initial schema", sql: SCHEMA }];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration { version: 1, name: "initial schema", sql: SCHEMA },
+    Migration { version: 2, name: "refresh token families", sql: REFRESH_FAMILIES },
+];
+
+/// Step 2: refresh-token reuse detection (`tidemark_core::refresh`). A
+/// token keeps its row once used (`used_at` set) until it expires, so a
+/// replay is recognised; `family` is the chain of rotations from one
+/// login. A token stored before this step is a family of its own. (On a
+/// sharded database `refresh_tokens` stays a table looked up by its own
+/// key; `family` is read only with a token's row or to revoke it.)
+pub const REFRESH_FAMILIES: &str = r#"
+ALTER TABLE refresh_tokens ADD COLUMN IF NOT EXISTS family TEXT COLLATE "C" NOT NULL DEFAULT '';
+ALTER TABLE refresh_tokens ADD COLUMN IF NOT EXISTS used_at BIGINT;
+UPDATE refresh_tokens SET family = token_hash WHERE family = '';
+CREATE INDEX IF NOT EXISTS refresh_tokens_by_family ON refresh_tokens (family);
+"#;
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;

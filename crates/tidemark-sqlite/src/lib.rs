@@ -443,31 +443,22 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()> {
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord, now_ms: i64) -> StoreResult<()> {
         let (hash, rec) = (token_hash.to_owned(), rec.clone());
         self.writer
             .write(move |c| {
                 c.execute(
-                    "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at) VALUES (?1, ?2, ?3, ?4)",
-                    params![hash, rec.user, rec.device, rec.expires_at_ms],
+                    "DELETE FROM refresh_tokens WHERE user_id = ?1 AND device_id = ?2 AND expires_at <= ?3",
+                    params![rec.user, rec.device, now_ms],
+                )
+                .map_err(internal)?;
+                c.execute(
+                    "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at, family) \
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![hash, rec.user, rec.device, rec.expires_at_ms, rec.family],
                 )
                 .map_err(internal)?;
                 Ok(())
-            })
-            .await
-    }
-
-    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>> {
-        let hash = token_hash.to_owned();
-        self.writer
-            .write(move |c| {
-                c.query_row(
-                    "DELETE FROM refresh_tokens WHERE token_hash = ?1 RETURNING user_id, device_id, expires_at",
-                    params![hash],
-                    |r| Ok(RefreshRecord { user: r.get(0)?, device: r.get(1)?, expires_at_ms: r.get(2)? }),
-                )
-                .optional()
-                .map_err(internal)
             })
             .await
     }
@@ -853,6 +844,52 @@ impl Store for SqliteStore {
 
     fn health(&self) -> tidemark_store::StoreHealth {
         self.writer.health()
+    }
+
+    async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse> {
+        use tidemark_core::refresh::{decide, Stored, Verdict};
+        let hash = token_hash.to_owned();
+        self.writer
+            .write(move |c| {
+                let row = c
+                    .query_row(
+                        "SELECT user_id, device_id, expires_at, family, used_at FROM refresh_tokens WHERE token_hash = ?1",
+                        params![hash],
+                        |r| {
+                            let rec = RefreshRecord {
+                                user: r.get(0)?,
+                                device: r.get(1)?,
+                                expires_at_ms: r.get(2)?,
+                                family: r.get(3)?,
+                            };
+                            Ok((rec, r.get::<_, Option<i64>>(4)?))
+                        },
+                    )
+                    .optional()
+                    .map_err(internal)?;
+                let stored = row.as_ref().map(|(rec, used_at)| match used_at {
+                    Some(_) => Stored::Used,
+                    None => Stored::Live { expires_at_ms: rec.expires_at_ms },
+                });
+                Ok(match (decide(stored, now_ms), row) {
+                    (Verdict::Rotate, Some((rec, _))) => {
+                        c.execute("UPDATE refresh_tokens SET used_at = ?2 WHERE token_hash = ?1", params![hash, now_ms])
+                            .map_err(internal)?;
+                        RefreshUse::Rotated(rec)
+                    }
+                    (Verdict::Expired, Some((rec, _))) => {
+                        c.execute("DELETE FROM refresh_tokens WHERE token_hash = ?1", params![hash]).map_err(internal)?;
+                        RefreshUse::Expired(rec)
+                    }
+                    (Verdict::RevokeFamily, Some((rec, _))) => {
+                        c.execute("DELETE FROM refresh_tokens WHERE family = ?1", params![rec.family])
+                            .map_err(internal)?;
+                        RefreshUse::FamilyRevoked(rec)
+                    }
+                    _ => RefreshUse::Unknown,
+                })
+            })
+            .await
     }
 }
 

@@ -559,24 +559,50 @@ pub async fn installing_a_snapshot_expires_the_devices_other_snapshots(store: &d
     assert!(!store.ack_snapshot("b", "phone", "lost", T0).await.unwrap().0, "an expired snapshot never installs");
 }
 
-/// P1: refresh tokens rotate.
+/// P1: refresh tokens rotate once; a token presented again revokes its
+/// whole family (the successor included) and no other family; an expired
+/// one is refused and forgotten; expired tokens of a device are forgotten
+/// when it gets a new one.
 pub async fn refresh_tokens_are_used_once(store: &dyn Store) {
     users(store, &["b"]).await;
-    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1 };
-    store.put_refresh_token("h1", &rec).await.unwrap();
-    assert_eq!(store.take_refresh_token("h1").await.unwrap(), Some(rec));
-    assert_eq!(store.take_refresh_token("h1").await.unwrap(), None);
+    let rec = |family: &str, expires_at_ms: i64| RefreshRecord {
+        user: "b".into(),
+        device: "phone".into(),
+        expires_at_ms,
+        family: family.into(),
+    };
+    let far = T0 + 1_000;
+    store.put_refresh_token("h1", &rec("f1", far), T0).await.unwrap();
+    store.put_refresh_token("other", &rec("f2", far), T0).await.unwrap();
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::Rotated(rec("f1", far)));
+    store.put_refresh_token("h2", &rec("f1", far), T0).await.unwrap();
+    // The replay of h1 revokes f1: h2 is gone too; f2 is untouched.
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::FamilyRevoked(rec("f1", far)));
+    assert_eq!(store.use_refresh_token("h2", T0).await.unwrap(), RefreshUse::Unknown);
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::Unknown);
+    assert_eq!(store.use_refresh_token("other", T0).await.unwrap(), RefreshUse::Rotated(rec("f2", far)));
+    // Expired: refused once, then unknown.
+    store.put_refresh_token("old", &rec("f3", T0 + 1), T0).await.unwrap();
+    assert_eq!(store.use_refresh_token("old", T0 + 1).await.unwrap(), RefreshUse::Expired(rec("f3", T0 + 1)));
+    assert_eq!(store.use_refresh_token("old", T0 + 1).await.unwrap(), RefreshUse::Unknown);
+    // A used token is remembered until it expires; a new token of the
+    // device then forgets it.
+    store.put_refresh_token("h4", &rec("f4", T0 + 10), T0).await.unwrap();
+    assert!(matches!(store.use_refresh_token("h4", T0).await.unwrap(), RefreshUse::Rotated(_)));
+    store.put_refresh_token("h5", &rec("f4", far), T0 + 10).await.unwrap();
+    assert_eq!(store.use_refresh_token("h4", T0 + 11).await.unwrap(), RefreshUse::Unknown);
+    assert_eq!(store.use_refresh_token("h5", T0 + 11).await.unwrap(), RefreshUse::Rotated(rec("f4", far)));
 }
 
 /// P5: revocation sticks, survives re-login, and drops refresh tokens.
 pub async fn revocation_is_durable(store: &dyn Store) {
     users(store, &["b"]).await;
     store.login_device("b", "phone", "Phone", T0).await.unwrap();
-    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1 };
-    store.put_refresh_token("h1", &rec).await.unwrap();
+    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1, family: "f".into() };
+    store.put_refresh_token("h1", &rec, T0).await.unwrap();
     assert!(store.revoke_device("b", "phone", T0).await.unwrap());
     assert!(!store.revoke_device("b", "phone", T0).await.unwrap());
-    assert_eq!(store.take_refresh_token("h1").await.unwrap(), None);
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::Unknown);
     let again = store.login_device("b", "phone", "Phone", T0).await.unwrap();
     assert_eq!(again.cursor.state, DeviceState::Revoked);
     assert_eq!(store.revoked_devices().await.unwrap(), vec![("b".to_string(), "phone".to_string())]);

@@ -86,12 +86,29 @@ pub struct DeviceRecord {
     pub cursor: DeviceCursor,
 }
 
-/// A live refresh token, looked up by the hash of its secret.
+/// A refresh token, looked up by the hash of its secret.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefreshRecord {
     pub user: String,
     pub device: String,
     pub expires_at_ms: i64,
+    /// The chain of rotations it belongs to, started by one login
+    /// (`tidemark_core::refresh`).
+    pub family: String,
+}
+
+/// What [`Store::use_refresh_token`] did, as `tidemark_core::refresh::decide`
+/// decided it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RefreshUse {
+    /// No such token; nothing changed.
+    Unknown,
+    /// It had expired; it is deleted.
+    Expired(RefreshRecord),
+    /// It was live; it is now used, and its successor may be stored.
+    Rotated(RefreshRecord),
+    /// It had been used already: every token of its family is deleted.
+    FamilyRevoked(RefreshRecord),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -513,10 +530,9 @@ pub trait Store: Send + Sync + 'static {
     /// Every revoked `(user, device)`, for the gateway's in-memory fence.
     async fn revoked_devices(&self) -> StoreResult<Vec<(String, String)>>;
 
-    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()>;
-
-    /// Removes and returns a refresh token (rotation: each is used once).
-    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>>;
+    /// Stores a live refresh token, and forgets the device's tokens (live
+    /// or used) that expired by `rec`'s issue (`now_ms`).
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord, now_ms: i64) -> StoreResult<()>;
 
     // ------------------------------------------------------- conversations
 
@@ -785,4 +801,12 @@ pub trait Store: Send + Sync + 'static {
 
     /// Whether writes commit; read without touching the database.
     fn health(&self) -> StoreHealth;
+
+    // ------------------------------------------------------------- accounts
+
+    /// Presents a refresh token: in one transaction, loads it, asks
+    /// `tidemark_core::refresh::decide` and applies the verdict (mark it
+    /// used; delete it when expired; delete its whole family when it had
+    /// been used already).
+    async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse>;
 }

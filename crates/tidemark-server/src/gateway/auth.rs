@@ -6,7 +6,7 @@ use std::net::IpAddr;
 
 use tidemark_core::token::AccessClaims;
 use tidemark_proto::{ErrorCode, LoginOk, LoginReq, RefreshReq};
-use tidemark_store::RefreshRecord;
+use tidemark_store::{RefreshRecord, RefreshUse};
 
 use crate::accounts;
 use crate::error::{ApiError, ApiResult};
@@ -36,7 +36,9 @@ pub fn authenticate(state: &AppState, token: &str) -> ApiResult<AuthCtx> {
     Ok(AuthCtx { user: claims.user, device: claims.device, expires_at_ms: claims.expires_at_ms })
 }
 
-async fn issue(state: &AppState, user: &str, device: &str) -> ApiResult<LoginOk> {
+/// Signs an access token and stores a new refresh token in `family` (a
+/// login starts a family; a refresh continues its token's).
+async fn issue(state: &AppState, user: &str, device: &str, family: String) -> ApiResult<LoginOk> {
     let now = now_ms();
     let ttl = state.config.access_token_ttl;
     let access_token = state.keys.sign_access(&AccessClaims {
@@ -49,8 +51,9 @@ async fn issue(state: &AppState, user: &str, device: &str) -> ApiResult<LoginOk>
         user: user.into(),
         device: device.into(),
         expires_at_ms: now + state.config.refresh_token_ttl.as_millis() as i64,
+        family,
     };
-    state.store.put_refresh_token(&sha256_hex(&refresh_token), &rec).await?;
+    state.store.put_refresh_token(&sha256_hex(&refresh_token), &rec, now).await?;
     Ok(LoginOk { user: user.into(), device_id: device.into(), access_token, expires_in: ttl.as_secs(), refresh_token })
 }
 
@@ -86,22 +89,26 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
         return Err(ApiError::device_revoked());
     }
     tracing::info!(user = %req.user, device = %req.device_id, "login");
-    issue(state, &req.user, &req.device_id).await
+    issue(state, &req.user, &req.device_id, crate::util::new_id("f")).await
 }
 
+/// Rotates a refresh token. A token presented a second time (it was
+/// rotated already) revokes its whole family, the token that replaced it
+/// included (`tidemark_core::refresh`): someone else holds the chain.
 pub async fn refresh(state: &AppState, peer: IpAddr, req: RefreshReq) -> ApiResult<LoginOk> {
     state.limits.admit_login_attempt(peer)?;
-    let rec = state
-        .store
-        .take_refresh_token(&sha256_hex(&req.refresh_token))
-        .await?
-        .ok_or_else(|| unauthenticated("unknown or used refresh token"))?;
-    if rec.expires_at_ms <= now_ms() {
-        return Err(unauthenticated("refresh token expired"));
-    }
+    let rec = match state.store.use_refresh_token(&sha256_hex(&req.refresh_token), now_ms()).await? {
+        RefreshUse::Rotated(rec) => rec,
+        RefreshUse::Unknown => return Err(unauthenticated("unknown or used refresh token")),
+        RefreshUse::Expired(_) => return Err(unauthenticated("refresh token expired")),
+        RefreshUse::FamilyRevoked(rec) => {
+            tracing::warn!(user = %rec.user, device = %rec.device, %peer, "refresh token reused; its family is revoked");
+            return Err(unauthenticated("unknown or used refresh token"));
+        }
+    };
     if state.is_revoked(&rec.user, &rec.device) {
         return Err(ApiError::device_revoked());
     }
     tracing::info!(user = %rec.user, device = %rec.device, "token refreshed");
-    issue(state, &rec.user, &rec.device).await
+    issue(state, &rec.user, &rec.device, rec.family).await
 }
