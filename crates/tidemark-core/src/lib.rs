@@ -20,6 +20,7 @@ pub mod page;
 pub mod projection;
 pub mod refresh;
 pub mod retention;
+pub mod session;
 pub mod snapshot;
 pub mod throttle;
 pub mod token;

@@ -369,7 +369,10 @@ impl Store for PgStore {
         let user = user.to_owned();
         self.readers
             .read(move |c| {
-                Box::pin(async move { scalar(c, "SELECT password_hash FROM users WHERE user_id = $1", &[&user]).await })
+                Box::pin(async move {
+                    scalar(c, "SELECT password_hash FROM users WHERE user_id = $1 AND deactivated_at IS NULL", &[&user])
+                        .await
+                })
             })
             .await
     }
@@ -889,6 +892,153 @@ impl Store for PgStore {
                         }
                         _ => RefreshUse::Unknown,
                     })
+                })
+            })
+            .await
+    }
+
+    async fn list_devices(&self, user: &str) -> StoreResult<Vec<DeviceInfo>> {
+        let user = user.to_owned();
+        self.readers
+            .read(move |c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT device_id, name, created_at, updated_at, state FROM devices \
+                         WHERE user_id = $1 ORDER BY device_id",
+                        &[&user],
+                    )
+                    .await?;
+                    rows.iter()
+                        .map(|r| {
+                            let state: String = col(r, 4)?;
+                            let state = DeviceState::parse(&state)
+                                .ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+                            Ok(DeviceInfo {
+                                device: col(r, 0)?,
+                                name: col(r, 1)?,
+                                created_at_ms: col(r, 2)?,
+                                last_seen_ms: col(r, 3)?,
+                                state,
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
+
+    async fn change_password(&self, user: &str, password_hash: &str, keep_device: &str) -> StoreResult<bool> {
+        let (user, hash, keep) = (user.to_owned(), password_hash.to_owned(), keep_device.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let n = exec(c, "UPDATE users SET password_hash = $2 WHERE user_id = $1", &[&user, &hash]).await?;
+                    if n == 0 {
+                        return Ok(false);
+                    }
+                    exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id <> $2", &[&user, &keep])
+                        .await?;
+                    Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn end_sessions(&self, user: &str, device: Option<&str>, now_ms: i64) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.map(str::to_owned));
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let n = match &device {
+                        Some(d) => {
+                            exec(
+                                c,
+                                "UPDATE devices SET sessions_ended_at = GREATEST(sessions_ended_at, $3) \
+                                 WHERE user_id = $1 AND device_id = $2",
+                                &[&user, d, &now_ms],
+                            )
+                            .await?
+                        }
+                        None => exec(
+                            c,
+                            "UPDATE users SET sessions_ended_at = GREATEST(sessions_ended_at, $2) WHERE user_id = $1",
+                            &[&user, &now_ms],
+                        )
+                        .await?,
+                    };
+                    if n == 0 {
+                        return Ok(false);
+                    }
+                    exec(
+                        c,
+                        "DELETE FROM refresh_tokens WHERE user_id = $1 AND ($2::TEXT IS NULL OR device_id = $2)",
+                        &[&user, &device],
+                    )
+                    .await?;
+                    Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn deactivate_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let row = query_opt(c, "SELECT deactivated_at FROM users WHERE user_id = $1 FOR UPDATE", &[&user])
+                        .await?;
+                    let Some(row) = row else { return Err(StoreError::NotFound("no such user".into())) };
+                    let deactivated: Option<i64> = col(&row, 0)?;
+                    exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1", &[&user]).await?;
+                    if deactivated.is_some() {
+                        return Ok(false);
+                    }
+                    exec(
+                        c,
+                        "UPDATE users SET deactivated_at = $2, sessions_ended_at = GREATEST(sessions_ended_at, $2) \
+                         WHERE user_id = $1",
+                        &[&user, &now_ms],
+                    )
+                    .await?;
+                    Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn session_fences(&self) -> StoreResult<SessionFences> {
+        self.readers
+            .read(|c| {
+                Box::pin(async move {
+                    let mut fences = SessionFences::default();
+                    let users = query(
+                        c,
+                        "SELECT user_id, deactivated_at IS NOT NULL, sessions_ended_at FROM users \
+                         WHERE deactivated_at IS NOT NULL OR sessions_ended_at > 0",
+                        &[],
+                    )
+                    .await?;
+                    for r in &users {
+                        let (user, deactivated, ended): (String, bool, i64) = (col(r, 0)?, col(r, 1)?, col(r, 2)?);
+                        if deactivated {
+                            fences.deactivated.push(user.clone());
+                        }
+                        if ended > 0 {
+                            fences.users_ended.push((user, ended));
+                        }
+                    }
+                    let devices = query(
+                        c,
+                        "SELECT user_id, device_id, sessions_ended_at FROM devices WHERE sessions_ended_at > 0",
+                        &[],
+                    )
+                    .await?;
+                    for r in &devices {
+                        fences.devices_ended.push((col(r, 0)?, col(r, 1)?, col(r, 2)?));
+                    }
+                    Ok(fences)
                 })
             })
             .await

@@ -76,6 +76,10 @@ pub mod op {
     pub const SNAPSHOT_ACK: &str = "snapshot.ack";
     /// Tidemark extension: delete a message for the caller only (E3).
     pub const MESSAGE_DELETE: &str = "message.delete";
+    /// The caller's devices (P5).
+    pub const DEVICE_LIST: &str = "device.list";
+    /// Change the caller's password (P1).
+    pub const ACCOUNT_PASSWORD: &str = "account.password";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -99,6 +103,8 @@ pub mod op {
         SNAPSHOT_PAGE,
         SNAPSHOT_ACK,
         DEVICE_REVOKE,
+        DEVICE_LIST,
+        ACCOUNT_PASSWORD,
         PING,
     ];
 }
@@ -268,6 +274,78 @@ pub struct DeviceRevokeOk {
     pub device_id: String,
     /// False when the device was already revoked.
     pub revoked: bool,
+}
+
+/// One device of the caller, as `device.list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DeviceInfo {
+    pub device_id: String,
+    pub name: String,
+    /// When the device first logged in (ms since the epoch).
+    pub created_at: i64,
+    /// Its last login or cursor move (ms since the epoch).
+    pub last_seen_at: i64,
+    /// `NEW`, `ACTIVE`, `RESETTING`, `RECOVERING` or `REVOKED`.
+    pub state: String,
+    /// True for the device that asked.
+    pub current: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DeviceListOk {
+    pub devices: Vec<DeviceInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AccountPasswordReq {
+    pub old_password: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::password))]
+    pub new_password: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AccountPasswordOk {
+    /// The refresh tokens of the caller's other devices were deleted.
+    pub other_devices_logged_out: bool,
+}
+
+/// `POST /v1/admin/logout`: end the sessions of a user, or of one device.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminLogoutReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
+    pub user: String,
+    /// Only this device; absent: every device of the user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminLogoutOk {
+    pub user: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<String>,
+}
+
+/// `POST /v1/admin/deactivate`: end every session of a user for good.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeactivateReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
+    pub user: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeactivateOk {
+    pub user: String,
+    /// False when the account was deactivated already.
+    pub deactivated: bool,
 }
 
 // ---------------------------------------------------------- conversations
@@ -825,6 +903,10 @@ pub mod reason {
     pub const SHUTDOWN: &str = "shutdown";
     /// The access token of the connection expired: refresh and reconnect.
     pub const TOKEN_EXPIRED: &str = "token_expired";
+    /// An operator ended the device's (or its user's) sessions: log in again.
+    pub const LOGGED_OUT: &str = "logged_out";
+    /// An operator deactivated the account: nothing more is accepted.
+    pub const ACCOUNT_DEACTIVATED: &str = "account_deactivated";
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod ops;
 pub mod relay;
 pub mod server;
+pub mod sessions;
 pub mod state;
 pub mod util;
 

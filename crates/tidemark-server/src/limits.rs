@@ -60,7 +60,13 @@ impl OpClass {
             | op::SNAPSHOT_PAGE
             | op::SNAPSHOT_ACK => OpClass::Sync,
             op::HISTORY | op::CONV_SYNC | op::CONV_LIST => OpClass::Read,
-            op::CONV_CREATE | op::CONV_ADD | op::CONV_REMOVE | op::CONV_LEAVE | op::CONV_SETTINGS => OpClass::Change,
+            op::CONV_CREATE
+            | op::CONV_ADD
+            | op::CONV_REMOVE
+            | op::CONV_LEAVE
+            | op::CONV_SETTINGS
+            | op::ACCOUNT_PASSWORD => OpClass::Change,
+            op::DEVICE_LIST => OpClass::Read,
             op::PING | op::DEVICE_REVOKE => OpClass::Free,
             _ => OpClass::Read,
         }

@@ -33,6 +33,7 @@ impl Server {
         let io = |e: tidemark_store::StoreError| std::io::Error::other(e.to_string());
         let secret = store.server_secret().await.map_err(io)?;
         let revoked: HashSet<(String, String)> = store.revoked_devices().await.map_err(io)?.into_iter().collect();
+        let sessions = crate::sessions::Sessions::from_store(store.session_fences().await.map_err(io)?);
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
@@ -50,6 +51,7 @@ impl Server {
             shutdown: shutdown_rx.clone(),
             ws_slots,
             ws_user_slots,
+            sessions,
             limits: crate::limits::Limits::new(config_limits),
         });
         let listener = bind(listen).await?;

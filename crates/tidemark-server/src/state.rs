@@ -35,6 +35,8 @@ pub struct AppState {
     pub ws_slots: Arc<ConnSlots>,
     /// Rate limits and the password-hash bound.
     pub limits: crate::limits::Limits,
+    /// Sessions ended by an operator, and deactivated accounts.
+    pub sessions: crate::sessions::Sessions,
     /// This node's WebSocket connections per user, at most
     /// [`ServerConfig::ws_connections_per_user_max`].
     pub ws_user_slots: Arc<UserConnSlots>,
@@ -46,6 +48,13 @@ impl AppState {
     pub fn hint_user(&self, user: &str, hw: u64) {
         self.hub.notify_user(user, hw);
         self.bus.publish(user, hw);
+    }
+
+    /// Whether the access token of `ctx` still opens a session: not logged
+    /// out by an operator since it was issued, its account not deactivated.
+    pub fn session_alive(&self, user: &str, device: &str, expires_at_ms: i64) -> bool {
+        let issued_at_ms = expires_at_ms - self.config.access_token_ttl.as_millis() as i64;
+        self.sessions.alive(user, device, issued_at_ms)
     }
 
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {

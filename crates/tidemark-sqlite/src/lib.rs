@@ -390,8 +390,12 @@ impl Store for SqliteStore {
         let user = user.to_owned();
         self.readers
             .read(move |c| {
-                c.query_row("SELECT password_hash FROM users WHERE user_id = ?1", params![user], |r| r.get(0))
-                    .optional()
+                c.query_row(
+                    "SELECT password_hash FROM users WHERE user_id = ?1 AND deactivated_at IS NULL",
+                    params![user],
+                    |r| r.get(0),
+                )
+                .optional()
             })
             .await
     }
@@ -888,6 +892,137 @@ impl Store for SqliteStore {
                     }
                     _ => RefreshUse::Unknown,
                 })
+            })
+            .await
+    }
+
+    async fn list_devices(&self, user: &str) -> StoreResult<Vec<DeviceInfo>> {
+        let user = user.to_owned();
+        self.readers
+            .read_store(move |c| {
+                let mut stmt = c
+                    .prepare_cached(
+                        "SELECT device_id, name, created_at, updated_at, state FROM devices \
+                         WHERE user_id = ?1 ORDER BY device_id",
+                    )
+                    .map_err(internal)?;
+                let rows = stmt
+                    .query_map(params![user], |r| {
+                        Ok((r.get::<_, String>(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get::<_, String>(4)?))
+                    })
+                    .map_err(internal)?;
+                rows.map(|row| {
+                    let (device, name, created_at_ms, last_seen_ms, state) = row.map_err(internal)?;
+                    let state = DeviceState::parse(&state)
+                        .ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+                    Ok(DeviceInfo { device, name, created_at_ms, last_seen_ms, state })
+                })
+                .collect()
+            })
+            .await
+    }
+
+    async fn change_password(&self, user: &str, password_hash: &str, keep_device: &str) -> StoreResult<bool> {
+        let (user, hash, keep) = (user.to_owned(), password_hash.to_owned(), keep_device.to_owned());
+        self.writer
+            .write(move |c| {
+                let n = c
+                    .execute("UPDATE users SET password_hash = ?2 WHERE user_id = ?1", params![user, hash])
+                    .map_err(internal)?;
+                if n == 0 {
+                    return Ok(false);
+                }
+                c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1 AND device_id <> ?2", params![user, keep])
+                    .map_err(internal)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    async fn end_sessions(&self, user: &str, device: Option<&str>, now_ms: i64) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.map(str::to_owned));
+        self.writer
+            .write(move |c| {
+                let n = match &device {
+                    Some(d) => c.execute(
+                        "UPDATE devices SET sessions_ended_at = MAX(sessions_ended_at, ?3) \
+                         WHERE user_id = ?1 AND device_id = ?2",
+                        params![user, d, now_ms],
+                    ),
+                    None => c.execute(
+                        "UPDATE users SET sessions_ended_at = MAX(sessions_ended_at, ?2) WHERE user_id = ?1",
+                        params![user, now_ms],
+                    ),
+                }
+                .map_err(internal)?;
+                if n == 0 {
+                    return Ok(false);
+                }
+                c.execute(
+                    "DELETE FROM refresh_tokens WHERE user_id = ?1 AND (?2 IS NULL OR device_id = ?2)",
+                    params![user, device],
+                )
+                .map_err(internal)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    async fn deactivate_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                let deactivated: Option<Option<i64>> = c
+                    .query_row("SELECT deactivated_at FROM users WHERE user_id = ?1", params![user], |r| r.get(0))
+                    .optional()
+                    .map_err(internal)?;
+                let Some(deactivated) = deactivated else { return Err(StoreError::NotFound("no such user".into())) };
+                c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1", params![user]).map_err(internal)?;
+                if deactivated.is_some() {
+                    return Ok(false);
+                }
+                c.execute(
+                    "UPDATE users SET deactivated_at = ?2, sessions_ended_at = MAX(sessions_ended_at, ?2) WHERE user_id = ?1",
+                    params![user, now_ms],
+                )
+                .map_err(internal)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    async fn session_fences(&self) -> StoreResult<SessionFences> {
+        self.readers
+            .read_store(|c| {
+                let mut fences = SessionFences::default();
+                let mut users = c
+                    .prepare_cached(
+                        "SELECT user_id, deactivated_at IS NOT NULL, sessions_ended_at FROM users \
+                         WHERE deactivated_at IS NOT NULL OR sessions_ended_at > 0",
+                    )
+                    .map_err(internal)?;
+                let rows = users
+                    .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, bool>(1)?, r.get::<_, i64>(2)?)))
+                    .map_err(internal)?;
+                for row in rows {
+                    let (user, deactivated, ended) = row.map_err(internal)?;
+                    if deactivated {
+                        fences.deactivated.push(user.clone());
+                    }
+                    if ended > 0 {
+                        fences.users_ended.push((user, ended));
+                    }
+                }
+                let mut devices = c
+                    .prepare_cached(
+                        "SELECT user_id, device_id, sessions_ended_at FROM devices WHERE sessions_ended_at > 0",
+                    )
+                    .map_err(internal)?;
+                let rows = devices.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
+                for row in rows {
+                    fences.devices_ended.push(row.map_err(internal)?);
+                }
+                Ok(fences)
             })
             .await
     }

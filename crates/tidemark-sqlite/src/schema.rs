@@ -39,7 +39,18 @@ pub struct Migration {
 pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 1, name: "initial schema", sql: SCHEMA },
     Migration { version: 2, name: "refresh token families", sql: REFRESH_FAMILIES },
+    Migration { version: 3, name: "session ends and deactivation", sql: SESSION_ENDS },
 ];
+
+/// Step 3: an operator ends sessions (`tidemark_core::session`). A user's
+/// or a device's `sessions_ended_at` refuses the access tokens issued at
+/// or before it (0: none ended); `deactivated_at` set: the account no
+/// longer logs in and none of its tokens work.
+pub const SESSION_ENDS: &str = r#"
+ALTER TABLE users ADD COLUMN deactivated_at INTEGER;
+ALTER TABLE users ADD COLUMN sessions_ended_at INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE devices ADD COLUMN sessions_ended_at INTEGER NOT NULL DEFAULT 0;
+"#;
 
 /// Step 2: refresh-token reuse detection (`tidemark_core::refresh`). A
 /// token keeps its row once used (`used_at` set) until it expires, so a

@@ -52,6 +52,7 @@ where
     revocation_is_durable(&*fresh().await).await;
     history_retention_moves_the_boundary(&*fresh().await).await;
     sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
+    devices_list_and_sessions_end_durably(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -592,6 +593,72 @@ pub async fn refresh_tokens_are_used_once(store: &dyn Store) {
     store.put_refresh_token("h5", &rec("f4", far), T0 + 10).await.unwrap();
     assert_eq!(store.use_refresh_token("h4", T0 + 11).await.unwrap(), RefreshUse::Unknown);
     assert_eq!(store.use_refresh_token("h5", T0 + 11).await.unwrap(), RefreshUse::Rotated(rec("f4", far)));
+}
+
+/// P1, P5: the device list; a password change drops the other devices'
+/// refresh tokens; a forced logout of a device or a user records its end
+/// and drops their tokens; deactivation stops logins, drops every token
+/// and is reported once; `session_fences` reads back every end.
+pub async fn devices_list_and_sessions_end_durably(store: &dyn Store) {
+    users(store, &["b", "c"]).await;
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("b", "laptop", "Laptop", T0 + 1).await.unwrap();
+    store.login_device("c", "phone", "Phone", T0).await.unwrap();
+    store.revoke_device("b", "laptop", T0 + 2).await.unwrap();
+    let listed: Vec<(String, String, i64, DeviceState)> = store
+        .list_devices("b")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.device, d.name, d.created_at_ms, d.state))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("laptop".into(), "Laptop".into(), T0 + 1, DeviceState::Revoked),
+            ("phone".into(), "Phone".into(), T0, DeviceState::New)
+        ]
+    );
+    assert!(store.list_devices("nobody").await.unwrap().is_empty());
+
+    let token = |user: &str, device: &str, family: &str| RefreshRecord {
+        user: user.into(),
+        device: device.into(),
+        expires_at_ms: T0 + 1_000,
+        family: family.into(),
+    };
+    let live = |h: &'static str| async move {
+        matches!(store.use_refresh_token(h, T0).await.unwrap(), RefreshUse::Rotated(_))
+    };
+    store.put_refresh_token("b-phone", &token("b", "phone", "f1"), T0).await.unwrap();
+    store.put_refresh_token("b-tab", &token("b", "tab", "f2"), T0).await.unwrap();
+    assert!(store.change_password("b", "new-phc", "phone").await.unwrap());
+    assert!(!store.change_password("nobody", "x", "phone").await.unwrap());
+    assert_eq!(store.password_hash("b").await.unwrap().as_deref(), Some("new-phc"));
+    assert!(!live("b-tab").await, "another device's token is gone");
+    assert!(live("b-phone").await, "the changing device keeps its token");
+
+    store.put_refresh_token("c-phone", &token("c", "phone", "f3"), T0).await.unwrap();
+    store.put_refresh_token("b-phone-2", &token("b", "phone", "f4"), T0).await.unwrap();
+    assert!(store.end_sessions("b", Some("phone"), T0 + 10).await.unwrap());
+    assert!(!store.end_sessions("b", Some("none"), T0 + 10).await.unwrap());
+    assert!(!store.end_sessions("nobody", None, T0 + 10).await.unwrap());
+    assert!(!live("b-phone-2").await);
+    assert!(store.end_sessions("b", None, T0 + 20).await.unwrap());
+    assert!(store.end_sessions("b", None, T0 + 15).await.unwrap(), "an earlier end moves nothing back");
+
+    assert!(store.deactivate_user("c", T0 + 30).await.unwrap());
+    assert!(!store.deactivate_user("c", T0 + 31).await.unwrap());
+    assert_eq!(store.deactivate_user("nobody", T0).await, Err(StoreError::NotFound("no such user".into())));
+    assert_eq!(store.password_hash("c").await.unwrap(), None, "a deactivated account does not log in");
+    assert!(!live("c-phone").await);
+
+    let fences = store.session_fences().await.unwrap();
+    assert_eq!(fences.deactivated, vec!["c".to_string()]);
+    let mut users_ended = fences.users_ended.clone();
+    users_ended.sort();
+    assert_eq!(users_ended, vec![("b".to_string(), T0 + 20), ("c".to_string(), T0 + 30)]);
+    assert_eq!(fences.devices_ended, vec![("b".to_string(), "phone".to_string(), T0 + 10)]);
 }
 
 /// P5: revocation sticks, survives re-login, and drops refresh tokens.

@@ -809,4 +809,47 @@ pub trait Store: Send + Sync + 'static {
     /// used; delete it when expired; delete its whole family when it had
     /// been used already).
     async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse>;
+
+    /// Every device of `user` (any state), by device id.
+    async fn list_devices(&self, user: &str) -> StoreResult<Vec<DeviceInfo>>;
+
+    /// Replaces the user's password hash and deletes the refresh tokens of
+    /// every device of the user but `keep_device`; `Ok(false)` if the user
+    /// does not exist.
+    async fn change_password(&self, user: &str, password_hash: &str, keep_device: &str) -> StoreResult<bool>;
+
+    /// Ends the sessions of `device` of `user`, or of every device of it
+    /// when `None`, at `now_ms` (`tidemark_core::session`): records the end
+    /// and deletes the refresh tokens concerned. `Ok(false)` if there is
+    /// no such user (or device).
+    async fn end_sessions(&self, user: &str, device: Option<&str>, now_ms: i64) -> StoreResult<bool>;
+
+    /// Deactivates the account: it no longer logs in (`password_hash`
+    /// answers `None`), its sessions end, its refresh tokens are deleted.
+    /// `Ok(false)` if it was deactivated already; `NotFound` if no such user.
+    async fn deactivate_user(&self, user: &str, now_ms: i64) -> StoreResult<bool>;
+
+    /// Every recorded session end and deactivation, for the gateway's
+    /// in-memory fence.
+    async fn session_fences(&self) -> StoreResult<SessionFences>;
+}
+
+/// A device as `device.list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub device: String,
+    pub name: String,
+    pub created_at_ms: i64,
+    /// Its last login or cursor move.
+    pub last_seen_ms: i64,
+    pub state: tidemark_core::cursor::DeviceState,
+}
+
+/// What [`Store::session_fences`] reads: deactivated users, and the moments
+/// sessions of users and of devices were ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionFences {
+    pub deactivated: Vec<String>,
+    pub users_ended: Vec<(String, i64)>,
+    pub devices_ended: Vec<(String, String, i64)>,
 }

@@ -24,6 +24,11 @@ fn unauthenticated(message: &str) -> ApiError {
     ApiError::new(ErrorCode::Unauthenticated, message)
 }
 
+/// The refusal of a token whose session an operator ended.
+pub fn session_ended() -> ApiError {
+    unauthenticated("this session was ended; log in again")
+}
+
 /// Verifies a bearer access token; the identity of every operation.
 pub fn authenticate(state: &AppState, token: &str) -> ApiResult<AuthCtx> {
     let claims = state
@@ -32,6 +37,9 @@ pub fn authenticate(state: &AppState, token: &str) -> ApiResult<AuthCtx> {
         .map_err(|e| unauthenticated(&format!("access token refused: {e}")))?;
     if state.is_revoked(&claims.user, &claims.device) {
         return Err(ApiError::device_revoked());
+    }
+    if !state.session_alive(&claims.user, &claims.device, claims.expires_at_ms) {
+        return Err(session_ended());
     }
     Ok(AuthCtx { user: claims.user, device: claims.device, expires_at_ms: claims.expires_at_ms })
 }

@@ -14,8 +14,8 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 use tidemark_proto::{
-    AdminEpochOk, AdminEpochReq, AdminUnreadOk, AdminUserOk, AdminUserReq, ErrorCode, HealthOk, HealthUnavailable,
-    LoginReq, RefreshReq,
+    AdminDeactivateOk, AdminDeactivateReq, AdminEpochOk, AdminEpochReq, AdminLogoutOk, AdminLogoutReq, AdminUnreadOk,
+    AdminUserOk, AdminUserReq, ErrorCode, HealthOk, HealthUnavailable, LoginReq, RefreshReq,
 };
 
 use super::auth;
@@ -181,6 +181,74 @@ pub async fn admin_rebuild_unread(State(state): State<Arc<AppState>>, headers: H
             Json(AdminUnreadOk { rows_checked: r.rows_checked, drifted: r.drifted }).into_response()
         }
         Err(e) => error_response(e.into()),
+    }
+}
+
+/// Kicks every live connection on this node of `user`'s devices.
+async fn kick_user(state: &AppState, user: &str, why: &'static str) -> Result<(), ApiError> {
+    for d in state.store.list_devices(user).await? {
+        state.hub.kick_device(user, &d.device, why);
+    }
+    Ok(())
+}
+
+/// `POST /v1/admin/logout {user, device_id?}`: ends the sessions of one
+/// device, or of every device of the user: their refresh tokens are
+/// deleted, the access tokens issued until now are refused, live sockets
+/// are kicked (`logged_out`). A later login works.
+pub async fn admin_logout(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminLogoutReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        if let Some(d) = &req.device_id {
+            tidemark_core::ids::check_device_id(d).map_err(ApiError::bad_request)?;
+        }
+        let now = crate::util::now_ms();
+        if !state.store.end_sessions(&user, req.device_id.as_deref(), now).await? {
+            return Err(ApiError::new(ErrorCode::NotFound, "no such user or device"));
+        }
+        state.sessions.end(&user, req.device_id.as_deref(), now);
+        match &req.device_id {
+            Some(d) => state.hub.kick_device(&user, d, tidemark_proto::reason::LOGGED_OUT),
+            None => kick_user(&state, &user, tidemark_proto::reason::LOGGED_OUT).await?,
+        }
+        tracing::warn!(user = %user, device = ?req.device_id, "admin ended sessions");
+        Ok(AdminLogoutOk { user, device_id: req.device_id.clone() })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// `POST /v1/admin/deactivate {user}`: the account's sessions end, its
+/// live sockets are kicked (`account_deactivated`), and nothing of it is
+/// accepted after: its tokens are refused and it no longer logs in.
+pub async fn admin_deactivate(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminDeactivateReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        let deactivated = state.store.deactivate_user(&user, crate::util::now_ms()).await?;
+        state.sessions.deactivate(&user);
+        kick_user(&state, &user, tidemark_proto::reason::ACCOUNT_DEACTIVATED).await?;
+        tracing::warn!(user = %user, deactivated, "admin deactivated user");
+        Ok(AdminDeactivateOk { user, deactivated })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
     }
 }
 

@@ -29,6 +29,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/admin/users", post(http::admin_create_user))
         .route("/v1/admin/conv/epoch", post(http::admin_bump_epoch))
         .route("/v1/admin/unread/rebuild", post(http::admin_rebuild_unread))
+        .route("/v1/admin/logout", post(http::admin_logout))
+        .route("/v1/admin/deactivate", post(http::admin_deactivate))
         .route("/v1/login", post(http::login))
         .route("/v1/refresh", post(http::refresh))
         .route("/v1/rpc/{op}", post(http::rpc))

@@ -137,6 +137,13 @@ fn rpcs(s: &mut Schemas) -> Vec<Rpc> {
             s.of::<SnapshotAckOk>(),
         ),
         rpc(op::DEVICE_REVOKE, "Revoke a device (P5)", s.of::<DeviceRevokeReq>(), s.of::<DeviceRevokeOk>()),
+        no_fields(op::DEVICE_LIST, "The caller's devices (P5)", s.of::<DeviceListOk>()),
+        rpc(
+            op::ACCOUNT_PASSWORD,
+            "Change the caller's password; the other devices can no longer refresh (P1)",
+            s.of::<AccountPasswordReq>(),
+            s.of::<AccountPasswordOk>(),
+        ),
         no_fields(op::PING, "Liveness of the caller's session", empty.clone()),
     ]
 }
@@ -267,6 +274,20 @@ fn document_value() -> OpenApi {
             Some(ADMIN),
             Some((s.of::<AdminEpochReq>(), true)),
             s.of::<AdminEpochOk>(),
+        ),
+        (
+            "/v1/admin/logout",
+            "End the sessions of a user or of one device (admin token)",
+            Some(ADMIN),
+            Some((s.of::<AdminLogoutReq>(), true)),
+            s.of::<AdminLogoutOk>(),
+        ),
+        (
+            "/v1/admin/deactivate",
+            "Deactivate a user: every session ends, nothing accepted after (admin token)",
+            Some(ADMIN),
+            Some((s.of::<AdminDeactivateReq>(), true)),
+            s.of::<AdminDeactivateOk>(),
         ),
         (
             "/v1/admin/unread/rebuild",
