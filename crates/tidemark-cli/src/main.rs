@@ -109,6 +109,10 @@ enum Command {
         /// RATE_LIMITED and a retry hint.
         #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_PER_USER_MAX_DEFAULT)]
         ws_connections_per_user_max: usize,
+        /// Audit log entries (logins, refreshes, revocations, password
+        /// changes, operator actions) older than this many days are deleted.
+        #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u32).range(1..))]
+        audit_keep_days: u32,
         #[command(flatten)]
         limits: LimitArgs,
         #[command(flatten)]
@@ -310,6 +314,7 @@ async fn main() -> Result<()> {
             snapshot_messages_per_conv,
             ws_connections_max,
             ws_connections_per_user_max,
+            audit_keep_days,
             limits,
             timeouts,
             hold_fanout,
@@ -340,6 +345,7 @@ async fn main() -> Result<()> {
                 hint_bus,
                 ws_connections_max,
                 ws_connections_per_user_max,
+                audit_keep: std::time::Duration::from_secs(u64::from(audit_keep_days) * 24 * 3600),
                 limits: limits.config(),
                 http_timeouts: timeouts.http(),
                 ws_auth_timeout: std::time::Duration::from_millis(timeouts.ws_auth_timeout_ms),

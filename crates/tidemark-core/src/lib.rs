@@ -10,6 +10,7 @@
 //! and the write are one atomic step, and the rule itself is the same for
 //! every backend.
 
+pub mod audit;
 pub mod control;
 pub mod convsync;
 pub mod cursor;

@@ -1043,4 +1043,83 @@ impl Store for PgStore {
             })
             .await
     }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()> {
+        let e = entry.clone();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    exec(
+                        c,
+                        "INSERT INTO audit_log (at, event, actor, user_hash, device_hash, address) \
+                         VALUES ($1, $2, $3, $4, $5, $6)",
+                        &[&e.at_ms, &e.event, &e.actor, &e.user_hash, &e.device_hash, &e.address],
+                    )
+                    .await?;
+                    Ok(())
+                })
+            })
+            .await
+    }
+
+    async fn audit_log(
+        &self,
+        user_hash: Option<&str>,
+        from_ms: i64,
+        to_ms: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<AuditEntry>> {
+        let user_hash = user_hash.map(str::to_owned);
+        let limit = i64::from(limit);
+        self.readers
+            .read(move |c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT at, event, actor, user_hash, device_hash, address FROM audit_log \
+                         WHERE ($1::TEXT IS NULL OR user_hash = $1) AND at >= $2 AND at < $3 \
+                         ORDER BY at, id LIMIT $4",
+                        &[&user_hash, &from_ms, &to_ms, &limit],
+                    )
+                    .await?;
+                    rows.iter()
+                        .map(|r| {
+                            Ok(AuditEntry {
+                                at_ms: col(r, 0)?,
+                                event: col(r, 1)?,
+                                actor: col(r, 2)?,
+                                user_hash: col(r, 3)?,
+                                device_hash: col(r, 4)?,
+                                address: col(r, 5)?,
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
+
+    async fn trim_audit(&self, before_ms: i64) -> StoreResult<u64> {
+        self.writer
+            .write(move |c| {
+                Box::pin(async move { exec(c, "DELETE FROM audit_log WHERE at < $1", &[&before_ms]).await })
+            })
+            .await
+    }
+
+    async fn list_users(&self) -> StoreResult<Vec<UserInfo>> {
+        self.readers
+            .read(|c| {
+                Box::pin(async move {
+                    let rows =
+                        query(c, "SELECT user_id, created_at, deactivated_at FROM users ORDER BY user_id", &[]).await?;
+                    rows.iter()
+                        .map(|r| {
+                            Ok(UserInfo { user: col(r, 0)?, created_at_ms: col(r, 1)?, deactivated_at_ms: col(r, 2)? })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
 }

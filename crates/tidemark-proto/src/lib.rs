@@ -348,6 +348,50 @@ pub struct AdminDeactivateOk {
     pub deactivated: bool,
 }
 
+/// Entries one `POST /v1/admin/audit` returns by default, and at most.
+pub const AUDIT_LIMIT_DEFAULT: u32 = 100;
+pub const AUDIT_LIMIT_MAX: u32 = 1000;
+
+/// `POST /v1/admin/audit`: audit entries by user and time range.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminAuditReq {
+    /// Only this user's entries (the name, hashed by the server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// From this time on (ms since the epoch, inclusive); default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_ms: Option<i64>,
+    /// Before this time (exclusive); default: no bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_ms: Option<i64>,
+    /// 1..=1000, default 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// One audit log entry: ids are keyed hashes; never a secret or a body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AuditEntryOut {
+    pub at_ms: i64,
+    pub event: String,
+    pub actor: String,
+    pub user_hash: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_hash: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminAuditOk {
+    /// Oldest first; when `limit` entries came back, ask again from the
+    /// last one's `at_ms` for more.
+    pub entries: Vec<AuditEntryOut>,
+}
+
 // ---------------------------------------------------------- conversations
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

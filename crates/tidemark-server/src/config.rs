@@ -15,6 +15,8 @@ pub const WS_CONNECTIONS_PER_USER_MAX_DEFAULT: usize = 20;
 /// `retry_after_ms` of the refusal a user at its cap gets: a slot frees
 /// only when one of its connections ends.
 pub const WS_USER_FULL_RETRY_AFTER_MS: u64 = 5_000;
+/// How long audit log entries are kept.
+pub const AUDIT_KEEP_DEFAULT: Duration = Duration::from_secs(90 * 24 * 3600);
 /// Time a WebSocket has from its upgrade to authenticate (`auth` frame).
 pub const WS_AUTH_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
 
@@ -88,6 +90,8 @@ pub struct ServerConfig {
     pub ws_auth_timeout: Duration,
     /// HTTP header, body, request and idle timeouts.
     pub http_timeouts: HttpTimeouts,
+    /// Audit log entries older than this are deleted.
+    pub audit_keep: Duration,
     /// Rate limits per device, user and source address (P3).
     pub limits: crate::limits::LimitsConfig,
     /// Outbox items fanned out per transaction.
@@ -136,6 +140,7 @@ impl Default for ServerConfig {
             ws_connections_per_user_max: WS_CONNECTIONS_PER_USER_MAX_DEFAULT,
             ws_auth_timeout: WS_AUTH_TIMEOUT_DEFAULT,
             http_timeouts: HttpTimeouts::default(),
+            audit_keep: AUDIT_KEEP_DEFAULT,
             limits: crate::limits::LimitsConfig::default(),
             relay_batch_max: 512,
             relay_poll: Duration::from_secs(1),

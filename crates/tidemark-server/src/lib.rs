@@ -18,6 +18,7 @@
 //! because every dependency is passed in explicitly.
 
 pub mod accounts;
+pub mod audit;
 pub mod bus;
 pub mod config;
 pub mod error;

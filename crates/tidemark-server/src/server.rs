@@ -63,7 +63,8 @@ impl Server {
         let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
         let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
         let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
-        let mut tasks = vec![http, relay, rehint, retention, sweep];
+        let audit = spawn_fatal("audit retention", crate::audit::run_retention(state.clone(), shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention, sweep, audit];
         if let Some(pending) = bus_pending {
             let bus_tasks = pending.spawn(state.hub.clone(), shutdown_rx);
             tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));

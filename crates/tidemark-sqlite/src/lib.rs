@@ -1026,6 +1026,80 @@ impl Store for SqliteStore {
             })
             .await
     }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()> {
+        let e = entry.clone();
+        self.writer
+            .write(move |c| {
+                c.prepare_cached(
+                    "INSERT INTO audit_log (at, event, actor, user_hash, device_hash, address) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )
+                .map_err(internal)?
+                .execute(params![e.at_ms, e.event, e.actor, e.user_hash, e.device_hash, e.address])
+                .map_err(internal)?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn audit_log(
+        &self,
+        user_hash: Option<&str>,
+        from_ms: i64,
+        to_ms: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<AuditEntry>> {
+        let user_hash = user_hash.map(str::to_owned);
+        self.readers
+            .read_store(move |c| {
+                let mut stmt = c
+                    .prepare_cached(
+                        "SELECT at, event, actor, user_hash, device_hash, address FROM audit_log \
+                         WHERE (?1 IS NULL OR user_hash = ?1) AND at >= ?2 AND at < ?3 ORDER BY at, id LIMIT ?4 + 0",
+                    )
+                    .map_err(internal)?;
+                let rows = stmt
+                    .query_map(params![user_hash, from_ms, to_ms, limit], |r| {
+                        Ok(AuditEntry {
+                            at_ms: r.get(0)?,
+                            event: r.get(1)?,
+                            actor: r.get(2)?,
+                            user_hash: r.get(3)?,
+                            device_hash: r.get(4)?,
+                            address: r.get(5)?,
+                        })
+                    })
+                    .map_err(internal)?;
+                rows.map(|r| r.map_err(internal)).collect()
+            })
+            .await
+    }
+
+    async fn trim_audit(&self, before_ms: i64) -> StoreResult<u64> {
+        self.writer
+            .write(move |c| {
+                let n = c.execute("DELETE FROM audit_log WHERE at < ?1", params![before_ms]).map_err(internal)?;
+                Ok(n as u64)
+            })
+            .await
+    }
+
+    async fn list_users(&self) -> StoreResult<Vec<UserInfo>> {
+        self.readers
+            .read_store(|c| {
+                let mut stmt = c
+                    .prepare_cached("SELECT user_id, created_at, deactivated_at FROM users ORDER BY user_id")
+                    .map_err(internal)?;
+                let rows = stmt
+                    .query_map([], |r| {
+                        Ok(UserInfo { user: r.get(0)?, created_at_ms: r.get(1)?, deactivated_at_ms: r.get(2)? })
+                    })
+                    .map_err(internal)?;
+                rows.map(|r| r.map_err(internal)).collect()
+            })
+            .await
+    }
 }
 
 fn rand_secret() -> [u8; 32] {

@@ -40,7 +40,26 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 1, name: "initial schema", sql: SCHEMA },
     Migration { version: 2, name: "refresh token families", sql: REFRESH_FAMILIES },
     Migration { version: 3, name: "session ends and deactivation", sql: SESSION_ENDS },
+    Migration { version: 4, name: "audit log", sql: AUDIT_LOG },
 ];
+
+/// Step 4: the durable audit log (`tidemark_core::audit`), one row per
+/// account or device event, ids as keyed hashes, never a secret; found by
+/// user hash and time, trimmed by time (the retention of `tidemark serve
+/// --audit-keep-days`).
+pub const AUDIT_LOG: &str = r#"
+CREATE TABLE IF NOT EXISTS audit_log (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    at           INTEGER NOT NULL,
+    event        TEXT NOT NULL,
+    actor        TEXT NOT NULL,
+    user_hash    TEXT NOT NULL,
+    device_hash  TEXT,
+    address      TEXT
+);
+CREATE INDEX IF NOT EXISTS audit_log_by_user ON audit_log (user_hash, at);
+CREATE INDEX IF NOT EXISTS audit_log_by_time ON audit_log (at);
+"#;
 
 /// Step 3: an operator ends sessions (`tidemark_core::session`). A user's
 /// or a device's `sessions_ended_at` refuses the access tokens issued at

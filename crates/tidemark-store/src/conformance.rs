@@ -53,6 +53,7 @@ where
     history_retention_moves_the_boundary(&*fresh().await).await;
     sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
     devices_list_and_sessions_end_durably(&*fresh().await).await;
+    audit_log_is_queried_by_user_and_time_and_trimmed(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -659,6 +660,45 @@ pub async fn devices_list_and_sessions_end_durably(store: &dyn Store) {
     users_ended.sort();
     assert_eq!(users_ended, vec![("b".to_string(), T0 + 20), ("c".to_string(), T0 + 30)]);
     assert_eq!(fences.devices_ended, vec![("b".to_string(), "phone".to_string(), T0 + 10)]);
+}
+
+/// P1: audit entries come back by user and time range, oldest first, up
+/// to a limit; trimming deletes the older ones only. Users are listed by
+/// name with their deactivation.
+pub async fn audit_log_is_queried_by_user_and_time_and_trimmed(store: &dyn Store) {
+    let entry = |at_ms: i64, event: &str, user_hash: &str, device: Option<&str>| AuditEntry {
+        at_ms,
+        event: event.into(),
+        actor: "self".into(),
+        user_hash: user_hash.into(),
+        device_hash: device.map(str::to_owned),
+        address: device.map(|_| "127.0.0.1".to_owned()),
+    };
+    let all = [
+        entry(T0, "login", "hb", Some("hp")),
+        entry(T0 + 1, "login_failed", "hc", None),
+        entry(T0 + 1, "refresh", "hb", Some("hp")),
+        entry(T0 + 5, "logged_out", "hb", None),
+    ];
+    for e in &all {
+        store.append_audit(e).await.unwrap();
+    }
+    assert_eq!(store.audit_log(None, T0, T0 + 10, 100).await.unwrap(), all.to_vec());
+    assert_eq!(
+        store.audit_log(Some("hb"), T0, T0 + 10, 100).await.unwrap(),
+        vec![all[0].clone(), all[2].clone(), all[3].clone()]
+    );
+    assert_eq!(store.audit_log(Some("hb"), T0 + 1, T0 + 5, 100).await.unwrap(), vec![all[2].clone()]);
+    assert_eq!(store.audit_log(None, T0, T0 + 10, 2).await.unwrap(), all[..2].to_vec());
+    assert!(store.audit_log(Some("nobody"), T0, T0 + 10, 100).await.unwrap().is_empty());
+    assert_eq!(store.trim_audit(T0 + 1).await.unwrap(), 1);
+    assert_eq!(store.audit_log(None, 0, i64::MAX, 100).await.unwrap(), all[1..].to_vec());
+
+    users(store, &["b", "a"]).await;
+    store.deactivate_user("b", T0 + 9).await.unwrap();
+    let listed: Vec<(String, Option<i64>)> =
+        store.list_users().await.unwrap().into_iter().map(|u| (u.user, u.deactivated_at_ms)).collect();
+    assert_eq!(listed, vec![("a".to_string(), None), ("b".to_string(), Some(T0 + 9))]);
 }
 
 /// P5: revocation sticks, survives re-login, and drops refresh tokens.

@@ -832,6 +832,45 @@ pub trait Store: Send + Sync + 'static {
     /// Every recorded session end and deactivation, for the gateway's
     /// in-memory fence.
     async fn session_fences(&self) -> StoreResult<SessionFences>;
+
+    /// Appends one entry to the durable audit log.
+    async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()>;
+
+    /// Audit entries with `from_ms <= at_ms < to_ms`, of one user (by its
+    /// audit hash) or of all, oldest first, at most `limit`.
+    async fn audit_log(
+        &self,
+        user_hash: Option<&str>,
+        from_ms: i64,
+        to_ms: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<AuditEntry>>;
+
+    /// Deletes the audit entries older than `before_ms`; returns how many.
+    async fn trim_audit(&self, before_ms: i64) -> StoreResult<u64>;
+
+    /// Every account, by name.
+    async fn list_users(&self) -> StoreResult<Vec<UserInfo>>;
+}
+
+/// One audit log entry (`tidemark_core::audit`): ids are keyed hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditEntry {
+    pub at_ms: i64,
+    pub event: String,
+    pub actor: String,
+    pub user_hash: String,
+    pub device_hash: Option<String>,
+    /// The source address, when the event came over the network.
+    pub address: Option<String>,
+}
+
+/// An account as `list_users` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserInfo {
+    pub user: String,
+    pub created_at_ms: i64,
+    pub deactivated_at_ms: Option<i64>,
 }
 
 /// A device as `device.list` shows it.

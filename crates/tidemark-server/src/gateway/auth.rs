@@ -8,11 +8,12 @@ use tidemark_core::token::AccessClaims;
 use tidemark_proto::{ErrorCode, LoginOk, LoginReq, RefreshReq};
 use tidemark_store::{RefreshRecord, RefreshUse};
 
-use crate::accounts;
 use crate::error::{ApiError, ApiResult};
 use crate::ops::AuthCtx;
 use crate::state::AppState;
 use crate::util::{new_secret, now_ms, sha256_hex};
+use crate::{accounts, audit};
+use tidemark_core::audit::{actor, event};
 
 /// A short hash of a user name for logs (O2: ids are hashed, never shown
 /// to an outsider reading the logs).
@@ -88,6 +89,7 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
     state.limits.login_outcome(&req.user, peer, ok, now_ms());
     if !ok {
         tracing::warn!(user_hash = %short_hash(&req.user), %peer, "login failed");
+        audit::record(state, event::LOGIN_FAILED, actor::ANONYMOUS, &req.user, Some(&req.device_id), Some(peer)).await;
         return Err(unauthenticated("wrong user or password"));
     }
     let name = req.device_name.unwrap_or_else(|| req.device_id.clone());
@@ -97,6 +99,7 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
         return Err(ApiError::device_revoked());
     }
     tracing::info!(user = %req.user, device = %req.device_id, "login");
+    audit::record(state, event::LOGIN, actor::SELF, &req.user, Some(&req.device_id), Some(peer)).await;
     issue(state, &req.user, &req.device_id, crate::util::new_id("f")).await
 }
 
@@ -111,6 +114,8 @@ pub async fn refresh(state: &AppState, peer: IpAddr, req: RefreshReq) -> ApiResu
         RefreshUse::Expired(_) => return Err(unauthenticated("refresh token expired")),
         RefreshUse::FamilyRevoked(rec) => {
             tracing::warn!(user = %rec.user, device = %rec.device, %peer, "refresh token reused; its family is revoked");
+            audit::record(state, event::REFRESH_REUSED, actor::ANONYMOUS, &rec.user, Some(&rec.device), Some(peer))
+                .await;
             return Err(unauthenticated("unknown or used refresh token"));
         }
     };
@@ -118,5 +123,6 @@ pub async fn refresh(state: &AppState, peer: IpAddr, req: RefreshReq) -> ApiResu
         return Err(ApiError::device_revoked());
     }
     tracing::info!(user = %rec.user, device = %rec.device, "token refreshed");
+    audit::record(state, event::REFRESH, actor::SELF, &rec.user, Some(&rec.device), Some(peer)).await;
     issue(state, &rec.user, &rec.device, rec.family).await
 }

@@ -14,15 +14,18 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 use tidemark_proto::{
-    AdminDeactivateOk, AdminDeactivateReq, AdminEpochOk, AdminEpochReq, AdminLogoutOk, AdminLogoutReq, AdminUnreadOk,
-    AdminUserOk, AdminUserReq, ErrorCode, HealthOk, HealthUnavailable, LoginReq, RefreshReq,
+    AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminEpochOk, AdminEpochReq, AdminLogoutOk,
+    AdminLogoutReq, AdminUnreadOk, AdminUserOk, AdminUserReq, AuditEntryOut, ErrorCode, HealthOk, HealthUnavailable,
+    LoginReq, RefreshReq, AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX,
 };
 
 use super::auth;
+use crate::audit;
 use crate::error::ApiError;
 use crate::metrics as m;
 use crate::ops::{self, parse};
 use crate::state::AppState;
+use tidemark_core::audit::{actor, event};
 
 pub(super) fn error_response(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -196,7 +199,12 @@ async fn kick_user(state: &AppState, user: &str, why: &'static str) -> Result<()
 /// device, or of every device of the user: their refresh tokens are
 /// deleted, the access tokens issued until now are refused, live sockets
 /// are kicked (`logged_out`). A later login works.
-pub async fn admin_logout(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn admin_logout(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(r) = admin_guard(&state, &headers) {
         return *r;
     }
@@ -219,6 +227,8 @@ pub async fn admin_logout(State(state): State<Arc<AppState>>, headers: HeaderMap
             None => kick_user(&state, &user, tidemark_proto::reason::LOGGED_OUT).await?,
         }
         tracing::warn!(user = %user, device = ?req.device_id, "admin ended sessions");
+        let device = req.device_id.as_deref();
+        audit::record(&state, event::LOGGED_OUT, actor::ADMIN, &user, device, Some(peer.ip())).await;
         Ok(AdminLogoutOk { user, device_id: req.device_id.clone() })
     };
     match result.await {
@@ -230,7 +240,12 @@ pub async fn admin_logout(State(state): State<Arc<AppState>>, headers: HeaderMap
 /// `POST /v1/admin/deactivate {user}`: the account's sessions end, its
 /// live sockets are kicked (`account_deactivated`), and nothing of it is
 /// accepted after: its tokens are refused and it no longer logs in.
-pub async fn admin_deactivate(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn admin_deactivate(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(r) = admin_guard(&state, &headers) {
         return *r;
     }
@@ -244,6 +259,9 @@ pub async fn admin_deactivate(State(state): State<Arc<AppState>>, headers: Heade
         state.sessions.deactivate(&user);
         kick_user(&state, &user, tidemark_proto::reason::ACCOUNT_DEACTIVATED).await?;
         tracing::warn!(user = %user, deactivated, "admin deactivated user");
+        if deactivated {
+            audit::record(&state, event::DEACTIVATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
+        }
         Ok(AdminDeactivateOk { user, deactivated })
     };
     match result.await {
@@ -252,7 +270,55 @@ pub async fn admin_deactivate(State(state): State<Arc<AppState>>, headers: Heade
     }
 }
 
-pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+/// `POST /v1/admin/audit {user?, from_ms?, to_ms?, limit?}`: audit entries,
+/// oldest first.
+pub async fn admin_audit(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminAuditReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let limit = req.limit.unwrap_or(AUDIT_LIMIT_DEFAULT);
+        if limit == 0 || limit > AUDIT_LIMIT_MAX {
+            return Err(ApiError::bad_request(format!("limit must be 1..={AUDIT_LIMIT_MAX}")));
+        }
+        let user_hash = match &req.user {
+            Some(u) => {
+                Some(state.keys.audit_id(&tidemark_core::ids::canonical_user(u).map_err(ApiError::bad_request)?))
+            }
+            None => None,
+        };
+        let (from, to) = (req.from_ms.unwrap_or(0), req.to_ms.unwrap_or(i64::MAX));
+        let entries = state.store.audit_log(user_hash.as_deref(), from, to, limit).await?;
+        Ok(AdminAuditOk {
+            entries: entries
+                .into_iter()
+                .map(|e| AuditEntryOut {
+                    at_ms: e.at_ms,
+                    event: e.event,
+                    actor: e.actor,
+                    user_hash: e.user_hash,
+                    device_hash: e.device_hash,
+                    address: e.address,
+                })
+                .collect(),
+        })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+pub async fn admin_create_user(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(r) = admin_guard(&state, &headers) {
         return *r;
     }
@@ -263,6 +329,9 @@ pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: Head
     match crate::accounts::create_user(&state, &req.user, &req.password).await {
         Ok((user, created)) => {
             tracing::info!(user = %user, created, "admin created user");
+            if created {
+                audit::record(&state, event::USER_CREATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
+            }
             Json(AdminUserOk { user, created }).into_response()
         }
         Err(e) => error_response(e),

@@ -290,6 +290,13 @@ fn document_value() -> OpenApi {
             s.of::<AdminDeactivateOk>(),
         ),
         (
+            "/v1/admin/audit",
+            "Audit entries by user and time range, oldest first (admin token, P1)",
+            Some(ADMIN),
+            Some((s.of::<AdminAuditReq>(), false)),
+            s.of::<AdminAuditOk>(),
+        ),
+        (
             "/v1/admin/unread/rebuild",
             "Rebuild unread counts from the facts (admin token, R3)",
             Some(ADMIN),

@@ -8,6 +8,8 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 
+use tidemark_core::audit::{actor, event};
+
 use tidemark_proto::{
     reason, AccountPasswordOk, AccountPasswordReq, DeviceInfo, DeviceListOk, DeviceRevokeOk, DeviceRevokeReq, ErrorCode,
 };
@@ -24,6 +26,7 @@ pub async fn revoke(state: &AppState, ctx: &AuthCtx, req: DeviceRevokeReq) -> Ap
     state.revoked.write().expect("revoked lock").insert((ctx.user.clone(), req.device_id.clone()));
     state.hub.kick_device(&ctx.user, &req.device_id, reason::DEVICE_REVOKED);
     tracing::info!(device = %req.device_id, by_device = %ctx.device, "device revoked");
+    crate::audit::record(state, event::DEVICE_REVOKED, actor::SELF, &ctx.user, Some(&req.device_id), None).await;
     Ok(DeviceRevokeOk { device_id: req.device_id, revoked })
 }
 
@@ -69,6 +72,8 @@ pub async fn change_password(state: &AppState, ctx: &AuthCtx, req: AccountPasswo
     state.limits.login_outcome(&ctx.user, PASSWORD_CHANGE_KEY, ok, now_ms());
     let Some(hash) = hash else {
         tracing::warn!(device = %ctx.device, "password change refused: wrong password");
+        let failed = event::PASSWORD_CHANGE_FAILED;
+        crate::audit::record(state, failed, actor::SELF, &ctx.user, Some(&ctx.device), None).await;
         return Err(wrong());
     };
     let hash = hash.map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
@@ -76,5 +81,6 @@ pub async fn change_password(state: &AppState, ctx: &AuthCtx, req: AccountPasswo
         return Err(wrong());
     }
     tracing::info!(device = %ctx.device, "password changed; other devices' refresh tokens deleted");
+    crate::audit::record(state, event::PASSWORD_CHANGED, actor::SELF, &ctx.user, Some(&ctx.device), None).await;
     Ok(AccountPasswordOk { other_devices_logged_out: true })
 }
