@@ -1,5 +1,6 @@
 //! The `tidemark` command: `serve`, `user add`, `bench`, `demo` and `chat`.
 
+mod admin;
 mod bench;
 mod chat;
 mod demo;
@@ -122,9 +123,18 @@ enum Command {
         hold_fanout: bool,
     },
     /// Manage users.
+    #[command(after_help = "These act on the store directly (--data or --database), a running server \
+                            included: logins and refresh tokens see the change at once; a running \
+                            server refuses the access tokens it ends when it next starts, so prefer \
+                            POST /v1/admin/logout and /v1/admin/deactivate on a live server.")]
     User {
         #[command(subcommand)]
         command: UserCommand,
+    },
+    /// Manage a user's devices.
+    Device {
+        #[command(subcommand)]
+        command: DeviceCommand,
     },
     /// Benchmarks; each prints a table and writes JSON.
     Bench {
@@ -229,6 +239,63 @@ enum UserCommand {
         /// The user name: 1..=64 bytes of ASCII letters, digits, `_ - . @`,
         /// stored lower-cased (`Alice` and `alice` are one account).
         name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// List every user: name, creation time, active or deactivated.
+    List {
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// End every session of a user, or of one of its devices (a later login works).
+    Logout {
+        /// The user name.
+        name: String,
+        /// Only this device.
+        #[arg(long)]
+        device: Option<String>,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Deactivate a user: it no longer logs in and every session ends.
+    Deactivate {
+        /// The user name.
+        name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Print audit log entries, oldest first (time, event, actor, user and
+    /// device hashes, address).
+    Audit {
+        /// Only this user's entries.
+        name: Option<String>,
+        /// Only entries of the last this many seconds.
+        #[arg(long)]
+        since_secs: Option<u64>,
+        /// At most this many entries.
+        #[arg(long, default_value_t = tidemark_proto::AUDIT_LIMIT_DEFAULT,
+              value_parser = clap::value_parser!(u32).range(1..=tidemark_proto::AUDIT_LIMIT_MAX as i64))]
+        limit: u32,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum DeviceCommand {
+    /// List a user's devices: id, state, first login, last seen, name.
+    List {
+        /// The user name.
+        user: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Revoke a user's device: it can never log in or sync again.
+    Revoke {
+        /// The user name.
+        user: String,
+        /// The device id.
+        device: String,
         #[command(flatten)]
         store: StoreArgs,
     },
@@ -377,6 +444,8 @@ async fn main() -> Result<()> {
                 bail!("user {name} already exists")
             }
         }
+        Command::User { command } => admin::user(command).await,
+        Command::Device { command } => admin::device(command).await,
         Command::Bench { command } => bench::run(command).await,
         Command::Demo => {
             init_logs("warn");
