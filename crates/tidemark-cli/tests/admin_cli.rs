@@ -71,7 +71,9 @@ async fn an_operator_lists_revokes_logs_out_deactivates_and_reads_the_audit_log(
         events,
         vec![
             ("user_created", "admin"),
+            ("device_registered", "self"),
             ("login", "self"),
+            ("device_registered", "self"),
             ("login", "self"),
             ("device_revoked", "admin"),
             ("logged_out", "admin")

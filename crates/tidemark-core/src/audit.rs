@@ -7,6 +7,8 @@
 
 /// Events, as stored.
 pub mod event {
+    /// A login with a `device_id` the user never used: the device is new.
+    pub const DEVICE_REGISTERED: &str = "device_registered";
     pub const LOGIN: &str = "login";
     pub const LOGIN_FAILED: &str = "login_failed";
     pub const REFRESH: &str = "refresh";

@@ -1,4 +1,4 @@
-//! The durable audit log (P1): logins (failed and not), refreshes, a
+//! The durable audit log (P1): device registrations, logins (failed and not), refreshes, a
 //! refresh token's reuse, a revocation, password changes, a forced logout,
 //! a deactivation and a user's creation each leave one entry with the
 //! right actor, event, hashed user and device, source address and time;
@@ -58,7 +58,9 @@ async fn every_account_event_is_audited_with_its_actor_and_nothing_secret() {
         vec![
             ("user_created".into(), "admin".into(), None, true),
             ("login_failed".into(), "anonymous".into(), d(&phone_h), true),
+            ("device_registered".into(), "self".into(), d(&phone_h), true),
             ("login".into(), "self".into(), d(&phone_h), true),
+            ("device_registered".into(), "self".into(), d(&laptop_h), true),
             ("login".into(), "self".into(), d(&laptop_h), true),
             ("refresh".into(), "self".into(), d(&laptop_h), true),
             ("refresh_reused".into(), "anonymous".into(), d(&laptop_h), true),
@@ -71,10 +73,10 @@ async fn every_account_event_is_audited_with_its_actor_and_nothing_secret() {
     );
     // Bob's entries are apart; a time range cuts the list.
     let bob: Vec<String> = entries(&ts, Some("bob")).await.into_iter().map(|e| e.event).collect();
-    assert_eq!(bob, vec!["user_created", "login"]);
+    assert_eq!(bob, vec!["user_created", "device_registered", "login"]);
     let all = entries(&ts, None).await;
-    assert_eq!(all.len(), 11 + 2, "alice's and bob's");
-    let mid = all[5].at_ms;
+    assert_eq!(all.len(), 13 + 3, "alice's and bob's");
+    let mid = all[6].at_ms;
     let req = AdminAuditReq { user: Some("alice".into()), from_ms: Some(mid), to_ms: Some(mid + 1), limit: Some(50) };
     let cut = ts.http.admin_audit(ADMIN, &req).await.unwrap().entries;
     assert!(!cut.is_empty() && cut.iter().all(|e| e.at_ms == mid));

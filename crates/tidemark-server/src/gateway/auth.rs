@@ -94,7 +94,12 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
     }
     let name = req.device_name.unwrap_or_else(|| req.device_id.clone());
     let name: String = name.chars().take(tidemark_proto::DEVICE_NAME_CHARS_MAX).collect();
+    // Whether this login registers the device, for the audit log.
+    let known = state.store.device(&req.user, &req.device_id).await?.is_some();
     let device = state.store.login_device(&req.user, &req.device_id, &name, now_ms()).await?;
+    if !known {
+        audit::record(state, event::DEVICE_REGISTERED, actor::SELF, &req.user, Some(&req.device_id), Some(peer)).await;
+    }
     if device.cursor.state == tidemark_core::cursor::DeviceState::Revoked {
         return Err(ApiError::device_revoked());
     }
