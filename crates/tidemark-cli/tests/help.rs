@@ -1,7 +1,7 @@
 //! The operator's help texts and logs: every flag of `serve`, the `user`
 //! and `device` subcommands and `chat` says what it does, none quotes a
-//! requirement id, RUST_LOG is mentioned, no secret is a command-line flag, and stderr carries no ANSI
-//! colour codes when it is not a terminal.
+//! requirement id, RUST_LOG is mentioned, no secret is a command-line
+//! flag, and stderr carries no ANSI colour codes when it is not a terminal.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
