@@ -217,7 +217,12 @@ fn ws_path(error: &RefOr<Schema>) -> PathItem {
         .response("400", refusal("BAD_REQUEST: not a WebSocket upgrade request (Connection, Upgrade, Sec-WebSocket-*)"))
         .response("401", refusal("UNAUTHENTICATED: the Authorization header carries a refused token"))
         .response("403", refusal("DEVICE_REVOKED"))
-        .response("426", refusal("BAD_REQUEST: the connection cannot be upgraded"));
+        .response("426", refusal("BAD_REQUEST: the connection cannot be upgraded"))
+        .response(
+            "429",
+            refusal("RATE_LIMITED: too many upgrades from this address, or the user holds its most connections"),
+        )
+        .response("503", refusal("UNAVAILABLE: this node holds its most WebSocket connections"));
     // Without an Authorization header the first frame must be `auth`.
     let security = vec![SecurityRequirement::new(BEARER, Vec::<String>::new()), SecurityRequirement::default()];
     let header = |name: &str, schema: ObjectBuilder| {
