@@ -68,4 +68,12 @@ impl Sessions {
     pub fn deactivate(&self, user: &str) {
         self.users.write().expect("sessions lock").entry(user.to_owned()).or_default().deactivated = true;
     }
+
+    /// Takes back a deactivation fenced before the store said there is no
+    /// such user (so a user created later under the name is not fenced).
+    pub fn undo_deactivate(&self, user: &str) {
+        if let Some(u) = self.users.write().expect("sessions lock").get_mut(user) {
+            u.deactivated = false;
+        }
+    }
 }

@@ -135,3 +135,32 @@ async fn a_deactivated_user_is_kicked_and_nothing_of_it_is_accepted_after() {
     bob.send(&conv, "after").await;
     ts.stop().await;
 }
+
+/// A refresh token that outlived a forced logout (stored by a refresh that
+/// raced it) continues no session: the fence refuses it, and its device's
+/// tokens are deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refresh_token_older_than_a_logout_continues_no_session() {
+    let ts = TestServer::start().await;
+    ts.user("alice").await;
+    let phone = ts.http.login("alice", PASSWORD, "phone").await.unwrap();
+    let state = &ts.running().state;
+    let issued_at = tidemark_server::util::now_ms();
+    ts.http.admin_logout(ADMIN, "alice", Some("phone")).await.unwrap();
+    // The orphan: issued before the logout, stored after it.
+    let orphan = "orphan-refresh-secret";
+    let rec = tidemark_store::RefreshRecord {
+        user: "alice".into(),
+        device: "phone".into(),
+        expires_at_ms: issued_at + state.config.refresh_token_ttl.as_millis() as i64,
+        family: "f-orphan".into(),
+    };
+    let hash = tidemark_server::util::sha256_hex(orphan);
+    state.store.put_refresh_token(&hash, &rec, tidemark_server::util::now_ms()).await.unwrap();
+    assert_eq!(code(ts.http.refresh(orphan).await), ErrorCode::Unauthenticated);
+    assert_eq!(code(ts.http.refresh(&phone.refresh_token).await), ErrorCode::Unauthenticated);
+    // A login after the logout starts a session that refreshes.
+    let again = ts.http.login("alice", PASSWORD, "phone").await.unwrap();
+    ts.http.refresh(&again.refresh_token).await.expect("a session begun after the logout refreshes");
+    ts.stop().await;
+}

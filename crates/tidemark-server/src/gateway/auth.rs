@@ -127,7 +127,22 @@ pub async fn refresh(state: &AppState, peer: IpAddr, req: RefreshReq) -> ApiResu
     if state.is_revoked(&rec.user, &rec.device) {
         return Err(ApiError::device_revoked());
     }
-    tracing::info!(user = %rec.user, device = %rec.device, "token refreshed");
-    audit::record(state, event::REFRESH, actor::SELF, &rec.user, Some(&rec.device), Some(peer)).await;
-    issue(state, &rec.user, &rec.device, rec.family).await
+    // The presented token was issued when its predecessor was rotated (or
+    // at the login): a session ended since then does not continue.
+    let presented_at_ms = rec.expires_at_ms - state.config.refresh_token_ttl.as_millis() as i64;
+    if !state.sessions.alive(&rec.user, &rec.device, presented_at_ms) {
+        return Err(session_ended());
+    }
+    let (user, device) = (rec.user.clone(), rec.device.clone());
+    let ok = issue(state, &rec.user, &rec.device, rec.family).await?;
+    // A logout that fenced this session while the new token was being
+    // stored may have deleted the device's tokens before it was: delete
+    // them again, so no token outlives the logout.
+    if !state.sessions.alive(&user, &device, presented_at_ms) {
+        state.store.end_sessions(&user, Some(&device), now_ms()).await?;
+        return Err(session_ended());
+    }
+    tracing::info!(user = %user, device = %device, "token refreshed");
+    audit::record(state, event::REFRESH, actor::SELF, &user, Some(&device), Some(peer)).await;
+    Ok(ok)
 }

@@ -218,10 +218,13 @@ pub async fn admin_logout(
             tidemark_core::ids::check_device_id(d).map_err(ApiError::bad_request)?;
         }
         let now = crate::util::now_ms();
+        // The fence first, then the store: a refresh racing this logout
+        // sees one or the other (`auth::refresh`). A fence left for a
+        // name that does not exist refuses only tokens issued before now.
+        state.sessions.end(&user, req.device_id.as_deref(), now);
         if !state.store.end_sessions(&user, req.device_id.as_deref(), now).await? {
             return Err(ApiError::new(ErrorCode::NotFound, "no such user or device"));
         }
-        state.sessions.end(&user, req.device_id.as_deref(), now);
         match &req.device_id {
             Some(d) => state.hub.kick_device(&user, d, tidemark_proto::reason::LOGGED_OUT),
             None => kick_user(&state, &user, tidemark_proto::reason::LOGGED_OUT).await?,
@@ -255,8 +258,15 @@ pub async fn admin_deactivate(
     };
     let result = async {
         let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
-        let deactivated = state.store.deactivate_user(&user, crate::util::now_ms()).await?;
+        // The fence first, then the store, as for a logout.
         state.sessions.deactivate(&user);
+        let deactivated = match state.store.deactivate_user(&user, crate::util::now_ms()).await {
+            Ok(d) => d,
+            Err(e) => {
+                state.sessions.undo_deactivate(&user);
+                return Err(e.into());
+            }
+        };
         kick_user(&state, &user, tidemark_proto::reason::ACCOUNT_DEACTIVATED).await?;
         tracing::warn!(user = %user, deactivated, "admin deactivated user");
         if deactivated {
