@@ -1,4 +1,4 @@
-//! `tidemark user list|logout|deactivate|audit` and `tidemark device
+//! `tidemark user list|logout|deactivate|delete|audit` and `tidemark device
 //! list|revoke`: what an operator does, straight on the store (`--data` or
 //! `--database`). Each action is audited with actor `admin` and no
 //! address. Logins and refresh tokens see a change at once; a running
@@ -38,9 +38,10 @@ pub async fn user(command: UserCommand) -> Result<()> {
         UserCommand::List { store } => {
             let store = open_store(&store).await?;
             for u in store.list_users().await? {
-                let state = match u.deactivated_at_ms {
-                    Some(at) => format!("deactivated {at}"),
-                    None => "active".into(),
+                let state = match (u.deleted_at_ms, u.deactivated_at_ms) {
+                    (Some(at), _) => format!("deleted {at}"),
+                    (None, Some(at)) => format!("deactivated {at}"),
+                    (None, None) => "active".into(),
                 };
                 println!("{}\t{}\t{state}", u.user, u.created_at_ms);
             }
@@ -70,6 +71,17 @@ pub async fn user(command: UserCommand) -> Result<()> {
                 println!("deactivated {name}");
             } else {
                 println!("{name} was deactivated already");
+            }
+            Ok(())
+        }
+        UserCommand::Delete { name, store } => {
+            let name = user_name(&name)?;
+            let store = open_store(&store).await?;
+            if store.delete_user(&name, tidemark_server::util::now_ms()).await? {
+                audit(&*store, event::DELETED, &name, None).await?;
+                println!("deleted {name}");
+            } else {
+                println!("{name} was deleted already");
             }
             Ok(())
         }

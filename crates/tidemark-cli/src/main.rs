@@ -264,6 +264,15 @@ enum UserCommand {
         #[command(flatten)]
         store: StoreArgs,
     },
+    /// Delete a user: its devices, cursors, tokens and sync log are
+    /// removed; the messages it sent stay in their conversations under its
+    /// name, which is never given to another account.
+    Delete {
+        /// The user name.
+        name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
     /// Print audit log entries, oldest first (time, event, actor, user and
     /// device hashes, address).
     Audit {

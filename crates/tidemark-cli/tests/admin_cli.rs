@@ -1,6 +1,6 @@
 //! `tidemark user …` and `tidemark device …` against a data directory:
 //! list users and devices, revoke a device, end a device's sessions,
-//! deactivate a user, read the audit log; a server started on the
+//! deactivate and delete a user, read the audit log; a server started on the
 //! directory afterwards refuses what they ended.
 
 mod common;
@@ -81,6 +81,10 @@ async fn an_operator_lists_revokes_logs_out_deactivates_and_reads_the_audit_log(
     );
     assert!(!audit.contains("alice") && !audit.contains(PASSWORD), "{audit}");
     assert_eq!(tidemark(dir.path(), &["user", "audit", "--limit", "1"]).lines().count(), 1);
+    assert!(tidemark(dir.path(), &["user", "delete", "bob"]).contains("deleted bob"));
+    assert!(tidemark(dir.path(), &["device", "list", "bob"]).is_empty(), "bob's devices are gone");
+    let users = tidemark(dir.path(), &["user", "list"]);
+    assert!(users.lines().any(|l| l.starts_with("bob\t") && l.contains("deleted")), "{users}");
 
     // A server started on the directory refuses what the operator ended.
     let server = spawn_serve(&["--data", &data], ADMIN);

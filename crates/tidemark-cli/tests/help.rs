@@ -55,6 +55,7 @@ fn every_flag_is_described_without_requirement_ids() {
         &["user", "list"],
         &["user", "logout"],
         &["user", "deactivate"],
+        &["user", "delete"],
         &["user", "audit"],
         &["device", "list"],
         &["device", "revoke"],

@@ -4,8 +4,8 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 use tidemark_proto::{
-    AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminLogoutOk, AdminLogoutReq, AdminUserOk,
-    AdminUserReq, LoginOk, LoginReq, RefreshReq,
+    AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminDeleteOk, AdminDeleteReq, AdminLogoutOk,
+    AdminLogoutReq, AdminUserOk, AdminUserReq, LoginOk, LoginReq, RefreshReq,
 };
 
 use crate::{decode_reply, ClientError, ClientResult};
@@ -60,6 +60,11 @@ impl Http {
     /// `POST /v1/admin/deactivate`: every session of `user` ends for good.
     pub async fn admin_deactivate(&self, admin_token: &str, user: &str) -> ClientResult<AdminDeactivateOk> {
         self.post("/v1/admin/deactivate", Some(admin_token), &AdminDeactivateReq { user: user.into() }).await
+    }
+
+    /// `POST /v1/admin/delete`: deletes `user` (devices, log, cursors).
+    pub async fn admin_delete(&self, admin_token: &str, user: &str) -> ClientResult<AdminDeleteOk> {
+        self.post("/v1/admin/delete", Some(admin_token), &AdminDeleteReq { user: user.into() }).await
     }
 
     /// `POST /v1/admin/audit`: audit entries by user and time range.

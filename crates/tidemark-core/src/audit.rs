@@ -19,6 +19,7 @@ pub mod event {
     pub const PASSWORD_CHANGE_FAILED: &str = "password_change_failed";
     pub const LOGGED_OUT: &str = "logged_out";
     pub const DEACTIVATED: &str = "deactivated";
+    pub const DELETED: &str = "deleted";
     pub const USER_CREATED: &str = "user_created";
 }
 

@@ -1111,13 +1111,63 @@ impl Store for PgStore {
         self.readers
             .read(|c| {
                 Box::pin(async move {
-                    let rows =
-                        query(c, "SELECT user_id, created_at, deactivated_at FROM users ORDER BY user_id", &[]).await?;
+                    let rows = query(
+                        c,
+                        "SELECT user_id, created_at, deactivated_at, deleted_at FROM users ORDER BY user_id",
+                        &[],
+                    )
+                    .await?;
                     rows.iter()
                         .map(|r| {
-                            Ok(UserInfo { user: col(r, 0)?, created_at_ms: col(r, 1)?, deactivated_at_ms: col(r, 2)? })
+                            Ok(UserInfo {
+                                user: col(r, 0)?,
+                                created_at_ms: col(r, 1)?,
+                                deactivated_at_ms: col(r, 2)?,
+                                deleted_at_ms: col(r, 3)?,
+                            })
                         })
                         .collect()
+                })
+            })
+            .await
+    }
+
+    async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let row =
+                        query_opt(c, "SELECT deleted_at FROM users WHERE user_id = $1 FOR UPDATE", &[&user]).await?;
+                    let Some(row) = row else { return Err(StoreError::NotFound("no such user".into())) };
+                    let deleted: Option<i64> = col(&row, 0)?;
+                    if deleted.is_some() {
+                        return Ok(false);
+                    }
+                    exec(
+                        c,
+                        "UPDATE users SET deleted_at = $2, deactivated_at = COALESCE(deactivated_at, $2), \
+                         sessions_ended_at = GREATEST(sessions_ended_at, $2) WHERE user_id = $1",
+                        &[&user, &now_ms],
+                    )
+                    .await?;
+                    exec(
+                        c,
+                        "DELETE FROM snapshot_items WHERE snapshot_id IN \
+                         (SELECT snapshot_id FROM snapshots WHERE user_id = $1)",
+                        &[&user],
+                    )
+                    .await?;
+                    for table in
+                        ["snapshots", "recovery_sessions", "refresh_tokens", "deliveries", "user_deleted", "devices"]
+                    {
+                        exec(c, &format!("DELETE FROM {table} WHERE user_id = $1"), &[&user]).await?;
+                    }
+                    // The head's row lock, held to COMMIT, orders this with
+                    // any fan-out appending to the log.
+                    exec(c, "UPDATE user_heads SET trimmed_upto = high_watermark WHERE user_id = $1", &[&user]).await?;
+                    exec(c, "DELETE FROM user_events WHERE user_id = $1", &[&user]).await?;
+                    Ok(true)
                 })
             })
             .await

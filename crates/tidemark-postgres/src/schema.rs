@@ -62,7 +62,15 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 2, name: "refresh token families", sql: REFRESH_FAMILIES },
     Migration { version: 3, name: "session ends and deactivation", sql: SESSION_ENDS },
     Migration { version: 4, name: "audit log", sql: AUDIT_LOG },
+    Migration { version: 5, name: "deleted users", sql: DELETED_USERS },
 ];
+
+/// Step 5: a deleted user's row stays as a tombstone (`deleted_at` set,
+/// deactivated too), so its name, the author of its messages, is never
+/// given to another account; its devices, log and cursors are gone.
+pub const DELETED_USERS: &str = r#"
+ALTER TABLE users ADD COLUMN IF NOT EXISTS deleted_at BIGINT;
+"#;
 
 /// Step 4: the durable audit log (`tidemark_core::audit`), one row per
 /// account or device event, ids as keyed hashes, never a secret; found by

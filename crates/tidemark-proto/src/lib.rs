@@ -348,6 +348,22 @@ pub struct AdminDeactivateOk {
     pub deactivated: bool,
 }
 
+/// `POST /v1/admin/delete`: delete a user (its devices, log and cursors).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeleteReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
+    pub user: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeleteOk {
+    pub user: String,
+    /// False when the account was deleted already.
+    pub deleted: bool,
+}
+
 /// Entries one `POST /v1/admin/audit` returns by default, and at most.
 pub const AUDIT_LIMIT_DEFAULT: u32 = 100;
 pub const AUDIT_LIMIT_MAX: u32 = 1000;

@@ -164,3 +164,46 @@ async fn a_refresh_token_older_than_a_logout_continues_no_session() {
     ts.http.refresh(&again.refresh_token).await.expect("a session begun after the logout refreshes");
     ts.stop().await;
 }
+
+/// Deleting a user kicks it and refuses it everywhere, removes its devices
+/// (cursors), tokens and log, keeps its name from being reused, and leaves
+/// the messages it sent in their conversations under its name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_user_loses_its_devices_and_log_and_its_messages_stay() {
+    let ts = TestServer::start().await;
+    ts.user("alice").await;
+    ts.user("bob").await;
+    let mut alice = ts.device("alice", "phone").await;
+    let bob = ts.device("bob", "phone").await;
+    let conv = alice.ws.conv_create_direct("bob").await.unwrap().conv;
+    alice.send(&conv, "hello from alice").await;
+    let store = ts.running().state.store.clone();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while store.user_log("alice").await.unwrap().high_watermark == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "alice's send never reached her log");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    let ok = ts.http.admin_delete(ADMIN, "Alice").await.unwrap();
+    assert!(ok.deleted && ok.user == "alice");
+    assert_eq!(kicked(&mut alice).await, reason::ACCOUNT_DEACTIVATED);
+    assert_eq!(rpc_code(&ts, &alice.token, "ping").await, ErrorCode::Unauthenticated);
+    assert_eq!(code(ts.http.refresh(&alice.refresh).await), ErrorCode::Unauthenticated);
+    assert_eq!(code(ts.http.login("alice", PASSWORD, "phone").await), ErrorCode::Unauthenticated);
+    assert!(!ts.http.create_user(ADMIN, "alice", "another").await.unwrap().created, "the name is not reused");
+    assert!(!ts.http.admin_delete(ADMIN, "alice").await.unwrap().deleted, "deleted already");
+    assert_eq!(code(ts.http.admin_delete(ADMIN, "nobody").await), ErrorCode::NotFound);
+    assert!(store.list_devices("alice").await.unwrap().is_empty(), "devices and cursors gone");
+    let log = store.user_log("alice").await.unwrap();
+    assert!(store.read_user_events("alice", 0, log.high_watermark, 100).await.unwrap().is_empty(), "log gone");
+
+    // Bob still reads alice's message, under her name.
+    let history: Value = bob.ws.request("history", &json!({"conv": conv, "limit": 10})).await.unwrap();
+    let messages = history["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 1);
+    assert_eq!(messages[0]["sender"], "alice");
+    let query = tidemark_client::proto::AdminAuditReq { user: Some("alice".into()), ..Default::default() };
+    let audit = ts.http.admin_audit(ADMIN, &query).await.unwrap().entries;
+    assert!(audit.iter().any(|e| e.event == "deleted" && e.actor == "admin"), "{audit:?}");
+    ts.stop().await;
+}

@@ -357,6 +357,7 @@ async fn real_replies_validate_against_the_document() {
     p.post("/v1/admin/logout", Some(ADMIN), json!({"user": "cat", "device_id": "cat-phone"})).await;
     p.post("/v1/admin/logout", Some(ADMIN), json!({"user": "cat"})).await;
     p.post("/v1/admin/deactivate", Some(ADMIN), json!({"user": "cat"})).await;
+    p.post("/v1/admin/delete", Some(ADMIN), json!({"user": "cat"})).await;
     p.post("/v1/admin/audit", Some(ADMIN), json!({"user": "cat", "limit": 10})).await;
     p.post("/v1/admin/audit", Some(ADMIN), json!({})).await;
     p.rpc(&ann, op::DEVICE_REVOKE, json!({"device_id": "phone"})).await;

@@ -1089,14 +1089,57 @@ impl Store for SqliteStore {
         self.readers
             .read_store(|c| {
                 let mut stmt = c
-                    .prepare_cached("SELECT user_id, created_at, deactivated_at FROM users ORDER BY user_id")
+                    .prepare_cached(
+                        "SELECT user_id, created_at, deactivated_at, deleted_at FROM users ORDER BY user_id",
+                    )
                     .map_err(internal)?;
                 let rows = stmt
                     .query_map([], |r| {
-                        Ok(UserInfo { user: r.get(0)?, created_at_ms: r.get(1)?, deactivated_at_ms: r.get(2)? })
+                        Ok(UserInfo {
+                            user: r.get(0)?,
+                            created_at_ms: r.get(1)?,
+                            deactivated_at_ms: r.get(2)?,
+                            deleted_at_ms: r.get(3)?,
+                        })
                     })
                     .map_err(internal)?;
                 rows.map(|r| r.map_err(internal)).collect()
+            })
+            .await
+    }
+
+    async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                let deleted: Option<Option<i64>> = c
+                    .query_row("SELECT deleted_at FROM users WHERE user_id = ?1", params![user], |r| r.get(0))
+                    .optional()
+                    .map_err(internal)?;
+                let Some(deleted) = deleted else { return Err(StoreError::NotFound("no such user".into())) };
+                if deleted.is_some() {
+                    return Ok(false);
+                }
+                c.execute(
+                    "UPDATE users SET deleted_at = ?2, deactivated_at = COALESCE(deactivated_at, ?2), \
+                     sessions_ended_at = MAX(sessions_ended_at, ?2) WHERE user_id = ?1",
+                    params![user, now_ms],
+                )
+                .map_err(internal)?;
+                c.execute(
+                    "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE user_id = ?1)",
+                    params![user],
+                )
+                .map_err(internal)?;
+                for table in
+                    ["snapshots", "recovery_sessions", "refresh_tokens", "deliveries", "user_deleted", "devices"]
+                {
+                    c.execute(&format!("DELETE FROM {table} WHERE user_id = ?1"), params![user]).map_err(internal)?;
+                }
+                c.execute("UPDATE user_heads SET trimmed_upto = high_watermark WHERE user_id = ?1", params![user])
+                    .map_err(internal)?;
+                c.execute("DELETE FROM user_events WHERE user_id = ?1", params![user]).map_err(internal)?;
+                Ok(true)
             })
             .await
     }

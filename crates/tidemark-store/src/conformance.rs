@@ -54,6 +54,7 @@ where
     sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
     devices_list_and_sessions_end_durably(&*fresh().await).await;
     audit_log_is_queried_by_user_and_time_and_trimmed(&*fresh().await).await;
+    deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tombstone(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -699,6 +700,43 @@ pub async fn audit_log_is_queried_by_user_and_time_and_trimmed(store: &dyn Store
     let listed: Vec<(String, Option<i64>)> =
         store.list_users().await.unwrap().into_iter().map(|u| (u.user, u.deactivated_at_ms)).collect();
     assert_eq!(listed, vec![("a".to_string(), None), ("b".to_string(), Some(T0 + 9))]);
+}
+
+/// P5: deleting a user removes its devices (cursors), refresh tokens and
+/// log (the trim point moves to the head, which stays), deactivates it,
+/// keeps its row so the name is never reused, and touches no other user;
+/// a second delete reports it was done.
+pub async fn deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tombstone(store: &dyn Store) {
+    users(store, &["b", "c"]).await;
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("c", "phone", "Phone", T0).await.unwrap();
+    let (conv, _) = store.create_direct("b", "c", "dbc", T0).await.unwrap();
+    for user in ["b", "c"] {
+        store.update_settings(user, &conv, Some(true), None, T0).await.unwrap();
+    }
+    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1_000, family: "f".into() };
+    store.put_refresh_token("hb", &rec, T0).await.unwrap();
+    let head = store.user_log("b").await.unwrap().high_watermark;
+    assert!(head >= 1);
+
+    assert!(store.delete_user("b", T0 + 5).await.unwrap());
+    assert!(!store.delete_user("b", T0 + 6).await.unwrap(), "deleted already");
+    assert_eq!(store.delete_user("nobody", T0).await, Err(StoreError::NotFound("no such user".into())));
+    assert!(store.list_devices("b").await.unwrap().is_empty());
+    assert_eq!(store.device("b", "phone").await.unwrap(), None);
+    assert_eq!(store.use_refresh_token("hb", T0).await.unwrap(), RefreshUse::Unknown);
+    assert!(store.read_user_events("b", 0, head, 100).await.unwrap().is_empty(), "the log is gone");
+    let log = store.user_log("b").await.unwrap();
+    assert_eq!((log.high_watermark, log.trimmed_upto), (head, head), "no sync_seq is reused");
+    assert_eq!(store.password_hash("b").await.unwrap(), None);
+    assert!(!store.create_user("b", "phc", T0 + 7).await.unwrap(), "the name is never given again");
+    let b = store.list_users().await.unwrap().into_iter().find(|u| u.user == "b").unwrap();
+    assert_eq!((b.deactivated_at_ms, b.deleted_at_ms), (Some(T0 + 5), Some(T0 + 5)));
+    assert_eq!(store.session_fences().await.unwrap().deactivated, vec!["b".to_string()]);
+    // The other user keeps everything, the conversation included.
+    assert_eq!(store.list_devices("c").await.unwrap().len(), 1);
+    assert_eq!(store.read_user_events("c", 0, 100, 100).await.unwrap().len(), 1);
+    assert!(store.conversation(&conv).await.unwrap().is_some());
 }
 
 /// P5: revocation sticks, survives re-login, and drops refresh tokens.

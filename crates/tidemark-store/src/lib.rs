@@ -851,6 +851,16 @@ pub trait Store: Send + Sync + 'static {
 
     /// Every account, by name.
     async fn list_users(&self) -> StoreResult<Vec<UserInfo>>;
+
+    /// Deletes an account, in one transaction: it is deactivated (if it was
+    /// not), its devices with their cursors, refresh tokens, recovery
+    /// sessions, snapshots, delivery records, delete-for-me marks and its
+    /// whole sync log are deleted (the log's trim point moves to its head,
+    /// so no `sync_seq` is reused). The account's row stays as a tombstone,
+    /// its name never reused; its messages and membership periods stay as
+    /// facts of their conversations. `Ok(false)` if it was deleted already;
+    /// `NotFound` if no such user.
+    async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool>;
 }
 
 /// One audit log entry (`tidemark_core::audit`): ids are keyed hashes.
@@ -871,6 +881,7 @@ pub struct UserInfo {
     pub user: String,
     pub created_at_ms: i64,
     pub deactivated_at_ms: Option<i64>,
+    pub deleted_at_ms: Option<i64>,
 }
 
 /// A device as `device.list` shows it.

@@ -14,9 +14,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 use tidemark_proto::{
-    AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminEpochOk, AdminEpochReq, AdminLogoutOk,
-    AdminLogoutReq, AdminUnreadOk, AdminUserOk, AdminUserReq, AuditEntryOut, ErrorCode, HealthOk, HealthUnavailable,
-    LoginReq, RefreshReq, AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX,
+    AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminDeleteOk, AdminDeleteReq, AdminEpochOk,
+    AdminEpochReq, AdminLogoutOk, AdminLogoutReq, AdminUnreadOk, AdminUserOk, AdminUserReq, AuditEntryOut, ErrorCode,
+    HealthOk, HealthUnavailable, LoginReq, RefreshReq, AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX,
 };
 
 use super::auth;
@@ -273,6 +273,50 @@ pub async fn admin_deactivate(
             audit::record(&state, event::DEACTIVATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
         }
         Ok(AdminDeactivateOk { user, deactivated })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// `POST /v1/admin/delete {user}`: deactivates the account (its sessions
+/// end, live sockets are kicked) and deletes its devices, cursors, tokens
+/// and log (`Store::delete_user`); its messages stay in their
+/// conversations under its name, which is never reused.
+pub async fn admin_delete(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminDeleteReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        // Its devices are listed before they are deleted, to kick them.
+        let devices = state.store.list_devices(&user).await?;
+        state.sessions.deactivate(&user);
+        let deleted = match state.store.delete_user(&user, crate::util::now_ms()).await {
+            Ok(d) => d,
+            Err(e) => {
+                state.sessions.undo_deactivate(&user);
+                return Err(e.into());
+            }
+        };
+        for d in devices {
+            state.hub.kick_device(&user, &d.device, tidemark_proto::reason::ACCOUNT_DEACTIVATED);
+        }
+        tracing::warn!(user = %user, deleted, "admin deleted user");
+        if deleted {
+            audit::record(&state, event::DELETED, actor::ADMIN, &user, None, Some(peer.ip())).await;
+        }
+        Ok(AdminDeleteOk { user, deleted })
     };
     match result.await {
         Ok(ok) => Json(ok).into_response(),

@@ -31,6 +31,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/admin/unread/rebuild", post(http::admin_rebuild_unread))
         .route("/v1/admin/logout", post(http::admin_logout))
         .route("/v1/admin/deactivate", post(http::admin_deactivate))
+        .route("/v1/admin/delete", post(http::admin_delete))
         .route("/v1/admin/audit", post(http::admin_audit))
         .route("/v1/login", post(http::login))
         .route("/v1/refresh", post(http::refresh))

@@ -295,6 +295,13 @@ fn document_value() -> OpenApi {
             s.of::<AdminDeactivateOk>(),
         ),
         (
+            "/v1/admin/delete",
+            "Delete a user: devices, log and cursors removed, messages kept (admin token)",
+            Some(ADMIN),
+            Some((s.of::<AdminDeleteReq>(), true)),
+            s.of::<AdminDeleteOk>(),
+        ),
+        (
             "/v1/admin/audit",
             "Audit entries by user and time range, oldest first (admin token, P1)",
             Some(ADMIN),
