@@ -733,6 +733,19 @@ pub async fn deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tom
     let b = store.list_users().await.unwrap().into_iter().find(|u| u.user == "b").unwrap();
     assert_eq!((b.deactivated_at_ms, b.deleted_at_ms), (Some(T0 + 5), Some(T0 + 5)));
     assert_eq!(store.session_fences().await.unwrap().deactivated, vec!["b".to_string()]);
+    // An event that still reaches the deleted user's log (its membership
+    // stays) is trimmed by the next retention pass, however young.
+    store.update_settings("b", &conv, None, Some(true), T0 + 8).await.unwrap();
+    let grown = store.user_log("b").await.unwrap().high_watermark;
+    assert_eq!(grown, head + 1);
+    let keep_all_young = RetentionPolicy {
+        keep_events_younger_than_ms: 1_000_000,
+        device_inactive_after_ms: 1_000_000,
+        history_keep_ms: None,
+    };
+    store.trim_user_logs(keep_all_young, T0 + 9).await.unwrap();
+    assert_eq!(store.user_log("b").await.unwrap().trimmed_upto, grown);
+    assert!(store.read_user_events("b", 0, grown, 100).await.unwrap().is_empty());
     // The other user keeps everything, the conversation included.
     assert_eq!(store.list_devices("c").await.unwrap().len(), 1);
     assert_eq!(store.read_user_events("c", 0, 100, 100).await.unwrap().len(), 1);
