@@ -1,5 +1,6 @@
 //! The `tidemark` command: `serve`, `user add`, `bench`, `demo` and `chat`.
 
+mod admin;
 mod bench;
 mod chat;
 mod demo;
@@ -110,16 +111,36 @@ enum Command {
         #[arg(long, default_value_t = tidemark_core::large::LARGE_GROUP_MEMBERS_DEFAULT,
               value_parser = clap::value_parser!(u64).range(0..=tidemark_core::large::PER_MEMBER_MAX))]
         large_group_members: u64,
+        /// Most WebSocket connections one user holds on this node; one more
+        /// (from a device not already connected) is refused with
+        /// RATE_LIMITED and a retry hint.
+        #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_PER_USER_MAX_DEFAULT)]
+        ws_connections_per_user_max: usize,
+        /// Audit log entries (logins, refreshes, revocations, password
+        /// changes, operator actions) older than this many days are deleted.
+        #[arg(long, default_value_t = 90, value_parser = clap::value_parser!(u32).range(1..))]
+        audit_keep_days: u32,
         #[command(flatten)]
         limits: LimitArgs,
+        #[command(flatten)]
+        timeouts: TimeoutArgs,
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
     },
     /// Manage users.
+    #[command(after_help = "These act on the store directly (--data or --database), a running server \
+                            included: logins and refresh tokens see the change at once; a running \
+                            server refuses the access tokens it ends when it next starts, so prefer \
+                            POST /v1/admin/logout and /v1/admin/deactivate on a live server.")]
     User {
         #[command(subcommand)]
         command: UserCommand,
+    },
+    /// Manage a user's devices.
+    Device {
+        #[command(subcommand)]
+        command: DeviceCommand,
     },
     /// Benchmarks; each prints a table and writes JSON.
     Bench {
@@ -131,6 +152,46 @@ enum Command {
     Demo,
     /// Chat interactively as one device of a user (the SDK with its local store).
     Chat(chat::ChatArgs),
+}
+
+/// Connection timeouts, so slow or silent clients cannot hold connections.
+#[derive(clap::Args)]
+struct TimeoutArgs {
+    /// An HTTP request head must be complete this many milliseconds after
+    /// the server starts waiting for it (the accept, or the previous
+    /// response on a keep-alive connection); else the connection is closed.
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_HEADER_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_header_timeout_ms: u64,
+    /// Longest pause between two chunks of an HTTP request body, milliseconds.
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_BODY_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_body_timeout_ms: u64,
+    /// Longest whole HTTP request (body included), milliseconds; past it 408.
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_REQUEST_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_request_timeout_ms: u64,
+    /// An HTTP connection with no request in progress that receives
+    /// nothing for this many milliseconds is closed (idle keep-alive).
+    #[arg(long, default_value_t = millis(tidemark_server::config::HTTP_IDLE_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    http_idle_timeout_ms: u64,
+    /// Milliseconds a WebSocket opened without a bearer header has to send
+    /// its `auth` frame.
+    #[arg(long, default_value_t = millis(tidemark_server::config::WS_AUTH_TIMEOUT_DEFAULT), value_parser = clap::value_parser!(u64).range(1..))]
+    ws_auth_timeout_ms: u64,
+}
+
+const fn millis(d: std::time::Duration) -> u64 {
+    d.as_millis() as u64
+}
+
+impl TimeoutArgs {
+    fn http(&self) -> tidemark_server::config::HttpTimeouts {
+        use std::time::Duration;
+        tidemark_server::config::HttpTimeouts {
+            header: Duration::from_millis(self.http_header_timeout_ms),
+            body: Duration::from_millis(self.http_body_timeout_ms),
+            request: Duration::from_millis(self.http_request_timeout_ms),
+            idle: Duration::from_millis(self.http_idle_timeout_ms),
+        }
+    }
 }
 
 /// Rate limits: a request over a quota is refused with RATE_LIMITED and
@@ -181,8 +242,75 @@ impl LimitArgs {
 enum UserCommand {
     /// Create a user; the password is read from the first line of stdin.
     Add {
-        /// The user name (1..=64 bytes, no `|` or control characters).
+        /// The user name: 1..=64 bytes of ASCII letters, digits, `_ - . @`,
+        /// stored lower-cased (`Alice` and `alice` are one account).
         name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// List every user: name, creation time, active or deactivated.
+    List {
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// End every session of a user, or of one of its devices (a later login works).
+    Logout {
+        /// The user name.
+        name: String,
+        /// Only this device.
+        #[arg(long)]
+        device: Option<String>,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Deactivate a user: it no longer logs in and every session ends.
+    Deactivate {
+        /// The user name.
+        name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Delete a user: its devices, cursors, tokens and sync log are
+    /// removed; the messages it sent stay in their conversations under its
+    /// name, which is never given to another account.
+    Delete {
+        /// The user name.
+        name: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Print audit log entries, oldest first (time, event, actor, user and
+    /// device hashes, address).
+    Audit {
+        /// Only this user's entries.
+        name: Option<String>,
+        /// Only entries of the last this many seconds.
+        #[arg(long)]
+        since_secs: Option<u64>,
+        /// At most this many entries.
+        #[arg(long, default_value_t = tidemark_proto::AUDIT_LIMIT_DEFAULT,
+              value_parser = clap::value_parser!(u32).range(1..=tidemark_proto::AUDIT_LIMIT_MAX as i64))]
+        limit: u32,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+#[derive(Subcommand)]
+enum DeviceCommand {
+    /// List a user's devices: id, state, first login, last seen, name.
+    List {
+        /// The user name.
+        user: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Revoke a user's device: it can never log in or sync again.
+    Revoke {
+        /// The user name.
+        user: String,
+        /// The device id.
+        device: String,
         #[command(flatten)]
         store: StoreArgs,
     },
@@ -268,7 +396,10 @@ async fn main() -> Result<()> {
             snapshot_messages_per_conv,
             ws_connections_max,
             large_group_members,
+            ws_connections_per_user_max,
+            audit_keep_days,
             limits,
+            timeouts,
             hold_fanout,
         } => {
             init_logs("info");
@@ -296,8 +427,12 @@ async fn main() -> Result<()> {
                 hold_fanout,
                 hint_bus,
                 ws_connections_max,
+                ws_connections_per_user_max,
+                audit_keep: std::time::Duration::from_secs(u64::from(audit_keep_days) * 24 * 3600),
                 limits: limits.config(),
                 group_policy: tidemark_core::large::GroupPolicy { large_members: large_group_members },
+                http_timeouts: timeouts.http(),
+                ws_auth_timeout: std::time::Duration::from_millis(timeouts.ws_auth_timeout_ms),
                 ..defaults
             };
             let server = Server::start(&listen, store, config).await?;
@@ -315,7 +450,7 @@ async fn main() -> Result<()> {
             if password.is_empty() {
                 bail!("empty password: write it to stdin");
             }
-            tidemark_server::accounts::check_new_account(&name, password).map_err(anyhow::Error::msg)?;
+            let name = tidemark_server::accounts::check_new_account(&name, password).map_err(anyhow::Error::msg)?;
             let hash = tidemark_server::accounts::hash_password(password).map_err(anyhow::Error::msg)?;
             let store = open_store(&store).await?;
             let now = tidemark_server::util::now_ms();
@@ -326,6 +461,8 @@ async fn main() -> Result<()> {
                 bail!("user {name} already exists")
             }
         }
+        Command::User { command } => admin::user(command).await,
+        Command::Device { command } => admin::device(command).await,
         Command::Bench { command } => bench::run(command).await,
         Command::Demo => {
             init_logs("warn");

@@ -1,7 +1,7 @@
-//! The operator's help texts and logs: every flag of `serve`, `user add`
-//! and `chat` says what it does, none quotes a requirement id, RUST_LOG is
-//! mentioned, no secret is a command-line flag, and stderr carries no ANSI
-//! colour codes when it is not a terminal.
+//! The operator's help texts and logs: every flag of `serve`, the `user`
+//! and `device` subcommands and `chat` says what it does, none quotes a
+//! requirement id, RUST_LOG is mentioned, no secret is a command-line
+//! flag, and stderr carries no ANSI colour codes when it is not a terminal.
 
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Command, Stdio};
@@ -49,7 +49,20 @@ fn requirement_ids(text: &str) -> Vec<String> {
 
 #[test]
 fn every_flag_is_described_without_requirement_ids() {
-    for args in [&["serve"][..], &["user", "add"], &["chat"], &["demo"], &[]] {
+    for args in [
+        &["serve"][..],
+        &["user", "add"],
+        &["user", "list"],
+        &["user", "logout"],
+        &["user", "deactivate"],
+        &["user", "delete"],
+        &["user", "audit"],
+        &["device", "list"],
+        &["device", "revoke"],
+        &["chat"],
+        &["demo"],
+        &[],
+    ] {
         let text = help(args);
         assert_eq!(undescribed(&text), Vec::<String>::new(), "tidemark {args:?} --help:\n{text}");
         assert_eq!(requirement_ids(&text), Vec::<String>::new(), "tidemark {args:?} --help:\n{text}");

@@ -1,7 +1,8 @@
 //! The SDK's calls for what a user's device does beyond sending, recalling,
 //! reading and syncing: history paging (C3), groups (G1), edits and
 //! reactions (E2), conversation settings and delete-for-me (E3), delivery
-//! receipts (R1) and device revocation (P5).
+//! receipts (R1), the device list, device revocation (P5) and password
+//! changes (P1).
 //!
 //! Each call needs the connection: it goes to the engine as one request
 //! on the live WebSocket and answers [`SdkError::Offline`] when there is
@@ -17,9 +18,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
 use tidemark_proto::{
-    op, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, DeliveryAckOk,
-    DeliveryAckReq, DeviceRevokeOk, DeviceRevokeReq, EditOk, EditReq, HistoryOk, HistoryReq, MessageDeleteReq, ReactOk,
-    ReactReq, HISTORY_LIMIT_MAX,
+    op, AccountPasswordOk, AccountPasswordReq, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq,
+    ConvSettingsOk, ConvSettingsReq, DeliveryAckOk, DeliveryAckReq, DeviceInfo, DeviceListOk, DeviceRevokeOk,
+    DeviceRevokeReq, EditOk, EditReq, HistoryOk, HistoryReq, MessageDeleteReq, ReactOk, ReactReq, HISTORY_LIMIT_MAX,
 };
 use tokio::sync::oneshot;
 
@@ -225,5 +226,21 @@ impl Client {
     /// client (`DEVICE_REVOKED`).
     pub async fn revoke_device(&self, device_id: &str) -> Result<DeviceRevokeOk, SdkError> {
         self.request(op::DEVICE_REVOKE, &DeviceRevokeReq { device_id: device_id.to_owned() }).await
+    }
+
+    /// Every device of the user (id, name, first login, last seen, state),
+    /// this one marked `current`: what the user picks from to revoke one.
+    pub async fn devices(&self) -> Result<Vec<DeviceInfo>, SdkError> {
+        let ok: DeviceListOk = self.request(op::DEVICE_LIST, &serde_json::json!({})).await?;
+        Ok(ok.devices)
+    }
+
+    /// Changes the user's password (P1); the user's other devices can no
+    /// longer refresh their tokens and log in again when theirs expire.
+    /// `UNAUTHENTICATED` for a wrong `old_password`.
+    pub async fn change_password(&self, old_password: &str, new_password: &str) -> Result<(), SdkError> {
+        let req = AccountPasswordReq { old_password: old_password.to_owned(), new_password: new_password.to_owned() };
+        let _: AccountPasswordOk = self.request(op::ACCOUNT_PASSWORD, &req).await?;
+        Ok(())
     }
 }

@@ -3,7 +3,10 @@
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
-use tidemark_proto::{AdminUserOk, AdminUserReq, LoginOk, LoginReq, RefreshReq};
+use tidemark_proto::{
+    AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminDeleteOk, AdminDeleteReq, AdminLogoutOk,
+    AdminLogoutReq, AdminUserOk, AdminUserReq, LoginOk, LoginReq, RefreshReq,
+};
 
 use crate::{decode_reply, ClientError, ClientResult};
 
@@ -41,6 +44,32 @@ impl Http {
     pub async fn create_user(&self, admin_token: &str, user: &str, password: &str) -> ClientResult<AdminUserOk> {
         let body = AdminUserReq { user: user.into(), password: password.into() };
         self.post("/v1/admin/users", Some(admin_token), &body).await
+    }
+
+    /// `POST /v1/admin/logout`: ends the sessions of `user`, or of one device.
+    pub async fn admin_logout(
+        &self,
+        admin_token: &str,
+        user: &str,
+        device_id: Option<&str>,
+    ) -> ClientResult<AdminLogoutOk> {
+        let body = AdminLogoutReq { user: user.into(), device_id: device_id.map(str::to_owned) };
+        self.post("/v1/admin/logout", Some(admin_token), &body).await
+    }
+
+    /// `POST /v1/admin/deactivate`: every session of `user` ends for good.
+    pub async fn admin_deactivate(&self, admin_token: &str, user: &str) -> ClientResult<AdminDeactivateOk> {
+        self.post("/v1/admin/deactivate", Some(admin_token), &AdminDeactivateReq { user: user.into() }).await
+    }
+
+    /// `POST /v1/admin/delete`: deletes `user` (devices, log, cursors).
+    pub async fn admin_delete(&self, admin_token: &str, user: &str) -> ClientResult<AdminDeleteOk> {
+        self.post("/v1/admin/delete", Some(admin_token), &AdminDeleteReq { user: user.into() }).await
+    }
+
+    /// `POST /v1/admin/audit`: audit entries by user and time range.
+    pub async fn admin_audit(&self, admin_token: &str, req: &AdminAuditReq) -> ClientResult<AdminAuditOk> {
+        self.post("/v1/admin/audit", Some(admin_token), req).await
     }
 
     pub async fn login(&self, user: &str, password: &str, device_id: &str) -> ClientResult<LoginOk> {

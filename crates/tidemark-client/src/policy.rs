@@ -179,6 +179,9 @@ pub fn action_for_kick(kick_reason: &str) -> Action {
         reason::SUPERSEDED => Action::Superseded,
         reason::DEVICE_REVOKED => Action::Revoked,
         reason::TOKEN_EXPIRED => Action::Reauthenticate,
+        // The refresh token is gone as well: reauthenticating ends in a
+        // logged-out client, without a reconnect that would be refused.
+        reason::LOGGED_OUT | reason::ACCOUNT_DEACTIVATED => Action::Reauthenticate,
         // slow_consumer, shutdown and reasons added later.
         _ => Action::Reconnect,
     }
@@ -271,6 +274,8 @@ mod tests {
         assert_eq!(action_for_kick(reason::SUPERSEDED), Action::Superseded);
         assert_eq!(action_for_kick(reason::DEVICE_REVOKED), Action::Revoked);
         assert_eq!(action_for_kick(reason::TOKEN_EXPIRED), Action::Reauthenticate);
+        assert_eq!(action_for_kick(reason::LOGGED_OUT), Action::Reauthenticate);
+        assert_eq!(action_for_kick(reason::ACCOUNT_DEACTIVATED), Action::Reauthenticate);
         assert_eq!(action_for_kick(reason::SLOW_CONSUMER), Action::Reconnect);
         assert_eq!(action_for_kick(reason::SHUTDOWN), Action::Reconnect);
         assert_eq!(action_for_kick("something-new"), Action::Reconnect);

@@ -30,6 +30,16 @@ pub fn check_user(s: &str) -> Result<(), String> {
     check("user", s, USER_BYTES_MAX)
 }
 
+/// The one form of a user name, which is the account's id: a valid name
+/// with its ASCII letters lower-cased (every allowed character is ASCII,
+/// so this is the whole case folding). Every name that comes from outside
+/// (account creation, login, the users a request names) is folded first,
+/// so `Alice` and `alice` are one account.
+pub fn canonical_user(s: &str) -> Result<String, String> {
+    check_user(s)?;
+    Ok(s.to_ascii_lowercase())
+}
+
 pub fn check_device_id(s: &str) -> Result<(), String> {
     check("device_id", s, DEVICE_ID_BYTES_MAX)
 }
@@ -58,6 +68,22 @@ pub fn direct_key(a: &str, b: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn user_names_fold_to_one_form() {
+        fn check(input: &str, expect: Result<&str, ()>) {
+            assert_eq!(canonical_user(input).map_err(|_| ()), expect.map(str::to_owned), "{input:?}");
+        }
+        check("alice", Ok("alice"));
+        check("Alice", Ok("alice"));
+        check("ALICE", Ok("alice"));
+        check("Bob.Smith@Example-1_x", Ok("bob.smith@example-1_x"));
+        check("", Err(()));
+        check("Al ice", Err(()));
+        check("\u{212a}elvin", Err(())); // the Kelvin sign is not a K: not ASCII, refused
+        check(&"A".repeat(USER_BYTES_MAX), Ok(&"a".repeat(USER_BYTES_MAX)));
+        check(&"A".repeat(USER_BYTES_MAX + 1), Err(()));
+    }
 
     #[test]
     fn ids() {

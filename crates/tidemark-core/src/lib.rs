@@ -10,6 +10,7 @@
 //! and the write are one atomic step, and the rule itself is the same for
 //! every backend.
 
+pub mod audit;
 pub mod control;
 pub mod convsync;
 pub mod cursor;
@@ -20,7 +21,9 @@ pub mod large;
 pub mod membership;
 pub mod page;
 pub mod projection;
+pub mod refresh;
 pub mod retention;
+pub mod session;
 pub mod snapshot;
 pub mod throttle;
 pub mod token;

@@ -140,12 +140,17 @@ pub fn check_direct(a: &str, b: &str) -> Result<(), Refusal> {
     Ok(())
 }
 
-/// Every one of `users` has an account (`known` are those that do); the
-/// first that has none (in the given order) is `NotFound`.
+/// The refusal for a user named in a request who has no account. It names
+/// no one: the reply is the same whichever of several named users is
+/// missing, so it says nothing beyond "not every name is an account".
+pub const NO_SUCH_USER: &str = "no such user";
+
+/// Every one of `users` has an account (`known` are those that do); else
+/// `NotFound` with [`NO_SUCH_USER`].
 pub fn all_known(users: &[String], known: &[String]) -> Result<(), Refusal> {
     let known: HashSet<&str> = known.iter().map(String::as_str).collect();
     match users.iter().find(|u| !known.contains(u.as_str())) {
-        Some(u) => Err(Refusal::NotFound(format!("user {u}"))),
+        Some(_) => Err(Refusal::NotFound(NO_SUCH_USER.into())),
         None => Ok(()),
     }
 }
@@ -200,7 +205,7 @@ pub fn decide_membership(
     match change {
         MembershipChange::Add => {
             if !f.target_known {
-                return Err(Refusal::NotFound(format!("user {target}")));
+                return Err(Refusal::NotFound(NO_SUCH_USER.into()));
             }
             if let Some(join_seq) = f.target_open_join {
                 return Ok(MembershipDecision::AlreadyMember { join_seq });
@@ -313,7 +318,7 @@ mod tests {
         check((Some(("g1", "text")), "k"), Err(Refusal::Invalid("client_msg_id k was already used".into())));
         let s = |v: &[&str]| v.iter().map(|u| u.to_string()).collect::<Vec<_>>();
         assert_eq!(all_known(&s(&["a", "b"]), &s(&["b", "a"])), Ok(()));
-        assert_eq!(all_known(&s(&["a", "x", "y"]), &s(&["a"])), Err(Refusal::NotFound("user x".into())));
+        assert_eq!(all_known(&s(&["a", "x", "y"]), &s(&["a"])), Err(Refusal::NotFound(NO_SUCH_USER.into())));
         assert_eq!(check_direct("a", "b"), Ok(()));
         assert_eq!(
             check_direct("a", "a"),
@@ -349,7 +354,7 @@ mod tests {
         // Add: any member adds; an unknown user, a member, a full group.
         check((Some(group.clone()), "m", "x", Add), Ok(MembershipDecision::Join));
         let unknown = MembershipFacts { target_known: false, ..group.clone() };
-        check((Some(unknown), "m", "zz", Add), Err(Refusal::NotFound("user zz".into())));
+        check((Some(unknown), "m", "zz", Add), Err(Refusal::NotFound(NO_SUCH_USER.into())));
         check((Some(member.clone()), "m", "x", Add), Ok(MembershipDecision::AlreadyMember { join_seq: 4 }));
         let full = MembershipFacts { active_members: GROUP_MEMBERS_MAX as u64, ..group.clone() };
         check(

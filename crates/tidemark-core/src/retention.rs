@@ -19,13 +19,19 @@ pub struct Fences {
     /// The newest event older than the keep window; `None` when every
     /// event is younger.
     pub aged: Option<SyncSeq>,
+    /// The user was deleted: no device will ever read its log again.
+    pub deleted: bool,
 }
 
 /// L1: the new trim point of a user's log, or `None` to leave it. Never
 /// past the lowest fence, nor past what is old enough, nor the head; a user
 /// without any valid device keeps the log (a device may still log in and
-/// get a snapshot; trimming would only save space).
+/// get a snapshot; trimming would only save space). A deleted user's log
+/// is trimmed to its head: what still reaches it is read by no one.
 pub fn trim_to(f: Fences) -> Option<SyncSeq> {
+    if f.deleted {
+        return (f.high_watermark > f.trimmed_upto).then_some(f.high_watermark);
+    }
     let device = f.device?;
     let fence = [Some(device), f.recovery, f.snapshot, Some(f.aged.unwrap_or(0)), Some(f.high_watermark)]
         .into_iter()
@@ -62,6 +68,9 @@ mod tests {
         check(Fences { device: Some(500), aged: Some(500), ..f }, Some(100));
         check(Fences { device: Some(10), ..f }, None);
         check(Fences { snapshot: Some(5), ..f }, None);
+        // A deleted user: to the head, whatever else (nothing reads it).
+        check(Fences { deleted: true, device: None, aged: None, ..f }, Some(100));
+        check(Fences { deleted: true, trimmed_upto: 100, ..f }, None);
     }
 
     #[test]

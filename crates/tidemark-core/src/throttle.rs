@@ -40,9 +40,36 @@ impl LoginBackoff {
     }
 }
 
+/// Whether a user with `user_live` live WebSocket connections, `device_live`
+/// of them by the connecting device, may open one more under the per-user
+/// cap `max`. A device that is already connected may always reconnect:
+/// the newer connection supersedes its older one (P2), so the user's count
+/// does not grow, and a device whose old connection is half-open is not
+/// locked out until the heartbeat ends it.
+pub fn admits_connection(user_live: usize, device_live: usize, max: usize) -> bool {
+    device_live > 0 || user_live < max
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_user_connects_up_to_the_cap_and_a_connected_device_always_reconnects() {
+        fn check(user_live: usize, device_live: usize, max: usize, expect: bool) {
+            assert_eq!(
+                admits_connection(user_live, device_live, max),
+                expect,
+                "{user_live} live, {device_live} of the device, cap {max}"
+            );
+        }
+        check(0, 0, 3, true);
+        check(2, 0, 3, true);
+        check(3, 0, 3, false);
+        check(4, 0, 3, false);
+        check(3, 1, 3, true);
+        check(0, 0, 0, false);
+    }
 
     const POLICY: LoginBackoff = LoginBackoff { free_failures: 5, first_delay_ms: 1_000, max_delay_ms: 30_000 };
 

@@ -37,6 +37,7 @@ pub struct TokenKeys {
     batch: [u8; 32],
     cursor: [u8; 32],
     snapshot: [u8; 32],
+    audit: [u8; 32],
 }
 
 impl std::fmt::Debug for TokenKeys {
@@ -113,7 +114,18 @@ impl TokenKeys {
             batch: derive(secret, "tidemark/batch/v1"),
             cursor: derive(secret, "tidemark/cursor/v1"),
             snapshot: derive(secret, "tidemark/snapshot/v1"),
+            audit: derive(secret, "tidemark/audit/v1"),
         }
+    }
+
+    /// The audit log's name for a user or device id: a keyed hash (HMAC
+    /// under this server's secret, 128 bits in hex), so the log names no one
+    /// to a reader without the secret, yet one id always has one name and
+    /// an operator finds a user's entries by hashing the user's name.
+    pub fn audit_id(&self, id: &str) -> String {
+        let mut mac = HmacSha256::new_from_slice(&self.audit).expect("hmac takes any key length");
+        mac.update(id.as_bytes());
+        mac.finalize().into_bytes()[..16].iter().map(|b| format!("{b:02x}")).collect()
     }
 
     pub fn sign_access(&self, c: &AccessClaims) -> String {
@@ -251,6 +263,17 @@ pub fn token_tag(token: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audit_ids_are_stable_keyed_and_distinct() {
+        let k = keys();
+        assert_eq!(k.audit_id("alice"), k.audit_id("alice"));
+        assert_eq!(k.audit_id("alice").len(), 32);
+        assert_ne!(k.audit_id("alice"), k.audit_id("bob"));
+        let other = TokenKeys::from_secret(b"another secret of 32 bytes......");
+        assert_ne!(k.audit_id("alice"), other.audit_id("alice"), "another server's names differ");
+        assert!(!k.audit_id("alice").contains("alice"));
+    }
 
     fn keys() -> TokenKeys {
         TokenKeys::from_secret(b"0123456789abcdef0123456789abcdef")

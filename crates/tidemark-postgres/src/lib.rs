@@ -397,7 +397,10 @@ impl Store for PgStore {
         let user = user.to_owned();
         self.readers
             .read(move |c| {
-                Box::pin(async move { scalar(c, "SELECT password_hash FROM users WHERE user_id = $1", &[&user]).await })
+                Box::pin(async move {
+                    scalar(c, "SELECT password_hash FROM users WHERE user_id = $1 AND deactivated_at IS NULL", &[&user])
+                        .await
+                })
             })
             .await
     }
@@ -463,38 +466,25 @@ impl Store for PgStore {
             .await
     }
 
-    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()> {
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord, now_ms: i64) -> StoreResult<()> {
         let (hash, rec) = (token_hash.to_owned(), rec.clone());
         self.writer
             .write(move |c| {
                 Box::pin(async move {
                     exec(
                         c,
-                        "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at) VALUES ($1, $2, $3, $4)",
-                        &[&hash, &rec.user, &rec.device, &rec.expires_at_ms],
+                        "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id = $2 AND expires_at <= $3",
+                        &[&rec.user, &rec.device, &now_ms],
+                    )
+                    .await?;
+                    exec(
+                        c,
+                        "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at, family) \
+                         VALUES ($1, $2, $3, $4, $5)",
+                        &[&hash, &rec.user, &rec.device, &rec.expires_at_ms, &rec.family],
                     )
                     .await?;
                     Ok(())
-                })
-            })
-            .await
-    }
-
-    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>> {
-        let hash = token_hash.to_owned();
-        self.writer
-            .write(move |c| {
-                Box::pin(async move {
-                    let row = query_opt(
-                        c,
-                        "DELETE FROM refresh_tokens WHERE token_hash = $1 RETURNING user_id, device_id, expires_at",
-                        &[&hash],
-                    )
-                    .await?;
-                    row.map(|r| {
-                        Ok(RefreshRecord { user: col(&r, 0)?, device: col(&r, 1)?, expires_at_ms: col(&r, 2)? })
-                    })
-                    .transpose()
                 })
             })
             .await
@@ -1020,6 +1010,333 @@ impl Store for PgStore {
         self.readers
             .snapshot(move |c| {
                 Box::pin(async move { receipts::delivery_receipts(c, &user, &conv, &message_ids).await })
+            })
+            .await
+    }
+
+    async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse> {
+        use tidemark_core::refresh::{decide, Stored, Verdict};
+        let hash = token_hash.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    // FOR UPDATE: two nodes presenting the same token
+                    // concurrently decide one after the other.
+                    let row = query_opt(
+                        c,
+                        "SELECT user_id, device_id, expires_at, family, used_at FROM refresh_tokens \
+                         WHERE token_hash = $1 FOR UPDATE",
+                        &[&hash],
+                    )
+                    .await?;
+                    let row = row
+                        .map(|r| {
+                            let rec = RefreshRecord {
+                                user: col(&r, 0)?,
+                                device: col(&r, 1)?,
+                                expires_at_ms: col(&r, 2)?,
+                                family: col(&r, 3)?,
+                            };
+                            Ok::<_, StoreError>((rec, col::<Option<i64>>(&r, 4)?))
+                        })
+                        .transpose()?;
+                    let stored = row.as_ref().map(|(rec, used_at)| match used_at {
+                        Some(_) => Stored::Used,
+                        None => Stored::Live { expires_at_ms: rec.expires_at_ms },
+                    });
+                    Ok(match (decide(stored, now_ms), row) {
+                        (Verdict::Rotate, Some((rec, _))) => {
+                            exec(c, "UPDATE refresh_tokens SET used_at = $2 WHERE token_hash = $1", &[&hash, &now_ms])
+                                .await?;
+                            RefreshUse::Rotated(rec)
+                        }
+                        (Verdict::Expired, Some((rec, _))) => {
+                            exec(c, "DELETE FROM refresh_tokens WHERE token_hash = $1", &[&hash]).await?;
+                            RefreshUse::Expired(rec)
+                        }
+                        (Verdict::RevokeFamily, Some((rec, _))) => {
+                            exec(c, "DELETE FROM refresh_tokens WHERE family = $1", &[&rec.family]).await?;
+                            RefreshUse::FamilyRevoked(rec)
+                        }
+                        _ => RefreshUse::Unknown,
+                    })
+                })
+            })
+            .await
+    }
+
+    async fn list_devices(&self, user: &str) -> StoreResult<Vec<DeviceInfo>> {
+        let user = user.to_owned();
+        self.readers
+            .read(move |c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT device_id, name, created_at, updated_at, state FROM devices \
+                         WHERE user_id = $1 ORDER BY device_id",
+                        &[&user],
+                    )
+                    .await?;
+                    rows.iter()
+                        .map(|r| {
+                            let state: String = col(r, 4)?;
+                            let state = DeviceState::parse(&state)
+                                .ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+                            Ok(DeviceInfo {
+                                device: col(r, 0)?,
+                                name: col(r, 1)?,
+                                created_at_ms: col(r, 2)?,
+                                last_seen_ms: col(r, 3)?,
+                                state,
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
+
+    async fn change_password(&self, user: &str, password_hash: &str, keep_device: &str) -> StoreResult<bool> {
+        let (user, hash, keep) = (user.to_owned(), password_hash.to_owned(), keep_device.to_owned());
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let n = exec(c, "UPDATE users SET password_hash = $2 WHERE user_id = $1", &[&user, &hash]).await?;
+                    if n == 0 {
+                        return Ok(false);
+                    }
+                    exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id <> $2", &[&user, &keep])
+                        .await?;
+                    Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn end_sessions(&self, user: &str, device: Option<&str>, now_ms: i64) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.map(str::to_owned));
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let n = match &device {
+                        Some(d) => {
+                            exec(
+                                c,
+                                "UPDATE devices SET sessions_ended_at = GREATEST(sessions_ended_at, $3) \
+                                 WHERE user_id = $1 AND device_id = $2",
+                                &[&user, d, &now_ms],
+                            )
+                            .await?
+                        }
+                        None => exec(
+                            c,
+                            "UPDATE users SET sessions_ended_at = GREATEST(sessions_ended_at, $2) WHERE user_id = $1",
+                            &[&user, &now_ms],
+                        )
+                        .await?,
+                    };
+                    if n == 0 {
+                        return Ok(false);
+                    }
+                    exec(
+                        c,
+                        "DELETE FROM refresh_tokens WHERE user_id = $1 AND ($2::TEXT IS NULL OR device_id = $2)",
+                        &[&user, &device],
+                    )
+                    .await?;
+                    Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn deactivate_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let row = query_opt(c, "SELECT deactivated_at FROM users WHERE user_id = $1 FOR UPDATE", &[&user])
+                        .await?;
+                    let Some(row) = row else { return Err(StoreError::NotFound("no such user".into())) };
+                    let deactivated: Option<i64> = col(&row, 0)?;
+                    exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1", &[&user]).await?;
+                    if deactivated.is_some() {
+                        return Ok(false);
+                    }
+                    exec(
+                        c,
+                        "UPDATE users SET deactivated_at = $2, sessions_ended_at = GREATEST(sessions_ended_at, $2) \
+                         WHERE user_id = $1",
+                        &[&user, &now_ms],
+                    )
+                    .await?;
+                    Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn session_fences(&self) -> StoreResult<SessionFences> {
+        self.readers
+            .read(|c| {
+                Box::pin(async move {
+                    let mut fences = SessionFences::default();
+                    let users = query(
+                        c,
+                        "SELECT user_id, deactivated_at IS NOT NULL, sessions_ended_at FROM users \
+                         WHERE deactivated_at IS NOT NULL OR sessions_ended_at > 0",
+                        &[],
+                    )
+                    .await?;
+                    for r in &users {
+                        let (user, deactivated, ended): (String, bool, i64) = (col(r, 0)?, col(r, 1)?, col(r, 2)?);
+                        if deactivated {
+                            fences.deactivated.push(user.clone());
+                        }
+                        if ended > 0 {
+                            fences.users_ended.push((user, ended));
+                        }
+                    }
+                    let devices = query(
+                        c,
+                        "SELECT user_id, device_id, sessions_ended_at FROM devices WHERE sessions_ended_at > 0",
+                        &[],
+                    )
+                    .await?;
+                    for r in &devices {
+                        fences.devices_ended.push((col(r, 0)?, col(r, 1)?, col(r, 2)?));
+                    }
+                    Ok(fences)
+                })
+            })
+            .await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()> {
+        let e = entry.clone();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    exec(
+                        c,
+                        "INSERT INTO audit_log (at, event, actor, user_hash, device_hash, address) \
+                         VALUES ($1, $2, $3, $4, $5, $6)",
+                        &[&e.at_ms, &e.event, &e.actor, &e.user_hash, &e.device_hash, &e.address],
+                    )
+                    .await?;
+                    Ok(())
+                })
+            })
+            .await
+    }
+
+    async fn audit_log(
+        &self,
+        user_hash: Option<&str>,
+        from_ms: i64,
+        to_ms: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<AuditEntry>> {
+        let user_hash = user_hash.map(str::to_owned);
+        let limit = i64::from(limit);
+        self.readers
+            .read(move |c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT at, event, actor, user_hash, device_hash, address FROM audit_log \
+                         WHERE ($1::TEXT IS NULL OR user_hash = $1) AND at >= $2 AND at < $3 \
+                         ORDER BY at, id LIMIT $4",
+                        &[&user_hash, &from_ms, &to_ms, &limit],
+                    )
+                    .await?;
+                    rows.iter()
+                        .map(|r| {
+                            Ok(AuditEntry {
+                                at_ms: col(r, 0)?,
+                                event: col(r, 1)?,
+                                actor: col(r, 2)?,
+                                user_hash: col(r, 3)?,
+                                device_hash: col(r, 4)?,
+                                address: col(r, 5)?,
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
+
+    async fn trim_audit(&self, before_ms: i64) -> StoreResult<u64> {
+        self.writer
+            .write(move |c| {
+                Box::pin(async move { exec(c, "DELETE FROM audit_log WHERE at < $1", &[&before_ms]).await })
+            })
+            .await
+    }
+
+    async fn list_users(&self) -> StoreResult<Vec<UserInfo>> {
+        self.readers
+            .read(|c| {
+                Box::pin(async move {
+                    let rows = query(
+                        c,
+                        "SELECT user_id, created_at, deactivated_at, deleted_at FROM users ORDER BY user_id",
+                        &[],
+                    )
+                    .await?;
+                    rows.iter()
+                        .map(|r| {
+                            Ok(UserInfo {
+                                user: col(r, 0)?,
+                                created_at_ms: col(r, 1)?,
+                                deactivated_at_ms: col(r, 2)?,
+                                deleted_at_ms: col(r, 3)?,
+                            })
+                        })
+                        .collect()
+                })
+            })
+            .await
+    }
+
+    async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                Box::pin(async move {
+                    let row =
+                        query_opt(c, "SELECT deleted_at FROM users WHERE user_id = $1 FOR UPDATE", &[&user]).await?;
+                    let Some(row) = row else { return Err(StoreError::NotFound("no such user".into())) };
+                    let deleted: Option<i64> = col(&row, 0)?;
+                    if deleted.is_some() {
+                        return Ok(false);
+                    }
+                    exec(
+                        c,
+                        "UPDATE users SET deleted_at = $2, deactivated_at = COALESCE(deactivated_at, $2), \
+                         sessions_ended_at = GREATEST(sessions_ended_at, $2) WHERE user_id = $1",
+                        &[&user, &now_ms],
+                    )
+                    .await?;
+                    exec(
+                        c,
+                        "DELETE FROM snapshot_items WHERE snapshot_id IN \
+                         (SELECT snapshot_id FROM snapshots WHERE user_id = $1)",
+                        &[&user],
+                    )
+                    .await?;
+                    for table in
+                        ["snapshots", "recovery_sessions", "refresh_tokens", "deliveries", "user_deleted", "devices"]
+                    {
+                        exec(c, &format!("DELETE FROM {table} WHERE user_id = $1"), &[&user]).await?;
+                    }
+                    // The head's row lock, held to COMMIT, orders this with
+                    // any fan-out appending to the log.
+                    exec(c, "UPDATE user_heads SET trimmed_upto = high_watermark WHERE user_id = $1", &[&user]).await?;
+                    exec(c, "DELETE FROM user_events WHERE user_id = $1", &[&user]).await?;
+                    Ok(true)
+                })
             })
             .await
     }

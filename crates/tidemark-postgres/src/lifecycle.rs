@@ -217,7 +217,8 @@ const USER_FENCES: &str = "SELECT h.high_watermark, h.trimmed_upto,
         (SELECT MIN(resume_from) FROM recovery_sessions r
          WHERE r.user_id = h.user_id AND r.state = 'ACTIVE' AND r.expires_at > $3),
         (SELECT MIN(base_sync_seq) FROM snapshots s WHERE s.user_id = h.user_id AND s.state IN ('BUILDING','READY')),
-        (SELECT MAX(sync_seq) FROM user_events e WHERE e.user_id = h.user_id AND e.created_at < $4)
+        (SELECT MAX(sync_seq) FROM user_events e WHERE e.user_id = h.user_id AND e.created_at < $4),
+        EXISTS (SELECT 1 FROM users u WHERE u.user_id = h.user_id AND u.deleted_at IS NOT NULL)
      FROM user_heads h WHERE h.user_id = $1 FOR UPDATE OF h";
 
 /// One retention pass. Per user, the fence is the lowest of: the ACK of
@@ -257,6 +258,7 @@ pub(crate) async fn trim_user_logs(c: &Conn, policy: RetentionPolicy, now_ms: i6
             recovery: seq_opt(&r, 3)?,
             snapshot: seq_opt(&r, 4)?,
             aged: seq_opt(&r, 5)?,
+            deleted: col(&r, 6)?,
         };
         let Some(fence) = retention::trim_to(fences) else { continue };
         let fence = big(fence);

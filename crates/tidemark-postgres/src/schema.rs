@@ -63,6 +63,10 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 3, name: "durable connection epochs", sql: CONNECTION_EPOCH },
     Migration { version: 4, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
     Migration { version: 5, name: "user privacy switches", sql: USER_PRIVACY },
+    Migration { version: 6, name: "refresh token families", sql: REFRESH_FAMILIES },
+    Migration { version: 7, name: "session ends and deactivation", sql: SESSION_ENDS },
+    Migration { version: 8, name: "audit log", sql: AUDIT_LOG },
+    Migration { version: 9, name: "deleted users", sql: DELETED_USERS },
 ];
 
 /// Step 3: each device's newest WebSocket connection (P2), moved by
@@ -73,6 +77,54 @@ pub const MIGRATIONS: &[Migration] = &[
 pub const CONNECTION_EPOCH: &str = r#"
 ALTER TABLE devices ADD COLUMN IF NOT EXISTS connection_epoch BIGINT NOT NULL DEFAULT 0;
 CREATE INDEX IF NOT EXISTS devices_revoked ON devices (user_id, device_id) WHERE state = 'REVOKED';
+"#;
+
+/// Step 9: a deleted user's row stays as a tombstone (`deleted_at` set,
+/// deactivated too), so its name, the author of its messages, is never
+/// given to another account; its devices, log and cursors are gone.
+pub const DELETED_USERS: &str = r#"
+ALTER TABLE users ADD COLUMN IF NOT EXISTS deleted_at BIGINT;
+"#;
+
+/// Step 8: the durable audit log (`tidemark_core::audit`), one row per
+/// account or device event, ids as keyed hashes, never a secret; found by
+/// user hash and time, trimmed by time (the retention of `tidemark serve
+/// --audit-keep-days`).
+pub const AUDIT_LOG: &str = r#"
+CREATE TABLE IF NOT EXISTS audit_log (
+    id           BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    at           BIGINT NOT NULL,
+    event        TEXT COLLATE "C" NOT NULL,
+    actor        TEXT COLLATE "C" NOT NULL,
+    user_hash    TEXT COLLATE "C" NOT NULL,
+    device_hash  TEXT COLLATE "C",
+    address      TEXT COLLATE "C"
+);
+CREATE INDEX IF NOT EXISTS audit_log_by_user ON audit_log (user_hash, at);
+CREATE INDEX IF NOT EXISTS audit_log_by_time ON audit_log (at);
+"#;
+
+/// Step 7: an operator ends sessions (`tidemark_core::session`). A user's
+/// or a device's `sessions_ended_at` refuses the access tokens issued at
+/// or before it (0: none ended); `deactivated_at` set: the account no
+/// longer logs in and none of its tokens work.
+pub const SESSION_ENDS: &str = r#"
+ALTER TABLE users ADD COLUMN IF NOT EXISTS deactivated_at BIGINT;
+ALTER TABLE users ADD COLUMN IF NOT EXISTS sessions_ended_at BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE devices ADD COLUMN IF NOT EXISTS sessions_ended_at BIGINT NOT NULL DEFAULT 0;
+"#;
+
+/// Step 6: refresh-token reuse detection (`tidemark_core::refresh`). A
+/// token keeps its row once used (`used_at` set) until it expires, so a
+/// replay is recognised; `family` is the chain of rotations from one
+/// login. A token stored before this step is a family of its own. (On a
+/// sharded database `refresh_tokens` stays a table looked up by its own
+/// key; `family` is read only with a token's row or to revoke it.)
+pub const REFRESH_FAMILIES: &str = r#"
+ALTER TABLE refresh_tokens ADD COLUMN IF NOT EXISTS family TEXT COLLATE "C" NOT NULL DEFAULT '';
+ALTER TABLE refresh_tokens ADD COLUMN IF NOT EXISTS used_at BIGINT;
+UPDATE refresh_tokens SET family = token_hash WHERE family = '';
+CREATE INDEX IF NOT EXISTS refresh_tokens_by_family ON refresh_tokens (family);
 "#;
 
 /// The last step this build knows: the version of a database it opened.

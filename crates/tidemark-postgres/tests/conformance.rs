@@ -285,10 +285,11 @@ async fn postgres_matches_sqlite_operation_by_operation() {
     check!(sq, pg, "login_device rename", |s| s.login_device("a", "phone", "Phone 2", 3));
     check!(sq, pg, "device", |s| s.device("a", "phone"));
     check!(sq, pg, "device unknown", |s| s.device("a", "none"));
-    let rec = RefreshRecord { user: "a".into(), device: "phone".into(), expires_at_ms: 99 };
-    check!(sq, pg, "put_refresh_token", |s| s.put_refresh_token("h1", &rec));
-    check!(sq, pg, "take_refresh_token", |s| s.take_refresh_token("h1"));
-    check!(sq, pg, "take_refresh_token twice", |s| s.take_refresh_token("h1"));
+    let rec = RefreshRecord { user: "a".into(), device: "phone".into(), expires_at_ms: 99, family: "f1".into() };
+    check!(sq, pg, "put_refresh_token", |s| s.put_refresh_token("h1", &rec, 3));
+    check!(sq, pg, "use_refresh_token", |s| s.use_refresh_token("h1", 4));
+    check!(sq, pg, "use_refresh_token twice", |s| s.use_refresh_token("h1", 4));
+    check!(sq, pg, "use_refresh_token revoked", |s| s.use_refresh_token("h1", 4));
     check!(sq, pg, "revoke unknown", |s| s.revoke_device("a", "none", 4));
 
     // Direct conversations.

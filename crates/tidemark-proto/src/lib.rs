@@ -86,6 +86,10 @@ pub mod op {
     pub const PRIVACY_SET: &str = "privacy.set";
     pub const CONV_RECEIPTS: &str = "conv.receipts";
     pub const DELIVERY_RECEIPTS: &str = "delivery.receipts";
+    /// The caller's devices (P5).
+    pub const DEVICE_LIST: &str = "device.list";
+    /// Change the caller's password (P1).
+    pub const ACCOUNT_PASSWORD: &str = "account.password";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -110,6 +114,8 @@ pub mod op {
         SNAPSHOT_PAGE,
         SNAPSHOT_ACK,
         DEVICE_REVOKE,
+        DEVICE_LIST,
+        ACCOUNT_PASSWORD,
         PING,
         TYPING,
         PRESENCE_SET,
@@ -287,6 +293,138 @@ pub struct DeviceRevokeOk {
     pub device_id: String,
     /// False when the device was already revoked.
     pub revoked: bool,
+}
+
+/// One device of the caller, as `device.list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DeviceInfo {
+    pub device_id: String,
+    pub name: String,
+    /// When the device first logged in (ms since the epoch).
+    pub created_at: i64,
+    /// Its last login or cursor move (ms since the epoch).
+    pub last_seen_at: i64,
+    /// `NEW`, `ACTIVE`, `RESETTING`, `RECOVERING` or `REVOKED`.
+    pub state: String,
+    /// True for the device that asked.
+    pub current: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct DeviceListOk {
+    pub devices: Vec<DeviceInfo>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AccountPasswordReq {
+    pub old_password: String,
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::password))]
+    pub new_password: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AccountPasswordOk {
+    /// The refresh tokens of the caller's other devices were deleted.
+    pub other_devices_logged_out: bool,
+}
+
+/// `POST /v1/admin/logout`: end the sessions of a user, or of one device.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminLogoutReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
+    pub user: String,
+    /// Only this device; absent: every device of the user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminLogoutOk {
+    pub user: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<String>,
+}
+
+/// `POST /v1/admin/deactivate`: end every session of a user for good.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeactivateReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
+    pub user: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeactivateOk {
+    pub user: String,
+    /// False when the account was deactivated already.
+    pub deactivated: bool,
+}
+
+/// `POST /v1/admin/delete`: delete a user (its devices, log and cursors).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeleteReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
+    pub user: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminDeleteOk {
+    pub user: String,
+    /// False when the account was deleted already.
+    pub deleted: bool,
+}
+
+/// Entries one `POST /v1/admin/audit` returns by default, and at most.
+pub const AUDIT_LIMIT_DEFAULT: u32 = 100;
+pub const AUDIT_LIMIT_MAX: u32 = 1000;
+
+/// `POST /v1/admin/audit`: audit entries by user and time range.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminAuditReq {
+    /// Only this user's entries (the name, hashed by the server).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// From this time on (ms since the epoch, inclusive); default 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_ms: Option<i64>,
+    /// Before this time (exclusive); default: no bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_ms: Option<i64>,
+    /// 1..=1000, default 100.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub limit: Option<u32>,
+}
+
+/// One audit log entry: ids are keyed hashes; never a secret or a body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AuditEntryOut {
+    pub at_ms: i64,
+    pub event: String,
+    pub actor: String,
+    pub user_hash: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_hash: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub address: Option<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminAuditOk {
+    /// Oldest first; when `limit` entries came back, ask again from the
+    /// last one's `at_ms` for more.
+    pub entries: Vec<AuditEntryOut>,
 }
 
 // ---------------------------------------------------------- conversations
@@ -1004,6 +1142,10 @@ pub mod reason {
     pub const SHUTDOWN: &str = "shutdown";
     /// The access token of the connection expired: refresh and reconnect.
     pub const TOKEN_EXPIRED: &str = "token_expired";
+    /// An operator ended the device's (or its user's) sessions: log in again.
+    pub const LOGGED_OUT: &str = "logged_out";
+    /// An operator deactivated the account: nothing more is accepted.
+    pub const ACCOUNT_DEACTIVATED: &str = "account_deactivated";
 }
 
 #[cfg(test)]

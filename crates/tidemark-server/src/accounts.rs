@@ -20,13 +20,15 @@ use crate::util::now_ms;
 /// Longest accepted password, in bytes (argon2 cost is bounded by input).
 pub use tidemark_proto::PASSWORD_BYTES_MAX;
 
-/// A new account's name and password, checked before anything is hashed.
-pub fn check_new_account(user: &str, password: &str) -> Result<(), String> {
-    tidemark_core::ids::check_user(user)?;
+/// A new account's name and password, checked before anything is hashed;
+/// the name in its one form (`tidemark_core::ids::canonical_user`), the
+/// account's id.
+pub fn check_new_account(user: &str, password: &str) -> Result<String, String> {
+    let user = tidemark_core::ids::canonical_user(user)?;
     if password.is_empty() || password.len() > PASSWORD_BYTES_MAX {
         return Err(format!("password must be 1..={PASSWORD_BYTES_MAX} bytes"));
     }
-    Ok(())
+    Ok(user)
 }
 
 /// The PHC string (Argon2id, default parameters, random salt) to store.
@@ -52,17 +54,18 @@ pub fn verify_login(password: &str, stored: Option<&str>) -> bool {
     }
 }
 
-/// Creates an account (`POST /v1/admin/users`): `Ok(false)` when the name
-/// is taken.
-pub async fn create_user(state: &AppState, user: &str, password: &str) -> ApiResult<bool> {
-    check_new_account(user, password).map_err(ApiError::bad_request)?;
+/// Creates an account (`POST /v1/admin/users`) under the name's one form,
+/// which it returns with `false` when that name is taken (in any case).
+pub async fn create_user(state: &AppState, user: &str, password: &str) -> ApiResult<(String, bool)> {
+    let user = check_new_account(user, password).map_err(ApiError::bad_request)?;
     let password = password.to_owned();
     let hash = state
         .limits
         .hash(move || hash_password(&password))
         .await?
         .map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
-    Ok(state.store.create_user(user, &hash, now_ms()).await?)
+    let created = state.store.create_user(&user, &hash, now_ms()).await?;
+    Ok((user, created))
 }
 
 #[cfg(test)]
@@ -77,12 +80,18 @@ mod tests {
         let longest = "p".repeat(PASSWORD_BYTES_MAX);
         let too_long = "p".repeat(PASSWORD_BYTES_MAX + 1);
         check("alice", "pw", true);
+        check("Alice", "pw", true);
         check("alice", &longest, true);
         check("alice", "", false);
         check("alice", &too_long, false);
         check("", "pw", false);
         check("al ice", "pw", false);
         check(&"a".repeat(tidemark_core::ids::USER_BYTES_MAX + 1), "pw", false);
+    }
+
+    #[test]
+    fn a_new_account_is_named_in_its_one_form() {
+        assert_eq!(check_new_account("Alice", "pw").as_deref(), Ok("alice"));
     }
 
     #[test]

@@ -8,6 +8,59 @@ use std::time::Duration;
 pub const WS_CONNECTIONS_MAX_DEFAULT: usize = 100_000;
 /// `retry_after_ms` of the refusal a full node answers an upgrade with.
 pub const WS_FULL_RETRY_AFTER_MS: u64 = 1_000;
+/// Default cap on one user's WebSocket connections on one node: far above
+/// the devices a person uses at once, far below what a script opening
+/// sockets in a loop would hold.
+pub const WS_CONNECTIONS_PER_USER_MAX_DEFAULT: usize = 20;
+/// `retry_after_ms` of the refusal a user at its cap gets: a slot frees
+/// only when one of its connections ends.
+pub const WS_USER_FULL_RETRY_AFTER_MS: u64 = 5_000;
+/// How long audit log entries are kept.
+pub const AUDIT_KEEP_DEFAULT: Duration = Duration::from_secs(90 * 24 * 3600);
+/// Time a WebSocket has from its upgrade to authenticate (`auth` frame).
+pub const WS_AUTH_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+
+/// HTTP timeouts, so a slow or silent client cannot hold a connection (and
+/// its file descriptor) for long. Each ends the connection (after an error
+/// reply when a request had begun); none applies to a WebSocket once upgraded (its own heartbeat
+/// and auth timeout do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HttpTimeouts {
+    /// A request's head (request line and headers) must be complete this
+    /// long after the server starts waiting for it: from the accept, or on
+    /// a keep-alive connection from the previous response. Past it the
+    /// connection is closed without a response (hyper's
+    /// `header_read_timeout`).
+    pub header: Duration,
+    /// Longest pause between two chunks of a request body; past it the
+    /// body cannot be read, the request fails with 400 `BAD_REQUEST` and
+    /// the connection is closed (`tower_http::timeout::RequestBodyTimeoutLayer`).
+    pub body: Duration,
+    /// Longest whole request, from its head to its response, body read
+    /// included (a body trickled faster than [`HttpTimeouts::body`] still
+    /// ends here): 408, connection closed (`tower_http::timeout::TimeoutLayer`).
+    pub request: Duration,
+    /// A connection with no request in progress that receives nothing for
+    /// this long is closed: an idle keep-alive connection, or one that
+    /// never sends a byte.
+    pub idle: Duration,
+}
+
+pub const HTTP_HEADER_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+pub const HTTP_BODY_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
+pub const HTTP_REQUEST_TIMEOUT_DEFAULT: Duration = Duration::from_secs(30);
+pub const HTTP_IDLE_TIMEOUT_DEFAULT: Duration = Duration::from_secs(5);
+
+impl Default for HttpTimeouts {
+    fn default() -> Self {
+        HttpTimeouts {
+            header: HTTP_HEADER_TIMEOUT_DEFAULT,
+            body: HTTP_BODY_TIMEOUT_DEFAULT,
+            request: HTTP_REQUEST_TIMEOUT_DEFAULT,
+            idle: HTTP_IDLE_TIMEOUT_DEFAULT,
+        }
+    }
+}
 
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -29,6 +82,16 @@ pub struct ServerConfig {
     /// [`WS_FULL_RETRY_AFTER_MS`]) so the device backs off and may reach
     /// another node.
     pub ws_connections_max: usize,
+    /// WebSocket connections one user holds on one node; one more (of a
+    /// device not yet connected) is refused with `RATE_LIMITED`
+    /// (`retry_after_ms` [`WS_USER_FULL_RETRY_AFTER_MS`]).
+    pub ws_connections_per_user_max: usize,
+    /// Time a WebSocket opened without a bearer header has to send `auth`.
+    pub ws_auth_timeout: Duration,
+    /// HTTP header, body, request and idle timeouts.
+    pub http_timeouts: HttpTimeouts,
+    /// Audit log entries older than this are deleted.
+    pub audit_keep: Duration,
     /// Rate limits per device, user and source address (P3).
     pub limits: crate::limits::LimitsConfig,
     /// Outbox items fanned out per transaction.
@@ -78,6 +141,10 @@ impl Default for ServerConfig {
             ws_send_queue_max: 256,
             ws_inflight_max: 64,
             ws_connections_max: WS_CONNECTIONS_MAX_DEFAULT,
+            ws_connections_per_user_max: WS_CONNECTIONS_PER_USER_MAX_DEFAULT,
+            ws_auth_timeout: WS_AUTH_TIMEOUT_DEFAULT,
+            http_timeouts: HttpTimeouts::default(),
+            audit_keep: AUDIT_KEEP_DEFAULT,
             limits: crate::limits::LimitsConfig::default(),
             relay_batch_max: 512,
             relay_poll: Duration::from_secs(1),

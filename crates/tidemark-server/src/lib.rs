@@ -22,6 +22,7 @@
 //! because every dependency is passed in explicitly.
 
 pub mod accounts;
+pub mod audit;
 pub mod bus;
 pub mod config;
 pub mod ephemeral;
@@ -31,10 +32,12 @@ pub mod gateway;
 pub mod groups;
 pub mod hub;
 pub mod limits;
+pub mod listener;
 pub mod metrics;
 pub mod ops;
 pub mod relay;
 pub mod server;
+pub mod sessions;
 pub mod state;
 pub mod util;
 

@@ -63,10 +63,19 @@ impl OpClass {
             | op::SNAPSHOT_PAGE
             | op::SNAPSHOT_ACK
             | op::DIRTY_CLEAR => OpClass::Sync,
-            op::HISTORY | op::CONV_SYNC | op::CONV_LIST | op::CONV_RECEIPTS | op::DELIVERY_RECEIPTS => OpClass::Read,
-            op::CONV_CREATE | op::CONV_ADD | op::CONV_REMOVE | op::CONV_LEAVE | op::CONV_SETTINGS | op::PRIVACY_SET => {
-                OpClass::Change
-            }
+            op::HISTORY
+            | op::CONV_SYNC
+            | op::CONV_LIST
+            | op::CONV_RECEIPTS
+            | op::DELIVERY_RECEIPTS
+            | op::DEVICE_LIST => OpClass::Read,
+            op::CONV_CREATE
+            | op::CONV_ADD
+            | op::CONV_REMOVE
+            | op::CONV_LEAVE
+            | op::CONV_SETTINGS
+            | op::PRIVACY_SET
+            | op::ACCOUNT_PASSWORD => OpClass::Change,
             op::TYPING | op::PRESENCE_SET => OpClass::Ephemeral,
             op::PING | op::DEVICE_REVOKE => OpClass::Free,
             _ => OpClass::Read,

@@ -13,7 +13,7 @@ use tokio::task::JoinHandle;
 
 use crate::config::ServerConfig;
 use crate::hub::Hub;
-use crate::state::{AppState, ConnSlots};
+use crate::state::{AppState, ConnSlots, UserConnSlots};
 
 pub struct Server;
 
@@ -34,9 +34,11 @@ impl Server {
         let revoked = store.revoked_devices().await.map_err(io)?;
         let hub = Arc::new(Hub::default());
         let fences = Arc::new(crate::fence::Fences::new(hub.clone(), revoked));
+        let sessions = crate::sessions::Sessions::from_store(store.session_fences().await.map_err(io)?);
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
+        let ws_user_slots = UserConnSlots::new(config.ws_connections_per_user_max);
         let config_limits = config.limits.clone();
         store.set_group_policy(config.group_policy);
         let groups = Arc::new(crate::groups::GroupHints::new(store.clone(), hub.clone()));
@@ -54,34 +56,23 @@ impl Server {
             metrics: crate::metrics::install(),
             shutdown: shutdown_rx.clone(),
             ws_slots,
+            ws_user_slots,
+            sessions,
             limits: crate::limits::Limits::new(config_limits),
             lane,
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;
         let app = crate::gateway::router(state.clone());
-        // Replies and hints are small frames that must leave at once: with
-        // Nagle on, a reply queued behind a hint waits for the peer's
-        // delayed ACK (~40 ms) and senders stall instead of batching.
-        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        let mut http_shutdown = shutdown_rx.clone();
-        let http = spawn_fatal("http", async move {
-            let serve = axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>())
-                .with_graceful_shutdown(async move {
-                    crate::util::stopped(&mut http_shutdown).await;
-                });
-            if let Err(e) = serve.await {
-                tracing::error!(error = %e, "http server stopped");
-            }
-        });
+        let http =
+            spawn_fatal("http", crate::listener::serve(listener, app, state.config.http_timeouts, shutdown_rx.clone()));
         let relay = spawn_fatal("relay", crate::relay::run(state.clone(), shutdown_rx.clone()));
         let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
         let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));
         let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
         let typing = spawn_fatal("typing sweep", state.lane.clone().run_sweep(shutdown_rx.clone()));
-        let mut tasks = vec![http, relay, rehint, retention, sweep, typing];
+        let audit = spawn_fatal("audit retention", crate::audit::run_retention(state.clone(), shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention, sweep, typing, audit];
         if let Some(pending) = bus_pending {
             // Cluster mode: fences reach this node on the bus, and from the
             // store should the bus lose one (`fence`).

@@ -3,8 +3,9 @@
 //! explicitly (no globals). It sits below every module that uses it, so no
 //! import circles through the wiring.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use metrics_exporter_prometheus::PrometheusHandle;
 use tidemark_core::token::TokenKeys;
@@ -39,6 +40,11 @@ pub struct AppState {
     pub groups: Arc<crate::groups::GroupHints>,
     /// Typing and presence of this node's connections (issue 18).
     pub lane: Arc<crate::ephemeral::Lane>,
+    /// Sessions ended by an operator, and deactivated accounts.
+    pub sessions: crate::sessions::Sessions,
+    /// This node's WebSocket connections per user, at most
+    /// [`ServerConfig::ws_connections_per_user_max`].
+    pub ws_user_slots: Arc<UserConnSlots>,
 }
 
 impl AppState {
@@ -54,6 +60,13 @@ impl AppState {
     pub async fn hint_conv(&self, moved: &tidemark_store::ConvMoved) {
         self.groups.deliver(moved).await;
         self.bus.publish_conv(moved);
+    }
+
+    /// Whether the access token of `ctx` still opens a session: not logged
+    /// out by an operator since it was issued, its account not deactivated.
+    pub fn session_alive(&self, user: &str, device: &str, expires_at_ms: i64) -> bool {
+        let issued_at_ms = expires_at_ms - self.config.access_token_ttl.as_millis() as i64;
+        self.sessions.alive(user, device, issued_at_ms)
     }
 
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {
@@ -95,5 +108,67 @@ pub struct ConnSlot(Arc<ConnSlots>);
 impl Drop for ConnSlot {
     fn drop(&mut self) {
         self.0.live.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Counts a node's live WebSocket connections per user and device against
+/// the per-user cap (the rule is `tidemark_core::throttle::admits_connection`).
+/// Only users with a live connection have an entry.
+#[derive(Debug)]
+pub struct UserConnSlots {
+    live: Mutex<HashMap<String, HashMap<String, usize>>>,
+    max: usize,
+}
+
+impl UserConnSlots {
+    pub fn new(max: usize) -> Arc<UserConnSlots> {
+        Arc::new(UserConnSlots { live: Mutex::new(HashMap::new()), max })
+    }
+
+    /// A slot for one connection of `device`, or `None` when the user holds
+    /// its most connections on this node.
+    pub fn try_take(self: &Arc<Self>, user: &str, device: &str) -> Option<UserConnSlot> {
+        let mut live = self.live.lock().expect("user slots lock");
+        let devices = live.entry(user.to_owned()).or_default();
+        let user_live = devices.values().sum();
+        let device_live = devices.get(device).copied().unwrap_or(0);
+        if !tidemark_core::throttle::admits_connection(user_live, device_live, self.max) {
+            if devices.is_empty() {
+                live.remove(user);
+            }
+            return None;
+        }
+        *devices.entry(device.to_owned()).or_insert(0) += 1;
+        Some(UserConnSlot { slots: self.clone(), user: user.to_owned(), device: device.to_owned() })
+    }
+
+    /// Live connections of `user` on this node.
+    pub fn live(&self, user: &str) -> usize {
+        self.live.lock().expect("user slots lock").get(user).map_or(0, |d| d.values().sum())
+    }
+}
+
+/// One connection's place under its user's cap; dropping it frees it.
+#[derive(Debug)]
+pub struct UserConnSlot {
+    slots: Arc<UserConnSlots>,
+    user: String,
+    device: String,
+}
+
+impl Drop for UserConnSlot {
+    fn drop(&mut self) {
+        let mut live = self.slots.live.lock().expect("user slots lock");
+        if let Some(devices) = live.get_mut(&self.user) {
+            if let Some(n) = devices.get_mut(&self.device) {
+                *n -= 1;
+                if *n == 0 {
+                    devices.remove(&self.device);
+                }
+            }
+            if devices.is_empty() {
+                live.remove(&self.user);
+            }
+        }
     }
 }

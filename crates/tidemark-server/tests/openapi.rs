@@ -383,6 +383,14 @@ async fn real_replies_validate_against_the_document() {
     p.refused(Some(&ann), op::SYNC, json!({"sync_generation": 999}), ErrorCode::ResetRequired).await;
     let (status, v) = p.post("/v1/rpc/ping", Some(&ann), json!({"pad": "x".repeat(300 * 1024)})).await;
     assert_eq!((status, v["code"].as_str()), (413, Some("BAD_REQUEST")));
+    p.rpc(&ann, op::DEVICE_LIST, json!({})).await;
+    p.rpc(&ann, op::ACCOUNT_PASSWORD, json!({"old_password": PASSWORD, "new_password": PASSWORD})).await;
+    p.post("/v1/admin/logout", Some(ADMIN), json!({"user": "cat", "device_id": "cat-phone"})).await;
+    p.post("/v1/admin/logout", Some(ADMIN), json!({"user": "cat"})).await;
+    p.post("/v1/admin/deactivate", Some(ADMIN), json!({"user": "cat"})).await;
+    p.post("/v1/admin/delete", Some(ADMIN), json!({"user": "cat"})).await;
+    p.post("/v1/admin/audit", Some(ADMIN), json!({"user": "cat", "limit": 10})).await;
+    p.post("/v1/admin/audit", Some(ADMIN), json!({})).await;
     p.rpc(&ann, op::DEVICE_REVOKE, json!({"device_id": "phone"})).await;
     p.refused(Some(&ann), op::PING, json!({}), ErrorCode::DeviceRevoked).await;
 

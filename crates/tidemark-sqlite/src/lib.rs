@@ -442,8 +442,12 @@ impl Store for SqliteStore {
         let user = user.to_owned();
         self.readers
             .read(move |c| {
-                c.query_row("SELECT password_hash FROM users WHERE user_id = ?1", params![user], |r| r.get(0))
-                    .optional()
+                c.query_row(
+                    "SELECT password_hash FROM users WHERE user_id = ?1 AND deactivated_at IS NULL",
+                    params![user],
+                    |r| r.get(0),
+                )
+                .optional()
             })
             .await
     }
@@ -495,31 +499,22 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()> {
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord, now_ms: i64) -> StoreResult<()> {
         let (hash, rec) = (token_hash.to_owned(), rec.clone());
         self.writer
             .write(move |c| {
                 c.execute(
-                    "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at) VALUES (?1, ?2, ?3, ?4)",
-                    params![hash, rec.user, rec.device, rec.expires_at_ms],
+                    "DELETE FROM refresh_tokens WHERE user_id = ?1 AND device_id = ?2 AND expires_at <= ?3",
+                    params![rec.user, rec.device, now_ms],
+                )
+                .map_err(internal)?;
+                c.execute(
+                    "INSERT INTO refresh_tokens (token_hash, user_id, device_id, expires_at, family) \
+                     VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![hash, rec.user, rec.device, rec.expires_at_ms, rec.family],
                 )
                 .map_err(internal)?;
                 Ok(())
-            })
-            .await
-    }
-
-    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>> {
-        let hash = token_hash.to_owned();
-        self.writer
-            .write(move |c| {
-                c.query_row(
-                    "DELETE FROM refresh_tokens WHERE token_hash = ?1 RETURNING user_id, device_id, expires_at",
-                    params![hash],
-                    |r| Ok(RefreshRecord { user: r.get(0)?, device: r.get(1)?, expires_at_ms: r.get(2)? }),
-                )
-                .optional()
-                .map_err(internal)
             })
             .await
     }
@@ -1013,6 +1008,300 @@ impl Store for SqliteStore {
     ) -> StoreResult<Vec<(String, Option<i64>)>> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
         self.readers.read_store(move |c| receipts::delivery_receipts(c, &user, &conv, &message_ids)).await
+    }
+
+    async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse> {
+        use tidemark_core::refresh::{decide, Stored, Verdict};
+        let hash = token_hash.to_owned();
+        self.writer
+            .write(move |c| {
+                let row = c
+                    .query_row(
+                        "SELECT user_id, device_id, expires_at, family, used_at FROM refresh_tokens WHERE token_hash = ?1",
+                        params![hash],
+                        |r| {
+                            let rec = RefreshRecord {
+                                user: r.get(0)?,
+                                device: r.get(1)?,
+                                expires_at_ms: r.get(2)?,
+                                family: r.get(3)?,
+                            };
+                            Ok((rec, r.get::<_, Option<i64>>(4)?))
+                        },
+                    )
+                    .optional()
+                    .map_err(internal)?;
+                let stored = row.as_ref().map(|(rec, used_at)| match used_at {
+                    Some(_) => Stored::Used,
+                    None => Stored::Live { expires_at_ms: rec.expires_at_ms },
+                });
+                Ok(match (decide(stored, now_ms), row) {
+                    (Verdict::Rotate, Some((rec, _))) => {
+                        c.execute("UPDATE refresh_tokens SET used_at = ?2 WHERE token_hash = ?1", params![hash, now_ms])
+                            .map_err(internal)?;
+                        RefreshUse::Rotated(rec)
+                    }
+                    (Verdict::Expired, Some((rec, _))) => {
+                        c.execute("DELETE FROM refresh_tokens WHERE token_hash = ?1", params![hash]).map_err(internal)?;
+                        RefreshUse::Expired(rec)
+                    }
+                    (Verdict::RevokeFamily, Some((rec, _))) => {
+                        c.execute("DELETE FROM refresh_tokens WHERE family = ?1", params![rec.family])
+                            .map_err(internal)?;
+                        RefreshUse::FamilyRevoked(rec)
+                    }
+                    _ => RefreshUse::Unknown,
+                })
+            })
+            .await
+    }
+
+    async fn list_devices(&self, user: &str) -> StoreResult<Vec<DeviceInfo>> {
+        let user = user.to_owned();
+        self.readers
+            .read_store(move |c| {
+                let mut stmt = c
+                    .prepare_cached(
+                        "SELECT device_id, name, created_at, updated_at, state FROM devices \
+                         WHERE user_id = ?1 ORDER BY device_id",
+                    )
+                    .map_err(internal)?;
+                let rows = stmt
+                    .query_map(params![user], |r| {
+                        Ok((r.get::<_, String>(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get::<_, String>(4)?))
+                    })
+                    .map_err(internal)?;
+                rows.map(|row| {
+                    let (device, name, created_at_ms, last_seen_ms, state) = row.map_err(internal)?;
+                    let state = DeviceState::parse(&state)
+                        .ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
+                    Ok(DeviceInfo { device, name, created_at_ms, last_seen_ms, state })
+                })
+                .collect()
+            })
+            .await
+    }
+
+    async fn change_password(&self, user: &str, password_hash: &str, keep_device: &str) -> StoreResult<bool> {
+        let (user, hash, keep) = (user.to_owned(), password_hash.to_owned(), keep_device.to_owned());
+        self.writer
+            .write(move |c| {
+                let n = c
+                    .execute("UPDATE users SET password_hash = ?2 WHERE user_id = ?1", params![user, hash])
+                    .map_err(internal)?;
+                if n == 0 {
+                    return Ok(false);
+                }
+                c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1 AND device_id <> ?2", params![user, keep])
+                    .map_err(internal)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    async fn end_sessions(&self, user: &str, device: Option<&str>, now_ms: i64) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.map(str::to_owned));
+        self.writer
+            .write(move |c| {
+                let n = match &device {
+                    Some(d) => c.execute(
+                        "UPDATE devices SET sessions_ended_at = MAX(sessions_ended_at, ?3) \
+                         WHERE user_id = ?1 AND device_id = ?2",
+                        params![user, d, now_ms],
+                    ),
+                    None => c.execute(
+                        "UPDATE users SET sessions_ended_at = MAX(sessions_ended_at, ?2) WHERE user_id = ?1",
+                        params![user, now_ms],
+                    ),
+                }
+                .map_err(internal)?;
+                if n == 0 {
+                    return Ok(false);
+                }
+                c.execute(
+                    "DELETE FROM refresh_tokens WHERE user_id = ?1 AND (?2 IS NULL OR device_id = ?2)",
+                    params![user, device],
+                )
+                .map_err(internal)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    async fn deactivate_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                let deactivated: Option<Option<i64>> = c
+                    .query_row("SELECT deactivated_at FROM users WHERE user_id = ?1", params![user], |r| r.get(0))
+                    .optional()
+                    .map_err(internal)?;
+                let Some(deactivated) = deactivated else { return Err(StoreError::NotFound("no such user".into())) };
+                c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1", params![user]).map_err(internal)?;
+                if deactivated.is_some() {
+                    return Ok(false);
+                }
+                c.execute(
+                    "UPDATE users SET deactivated_at = ?2, sessions_ended_at = MAX(sessions_ended_at, ?2) WHERE user_id = ?1",
+                    params![user, now_ms],
+                )
+                .map_err(internal)?;
+                Ok(true)
+            })
+            .await
+    }
+
+    async fn session_fences(&self) -> StoreResult<SessionFences> {
+        self.readers
+            .read_store(|c| {
+                let mut fences = SessionFences::default();
+                let mut users = c
+                    .prepare_cached(
+                        "SELECT user_id, deactivated_at IS NOT NULL, sessions_ended_at FROM users \
+                         WHERE deactivated_at IS NOT NULL OR sessions_ended_at > 0",
+                    )
+                    .map_err(internal)?;
+                let rows = users
+                    .query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, bool>(1)?, r.get::<_, i64>(2)?)))
+                    .map_err(internal)?;
+                for row in rows {
+                    let (user, deactivated, ended) = row.map_err(internal)?;
+                    if deactivated {
+                        fences.deactivated.push(user.clone());
+                    }
+                    if ended > 0 {
+                        fences.users_ended.push((user, ended));
+                    }
+                }
+                let mut devices = c
+                    .prepare_cached(
+                        "SELECT user_id, device_id, sessions_ended_at FROM devices WHERE sessions_ended_at > 0",
+                    )
+                    .map_err(internal)?;
+                let rows = devices.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
+                for row in rows {
+                    fences.devices_ended.push(row.map_err(internal)?);
+                }
+                Ok(fences)
+            })
+            .await
+    }
+
+    async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()> {
+        let e = entry.clone();
+        self.writer
+            .write(move |c| {
+                c.prepare_cached(
+                    "INSERT INTO audit_log (at, event, actor, user_hash, device_hash, address) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+                )
+                .map_err(internal)?
+                .execute(params![e.at_ms, e.event, e.actor, e.user_hash, e.device_hash, e.address])
+                .map_err(internal)?;
+                Ok(())
+            })
+            .await
+    }
+
+    async fn audit_log(
+        &self,
+        user_hash: Option<&str>,
+        from_ms: i64,
+        to_ms: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<AuditEntry>> {
+        let user_hash = user_hash.map(str::to_owned);
+        self.readers
+            .read_store(move |c| {
+                let mut stmt = c
+                    .prepare_cached(
+                        "SELECT at, event, actor, user_hash, device_hash, address FROM audit_log \
+                         WHERE (?1 IS NULL OR user_hash = ?1) AND at >= ?2 AND at < ?3 ORDER BY at, id LIMIT ?4 + 0",
+                    )
+                    .map_err(internal)?;
+                let rows = stmt
+                    .query_map(params![user_hash, from_ms, to_ms, limit], |r| {
+                        Ok(AuditEntry {
+                            at_ms: r.get(0)?,
+                            event: r.get(1)?,
+                            actor: r.get(2)?,
+                            user_hash: r.get(3)?,
+                            device_hash: r.get(4)?,
+                            address: r.get(5)?,
+                        })
+                    })
+                    .map_err(internal)?;
+                rows.map(|r| r.map_err(internal)).collect()
+            })
+            .await
+    }
+
+    async fn trim_audit(&self, before_ms: i64) -> StoreResult<u64> {
+        self.writer
+            .write(move |c| {
+                let n = c.execute("DELETE FROM audit_log WHERE at < ?1", params![before_ms]).map_err(internal)?;
+                Ok(n as u64)
+            })
+            .await
+    }
+
+    async fn list_users(&self) -> StoreResult<Vec<UserInfo>> {
+        self.readers
+            .read_store(|c| {
+                let mut stmt = c
+                    .prepare_cached(
+                        "SELECT user_id, created_at, deactivated_at, deleted_at FROM users ORDER BY user_id",
+                    )
+                    .map_err(internal)?;
+                let rows = stmt
+                    .query_map([], |r| {
+                        Ok(UserInfo {
+                            user: r.get(0)?,
+                            created_at_ms: r.get(1)?,
+                            deactivated_at_ms: r.get(2)?,
+                            deleted_at_ms: r.get(3)?,
+                        })
+                    })
+                    .map_err(internal)?;
+                rows.map(|r| r.map_err(internal)).collect()
+            })
+            .await
+    }
+
+    async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
+        let user = user.to_owned();
+        self.writer
+            .write(move |c| {
+                let deleted: Option<Option<i64>> = c
+                    .query_row("SELECT deleted_at FROM users WHERE user_id = ?1", params![user], |r| r.get(0))
+                    .optional()
+                    .map_err(internal)?;
+                let Some(deleted) = deleted else { return Err(StoreError::NotFound("no such user".into())) };
+                if deleted.is_some() {
+                    return Ok(false);
+                }
+                c.execute(
+                    "UPDATE users SET deleted_at = ?2, deactivated_at = COALESCE(deactivated_at, ?2), \
+                     sessions_ended_at = MAX(sessions_ended_at, ?2) WHERE user_id = ?1",
+                    params![user, now_ms],
+                )
+                .map_err(internal)?;
+                c.execute(
+                    "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE user_id = ?1)",
+                    params![user],
+                )
+                .map_err(internal)?;
+                for table in
+                    ["snapshots", "recovery_sessions", "refresh_tokens", "deliveries", "user_deleted", "devices"]
+                {
+                    c.execute(&format!("DELETE FROM {table} WHERE user_id = ?1"), params![user]).map_err(internal)?;
+                }
+                c.execute("UPDATE user_heads SET trimmed_upto = high_watermark WHERE user_id = ?1", params![user])
+                    .map_err(internal)?;
+                c.execute("DELETE FROM user_events WHERE user_id = ?1", params![user]).map_err(internal)?;
+                Ok(true)
+            })
+            .await
     }
 }
 

@@ -237,6 +237,13 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
                 |r| r.get(0),
             )
             .map_err(internal)?;
+        let deleted: bool = c
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM users WHERE user_id = ?1 AND deleted_at IS NOT NULL)",
+                params![user],
+                |r| r.get(0),
+            )
+            .map_err(internal)?;
         let seq = |v: Option<i64>| v.map(|v| v as u64);
         let fences = Fences {
             high_watermark: hw as u64,
@@ -245,6 +252,7 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
             recovery: seq(recovery_fence),
             snapshot: seq(snapshot_fence),
             aged: seq(age_fence),
+            deleted,
         };
         let Some(fence) = retention::trim_to(fences) else { continue };
         let fence = fence as i64;

@@ -41,11 +41,61 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 2, name: "durable connection epochs", sql: CONNECTION_EPOCH },
     Migration { version: 3, name: "large groups: shared mode and dirty markers", sql: LARGE_GROUPS },
     Migration { version: 4, name: "user privacy switches", sql: USER_PRIVACY },
+    Migration { version: 5, name: "refresh token families", sql: REFRESH_FAMILIES },
+    Migration { version: 6, name: "session ends and deactivation", sql: SESSION_ENDS },
+    Migration { version: 7, name: "audit log", sql: AUDIT_LOG },
+    Migration { version: 8, name: "deleted users", sql: DELETED_USERS },
 ];
 
 /// Step 2: each device's newest WebSocket connection (P2), moved by
 /// `Store::open_connection`; a frame of an older one is dropped.
 pub const CONNECTION_EPOCH: &str = "ALTER TABLE devices ADD COLUMN connection_epoch INTEGER NOT NULL DEFAULT 0;";
+
+/// Step 8: a deleted user's row stays as a tombstone (`deleted_at` set,
+/// deactivated too), so its name, the author of its messages, is never
+/// given to another account; its devices, log and cursors are gone.
+pub const DELETED_USERS: &str = r#"
+ALTER TABLE users ADD COLUMN deleted_at INTEGER;
+"#;
+
+/// Step 7: the durable audit log (`tidemark_core::audit`), one row per
+/// account or device event, ids as keyed hashes, never a secret; found by
+/// user hash and time, trimmed by time (the retention of `tidemark serve
+/// --audit-keep-days`).
+pub const AUDIT_LOG: &str = r#"
+CREATE TABLE IF NOT EXISTS audit_log (
+    id           INTEGER PRIMARY KEY AUTOINCREMENT,
+    at           INTEGER NOT NULL,
+    event        TEXT NOT NULL,
+    actor        TEXT NOT NULL,
+    user_hash    TEXT NOT NULL,
+    device_hash  TEXT,
+    address      TEXT
+);
+CREATE INDEX IF NOT EXISTS audit_log_by_user ON audit_log (user_hash, at);
+CREATE INDEX IF NOT EXISTS audit_log_by_time ON audit_log (at);
+"#;
+
+/// Step 6: an operator ends sessions (`tidemark_core::session`). A user's
+/// or a device's `sessions_ended_at` refuses the access tokens issued at
+/// or before it (0: none ended); `deactivated_at` set: the account no
+/// longer logs in and none of its tokens work.
+pub const SESSION_ENDS: &str = r#"
+ALTER TABLE users ADD COLUMN deactivated_at INTEGER;
+ALTER TABLE users ADD COLUMN sessions_ended_at INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE devices ADD COLUMN sessions_ended_at INTEGER NOT NULL DEFAULT 0;
+"#;
+
+/// Step 5: refresh-token reuse detection (`tidemark_core::refresh`). A
+/// token keeps its row once used (`used_at` set) until it expires, so a
+/// replay is recognised; `family` is the chain of rotations from one
+/// login. A token stored before this step is a family of its own.
+pub const REFRESH_FAMILIES: &str = r#"
+ALTER TABLE refresh_tokens ADD COLUMN family TEXT NOT NULL DEFAULT '';
+ALTER TABLE refresh_tokens ADD COLUMN used_at INTEGER;
+UPDATE refresh_tokens SET family = token_hash WHERE family = '';
+CREATE INDEX IF NOT EXISTS refresh_tokens_by_family ON refresh_tokens (family);
+"#;
 
 /// The last step this build knows: the version of a database it opened.
 pub const SCHEMA_VERSION: i64 = MIGRATIONS[MIGRATIONS.len() - 1].version;

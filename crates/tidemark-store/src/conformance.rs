@@ -53,6 +53,9 @@ where
     history_retention_moves_the_boundary(&*fresh().await).await;
     sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
     connection_epochs_are_per_device_and_durable(&*fresh().await).await;
+    devices_list_and_sessions_end_durably(&*fresh().await).await;
+    audit_log_is_queried_by_user_and_time_and_trimmed(&*fresh().await).await;
+    deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tombstone(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -411,7 +414,7 @@ pub async fn membership_rules(store: &dyn Store) {
     let retry = store.create_group(ev("g-other", "own", "create"), vec![]).await;
     assert_eq!(retry, Ok(("g1".to_string(), 1)), "a retried create finds the first group");
     let unknown = store.create_group(ev("g2", "own", "create2"), vec!["x".into(), "zz".into()]).await;
-    assert_eq!(unknown, Err(not_found("user zz")));
+    assert_eq!(unknown, Err(not_found(tidemark_core::membership::NO_SUCH_USER)));
     assert_eq!(store.conversation("g2").await.unwrap(), None, "a refused create leaves nothing");
     assert_eq!(store.conversation("g1").await.unwrap().unwrap().members, vec!["m".to_string(), "own".to_string()]);
     assert_eq!(store.accept_send(send("own", "g1", "k")).await.unwrap().msg_seq, 2);
@@ -426,7 +429,7 @@ pub async fn membership_rules(store: &dyn Store) {
     assert_eq!(change("m", "add-x", "x", Add).await, Ok(3), "any member adds");
     assert_eq!(change("m", "add-x", "x", Add).await, Ok(3), "a retry answers the first join");
     assert_eq!(change("own", "add-x2", "x", Add).await, Ok(3), "adding a member answers its join");
-    assert_eq!(change("own", "add-zz", "zz", Add).await, Err(not_found("user zz")));
+    assert_eq!(change("own", "add-zz", "zz", Add).await, Err(not_found(tidemark_core::membership::NO_SUCH_USER)));
     assert_eq!(change("out", "add-out", "out", Add).await, Err(StoreError::NotMember), "only members add");
     assert_eq!(
         change("m", "rm-x", "x", Remove).await,
@@ -696,24 +699,205 @@ pub async fn installing_a_snapshot_expires_the_devices_other_snapshots(store: &d
     assert!(!store.ack_snapshot("b", "phone", "lost", T0).await.unwrap().0, "an expired snapshot never installs");
 }
 
-/// P1: refresh tokens rotate.
+/// P1: refresh tokens rotate once; a token presented again revokes its
+/// whole family (the successor included) and no other family; an expired
+/// one is refused and forgotten; expired tokens of a device are forgotten
+/// when it gets a new one.
 pub async fn refresh_tokens_are_used_once(store: &dyn Store) {
     users(store, &["b"]).await;
-    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1 };
-    store.put_refresh_token("h1", &rec).await.unwrap();
-    assert_eq!(store.take_refresh_token("h1").await.unwrap(), Some(rec));
-    assert_eq!(store.take_refresh_token("h1").await.unwrap(), None);
+    let rec = |family: &str, expires_at_ms: i64| RefreshRecord {
+        user: "b".into(),
+        device: "phone".into(),
+        expires_at_ms,
+        family: family.into(),
+    };
+    let far = T0 + 1_000;
+    store.put_refresh_token("h1", &rec("f1", far), T0).await.unwrap();
+    store.put_refresh_token("other", &rec("f2", far), T0).await.unwrap();
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::Rotated(rec("f1", far)));
+    store.put_refresh_token("h2", &rec("f1", far), T0).await.unwrap();
+    // The replay of h1 revokes f1: h2 is gone too; f2 is untouched.
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::FamilyRevoked(rec("f1", far)));
+    assert_eq!(store.use_refresh_token("h2", T0).await.unwrap(), RefreshUse::Unknown);
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::Unknown);
+    assert_eq!(store.use_refresh_token("other", T0).await.unwrap(), RefreshUse::Rotated(rec("f2", far)));
+    // Expired: refused once, then unknown.
+    store.put_refresh_token("old", &rec("f3", T0 + 1), T0).await.unwrap();
+    assert_eq!(store.use_refresh_token("old", T0 + 1).await.unwrap(), RefreshUse::Expired(rec("f3", T0 + 1)));
+    assert_eq!(store.use_refresh_token("old", T0 + 1).await.unwrap(), RefreshUse::Unknown);
+    // A used token is remembered until it expires; a new token of the
+    // device then forgets it.
+    store.put_refresh_token("h4", &rec("f4", T0 + 10), T0).await.unwrap();
+    assert!(matches!(store.use_refresh_token("h4", T0).await.unwrap(), RefreshUse::Rotated(_)));
+    store.put_refresh_token("h5", &rec("f4", far), T0 + 10).await.unwrap();
+    assert_eq!(store.use_refresh_token("h4", T0 + 11).await.unwrap(), RefreshUse::Unknown);
+    assert_eq!(store.use_refresh_token("h5", T0 + 11).await.unwrap(), RefreshUse::Rotated(rec("f4", far)));
+}
+
+/// P1, P5: the device list; a password change drops the other devices'
+/// refresh tokens; a forced logout of a device or a user records its end
+/// and drops their tokens; deactivation stops logins, drops every token
+/// and is reported once; `session_fences` reads back every end.
+pub async fn devices_list_and_sessions_end_durably(store: &dyn Store) {
+    users(store, &["b", "c"]).await;
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("b", "laptop", "Laptop", T0 + 1).await.unwrap();
+    store.login_device("c", "phone", "Phone", T0).await.unwrap();
+    store.revoke_device("b", "laptop", T0 + 2).await.unwrap();
+    let listed: Vec<(String, String, i64, DeviceState)> = store
+        .list_devices("b")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|d| (d.device, d.name, d.created_at_ms, d.state))
+        .collect();
+    assert_eq!(
+        listed,
+        vec![
+            ("laptop".into(), "Laptop".into(), T0 + 1, DeviceState::Revoked),
+            ("phone".into(), "Phone".into(), T0, DeviceState::New)
+        ]
+    );
+    assert!(store.list_devices("nobody").await.unwrap().is_empty());
+
+    let token = |user: &str, device: &str, family: &str| RefreshRecord {
+        user: user.into(),
+        device: device.into(),
+        expires_at_ms: T0 + 1_000,
+        family: family.into(),
+    };
+    let live = |h: &'static str| async move {
+        matches!(store.use_refresh_token(h, T0).await.unwrap(), RefreshUse::Rotated(_))
+    };
+    store.put_refresh_token("b-phone", &token("b", "phone", "f1"), T0).await.unwrap();
+    store.put_refresh_token("b-tab", &token("b", "tab", "f2"), T0).await.unwrap();
+    assert!(store.change_password("b", "new-phc", "phone").await.unwrap());
+    assert!(!store.change_password("nobody", "x", "phone").await.unwrap());
+    assert_eq!(store.password_hash("b").await.unwrap().as_deref(), Some("new-phc"));
+    assert!(!live("b-tab").await, "another device's token is gone");
+    assert!(live("b-phone").await, "the changing device keeps its token");
+
+    store.put_refresh_token("c-phone", &token("c", "phone", "f3"), T0).await.unwrap();
+    store.put_refresh_token("b-phone-2", &token("b", "phone", "f4"), T0).await.unwrap();
+    assert!(store.end_sessions("b", Some("phone"), T0 + 10).await.unwrap());
+    assert!(!store.end_sessions("b", Some("none"), T0 + 10).await.unwrap());
+    assert!(!store.end_sessions("nobody", None, T0 + 10).await.unwrap());
+    assert!(!live("b-phone-2").await);
+    assert!(store.end_sessions("b", None, T0 + 20).await.unwrap());
+    assert!(store.end_sessions("b", None, T0 + 15).await.unwrap(), "an earlier end moves nothing back");
+
+    assert!(store.deactivate_user("c", T0 + 30).await.unwrap());
+    assert!(!store.deactivate_user("c", T0 + 31).await.unwrap());
+    assert_eq!(store.deactivate_user("nobody", T0).await, Err(StoreError::NotFound("no such user".into())));
+    assert_eq!(store.password_hash("c").await.unwrap(), None, "a deactivated account does not log in");
+    assert!(!live("c-phone").await);
+
+    let fences = store.session_fences().await.unwrap();
+    assert_eq!(fences.deactivated, vec!["c".to_string()]);
+    let mut users_ended = fences.users_ended.clone();
+    users_ended.sort();
+    assert_eq!(users_ended, vec![("b".to_string(), T0 + 20), ("c".to_string(), T0 + 30)]);
+    assert_eq!(fences.devices_ended, vec![("b".to_string(), "phone".to_string(), T0 + 10)]);
+}
+
+/// P1: audit entries come back by user and time range, oldest first, up
+/// to a limit; trimming deletes the older ones only. Users are listed by
+/// name with their deactivation.
+pub async fn audit_log_is_queried_by_user_and_time_and_trimmed(store: &dyn Store) {
+    let entry = |at_ms: i64, event: &str, user_hash: &str, device: Option<&str>| AuditEntry {
+        at_ms,
+        event: event.into(),
+        actor: "self".into(),
+        user_hash: user_hash.into(),
+        device_hash: device.map(str::to_owned),
+        address: device.map(|_| "127.0.0.1".to_owned()),
+    };
+    let all = [
+        entry(T0, "login", "hb", Some("hp")),
+        entry(T0 + 1, "login_failed", "hc", None),
+        entry(T0 + 1, "refresh", "hb", Some("hp")),
+        entry(T0 + 5, "logged_out", "hb", None),
+    ];
+    for e in &all {
+        store.append_audit(e).await.unwrap();
+    }
+    assert_eq!(store.audit_log(None, T0, T0 + 10, 100).await.unwrap(), all.to_vec());
+    assert_eq!(
+        store.audit_log(Some("hb"), T0, T0 + 10, 100).await.unwrap(),
+        vec![all[0].clone(), all[2].clone(), all[3].clone()]
+    );
+    assert_eq!(store.audit_log(Some("hb"), T0 + 1, T0 + 5, 100).await.unwrap(), vec![all[2].clone()]);
+    assert_eq!(store.audit_log(None, T0, T0 + 10, 2).await.unwrap(), all[..2].to_vec());
+    assert!(store.audit_log(Some("nobody"), T0, T0 + 10, 100).await.unwrap().is_empty());
+    assert_eq!(store.trim_audit(T0 + 1).await.unwrap(), 1);
+    assert_eq!(store.audit_log(None, 0, i64::MAX, 100).await.unwrap(), all[1..].to_vec());
+
+    users(store, &["b", "a"]).await;
+    store.deactivate_user("b", T0 + 9).await.unwrap();
+    let listed: Vec<(String, Option<i64>)> =
+        store.list_users().await.unwrap().into_iter().map(|u| (u.user, u.deactivated_at_ms)).collect();
+    assert_eq!(listed, vec![("a".to_string(), None), ("b".to_string(), Some(T0 + 9))]);
+}
+
+/// P5: deleting a user removes its devices (cursors), refresh tokens and
+/// log (the trim point moves to the head, which stays), deactivates it,
+/// keeps its row so the name is never reused, and touches no other user;
+/// a second delete reports it was done.
+pub async fn deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tombstone(store: &dyn Store) {
+    users(store, &["b", "c"]).await;
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("c", "phone", "Phone", T0).await.unwrap();
+    let (conv, _) = store.create_direct("b", "c", "dbc", T0).await.unwrap();
+    for user in ["b", "c"] {
+        store.update_settings(user, &conv, Some(true), None, T0).await.unwrap();
+    }
+    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1_000, family: "f".into() };
+    store.put_refresh_token("hb", &rec, T0).await.unwrap();
+    let head = store.user_log("b").await.unwrap().high_watermark;
+    assert!(head >= 1);
+
+    assert!(store.delete_user("b", T0 + 5).await.unwrap());
+    assert!(!store.delete_user("b", T0 + 6).await.unwrap(), "deleted already");
+    assert_eq!(store.delete_user("nobody", T0).await, Err(StoreError::NotFound("no such user".into())));
+    assert!(store.list_devices("b").await.unwrap().is_empty());
+    assert_eq!(store.device("b", "phone").await.unwrap(), None);
+    assert_eq!(store.use_refresh_token("hb", T0).await.unwrap(), RefreshUse::Unknown);
+    assert!(store.read_user_events("b", 0, head, 100).await.unwrap().is_empty(), "the log is gone");
+    let log = store.user_log("b").await.unwrap();
+    assert_eq!((log.high_watermark, log.trimmed_upto), (head, head), "no sync_seq is reused");
+    assert_eq!(store.password_hash("b").await.unwrap(), None);
+    assert!(!store.create_user("b", "phc", T0 + 7).await.unwrap(), "the name is never given again");
+    let b = store.list_users().await.unwrap().into_iter().find(|u| u.user == "b").unwrap();
+    assert_eq!((b.deactivated_at_ms, b.deleted_at_ms), (Some(T0 + 5), Some(T0 + 5)));
+    assert_eq!(store.session_fences().await.unwrap().deactivated, vec!["b".to_string()]);
+    // An event that still reaches the deleted user's log (its membership
+    // stays) is trimmed by the next retention pass, however young.
+    store.update_settings("b", &conv, None, Some(true), T0 + 8).await.unwrap();
+    let grown = store.user_log("b").await.unwrap().high_watermark;
+    assert_eq!(grown, head + 1);
+    let keep_all_young = RetentionPolicy {
+        keep_events_younger_than_ms: 1_000_000,
+        device_inactive_after_ms: 1_000_000,
+        history_keep_ms: None,
+    };
+    store.trim_user_logs(keep_all_young, T0 + 9).await.unwrap();
+    assert_eq!(store.user_log("b").await.unwrap().trimmed_upto, grown);
+    assert!(store.read_user_events("b", 0, grown, 100).await.unwrap().is_empty());
+    // The other user keeps everything, the conversation included.
+    assert_eq!(store.list_devices("c").await.unwrap().len(), 1);
+    assert_eq!(store.read_user_events("c", 0, 100, 100).await.unwrap().len(), 1);
+    assert!(store.conversation(&conv).await.unwrap().is_some());
 }
 
 /// P5: revocation sticks, survives re-login, and drops refresh tokens.
 pub async fn revocation_is_durable(store: &dyn Store) {
     users(store, &["b"]).await;
     store.login_device("b", "phone", "Phone", T0).await.unwrap();
-    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1 };
-    store.put_refresh_token("h1", &rec).await.unwrap();
+    let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1, family: "f".into() };
+    store.put_refresh_token("h1", &rec, T0).await.unwrap();
     assert!(store.revoke_device("b", "phone", T0).await.unwrap());
     assert!(!store.revoke_device("b", "phone", T0).await.unwrap());
-    assert_eq!(store.take_refresh_token("h1").await.unwrap(), None);
+    assert_eq!(store.use_refresh_token("h1", T0).await.unwrap(), RefreshUse::Unknown);
     let again = store.login_device("b", "phone", "Phone", T0).await.unwrap();
     assert_eq!(again.cursor.state, DeviceState::Revoked);
     assert_eq!(store.revoked_devices().await.unwrap(), vec![("b".to_string(), "phone".to_string())]);

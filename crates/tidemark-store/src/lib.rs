@@ -88,12 +88,29 @@ pub struct DeviceRecord {
     pub cursor: DeviceCursor,
 }
 
-/// A live refresh token, looked up by the hash of its secret.
+/// A refresh token, looked up by the hash of its secret.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RefreshRecord {
     pub user: String,
     pub device: String,
     pub expires_at_ms: i64,
+    /// The chain of rotations it belongs to, started by one login
+    /// (`tidemark_core::refresh`).
+    pub family: String,
+}
+
+/// What [`Store::use_refresh_token`] did, as `tidemark_core::refresh::decide`
+/// decided it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RefreshUse {
+    /// No such token; nothing changed.
+    Unknown,
+    /// It had expired; it is deleted.
+    Expired(RefreshRecord),
+    /// It was live; it is now used, and its successor may be stored.
+    Rotated(RefreshRecord),
+    /// It had been used already: every token of its family is deleted.
+    FamilyRevoked(RefreshRecord),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -543,10 +560,9 @@ pub trait Store: Send + Sync + 'static {
     /// Every revoked `(user, device)`, for the gateway's in-memory fence.
     async fn revoked_devices(&self) -> StoreResult<Vec<(String, String)>>;
 
-    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord) -> StoreResult<()>;
-
-    /// Removes and returns a refresh token (rotation: each is used once).
-    async fn take_refresh_token(&self, token_hash: &str) -> StoreResult<Option<RefreshRecord>>;
+    /// Stores a live refresh token, and forgets the device's tokens (live
+    /// or used) that expired by `rec`'s issue (`now_ms`).
+    async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord, now_ms: i64) -> StoreResult<()>;
 
     // ------------------------------------------------------- conversations
 
@@ -893,6 +909,66 @@ pub trait Store: Send + Sync + 'static {
     /// one read: what a node checks its live connections against, and the
     /// ACK its re-hint sweep measures their lag from.
     async fn device_fences(&self, devices: &[(String, String)]) -> StoreResult<Vec<DeviceFence>>;
+
+    // ------------------------------------------------------------- accounts
+
+    /// Presents a refresh token: in one transaction, loads it, asks
+    /// `tidemark_core::refresh::decide` and applies the verdict (mark it
+    /// used; delete it when expired; delete its whole family when it had
+    /// been used already).
+    async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse>;
+
+    /// Every device of `user` (any state), by device id.
+    async fn list_devices(&self, user: &str) -> StoreResult<Vec<DeviceInfo>>;
+
+    /// Replaces the user's password hash and deletes the refresh tokens of
+    /// every device of the user but `keep_device`; `Ok(false)` if the user
+    /// does not exist.
+    async fn change_password(&self, user: &str, password_hash: &str, keep_device: &str) -> StoreResult<bool>;
+
+    /// Ends the sessions of `device` of `user`, or of every device of it
+    /// when `None`, at `now_ms` (`tidemark_core::session`): records the end
+    /// and deletes the refresh tokens concerned. `Ok(false)` if there is
+    /// no such user (or device).
+    async fn end_sessions(&self, user: &str, device: Option<&str>, now_ms: i64) -> StoreResult<bool>;
+
+    /// Deactivates the account: it no longer logs in (`password_hash`
+    /// answers `None`), its sessions end, its refresh tokens are deleted.
+    /// `Ok(false)` if it was deactivated already; `NotFound` if no such user.
+    async fn deactivate_user(&self, user: &str, now_ms: i64) -> StoreResult<bool>;
+
+    /// Every recorded session end and deactivation, for the gateway's
+    /// in-memory fence.
+    async fn session_fences(&self) -> StoreResult<SessionFences>;
+
+    /// Appends one entry to the durable audit log.
+    async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()>;
+
+    /// Audit entries with `from_ms <= at_ms < to_ms`, of one user (by its
+    /// audit hash) or of all, oldest first, at most `limit`.
+    async fn audit_log(
+        &self,
+        user_hash: Option<&str>,
+        from_ms: i64,
+        to_ms: i64,
+        limit: u32,
+    ) -> StoreResult<Vec<AuditEntry>>;
+
+    /// Deletes the audit entries older than `before_ms`; returns how many.
+    async fn trim_audit(&self, before_ms: i64) -> StoreResult<u64>;
+
+    /// Every account, by name.
+    async fn list_users(&self) -> StoreResult<Vec<UserInfo>>;
+
+    /// Deletes an account, in one transaction: it is deactivated (if it was
+    /// not), its devices with their cursors, refresh tokens, recovery
+    /// sessions, snapshots, delivery records, delete-for-me marks and its
+    /// whole sync log are deleted (the log's trim point moves to its head,
+    /// so no `sync_seq` is reused). The account's row stays as a tombstone,
+    /// its name never reused; its messages and membership periods stay as
+    /// facts of their conversations. `Ok(false)` if it was deleted already;
+    /// `NotFound` if no such user.
+    async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool>;
 }
 
 /// A device's durable fences: its latest connection and whether it is
@@ -906,4 +982,45 @@ pub struct DeviceFence {
     pub revoked: bool,
     /// The device's committed ACK, whichever node took it (D8's lag).
     pub acked_sync_seq: u64,
+}
+
+/// One audit log entry (`tidemark_core::audit`): ids are keyed hashes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AuditEntry {
+    pub at_ms: i64,
+    pub event: String,
+    pub actor: String,
+    pub user_hash: String,
+    pub device_hash: Option<String>,
+    /// The source address, when the event came over the network.
+    pub address: Option<String>,
+}
+
+/// An account as `list_users` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UserInfo {
+    pub user: String,
+    pub created_at_ms: i64,
+    pub deactivated_at_ms: Option<i64>,
+    pub deleted_at_ms: Option<i64>,
+}
+
+/// A device as `device.list` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceInfo {
+    pub device: String,
+    pub name: String,
+    pub created_at_ms: i64,
+    /// Its last login or cursor move.
+    pub last_seen_ms: i64,
+    pub state: tidemark_core::cursor::DeviceState,
+}
+
+/// What [`Store::session_fences`] reads: deactivated users, and the moments
+/// sessions of users and of devices were ended.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionFences {
+    pub deactivated: Vec<String>,
+    pub users_ended: Vec<(String, i64)>,
+    pub devices_ended: Vec<(String, String, i64)>,
 }

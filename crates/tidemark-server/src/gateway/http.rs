@@ -14,15 +14,18 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value;
 use tidemark_proto::{
-    AdminEpochOk, AdminEpochReq, AdminUnreadOk, AdminUserOk, AdminUserReq, ErrorCode, HealthOk, HealthUnavailable,
-    LoginReq, RefreshReq,
+    AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminDeleteOk, AdminDeleteReq, AdminEpochOk,
+    AdminEpochReq, AdminLogoutOk, AdminLogoutReq, AdminUnreadOk, AdminUserOk, AdminUserReq, AuditEntryOut, ErrorCode,
+    HealthOk, HealthUnavailable, LoginReq, RefreshReq, AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX,
 };
 
 use super::auth;
+use crate::audit;
 use crate::error::ApiError;
 use crate::metrics as m;
 use crate::ops::{self, parse};
 use crate::state::AppState;
+use tidemark_core::audit::{actor, event};
 
 pub(super) fn error_response(e: ApiError) -> Response {
     let status = StatusCode::from_u16(e.code.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
@@ -68,6 +71,7 @@ pub async fn contract_errors(response: Response) -> Response {
     let (code, message) = match status {
         StatusCode::NOT_FOUND => (ErrorCode::NotFound, "no such route".to_string()),
         StatusCode::PAYLOAD_TOO_LARGE => (ErrorCode::BadRequest, "request body too large".to_string()),
+        StatusCode::REQUEST_TIMEOUT => (ErrorCode::BadRequest, "request not received in time".to_string()),
         other => (ErrorCode::BadRequest, format!("request refused: {other}")),
     };
     (status, Json(ApiError::new(code, message).into_frame(None))).into_response()
@@ -183,7 +187,192 @@ pub async fn admin_rebuild_unread(State(state): State<Arc<AppState>>, headers: H
     }
 }
 
-pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+/// Kicks every live connection on this node of `user`'s devices.
+async fn kick_user(state: &AppState, user: &str, why: &'static str) -> Result<(), ApiError> {
+    for d in state.store.list_devices(user).await? {
+        state.hub.kick_device(user, &d.device, why);
+    }
+    Ok(())
+}
+
+/// `POST /v1/admin/logout {user, device_id?}`: ends the sessions of one
+/// device, or of every device of the user: their refresh tokens are
+/// deleted, the access tokens issued until now are refused, live sockets
+/// are kicked (`logged_out`). A later login works.
+pub async fn admin_logout(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminLogoutReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        if let Some(d) = &req.device_id {
+            tidemark_core::ids::check_device_id(d).map_err(ApiError::bad_request)?;
+        }
+        let now = crate::util::now_ms();
+        // The fence first, then the store: a refresh racing this logout
+        // sees one or the other (`auth::refresh`). A fence left for a
+        // name that does not exist refuses only tokens issued before now.
+        state.sessions.end(&user, req.device_id.as_deref(), now);
+        if !state.store.end_sessions(&user, req.device_id.as_deref(), now).await? {
+            return Err(ApiError::new(ErrorCode::NotFound, "no such user or device"));
+        }
+        match &req.device_id {
+            Some(d) => state.hub.kick_device(&user, d, tidemark_proto::reason::LOGGED_OUT),
+            None => kick_user(&state, &user, tidemark_proto::reason::LOGGED_OUT).await?,
+        }
+        tracing::warn!(user = %user, device = ?req.device_id, "admin ended sessions");
+        let device = req.device_id.as_deref();
+        audit::record(&state, event::LOGGED_OUT, actor::ADMIN, &user, device, Some(peer.ip())).await;
+        Ok(AdminLogoutOk { user, device_id: req.device_id.clone() })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// `POST /v1/admin/deactivate {user}`: the account's sessions end, its
+/// live sockets are kicked (`account_deactivated`), and nothing of it is
+/// accepted after: its tokens are refused and it no longer logs in.
+pub async fn admin_deactivate(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminDeactivateReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        // The fence first, then the store, as for a logout.
+        state.sessions.deactivate(&user);
+        let deactivated = match state.store.deactivate_user(&user, crate::util::now_ms()).await {
+            Ok(d) => d,
+            Err(e) => {
+                state.sessions.undo_deactivate(&user);
+                return Err(e.into());
+            }
+        };
+        kick_user(&state, &user, tidemark_proto::reason::ACCOUNT_DEACTIVATED).await?;
+        tracing::warn!(user = %user, deactivated, "admin deactivated user");
+        if deactivated {
+            audit::record(&state, event::DEACTIVATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
+        }
+        Ok(AdminDeactivateOk { user, deactivated })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// `POST /v1/admin/delete {user}`: deactivates the account (its sessions
+/// end, live sockets are kicked) and deletes its devices, cursors, tokens
+/// and log (`Store::delete_user`); its messages stay in their
+/// conversations under its name, which is never reused.
+pub async fn admin_delete(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminDeleteReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        // Its devices are listed before they are deleted, to kick them.
+        let devices = state.store.list_devices(&user).await?;
+        state.sessions.deactivate(&user);
+        let deleted = match state.store.delete_user(&user, crate::util::now_ms()).await {
+            Ok(d) => d,
+            Err(e) => {
+                state.sessions.undo_deactivate(&user);
+                return Err(e.into());
+            }
+        };
+        for d in devices {
+            state.hub.kick_device(&user, &d.device, tidemark_proto::reason::ACCOUNT_DEACTIVATED);
+        }
+        tracing::warn!(user = %user, deleted, "admin deleted user");
+        if deleted {
+            audit::record(&state, event::DELETED, actor::ADMIN, &user, None, Some(peer.ip())).await;
+        }
+        Ok(AdminDeleteOk { user, deleted })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+/// `POST /v1/admin/audit {user?, from_ms?, to_ms?, limit?}`: audit entries,
+/// oldest first.
+pub async fn admin_audit(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminAuditReq = match parse_body(&body) {
+        Ok(r) => r,
+        Err(r) => return *r,
+    };
+    let result = async {
+        let limit = req.limit.unwrap_or(AUDIT_LIMIT_DEFAULT);
+        if limit == 0 || limit > AUDIT_LIMIT_MAX {
+            return Err(ApiError::bad_request(format!("limit must be 1..={AUDIT_LIMIT_MAX}")));
+        }
+        let user_hash = match &req.user {
+            Some(u) => {
+                Some(state.keys.audit_id(&tidemark_core::ids::canonical_user(u).map_err(ApiError::bad_request)?))
+            }
+            None => None,
+        };
+        let (from, to) = (req.from_ms.unwrap_or(0), req.to_ms.unwrap_or(i64::MAX));
+        let entries = state.store.audit_log(user_hash.as_deref(), from, to, limit).await?;
+        Ok(AdminAuditOk {
+            entries: entries
+                .into_iter()
+                .map(|e| AuditEntryOut {
+                    at_ms: e.at_ms,
+                    event: e.event,
+                    actor: e.actor,
+                    user_hash: e.user_hash,
+                    device_hash: e.device_hash,
+                    address: e.address,
+                })
+                .collect(),
+        })
+    };
+    match result.await {
+        Ok(ok) => Json(ok).into_response(),
+        Err(e) => error_response(e),
+    }
+}
+
+pub async fn admin_create_user(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     if let Err(r) = admin_guard(&state, &headers) {
         return *r;
     }
@@ -192,9 +381,12 @@ pub async fn admin_create_user(State(state): State<Arc<AppState>>, headers: Head
         Err(r) => return *r,
     };
     match crate::accounts::create_user(&state, &req.user, &req.password).await {
-        Ok(created) => {
-            tracing::info!(user = %req.user, created, "admin created user");
-            Json(AdminUserOk { user: req.user, created }).into_response()
+        Ok((user, created)) => {
+            tracing::info!(user = %user, created, "admin created user");
+            if created {
+                audit::record(&state, event::USER_CREATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
+            }
+            Json(AdminUserOk { user, created }).into_response()
         }
         Err(e) => error_response(e),
     }

@@ -143,6 +143,13 @@ fn rpcs(s: &mut Schemas) -> Vec<Rpc> {
             s.of::<SnapshotAckOk>(),
         ),
         rpc(op::DEVICE_REVOKE, "Revoke a device (P5)", s.of::<DeviceRevokeReq>(), s.of::<DeviceRevokeOk>()),
+        no_fields(op::DEVICE_LIST, "The caller's devices (P5)", s.of::<DeviceListOk>()),
+        rpc(
+            op::ACCOUNT_PASSWORD,
+            "Change the caller's password; the other devices can no longer refresh (P1)",
+            s.of::<AccountPasswordReq>(),
+            s.of::<AccountPasswordOk>(),
+        ),
         no_fields(op::PING, "Liveness of the caller's session", empty.clone()),
         rpc(op::TYPING, "Start or stop typing in a conversation (ephemeral)", s.of::<TypingReq>(), s.of::<TypingOk>()),
         rpc(
@@ -242,7 +249,12 @@ fn ws_path(error: &RefOr<Schema>) -> PathItem {
         .response("400", refusal("BAD_REQUEST: not a WebSocket upgrade request (Connection, Upgrade, Sec-WebSocket-*)"))
         .response("401", refusal("UNAUTHENTICATED: the Authorization header carries a refused token"))
         .response("403", refusal("DEVICE_REVOKED"))
-        .response("426", refusal("BAD_REQUEST: the connection cannot be upgraded"));
+        .response("426", refusal("BAD_REQUEST: the connection cannot be upgraded"))
+        .response(
+            "429",
+            refusal("RATE_LIMITED: too many upgrades from this address, or the user holds its most connections"),
+        )
+        .response("503", refusal("UNAVAILABLE: this node holds its most WebSocket connections"));
     // Without an Authorization header the first frame must be `auth`.
     let security = vec![SecurityRequirement::new(BEARER, Vec::<String>::new()), SecurityRequirement::default()];
     let header = |name: &str, schema: ObjectBuilder| {
@@ -299,6 +311,34 @@ fn document_value() -> OpenApi {
             Some(ADMIN),
             Some((s.of::<AdminEpochReq>(), true)),
             s.of::<AdminEpochOk>(),
+        ),
+        (
+            "/v1/admin/logout",
+            "End the sessions of a user or of one device (admin token)",
+            Some(ADMIN),
+            Some((s.of::<AdminLogoutReq>(), true)),
+            s.of::<AdminLogoutOk>(),
+        ),
+        (
+            "/v1/admin/deactivate",
+            "Deactivate a user: every session ends, nothing accepted after (admin token)",
+            Some(ADMIN),
+            Some((s.of::<AdminDeactivateReq>(), true)),
+            s.of::<AdminDeactivateOk>(),
+        ),
+        (
+            "/v1/admin/delete",
+            "Delete a user: devices, log and cursors removed, messages kept (admin token)",
+            Some(ADMIN),
+            Some((s.of::<AdminDeleteReq>(), true)),
+            s.of::<AdminDeleteOk>(),
+        ),
+        (
+            "/v1/admin/audit",
+            "Audit entries by user and time range, oldest first (admin token, P1)",
+            Some(ADMIN),
+            Some((s.of::<AdminAuditReq>(), false)),
+            s.of::<AdminAuditOk>(),
         ),
         (
             "/v1/admin/unread/rebuild",

@@ -37,13 +37,13 @@ use tokio::task::JoinSet;
 
 use super::auth;
 use super::http::{bearer, error_response};
-use crate::config::WS_FULL_RETRY_AFTER_MS;
+use crate::config::{WS_FULL_RETRY_AFTER_MS, WS_USER_FULL_RETRY_AFTER_MS};
 use crate::ephemeral::EphConn;
 use crate::error::{ApiError, ApiResult};
 use crate::hub::ConnEntry;
 use crate::metrics as m;
 use crate::ops::{self, AuthCtx};
-use crate::state::AppState;
+use crate::state::{AppState, UserConnSlot};
 
 /// Read buffer of a WebSocket. tungstenite's default (128 KiB) is read
 /// into whole, so every connection, idle or not, kept 128 KiB resident
@@ -55,8 +55,6 @@ pub const WS_READ_BUFFER_BYTES: usize = 8 * 1024;
 /// flushed anyway); its default is 128 KiB.
 pub const WS_WRITE_BUFFER_BYTES: usize = 8 * 1024;
 
-/// Time a client has to send its `auth` frame.
-const AUTH_TIMEOUT: Duration = Duration::from_secs(10);
 /// Time the writer has to deliver the final `kicked` frame.
 const KICK_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
 /// Time given to in-flight requests when a connection ends.
@@ -78,7 +76,10 @@ pub async fn upgrade(
     let pre_auth = match bearer(&headers) {
         None => None,
         Some(token) => match auth::authenticate(&state, token) {
-            Ok(ctx) => Some(ctx),
+            Ok(ctx) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
+                Some(user_slot) => Some((ctx, user_slot)),
+                None => return error_response(user_full()),
+            },
             Err(e) => return error_response(e),
         },
     };
@@ -91,6 +92,11 @@ pub async fn upgrade(
             let _slot = slot;
             connection(state, socket, pre_auth).await
         })
+}
+
+/// The refusal of one more connection of a user at its per-node cap.
+fn user_full() -> ApiError {
+    crate::limits::rate_limited(WS_USER_FULL_RETRY_AFTER_MS, "this user holds its most WebSocket connections")
 }
 
 fn error_text(e: ApiError, rid: Option<String>) -> String {
@@ -132,7 +138,7 @@ async fn first_frame_auth(
     sink: &mut SplitSink<WebSocket, Message>,
     stream: &mut SplitStream<WebSocket>,
 ) -> Option<(AuthCtx, Option<String>)> {
-    let deadline = tokio::time::Instant::now() + AUTH_TIMEOUT;
+    let deadline = tokio::time::Instant::now() + state.config.ws_auth_timeout;
     loop {
         let msg = tokio::time::timeout_at(deadline, stream.next()).await.ok()??.ok()?;
         let text = match msg {
@@ -154,12 +160,19 @@ async fn first_frame_auth(
     }
 }
 
-async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<AuthCtx>) {
+async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(AuthCtx, UserConnSlot)>) {
     let (mut sink, mut stream) = socket.split();
-    let (ctx, auth_rid) = match pre_auth {
-        Some(ctx) => (ctx, None),
+    let (ctx, auth_rid, _user_slot) = match pre_auth {
+        Some((ctx, slot)) => (ctx, None, slot),
         None => match first_frame_auth(&state, &mut sink, &mut stream).await {
-            Some((ctx, rid)) => (ctx, Some(rid)),
+            Some((ctx, rid)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
+                Some(slot) => (ctx, Some(rid), slot),
+                None => {
+                    let _ = sink.send(Message::Text(error_text(user_full(), rid).into())).await;
+                    let _ = sink.send(Message::Close(None)).await;
+                    return;
+                }
+            },
             None => return,
         },
     };

@@ -65,28 +65,30 @@ fn limit(requested: Option<u32>, default: u32, max: u32) -> ApiResult<u32> {
     Ok(l)
 }
 
+/// The users a request names, each in its one form (so `Bob` is `bob`).
+fn canonical_users(names: &[String]) -> ApiResult<Vec<String>> {
+    names.iter().map(|m| tidemark_core::ids::canonical_user(m).map_err(ApiError::bad_request)).collect()
+}
+
 pub async fn create(state: &AppState, ctx: &AuthCtx, req: ConvCreateReq) -> ApiResult<ConvCreateOk> {
     match req.kind.as_str() {
         CONV_DIRECT => {
             // `members` names the peer, with or without the caller.
-            let others: Vec<&String> = req.members.iter().filter(|m| **m != ctx.user).collect();
+            let members = canonical_users(&req.members)?;
+            let others: Vec<&String> = members.iter().filter(|m| **m != ctx.user).collect();
             let [peer] = others.as_slice() else {
                 return Err(ApiError::bad_request("a direct conversation has exactly one other member"));
             };
-            tidemark_core::ids::check_user(peer).map_err(ApiError::bad_request)?;
             let (conv, created) = state.store.create_direct(&ctx.user, peer, &new_id("c"), now_ms()).await?;
             let mut members = vec![ctx.user.clone(), (*peer).clone()];
             members.sort();
             Ok(ConvCreateOk { conv, kind: CONV_DIRECT.into(), members, created })
         }
         CONV_GROUP => {
-            for m in &req.members {
-                tidemark_core::ids::check_user(m).map_err(ApiError::bad_request)?;
-            }
+            let mut members = canonical_users(&req.members)?;
             let cmd = event_cmd(ctx, &new_id("g"), req.client_msg_id.clone())?;
-            let (conv, _) = state.store.create_group(cmd, req.members.clone()).await?;
+            let (conv, _) = state.store.create_group(cmd, members.clone()).await?;
             state.relay_wake.notify_one();
-            let mut members = req.members;
             members.push(ctx.user.clone());
             members.sort();
             members.dedup();
@@ -105,9 +107,11 @@ pub async fn membership(
     check_conv(&req.conv)?;
     let target = match change {
         MembershipChange::Leave => ctx.user.clone(),
-        _ => req.user.clone().ok_or_else(|| ApiError::bad_request("user is required"))?,
+        _ => {
+            let named = req.user.as_deref().ok_or_else(|| ApiError::bad_request("user is required"))?;
+            tidemark_core::ids::canonical_user(named).map_err(ApiError::bad_request)?
+        }
     };
-    tidemark_core::ids::check_user(&target).map_err(ApiError::bad_request)?;
     let cmd = event_cmd(ctx, &req.conv, req.client_msg_id)?;
     let msg_seq = state.store.change_membership(cmd, &target, change).await?;
     state.relay_wake.notify_one();

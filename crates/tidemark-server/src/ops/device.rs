@@ -1,8 +1,18 @@
-//! `device.revoke` (P5): the device's cursor becomes `REVOKED`, its refresh
-//! tokens are deleted, its live connections are kicked, and every later
-//! request of it is refused with `DEVICE_REVOKED`.
+//! The caller's account and devices. `device.revoke` (P5): the device's
+//! cursor becomes `REVOKED`, its refresh tokens are deleted, its live
+//! connections are kicked, and every later request of it is refused with
+//! `DEVICE_REVOKED`. `device.list`: every device of the caller.
+//! `account.password`: a new password, checked against the old one like a
+//! login (and counted as one by the failed-login delays), after which the
+//! caller's other devices can no longer refresh.
 
-use tidemark_proto::{reason, DeviceRevokeOk, DeviceRevokeReq};
+use std::net::{IpAddr, Ipv4Addr};
+
+use tidemark_core::audit::{actor, event};
+
+use tidemark_proto::{
+    reason, AccountPasswordOk, AccountPasswordReq, DeviceInfo, DeviceListOk, DeviceRevokeOk, DeviceRevokeReq, ErrorCode,
+};
 
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
@@ -18,5 +28,61 @@ pub async fn revoke(state: &AppState, ctx: &AuthCtx, req: DeviceRevokeReq) -> Ap
     state.fences.revoke(&ctx.user, &req.device_id);
     state.bus.publish_kick(&ctx.user, &req.device_id, reason::DEVICE_REVOKED, 0);
     tracing::info!(device = %req.device_id, by_device = %ctx.device, "device revoked");
+    crate::audit::record(state, event::DEVICE_REVOKED, actor::SELF, &ctx.user, Some(&req.device_id), None).await;
     Ok(DeviceRevokeOk { device_id: req.device_id, revoked })
+}
+
+pub async fn list(state: &AppState, ctx: &AuthCtx) -> ApiResult<DeviceListOk> {
+    let devices = state.store.list_devices(&ctx.user).await?;
+    Ok(DeviceListOk {
+        devices: devices
+            .into_iter()
+            .map(|d| DeviceInfo {
+                current: d.device == ctx.device,
+                device_id: d.device,
+                name: d.name,
+                created_at: d.created_at_ms,
+                last_seen_at: d.last_seen_ms,
+                state: d.state.as_str().to_owned(),
+            })
+            .collect(),
+    })
+}
+
+/// The source "address" password changes are throttled under: they come
+/// with a session, not from a login form, so the account's own failure
+/// count (per "address" and across addresses) is what slows a guesser.
+const PASSWORD_CHANGE_KEY: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+
+pub async fn change_password(state: &AppState, ctx: &AuthCtx, req: AccountPasswordReq) -> ApiResult<AccountPasswordOk> {
+    crate::accounts::check_new_account(&ctx.user, &req.new_password).map_err(ApiError::bad_request)?;
+    let wrong = || ApiError::new(ErrorCode::Unauthenticated, "wrong password");
+    if req.old_password.len() > crate::accounts::PASSWORD_BYTES_MAX {
+        return Err(wrong());
+    }
+    state.limits.admit_login(&ctx.user, PASSWORD_CHANGE_KEY, now_ms())?;
+    let stored = state.store.password_hash(&ctx.user).await?;
+    let (old, new) = (req.old_password, req.new_password);
+    let verdict = state
+        .limits
+        .hash(move || {
+            let ok = crate::accounts::verify_login(&old, stored.as_deref());
+            (ok, ok.then(|| crate::accounts::hash_password(&new)))
+        })
+        .await?;
+    let (ok, hash) = verdict;
+    state.limits.login_outcome(&ctx.user, PASSWORD_CHANGE_KEY, ok, now_ms());
+    let Some(hash) = hash else {
+        tracing::warn!(device = %ctx.device, "password change refused: wrong password");
+        let failed = event::PASSWORD_CHANGE_FAILED;
+        crate::audit::record(state, failed, actor::SELF, &ctx.user, Some(&ctx.device), None).await;
+        return Err(wrong());
+    };
+    let hash = hash.map_err(|e| ApiError::new(ErrorCode::Internal, e))?;
+    if !state.store.change_password(&ctx.user, &hash, &ctx.device).await? {
+        return Err(wrong());
+    }
+    tracing::info!(device = %ctx.device, "password changed; other devices' refresh tokens deleted");
+    crate::audit::record(state, event::PASSWORD_CHANGED, actor::SELF, &ctx.user, Some(&ctx.device), None).await;
+    Ok(AccountPasswordOk { other_devices_logged_out: true })
 }

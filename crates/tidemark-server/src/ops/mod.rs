@@ -60,6 +60,10 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
     if state.is_revoked(&ctx.user, &ctx.device) {
         return Err(ApiError::device_revoked());
     }
+    // A WebSocket outlives no forced logout: its later requests are refused.
+    if !state.session_alive(&ctx.user, &ctx.device, ctx.expires_at_ms) {
+        return Err(crate::gateway::auth::session_ended());
+    }
     // Before anything is read or written: a limited request changes nothing.
     state.limits.admit_op(&op, &ctx.user, &ctx.device)?;
     match op.as_str() {
@@ -85,6 +89,8 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::SNAPSHOT_PAGE => to_value(&snapshot::page(&state, &ctx, parse(body)?).await?),
         op::SNAPSHOT_ACK => to_value(&snapshot::ack(&state, &ctx, parse(body)?).await?),
         op::DEVICE_REVOKE => to_value(&device::revoke(&state, &ctx, parse(body)?).await?),
+        op::DEVICE_LIST => to_value(&device::list(&state, &ctx).await?),
+        op::ACCOUNT_PASSWORD => to_value(&device::change_password(&state, &ctx, parse(body)?).await?),
         op::PING => to_value(&tidemark_proto::Empty {}),
         op::TYPING => to_value(&ephemeral::typing(&state, &ctx, parse(body)?).await?),
         op::PRESENCE_SET => to_value(&ephemeral::presence_set(&state, &ctx, parse(body)?).await?),
