@@ -130,6 +130,21 @@ async fn postgres_passes_the_conformance_suite() {
     conformance::run_all(|| async { schemas.fresh().await as Arc<dyn Store> }).await;
 }
 
+/// The same suites with the conversations partitioned over three writer
+/// connections per store (`PgConfig::conv_writers`): every rule holds when
+/// a store's conversation events commit on several connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_with_partitioned_writers_passes_the_suites() {
+    let Some(url) = pg_url("postgres_with_partitioned_writers_passes_the_suites") else { return };
+    let schemas = Schemas::new(url);
+    let fresh = || async {
+        let name = schemas.fresh_name();
+        PgStore::open(PgConfig { conv_writers: 3, ..schemas.config(&name) }).await.unwrap() as Arc<dyn Store>
+    };
+    conformance::run_all(fresh).await;
+    conformance::run_rules(fresh).await;
+}
+
 /// Membership, recall/edit/react, snapshot installability, group commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_passes_the_rule_checks() {
