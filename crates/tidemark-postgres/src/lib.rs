@@ -24,9 +24,10 @@
 //!
 //! # Sequences and locks
 //!
-//! One writer per store means requests never contend with each other, but
-//! the SQL is written to stay correct with several writers on one database
-//! (several nodes), because every sequence is assigned under a row lock held
+//! Requests of one writer never contend with each other, and the SQL is
+//! written to stay correct with several writers on one database (the
+//! store's conversation writers and its fan-out writer, and several nodes),
+//! because every sequence is assigned under a row lock held
 //! until COMMIT:
 //!
 //! - `msg_seq`: `UPDATE conversations SET head = head + 1 ... RETURNING head`.
