@@ -8,9 +8,10 @@
 //!   group-commits every write: the requests queued while the previous
 //!   transaction committed run in one `READ COMMITTED` transaction, each in
 //!   its own SAVEPOINT, and are answered only after COMMIT (one WAL flush
-//!   per batch). A second writer, on its own connection, runs the relay's
-//!   fan-out (`fan_out_next`, `fan_out`), so sends never queue behind it;
-//!   the two are two writers on one database, as two nodes are.
+//!   per batch). A second writer, on its own connection, runs the user
+//!   side: the relay's fan-out (`fan_out_next`, `fan_out`) and the writes
+//!   that lock a user's head first, so sends never queue behind fan-out;
+//!   the writers are several writers on one database, as nodes are.
 //!   [`Store::stats`] counts commits and the requests they carried (both
 //!   writers); PostgreSQL checkpoints on its own, so `checkpoints` is 0.
 //! - `read`: a pool of connections for reads. Multi-statement reads
@@ -108,11 +109,13 @@ use read::ReadPool;
 use writer::Writer;
 
 /// Default number of conversation writers per store. One: with two per
-/// store, two stores (nodes) hammering the same rows deadlocked about
-/// twice as often (41 against 20 re-runs in
+/// store (measured while head-locking writes still shared the first
+/// writer), two stores hammering the same rows deadlocked about twice as
+/// often (41 against 20 re-runs in
 /// `two_writers_hammering_the_same_rows_retry_deadlocks`) and one request
-/// used up its [`writer::WRITE_ATTEMPTS_MAX`] runs; more writers pay off
-/// only once that is addressed (and measured).
+/// used up its [`writer::WRITE_ATTEMPTS_MAX`] runs, and `bench ingest`
+/// showed no gain on 2 cores (docs/benchmarks.md); not measured again
+/// since those writes moved to the user-side writer.
 pub const CONV_WRITERS_DEFAULT: usize = 1;
 /// Most conversation writers per store.
 pub const CONV_WRITERS_MAX: usize = 16;
@@ -166,12 +169,16 @@ pub struct PgStore {
     /// Between writers the row locks keep sequences contiguous, as between
     /// nodes.
     writers: Vec<Writer>,
-    /// The relay's writer: fan-out (`fan_out_next`, `fan_out`) commits on
-    /// its own connection, so a send never queues behind a fan-out
-    /// transaction of many statements. Its SQL is the one several nodes
-    /// already run side by side (claims `SKIP LOCKED`, heads locked in
-    /// `user_id` order, lock conflicts retried).
-    fanout_writer: Writer,
+    /// The user-side writer: fan-out (`fan_out_next`, `fan_out`) and every
+    /// write that locks a user's head first (read, settings,
+    /// delete-for-me, recovery, snapshot start, retention, unread rebuild)
+    /// commit on this connection, so a send never queues behind a fan-out
+    /// transaction of many statements, and head locks of one store are
+    /// taken by one writer (no lock cycle between this store's writers over
+    /// heads). Its SQL is the one several nodes already run side by side
+    /// (claims `SKIP LOCKED`, heads locked in `user_id` order, lock
+    /// conflicts retried).
+    user_writer: Writer,
     readers: ReadPool,
     schema: Option<String>,
     /// The writer tasks end once their `Writer` (each queue's only sender)
@@ -249,11 +256,11 @@ impl PgStore {
             tasks.push(task);
         }
         let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
-        let (fanout_writer, fanout_task) = Writer::start(fanout_pool);
+        let (user_writer, fanout_task) = Writer::start(fanout_pool);
         tasks.push(fanout_task);
         Ok(Arc::new(PgStore {
             writers,
-            fanout_writer,
+            user_writer,
             readers,
             schema: config.schema,
             writer_task: Mutex::new(Some(tasks)),
@@ -280,7 +287,7 @@ impl PgStore {
     }
 
     fn all_writers(&self) -> impl Iterator<Item = &Writer> {
-        self.writers.iter().chain(std::iter::once(&self.fanout_writer))
+        self.writers.iter().chain(std::iter::once(&self.user_writer))
     }
 
     /// The PostgreSQL schema holding this store's tables, if one was named.
@@ -626,7 +633,7 @@ impl Store for PgStore {
 
     async fn mark_read(&self, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> StoreResult<ReadOutcome> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
-        self.writer()
+        self.user_writer
             .write(move |c| Box::pin(async move { events::mark_read(c, &user, &conv, read_to_seq, now_ms).await }))
             .await
     }
@@ -640,7 +647,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(ConvState, UserEventOutcome)> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
-        self.writer()
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move { events::update_settings(c, &user, &conv, muted, pinned, now_ms).await })
             })
@@ -670,7 +677,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<u64> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.writer()
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move { events::record_delivery(c, &user, &device, &message_ids, now_ms).await })
             })
@@ -678,7 +685,7 @@ impl Store for PgStore {
     }
 
     async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild> {
-        self.writer().write(|c| Box::pin(events::rebuild_unread(c))).await
+        self.user_writer.write(|c| Box::pin(events::rebuild_unread(c))).await
     }
 
     async fn conv_sync(
@@ -728,11 +735,11 @@ impl Store for PgStore {
     }
 
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
-        self.fanout_writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
+        self.user_writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
     }
 
     async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
-        self.fanout_writer
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move {
                     let items = fanout::claim(c, limit).await?;
@@ -829,7 +836,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(bool, DeviceCursor)> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.writer()
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move { lifecycle::begin_recovery(c, &user, &device, expected, &session, now_ms).await })
             })
@@ -869,7 +876,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)> {
         let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
-        self.writer()
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move {
                     lifecycle::begin_snapshot(
@@ -924,7 +931,7 @@ impl Store for PgStore {
     }
 
     async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
-        self.writer().write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
+        self.user_writer.write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
     }
 
     async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64> {
