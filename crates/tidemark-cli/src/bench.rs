@@ -93,6 +93,11 @@ pub struct IngestArgs {
     /// of plain INSERTs by as many concurrent clients as senders.
     #[arg(long, value_name = "postgres://…")]
     pub database: Option<String>,
+    /// With --database: the store's conversation writer connections, each
+    /// owning a hash partition of the conversations.
+    #[arg(long, default_value_t = tidemark_postgres::CONV_WRITERS_DEFAULT as u16, requires = "database",
+          value_parser = clap::value_parser!(u16).range(1..=tidemark_postgres::CONV_WRITERS_MAX as i64))]
+    pub conv_writers: u16,
 }
 
 /// Default messages per sender on the embedded store and on PostgreSQL.

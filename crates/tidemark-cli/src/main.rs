@@ -45,6 +45,11 @@ struct StoreArgs {
     /// the server's search_path (normally `public`).
     #[arg(long, requires = "database")]
     database_schema: Option<String>,
+    /// Writer connections for conversation events, each owning a hash
+    /// partition of the conversations (one writer per conversation).
+    #[arg(long, requires = "database", default_value_t = tidemark_postgres::CONV_WRITERS_DEFAULT as u16,
+          value_parser = clap::value_parser!(u16).range(1..=tidemark_postgres::CONV_WRITERS_MAX as i64))]
+    database_conv_writers: u16,
 }
 
 #[derive(Subcommand)]
@@ -327,6 +332,7 @@ async fn open_store(args: &StoreArgs) -> Result<Arc<dyn Store>> {
     }
     let config = tidemark_postgres::PgConfig {
         schema: args.database_schema.clone(),
+        conv_writers: usize::from(args.database_conv_writers),
         ..tidemark_postgres::PgConfig::new(url.clone())
     };
     // The URL may carry a password: the error context does not repeat it.

@@ -3,7 +3,8 @@
 //! NATS server (a subject prefix per test), each node its own process, store
 //! and NATS connection.
 //!
-//! - concurrent sends to the same conversations through three nodes keep
+//! - concurrent sends to the same conversations through three nodes, some
+//!   sent through two nodes at once with the same `client_msg_id`, keep
 //!   `msg_seq` contiguous and reach every device exactly once, in order;
 //! - a node SIGKILLed under load and restarted loses and duplicates nothing;
 //! - a device on node B is hinted within [`HINT_WITHIN`] of a message sent
@@ -234,7 +235,21 @@ async fn three_nodes_concurrent_sends_converge_exactly_once() {
             sends.spawn(async move {
                 let mut oks = Vec::new();
                 for k in 0..per_member {
-                    oks.push(send_anywhere(&nodes, i + c + k, &token, &conv, &format!("{u}-{c}-{k}")).await);
+                    let cmid = format!("{u}-{c}-{k}");
+                    if k % 3 != 0 {
+                        oks.push(send_anywhere(&nodes, i + c + k, &token, &conv, &cmid).await);
+                        continue;
+                    }
+                    // The same send through two nodes at once, as a client
+                    // retrying on another node before the first reply came
+                    // back: one message, one of the two answers a duplicate.
+                    let (a, b) = tokio::join!(
+                        send_anywhere(&nodes, i + c + k, &token, &conv, &cmid),
+                        send_anywhere(&nodes, i + c + k + 1, &token, &conv, &cmid)
+                    );
+                    assert_eq!((&a.message_id, a.msg_seq), (&b.message_id, b.msg_seq), "S1: {cmid} is one message");
+                    assert!(a.duplicate != b.duplicate, "S1: exactly one original for {cmid}: {a:?} {b:?}");
+                    oks.push(if a.duplicate { b } else { a });
                 }
                 oks
             });

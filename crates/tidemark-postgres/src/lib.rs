@@ -8,9 +8,10 @@
 //!   group-commits every write: the requests queued while the previous
 //!   transaction committed run in one `READ COMMITTED` transaction, each in
 //!   its own SAVEPOINT, and are answered only after COMMIT (one WAL flush
-//!   per batch). A second writer, on its own connection, runs the relay's
-//!   fan-out (`fan_out_next`, `fan_out`), so sends never queue behind it;
-//!   the two are two writers on one database, as two nodes are.
+//!   per batch). A second writer, on its own connection, runs the user
+//!   side: the relay's fan-out (`fan_out_next`, `fan_out`) and the writes
+//!   that lock a user's head first, so sends never queue behind fan-out;
+//!   the writers are several writers on one database, as nodes are.
 //!   [`Store::stats`] counts commits and the requests they carried (both
 //!   writers); PostgreSQL checkpoints on its own, so `checkpoints` is 0.
 //! - `read`: a pool of connections for reads. Multi-statement reads
@@ -24,9 +25,10 @@
 //!
 //! # Sequences and locks
 //!
-//! One writer per store means requests never contend with each other, but
-//! the SQL is written to stay correct with several writers on one database
-//! (several nodes), because every sequence is assigned under a row lock held
+//! Requests of one writer never contend with each other, and the SQL is
+//! written to stay correct with several writers on one database (the
+//! store's conversation writers and its fan-out writer, and several nodes),
+//! because every sequence is assigned under a row lock held
 //! until COMMIT:
 //!
 //! - `msg_seq`: `UPDATE conversations SET head = head + 1 ... RETURNING head`.
@@ -107,6 +109,17 @@ use db::{big, col, exec, query, query_opt, scalar, seq, Conn};
 use read::ReadPool;
 use writer::Writer;
 
+/// Default number of conversation writers per store. One: with two per
+/// store (measured while head-locking writes still shared the first
+/// writer), two stores hammering the same rows deadlocked about twice as
+/// often (41 against 20 re-runs in
+/// `two_writers_hammering_the_same_rows_retry_deadlocks`) and one request
+/// used up its [`writer::WRITE_ATTEMPTS_MAX`] runs, and `bench ingest`
+/// showed no gain on 2 cores (docs/benchmarks.md); not measured again
+/// since those writes moved to the user-side writer.
+pub const CONV_WRITERS_DEFAULT: usize = 1;
+/// Most conversation writers per store.
+pub const CONV_WRITERS_MAX: usize = 16;
 /// Default number of read connections per store.
 pub const READ_CONNECTIONS_MAX: usize = 8;
 /// Longest wait for a pooled connection before a request fails `Unavailable`.
@@ -133,29 +146,47 @@ pub struct PgConfig {
     pub schema: Option<String>,
     /// Read connections in the pool.
     pub read_connections_max: usize,
+    /// Writer connections for conversation events, each owning a hash
+    /// partition of the conversations (1..=[`CONV_WRITERS_MAX`]).
+    pub conv_writers: usize,
 }
 
 impl PgConfig {
     pub fn new(url: impl Into<String>) -> PgConfig {
-        PgConfig { url: url.into(), schema: None, read_connections_max: READ_CONNECTIONS_MAX }
+        PgConfig {
+            url: url.into(),
+            schema: None,
+            read_connections_max: READ_CONNECTIONS_MAX,
+            conv_writers: CONV_WRITERS_DEFAULT,
+        }
     }
 }
 
 pub struct PgStore {
     /// `GroupPolicy::large_members`, set by [`Store::set_group_policy`].
     large_members: std::sync::atomic::AtomicU64,
-    writer: Writer,
-    /// The relay's writer: fan-out (`fan_out_next`, `fan_out`) commits on
-    /// its own connection, so a send never queues behind a fan-out
-    /// transaction of many statements. Its SQL is the one several nodes
-    /// already run side by side (claims `SKIP LOCKED`, heads locked in
-    /// `user_id` order, lock conflicts retried).
-    fanout_writer: Writer,
+    /// The conversation writers, [`PgConfig::conv_writers`] of them: a
+    /// conversation's events always go to `writers[conv_partition(conv)]`
+    /// (one writer per conversation, so its sends keep their queue order);
+    /// `writers[0]` also takes every other write (user side, accounts).
+    /// Between writers the row locks keep sequences contiguous, as between
+    /// nodes.
+    writers: Vec<Writer>,
+    /// The user-side writer: fan-out (`fan_out_next`, `fan_out`) and every
+    /// write that locks a user's head first (read, settings,
+    /// delete-for-me, recovery, snapshot start, retention, unread rebuild)
+    /// commit on this connection, so a send never queues behind a fan-out
+    /// transaction of many statements, and head locks of one store are
+    /// taken by one writer (no lock cycle between this store's writers over
+    /// heads). Its SQL is the one several nodes already run side by side
+    /// (claims `SKIP LOCKED`, heads locked in `user_id` order, lock
+    /// conflicts retried).
+    user_writer: Writer,
     readers: ReadPool,
     schema: Option<String>,
     /// The writer tasks end once their `Writer` (each queue's only sender)
     /// is dropped with the store, after answering what was queued.
-    writer_task: Mutex<Option<[tokio::task::JoinHandle<()>; 2]>>,
+    writer_task: Mutex<Option<Vec<tokio::task::JoinHandle<()>>>>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -192,6 +223,9 @@ impl PgStore {
                 return Err(StoreError::Invalid(format!("schema name {ns:?} is not a plain lower-case identifier")));
             }
         }
+        if !(1..=CONV_WRITERS_MAX).contains(&config.conv_writers) {
+            return Err(StoreError::Invalid(format!("conv_writers must be 1..={CONV_WRITERS_MAX}")));
+        }
         if config.read_connections_max == 0 {
             return Err(StoreError::Invalid("read_connections_max must be at least 1".into()));
         }
@@ -218,16 +252,26 @@ impl PgStore {
             schema::migrate(&conn, config.schema.as_deref()).await?;
         }
         let fanout_pool = pool(pg.clone(), 1)?;
-        let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
+        let mut writers = Vec::with_capacity(config.conv_writers);
+        let mut tasks = Vec::with_capacity(config.conv_writers + 1);
         let (writer, task) = Writer::start(writer_pool);
-        let (fanout_writer, fanout_task) = Writer::start(fanout_pool);
+        writers.push(writer);
+        tasks.push(task);
+        for _ in 1..config.conv_writers {
+            let (writer, task) = Writer::start(pool(pg.clone(), 1)?);
+            writers.push(writer);
+            tasks.push(task);
+        }
+        let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
+        let (user_writer, fanout_task) = Writer::start(fanout_pool);
+        tasks.push(fanout_task);
         Ok(Arc::new(PgStore {
             large_members: std::sync::atomic::AtomicU64::new(GroupPolicy::default().large_members),
-            writer,
-            fanout_writer,
+            writers,
+            user_writer,
             readers,
             schema: config.schema,
-            writer_task: Mutex::new(Some([task, fanout_task])),
+            writer_task: Mutex::new(Some(tasks)),
         }))
     }
 
@@ -235,11 +279,23 @@ impl PgStore {
     /// serialisation failure, and requests that failed so on their last
     /// allowed run (answered `Unavailable`).
     pub fn conflict_retries(&self) -> (u64, u64) {
-        let [a, b] = [&self.writer.stats, &self.fanout_writer.stats];
-        (
-            a.conflict_retries.load(Ordering::Relaxed) + b.conflict_retries.load(Ordering::Relaxed),
-            a.conflict_give_ups.load(Ordering::Relaxed) + b.conflict_give_ups.load(Ordering::Relaxed),
-        )
+        let sum = |f: fn(&writer::WriterStats) -> u64| self.all_writers().map(|w| f(&w.stats)).sum::<u64>();
+        (sum(|s| s.conflict_retries.load(Ordering::Relaxed)), sum(|s| s.conflict_give_ups.load(Ordering::Relaxed)))
+    }
+
+    /// The writer of user-side and other writes (and of conversation
+    /// partition 0).
+    fn writer(&self) -> &Writer {
+        &self.writers[0]
+    }
+
+    /// The writer that owns `conv` (a stable hash of its id).
+    fn conv_writer(&self, conv: &str) -> &Writer {
+        &self.writers[conv_partition(conv, self.writers.len())]
+    }
+
+    fn all_writers(&self) -> impl Iterator<Item = &Writer> {
+        self.writers.iter().chain(std::iter::once(&self.user_writer))
     }
 
     /// The PostgreSQL schema holding this store's tables, if one was named.
@@ -357,7 +413,7 @@ impl Store for PgStore {
             return Ok(secret);
         }
         let fresh = rand_secret()?.to_vec();
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     // The first node to commit wins; every node reads its value.
@@ -377,7 +433,7 @@ impl Store for PgStore {
 
     async fn create_user(&self, user: &str, password_hash: &str, now_ms: i64) -> StoreResult<bool> {
         let (user, hash) = (user.to_owned(), password_hash.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     let n = exec(
@@ -407,7 +463,7 @@ impl Store for PgStore {
 
     async fn login_device(&self, user: &str, device: &str, name: &str, now_ms: i64) -> StoreResult<DeviceRecord> {
         let (user, device, name) = (user.to_owned(), device.to_owned(), name.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     exec(
@@ -434,7 +490,7 @@ impl Store for PgStore {
 
     async fn revoke_device(&self, user: &str, device: &str, now_ms: i64) -> StoreResult<bool> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     let Some(rec) = read_device(c, DEVICE_FOR_UPDATE_SQL, &user, &device).await? else {
@@ -468,7 +524,7 @@ impl Store for PgStore {
 
     async fn put_refresh_token(&self, token_hash: &str, rec: &RefreshRecord, now_ms: i64) -> StoreResult<()> {
         let (hash, rec) = (token_hash.to_owned(), rec.clone());
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     exec(
@@ -494,7 +550,7 @@ impl Store for PgStore {
         tidemark_core::membership::check_direct(a, b)?;
         let (a, b, conv_id) = (a.to_owned(), b.to_owned(), conv_id.to_owned());
         let key = tidemark_core::ids::direct_key(&a, &b);
-        self.writer
+        self.writer()
             .write(move |c| Box::pin(async move { create_direct_tx(c, &a, &b, &conv_id, &key, now_ms).await }))
             .await
     }
@@ -513,19 +569,21 @@ impl Store for PgStore {
 
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         let policy = self.group_policy();
-        self.writer.write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members, policy).await })).await
+        self.conv_writer(&cmd.conv)
+            .write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members, policy).await }))
+            .await
     }
 
     async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
         let (target, policy) = (target.to_owned(), self.group_policy());
-        self.writer
+        self.conv_writer(&cmd.conv)
             .write(move |c| Box::pin(async move { events::change_membership(c, &cmd, &target, change, policy).await }))
             .await
     }
 
     async fn bump_epoch(&self, conv: &str) -> StoreResult<u64> {
         let conv = conv.to_owned();
-        self.writer
+        self.conv_writer(&conv)
             .write(move |c| {
                 Box::pin(async move {
                     let row = query_opt(
@@ -545,7 +603,7 @@ impl Store for PgStore {
 
     async fn recall(&self, cmd: ConvEventCmd, message_id: &str) -> StoreResult<ControlOutcome> {
         let id = message_id.to_owned();
-        self.writer.write(move |c| Box::pin(async move { events::recall(c, &cmd, &id).await })).await
+        self.conv_writer(&cmd.conv).write(move |c| Box::pin(async move { events::recall(c, &cmd, &id).await })).await
     }
 
     async fn edit(
@@ -556,7 +614,7 @@ impl Store for PgStore {
         base_version: u64,
     ) -> StoreResult<ControlOutcome> {
         let (id, content) = (message_id.to_owned(), content.to_owned());
-        self.writer
+        self.conv_writer(&cmd.conv)
             .write(move |c| Box::pin(async move { events::edit(c, &cmd, &id, &content, base_version).await }))
             .await
     }
@@ -569,12 +627,14 @@ impl Store for PgStore {
         add: bool,
     ) -> StoreResult<ControlOutcome> {
         let (id, reaction) = (message_id.to_owned(), reaction.to_owned());
-        self.writer.write(move |c| Box::pin(async move { events::react(c, &cmd, &id, &reaction, add).await })).await
+        self.conv_writer(&cmd.conv)
+            .write(move |c| Box::pin(async move { events::react(c, &cmd, &id, &reaction, add).await }))
+            .await
     }
 
     async fn mark_read(&self, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> StoreResult<ReadOutcome> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
-        self.writer
+        self.user_writer
             .write(move |c| Box::pin(async move { events::mark_read(c, &user, &conv, read_to_seq, now_ms).await }))
             .await
     }
@@ -588,7 +648,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(ConvState, UserEventOutcome)> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
-        self.writer
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move { events::update_settings(c, &user, &conv, muted, pinned, now_ms).await })
             })
@@ -604,7 +664,7 @@ impl Store for PgStore {
     ) -> StoreResult<UserEventOutcome> {
         let (user, conv, id) = (user.to_owned(), conv.to_owned(), message_id.to_owned());
         let written = self
-            .writer
+            .writer()
             .write(move |c| Box::pin(async move { events::delete_for_me(c, &user, &conv, &id, now_ms).await }))
             .await?;
         Ok(UserEventOutcome { written })
@@ -618,7 +678,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<u64> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.writer
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move { events::record_delivery(c, &user, &device, &message_ids, now_ms).await })
             })
@@ -626,7 +686,7 @@ impl Store for PgStore {
     }
 
     async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild> {
-        self.writer.write(|c| Box::pin(events::rebuild_unread(c))).await
+        self.user_writer.write(|c| Box::pin(events::rebuild_unread(c))).await
     }
 
     async fn conv_sync(
@@ -655,11 +715,16 @@ impl Store for PgStore {
             // A reserved kind is refused, after the idempotency lookup as
             // ever (a retry of a stored message still finds it); the
             // statement below is for the sends that may write.
-            return self.writer.write(move |c| Box::pin(async move { events::reserved_send(c, &cmd).await })).await;
+            return self
+                .conv_writer(&cmd.conv)
+                .write(move |c| Box::pin(async move { events::reserved_send(c, &cmd).await }))
+                .await;
         }
         let params = events::send_params(&cmd);
         let cmd = Arc::new(cmd);
-        self.writer.write_statement(events::SEND_SQL, params, move |rows| events::decide_send(&cmd, rows)).await
+        self.conv_writer(&cmd.conv)
+            .write_statement(events::SEND_SQL, params, move |rows| events::decide_send(&cmd, rows))
+            .await
     }
 
     async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
@@ -671,11 +736,11 @@ impl Store for PgStore {
     }
 
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
-        self.fanout_writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
+        self.user_writer.write(move |c| Box::pin(async move { fanout::fan_out(c, &items, now_ms).await })).await
     }
 
     async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
-        self.fanout_writer
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move {
                     let items = fanout::claim(c, limit).await?;
@@ -716,7 +781,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(bool, DeviceCursor)> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     let Some(rec) = read_device(c, DEVICE_FOR_UPDATE_SQL, &user, &device).await? else {
@@ -754,7 +819,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<AckResult> {
         let (user, device, session) = (user.to_owned(), device.to_owned(), token_session.map(str::to_owned));
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(
                     async move { lifecycle::ack(c, &user, &device, generation, session.as_deref(), seq, now_ms).await },
@@ -772,7 +837,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(bool, DeviceCursor)> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.writer
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move { lifecycle::begin_recovery(c, &user, &device, expected, &session, now_ms).await })
             })
@@ -812,7 +877,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)> {
         let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
-        self.writer
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move {
                     lifecycle::begin_snapshot(
@@ -838,7 +903,7 @@ impl Store for PgStore {
         pages: Vec<Vec<String>>,
     ) -> StoreResult<()> {
         let (id, digest) = (snapshot_id.to_owned(), manifest_digest.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| Box::pin(async move { lifecycle::finish_snapshot(c, &id, &digest, &pages).await }))
             .await
     }
@@ -861,13 +926,13 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<(bool, DeviceCursor)> {
         let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| Box::pin(async move { lifecycle::ack_snapshot(c, &user, &device, &id, now_ms).await }))
             .await
     }
 
     async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
-        self.writer.write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
+        self.user_writer.write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
     }
 
     fn set_group_policy(&self, policy: GroupPolicy) {
@@ -883,7 +948,7 @@ impl Store for PgStore {
         last_msg_seq: u64,
     ) -> StoreResult<(bool, Marker)> {
         let (user, device, conv) = (user.to_owned(), device.to_owned(), conv.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(
                     async move { events::clear_marker(c, &user, &device, &conv, observed_version, last_msg_seq).await },
@@ -896,7 +961,7 @@ impl Store for PgStore {
         let (user, device) = (user.to_owned(), device.to_owned());
         // One statement: pipelined with the sends of its batch.
         let params: Vec<writer::Param> = vec![Box::new(user), Box::new(device.clone())];
-        self.writer
+        self.writer()
             .write_statement(
                 "UPDATE devices SET connection_epoch = connection_epoch + 1
                  WHERE user_id = $1 AND device_id = $2 RETURNING connection_epoch",
@@ -950,24 +1015,6 @@ impl Store for PgStore {
         self.readers.snapshot(move |c| Box::pin(async move { read::active_members(c, &conv).await })).await
     }
 
-    fn stats(&self) -> StoreStats {
-        let [a, b] = [&self.writer.stats, &self.fanout_writer.stats];
-        StoreStats {
-            commits: a.commits.load(Ordering::Relaxed) + b.commits.load(Ordering::Relaxed),
-            writes: a.writes.load(Ordering::Relaxed) + b.writes.load(Ordering::Relaxed),
-            checkpoints: 0,
-            statements: db::STATEMENTS.load(Ordering::Relaxed),
-            read_statements: None,
-        }
-    }
-
-    fn health(&self) -> tidemark_store::StoreHealth {
-        match self.writer.health() {
-            StoreHealth { write_failure: None } => self.fanout_writer.health(),
-            failing => failing,
-        }
-    }
-
     async fn privacy(&self, user: &str) -> StoreResult<Privacy> {
         let user = user.to_owned();
         self.readers.read(move |c| Box::pin(async move { receipts::privacy(c, &user).await })).await
@@ -981,7 +1028,7 @@ impl Store for PgStore {
         now_ms: i64,
     ) -> StoreResult<Privacy> {
         let user = user.to_owned();
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move { receipts::set_privacy(c, &user, hide_presence, private_receipts, now_ms).await })
             })
@@ -1017,7 +1064,7 @@ impl Store for PgStore {
     async fn use_refresh_token(&self, token_hash: &str, now_ms: i64) -> StoreResult<RefreshUse> {
         use tidemark_core::refresh::{decide, Stored, Verdict};
         let hash = token_hash.to_owned();
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     // FOR UPDATE: two nodes presenting the same token
@@ -1098,7 +1145,7 @@ impl Store for PgStore {
 
     async fn change_password(&self, user: &str, password_hash: &str, keep_device: &str) -> StoreResult<bool> {
         let (user, hash, keep) = (user.to_owned(), password_hash.to_owned(), keep_device.to_owned());
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     let n = exec(c, "UPDATE users SET password_hash = $2 WHERE user_id = $1", &[&user, &hash]).await?;
@@ -1115,7 +1162,7 @@ impl Store for PgStore {
 
     async fn end_sessions(&self, user: &str, device: Option<&str>, now_ms: i64) -> StoreResult<bool> {
         let (user, device) = (user.to_owned(), device.map(str::to_owned));
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     let n = match &device {
@@ -1152,7 +1199,7 @@ impl Store for PgStore {
 
     async fn deactivate_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
         let user = user.to_owned();
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     let row = query_opt(c, "SELECT deactivated_at FROM users WHERE user_id = $1 FOR UPDATE", &[&user])
@@ -1214,7 +1261,7 @@ impl Store for PgStore {
 
     async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()> {
         let e = entry.clone();
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move {
                     exec(
@@ -1268,7 +1315,7 @@ impl Store for PgStore {
     }
 
     async fn trim_audit(&self, before_ms: i64) -> StoreResult<u64> {
-        self.writer
+        self.writer()
             .write(move |c| {
                 Box::pin(async move { exec(c, "DELETE FROM audit_log WHERE at < $1", &[&before_ms]).await })
             })
@@ -1302,7 +1349,7 @@ impl Store for PgStore {
 
     async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool> {
         let user = user.to_owned();
-        self.writer
+        self.user_writer
             .write(move |c| {
                 Box::pin(async move {
                     let row =
@@ -1339,5 +1386,47 @@ impl Store for PgStore {
                 })
             })
             .await
+    }
+
+    fn stats(&self) -> StoreStats {
+        let sum = |f: fn(&writer::WriterStats) -> u64| self.all_writers().map(|w| f(&w.stats)).sum::<u64>();
+        StoreStats {
+            commits: sum(|s| s.commits.load(Ordering::Relaxed)),
+            writes: sum(|s| s.writes.load(Ordering::Relaxed)),
+            checkpoints: 0,
+            statements: db::STATEMENTS.load(Ordering::Relaxed),
+            read_statements: None,
+        }
+    }
+
+    fn health(&self) -> tidemark_store::StoreHealth {
+        self.all_writers().map(Writer::health).find(|h| h.write_failure.is_some()).unwrap_or_default()
+    }
+}
+
+/// The conversation partition of `conv` among `n` writers: FNV-1a of the
+/// id, stable across runs and builds (no random seed), so one conversation
+/// always has one writer.
+fn conv_partition(conv: &str, n: usize) -> usize {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in conv.bytes() {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % n as u64) as usize
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn conversations_spread_over_the_writers_and_stay_put() {
+        let mut counts = [0usize; 3];
+        for i in 0..3000 {
+            let conv = format!("c{i}");
+            let p = super::conv_partition(&conv, 3);
+            assert_eq!(p, super::conv_partition(&conv, 3), "one conversation, one writer");
+            counts[p] += 1;
+        }
+        assert!(counts.iter().all(|&n| n > 800), "{counts:?}");
+        assert_eq!(super::conv_partition("any", 1), 0);
     }
 }

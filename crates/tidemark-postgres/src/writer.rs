@@ -1,7 +1,8 @@
-//! The group-committing writer: one task owns the store's only read-write
-//! connection and runs every write request that queued up while the
-//! previous transaction was committing in one transaction (many requests,
-//! one COMMIT, one WAL flush).
+//! The group-committing writer: one task owns one read-write connection
+//! and runs every write request that queued up while the previous
+//! transaction was committing in one transaction (many requests, one
+//! COMMIT, one WAL flush). A store runs a few of them (the conversation
+//! writers and the fan-out writer, see the crate docs).
 //!
 //! Each request runs inside its own SAVEPOINT, so a request that fails (a
 //! send to a conversation the sender left, a deadlock victim) rolls back
@@ -30,10 +31,9 @@
 //! it in the batch: their statements go out back to back behind one
 //! savepoint, costing one round trip for the run ([`run_pipelined`]).
 //!
-//! One writer per store is the design, as in the SQLite backend: requests
-//! run in queue order and never wait on each other's locks. The SQL the
-//! requests run is still safe with several writers on one database (other
-//! nodes): sequences are assigned under row locks held until COMMIT (see
+//! Within one writer, requests run in queue order and never wait on each
+//! other's locks. The SQL the requests run is safe with several writers on
+//! one database (this store's others, other nodes): sequences are assigned under row locks held until COMMIT (see
 //! the crate docs for the lock order). This module knows nothing about the
 //! requests themselves.
 //!

@@ -130,6 +130,21 @@ async fn postgres_passes_the_conformance_suite() {
     conformance::run_all(|| async { schemas.fresh().await as Arc<dyn Store> }).await;
 }
 
+/// The same suites with the conversations partitioned over three writer
+/// connections per store (`PgConfig::conv_writers`): every rule holds when
+/// a store's conversation events commit on several connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_with_partitioned_writers_passes_the_suites() {
+    let Some(url) = pg_url("postgres_with_partitioned_writers_passes_the_suites") else { return };
+    let schemas = Schemas::new(url);
+    let fresh = || async {
+        let name = schemas.fresh_name();
+        PgStore::open(PgConfig { conv_writers: 3, ..schemas.config(&name) }).await.unwrap() as Arc<dyn Store>
+    };
+    conformance::run_all(fresh).await;
+    conformance::run_rules(fresh).await;
+}
+
 /// Membership, recall/edit/react, snapshot installability, group commit.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_passes_the_rule_checks() {
@@ -180,6 +195,64 @@ async fn overlapping_periods_are_quarantined() {
 /// S2 across writers: two stores on one database (two nodes) sending to the
 /// same conversation at once still get `1..=n`, each seq once; then both
 /// fan out the same items at once and every event exists once (F2, F3).
+/// S1 across writers, on the path where both runs of one send passed the
+/// idempotency lookup before either committed: both wait on the
+/// conversation's row lock (held here by a plain transaction), the first
+/// commits, the second's insert finds the key taken and raises a
+/// serialisation failure, and its writer runs it again, which finds the
+/// original. One message, one duplicate answer, no error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_send_racing_on_two_writers_is_one_message() {
+    let Some(url) = pg_url("the_same_send_racing_on_two_writers_is_one_message") else { return };
+    let schemas = Schemas::new(url);
+    let name = schemas.fresh_name();
+    // Its own application_name, so the wait below counts only its sends.
+    let sep = if schemas.url.contains('?') { '&' } else { '?' };
+    let config = PgConfig { url: format!("{}{sep}application_name={name}", schemas.url), ..schemas.config(&name) };
+    let one = PgStore::open(config.clone()).await.unwrap();
+    let two = PgStore::open(config).await.unwrap();
+    for u in ["a", "b"] {
+        one.create_user(u, "x", 0).await.unwrap();
+    }
+    let (conv, _) = one.create_direct("a", "b", "c1", 0).await.unwrap();
+    let raw = schemas.raw(&name).await;
+    raw.batch_execute(&format!("BEGIN; SELECT head FROM conversations WHERE conv_id = '{conv}' FOR UPDATE"))
+        .await
+        .unwrap();
+    let first = tokio::spawn({
+        let (one, conv) = (one.clone(), conv.clone());
+        async move { one.accept_send(send_cmd("a", &conv, "k")).await }
+    });
+    let second = tokio::spawn({
+        let (two, conv) = (two.clone(), conv.clone());
+        async move { two.accept_send(SendCmd { message_id: "another-id".into(), ..send_cmd("a", &conv, "k") }).await }
+    });
+    // Both past the lookup and waiting for the row lock.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let waiting: i64 = raw
+            .query_one(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+                &[&name],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if waiting == 2 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "the two sends never both waited on the row lock ({waiting})");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    raw.batch_execute("COMMIT").await.unwrap();
+    let (a, b) = (first.await.unwrap().unwrap(), second.await.unwrap().unwrap());
+    assert_eq!((&a.message_id, a.msg_seq), (&b.message_id, b.msg_seq), "S1: one message");
+    assert!(a.duplicate != b.duplicate, "S1: one original, one duplicate: {a:?} {b:?}");
+    assert_eq!(one.conversation(&conv).await.unwrap().unwrap().head, 1, "S2: the refused insert left no hole");
+    let retries = one.conflict_retries().0 + two.conflict_retries().0;
+    assert_eq!(retries, 1, "the loser ran again once, after its serialisation failure");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_writers_on_one_database_keep_sequences_contiguous() {
     let Some(url) = pg_url("two_writers_on_one_database_keep_sequences_contiguous") else { return };

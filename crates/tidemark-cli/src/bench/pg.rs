@@ -372,8 +372,11 @@ async fn server_phase(
     tag: &str,
 ) -> Result<(ServerRound, PgPhase)> {
     let app = format!("{schema}_srv");
-    let config =
-        PgConfig { schema: Some(schema.to_owned()), ..PgConfig::new(with_param(url, "application_name", &app)) };
+    let config = PgConfig {
+        schema: Some(schema.to_owned()),
+        conv_writers: usize::from(args.conv_writers),
+        ..PgConfig::new(with_param(url, "application_name", &app))
+    };
     let store = PgStore::open(config).await.context("open the PostgreSQL store")?;
     let admin_token = format!("bench-{:032x}", rand::rng().random::<u128>());
     let config = ServerConfig {
