@@ -164,6 +164,11 @@ pub struct ConvFacts {
     pub members: Vec<String>,
     /// A group's membership changes, any order.
     pub changes: Vec<MembershipChange>,
+    /// A group in shared mode (G2, G3): the `msg_seq` of its `conv.mode`
+    /// event in the conversation log. Every event up to it is delivered by
+    /// the members' sync logs, every one above it is read with `conv.sync`
+    /// (so it is held without a `sync_seq`). `None`: per-member throughout.
+    pub shared_from: Option<u64>,
 }
 
 /// One membership period `[join, leave]`.
@@ -271,9 +276,15 @@ pub struct Outcome {
     /// (device, group message) pairs inside the user's periods found
     /// exactly right (a part of `verified`).
     pub group_verified: u64,
-    /// (device, `conv.created`/`member.join`/`member.leave` event) pairs
-    /// inside the user's periods found exactly once.
+    /// (device, `conv.created`/`member.join`/`member.leave`/`conv.mode`
+    /// event) pairs inside the user's periods found exactly once.
     pub membership_events_verified: u64,
+    /// Groups in shared mode at the end (a `conv.mode` in their log).
+    pub shared_groups: usize,
+    /// (device, group message above its group's switch) pairs found
+    /// exactly right: delivered by `conv.sync` pulls (a part of
+    /// `group_verified`).
+    pub shared_verified: u64,
     /// (device, group event) pairs outside every period of the device's
     /// user, confirmed absent (users never in the group included).
     pub out_of_period_absent: u64,
@@ -297,11 +308,15 @@ pub struct Facts<'a> {
     pub snapshot_events_per_conv: u64,
 }
 
+/// The kind of a group's switch to shared mode (docs/protocol.md §3.26).
+pub const KIND_MODE: &str = "conv.mode";
+
 /// An event the checker expects at one `msg_seq` of a conversation.
 #[derive(Debug, Clone, Copy)]
 enum Expect<'a> {
     Message(&'a Sent, &'a Accepted),
-    /// `conv.created` (no user), `member.join` or `member.leave` of `user`.
+    /// `conv.created` or `conv.mode` (no user), `member.join` or
+    /// `member.leave` of `user`.
     Control {
         kind: &'static str,
         user: Option<&'a str>,
@@ -356,6 +371,10 @@ pub fn check(facts: &Facts<'_>) -> Outcome {
         for c in &cf.changes {
             let e = Expect::Control { kind: c.op.event_kind(), user: Some(&c.user) };
             place(&mut expected, &mut out, conv, c.msg_seq, e);
+        }
+        if let Some(from) = cf.shared_from {
+            out.shared_groups += 1;
+            place(&mut expected, &mut out, conv, from, Expect::Control { kind: KIND_MODE, user: None });
         }
     }
     for s in facts.sent {
@@ -465,7 +484,8 @@ fn check_device(
             out.violations
                 .push(format!("{who}: {conv} is active={} but the user's periods are {mine:?} (G1)", summary.active));
         }
-        let ctx = ConvCtx { who: &who, summary, group, mine, periods: &all[conv], rebuilt };
+        let ctx =
+            ConvCtx { who: &who, summary, group, mine, periods: &all[conv], rebuilt, shared_from: cf.shared_from };
         check_boundary(&ctx, events, want, facts.snapshot_events_per_conv, view.snapshots_installed, out);
         let served = check_history(&ctx, view.history.get(conv.as_str()), want, out);
         check_events(&ctx, events, want, tags, &served, out);
@@ -520,6 +540,8 @@ struct ConvCtx<'a> {
     periods: &'a BTreeMap<String, Vec<Period>>,
     /// The device installed a snapshot during the run.
     rebuilt: bool,
+    /// The group's switch to shared mode, if any.
+    shared_from: Option<u64>,
 }
 
 /// The events of the user's view in `want`, ascending.
@@ -565,8 +587,16 @@ fn check_boundary(
             "{who}: {conv} leaves {below} events of the user's view as history at or below history_to {h} with only {above} above it: a snapshot carries the latest {per_conv} (D7)"
         ));
     }
-    let carried = events.iter().filter(|e| e.msg_seq > h && e.sync_seq.is_none()).count() as u64;
-    if carried > per_conv || (below > 0 && carried < per_conv) {
+    // Above a shared group's switch every event is held without a
+    // `sync_seq` (pulled by `conv.sync`, or carried by the snapshot): only
+    // at or below it does the absence of one say "from the snapshot". So
+    // there the count is bounded: what is surely carried is at most
+    // `per_conv`, and with what may be carried at least `per_conv`.
+    let pulled = |e: &&Message| ctx.shared_from.is_some_and(|from| e.msg_seq > from);
+    let unlogged: Vec<&Message> = events.iter().filter(|e| e.msg_seq > h && e.sync_seq.is_none()).collect();
+    let maybe = unlogged.iter().filter(|e| pulled(e)).count() as u64;
+    let carried = unlogged.len() as u64 - maybe;
+    if carried > per_conv || (below > 0 && carried + maybe < per_conv) {
         out.violations.push(format!(
             "{who}: {conv} holds {carried} events from its snapshot above history_to {h}, with {below} events of the user's view at or below it: a snapshot carries the latest {per_conv} (D7)"
         ));
@@ -719,12 +749,14 @@ fn check_events(
             (Expect::Control { .. }, [_]) => out.membership_events_verified += 1,
             (Expect::Message(_, acc), [m]) if m.msg_seq == acc.msg_seq && m.message_id == acc.message_id => {
                 out.verified += 1;
+                let shared = ctx.shared_from.is_some_and(|from| seq > from);
                 if ctx.group {
                     out.group_verified += 1;
+                    out.shared_verified += u64::from(shared);
                 }
                 if ctx.rebuilt {
                     out.verified_after_snapshot += 1;
-                    out.from_snapshot += u64::from(m.sync_seq.is_none());
+                    out.from_snapshot += u64::from(m.sync_seq.is_none() && !shared);
                 }
             }
             (Expect::Message(_, acc), [m]) => out.violations.push(format!(
@@ -826,7 +858,12 @@ pub(crate) mod tests {
     fn check_held(held: &[(&str, Vec<Message>)]) -> Vec<String> {
         let convs: BTreeMap<String, ConvFacts> = [(
             "c".to_owned(),
-            ConvFacts { kind: ConvKind::Direct, members: vec!["a".into(), "b".into()], changes: vec![] },
+            ConvFacts {
+                kind: ConvKind::Direct,
+                members: vec!["a".into(), "b".into()],
+                changes: vec![],
+                shared_from: None,
+            },
         )]
         .into();
         let sent: Vec<Sent> = (1..=3).map(|i| sent(&format!("m{i}"), "c", "b", 0)).collect();
@@ -855,7 +892,12 @@ pub(crate) mod tests {
     ) -> Outcome {
         let convs: BTreeMap<String, ConvFacts> = [(
             "c".to_owned(),
-            ConvFacts { kind: ConvKind::Direct, members: vec!["a".into(), "b".into()], changes: vec![] },
+            ConvFacts {
+                kind: ConvKind::Direct,
+                members: vec!["a".into(), "b".into()],
+                changes: vec![],
+                shared_from: None,
+            },
         )]
         .into();
         let sent: Vec<Sent> = (1..=6).map(|i| sent(&format!("m{i}"), "c", "b", 0)).collect();
@@ -1008,6 +1050,7 @@ pub(crate) mod tests {
                 kind: ConvKind::Group,
                 members: vec!["a".into(), "b".into()],
                 changes: vec![change(MemberOp::Remove, 3, 1), change(MemberOp::Add, 5, 3)],
+                shared_from: None,
             };
             let sent = vec![
                 sent("m1", "g", "b", 0),
@@ -1137,6 +1180,72 @@ pub(crate) mod tests {
         high.conversations[0].history_to = 5;
         let out = g.check_view(high);
         assert!(has(&out, "with only 2 above it"), "{out:?}");
+    }
+
+    /// Group `g` of `a` and `b`, created shared: conv.created at 1, its
+    /// switch at 2, then m1..m5 from `b` at 3..=7, read by `conv.sync`
+    /// (held without a `sync_seq`).
+    fn shared_group() -> (Group, Vec<Message>) {
+        let g = ConvFacts {
+            kind: ConvKind::Group,
+            members: vec!["a".into(), "b".into()],
+            changes: vec![],
+            shared_from: Some(2),
+        };
+        let tags = ["m1", "m2", "m3", "m4", "m5"];
+        let sent = tags.iter().enumerate().map(|(i, t)| sent(t, "g", "b", i)).collect();
+        let accepted = tags
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (format!("c{t}"), Accepted { msg_seq: i as u64 + 3, message_id: format!("id-{t}") }))
+            .collect();
+        let group = Group { convs: [("g".to_owned(), g)].into(), sent, accepted, refused: HashMap::new() };
+        let mut held = vec![control("g", 1, "conv.created", None), control("g", 2, KIND_MODE, None)];
+        held[1].content = serde_json::json!({ "mode": "shared", "members": 2 });
+        held.extend(tags.iter().enumerate().map(|(i, t)| Message { sync_seq: None, ..msg("g", i as u64 + 3, t) }));
+        (group, held)
+    }
+
+    #[test]
+    fn a_shared_group_is_checked_against_its_log_with_its_switch() {
+        let (g, held) = shared_group();
+        let out = g.check(held.clone());
+        assert_eq!(out.violations, Vec::<String>::new());
+        assert_eq!((out.shared_groups, out.shared_verified, out.group_verified), (1, 5, 5));
+        assert_eq!(out.membership_events_verified, 2, "created, the switch");
+
+        // The switch is an event of the log: missing it is a loss.
+        let mut lost = held.clone();
+        lost.remove(1);
+        let out = g.check(lost);
+        assert!(has(&out, "lost conv.mode (msg_seq 2)"), "{out:?}");
+        // A pull applied twice at another msg_seq, or one missed.
+        let mut twice = held.clone();
+        twice.push(Message { msg_seq: 8, ..held[6].clone() });
+        assert!(has(&g.check(twice), "m5 held 2 times"));
+        let mut hole = held.clone();
+        hole.remove(4);
+        let out = g.check(hole);
+        assert!(has(&out, "lost m3 (msg_seq 5)") && has(&out, "hole at msg_seq 5..=5"), "{out:?}");
+        // Without the switch in the facts, nobody made that conv.mode.
+        let mut unknown = Group { convs: g.convs.clone(), ..shared_group().0 };
+        unknown.convs.get_mut("g").unwrap().shared_from = None;
+        assert!(has(&unknown.check(held.clone()), "that nobody made"));
+
+        // Rebuilt from a snapshot of 3 (m1..m3, history_to 2), then m4
+        // and m5 pulled: above the switch none has a sync_seq, and that
+        // does not make all five "carried by the snapshot".
+        let mut v = view(&[("g", held[2..].to_vec())]);
+        v.conversations[0].history_to = 2;
+        v.snapshots_installed = Some(1);
+        v.history.insert("g".into(), Ok(held[..2].iter().rev().cloned().collect()));
+        let out = g.check_view(v.clone());
+        assert_eq!(out.violations, Vec::<String>::new());
+        assert_eq!((out.history_only, out.shared_verified, out.from_snapshot), (2, 5, 0));
+        // Per-member, the same holdings say the snapshot carried five.
+        let mut per_member = Group { convs: g.convs.clone(), ..shared_group().0 };
+        per_member.convs.get_mut("g").unwrap().shared_from = None;
+        assert!(has(&per_member.check_view(v), "holds 5 events from its snapshot"), "sanity: the bound is real");
     }
 
     #[test]

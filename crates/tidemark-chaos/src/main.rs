@@ -54,6 +54,9 @@ fn main() -> anyhow::Result<()> {
         users: args.users,
         devices_per_user: args.devices,
         server: server_mode(&args),
+        // One below the users: a group of every user is shared, a group
+        // of two grows across the threshold (with three users or more).
+        large_group_members: (args.users as u64).saturating_sub(1).max(1),
         ..ChaosConfig::long(seed, args.messages)
     };
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;

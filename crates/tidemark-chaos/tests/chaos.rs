@@ -1,6 +1,8 @@
 //! The short chaos run, in CI: three users with two devices each, about 60
 //! messages through the fault-injecting proxy in direct conversations and
-//! two groups whose membership changes (removals, adds back, leaves), one
+//! three groups whose membership changes (removals, adds back, leaves) with
+//! a large-group threshold of two: one shared from its creation, one that
+//! crosses it mid-run and switches, one per-member throughout; one
 //! server restart, client reopens and crashes, and clients stopped until
 //! they fall off the retained user log (about a second of retention) and
 //! rebuild from a snapshot while faults go on; every device checked message
@@ -36,6 +38,12 @@ async fn short_chaos_run_loses_duplicates_and_misorders_nothing() {
         assert!(report.membership.get(op).is_some_and(|n| *n > 0), "no {op} made: {:?}", report.membership);
     }
     assert!(report.check.group_verified > 0, "no group message verified");
+    // Large groups (G2, G3): one shared from its creation, one crossing the
+    // threshold mid-run, their messages read by conv.sync pulls.
+    assert!(report.check.shared_groups >= 2, "{} groups in shared mode", report.check.shared_groups);
+    assert!(report.switched_mid_run > 0, "no group switched to shared mode during the run");
+    assert!(report.check.shared_verified > 0, "no message above a switch verified");
+    assert!(report.group_pulls > 0, "no shared-group pull committed");
     assert!(report.check.out_of_period_absent > 0, "no out-of-period event checked absent");
     assert!(report.fell_off > 0, "no stopped client fell off the retained log");
     assert!(report.snapshots_installed > 0, "no snapshot installed");

@@ -28,10 +28,23 @@ pub struct ChaosConfig {
     pub client_aborts: usize,
     /// Pause between two sends, drawn from `0..=send_gap_ms_max`.
     pub send_gap_ms_max: u64,
-    /// Group conversations created at setup. Even-numbered ones start with
-    /// every user, odd ones with their owner and one other user (so an add
-    /// may be a first join, not only a rejoin).
+    /// Group conversations created at setup, in three shapes by number
+    /// ([`GroupShape::of`]): `k % 3 == 0` starts with every user, above
+    /// [`ChaosConfig::large_group_members`], so it is shared from its
+    /// creation; `k % 3 == 1` starts with its owner and one other user and
+    /// its first membership steps add members until it crosses the
+    /// threshold (it switches to shared mode mid-run, G3); `k % 3 == 2`
+    /// starts with its owner and one other user and never grows above the
+    /// threshold (per-member mode throughout; an add that would cross is
+    /// not made). The two-member shapes let an add be a first join, not
+    /// only a rejoin. With fewer than three users every group starts with
+    /// every user.
     pub groups: usize,
+    /// The server's large-group threshold (`GroupPolicy::large_members`,
+    /// `tidemark serve --large-group-members`): a group with more active
+    /// members than this is in shared mode (G2). Low, so a run of a few
+    /// users has groups in both modes and one that switches.
+    pub large_group_members: u64,
     /// Membership changes (remove, add, leave) during the send phase.
     pub membership_changes: usize,
     /// Percent of sends a user makes to a group they are not in (refused
@@ -102,10 +115,14 @@ impl Default for Retention {
 }
 
 impl Retention {
-    /// The in-process server's configuration.
-    pub(super) fn server_config(&self) -> ServerConfig {
+    /// The in-process server's configuration, with the large-group
+    /// threshold `large_group_members`.
+    pub(super) fn server_config(&self, large_group_members: u64) -> anyhow::Result<ServerConfig> {
+        let group_policy = tidemark_core::large::GroupPolicy::new(large_group_members)
+            .map_err(|e| anyhow::anyhow!("large-group threshold: {e}"))?;
         let mut config = ServerConfig {
             admin_token: Some(ADMIN.into()),
+            group_policy,
             retention_every: self.every,
             snapshot_messages_per_conv: self.snapshot_events_per_conv,
             snapshot_page_items: self.snapshot_page_items,
@@ -116,7 +133,7 @@ impl Retention {
             policy.keep_events_younger_than_ms = self.keep_events_ms;
             policy.device_inactive_after_ms = self.device_inactive_ms;
         }
-        config
+        Ok(config)
     }
 
     /// The same retention as `tidemark serve` flags. The windows and the
@@ -157,8 +174,9 @@ impl ChaosConfig {
             client_reopens: 2,
             client_aborts: 2,
             send_gap_ms_max: 30,
-            groups: 2,
-            membership_changes: 8,
+            groups: 3,
+            large_group_members: 2,
+            membership_changes: 10,
             stray_send_percent: 5,
             falloffs: 2,
             falloff_wait_max: Duration::from_secs(5),
@@ -183,6 +201,31 @@ impl ChaosConfig {
             falloffs: scale.clamp(2, 50),
             settle_max: Duration::from_secs(60),
             ..ChaosConfig::short(seed)
+        }
+    }
+}
+
+/// How a group starts and grows, by its number `k` ([`ChaosConfig::groups`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupShape {
+    /// Every user from creation, above the threshold: shared from its
+    /// `conv.created` (its `conv.mode` is `msg_seq` 2).
+    Shared,
+    /// Owner and one other user; its first membership steps are adds until
+    /// it is above the threshold: the switch comes right after the join
+    /// that crossed it.
+    Crossing,
+    /// Owner and one other user, never above the threshold.
+    PerMember,
+}
+
+impl GroupShape {
+    pub fn of(k: usize, users: usize) -> GroupShape {
+        match k % 3 {
+            _ if users < 3 => GroupShape::Shared,
+            0 => GroupShape::Shared,
+            1 => GroupShape::Crossing,
+            _ => GroupShape::PerMember,
         }
     }
 }

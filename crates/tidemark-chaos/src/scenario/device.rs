@@ -122,6 +122,12 @@ pub(super) struct DeviceLog {
     pub(super) fell_off: Vec<FellOff>,
     /// Cursor notifications that arrived after a later move's.
     pub(super) reordered: u64,
+    /// Shared groups (G2): `conv.sync` pulls the SDK committed and then
+    /// cleared (`Change::GroupPulled`), and of those, clears that
+    /// succeeded. The messages themselves are judged from the local store:
+    /// a pull's cursor move is a `Change::CursorMoved` like a page's.
+    pub(super) group_pulls: u64,
+    pub(super) group_clears: u64,
     /// Polled from the local store: `(generation, applied, acked)`.
     pub(super) durable_position: Option<(u64, u64, u64)>,
     /// Polled from the local store: conversation → contiguous cursor, in
@@ -281,6 +287,10 @@ impl DeviceLog {
                     self.digest_mismatches += 1;
                 }
                 self.last_snapshot_failure = Some(reason);
+            }
+            Change::GroupPulled { cleared, .. } => {
+                self.group_pulls += 1;
+                self.group_clears += u64::from(cleared);
             }
             Change::Lagged { missed } => self.lagged += missed,
             Change::Exited(exit) => {

@@ -1,6 +1,10 @@
 //! The groups: each user's control connection straight to the server (no
-//! proxy, no faults), the groups it creates and every membership change,
-//! with the `msg_seq` of its event, for the checker.
+//! proxy, no faults), the groups it creates (in the three shapes of
+//! [`GroupShape`]: shared from creation, crossing the large-group
+//! threshold mid-run, per-member throughout) and every membership change,
+//! with the `msg_seq` of its event, for the checker; and, once the run
+//! settled, where each group's `conv.mode` switch lies in its conversation
+//! log (G3), checked against where the threshold puts it.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
@@ -9,13 +13,16 @@ use anyhow::{bail, Context};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use tidemark_client::proto::{
-    op, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq, Envelope, ErrorCode, ErrorFrame, HistoryOk,
-    HistoryReq,
+    op, ConvCreateOk, ConvCreateReq, ConvListOk, ConvMemberOk, ConvMemberReq, Envelope, ErrorCode, ErrorFrame,
+    HistoryOk, HistoryReq,
 };
 use tidemark_client::{ClientError, Http, Message};
 
-use super::config::{ChaosConfig, PASSWORD};
+use tidemark_core::kinds::KIND_MODE;
+
+use super::config::{ChaosConfig, GroupShape, PASSWORD};
 use super::report::Report;
+use super::server::SharedHead;
 use crate::check::{ConvFacts, ConvKind, MemberOp, MembershipChange};
 
 /// The device id of each user's control connection (group operations,
@@ -29,6 +36,9 @@ pub(super) const CONTROL_WAIT: Duration = Duration::from_secs(5);
 /// removes a member, adds one back (a new period) and has one leave;
 /// later steps pick any feasible operation.
 pub(super) const MEMBERSHIP_CYCLE: [MemberOp; 4] = [MemberOp::Remove, MemberOp::Add, MemberOp::Leave, MemberOp::Add];
+/// `before_seq` that reads a conversation's log from its end: above any
+/// `msg_seq`, and an exact JSON integer.
+pub(super) const LOG_END: u64 = (1 << 53) - 1;
 /// Mixed into the seed for the membership generator.
 pub(super) const MEMBERSHIP_SEED: u64 = 0x6d65_6d62_6572_7321;
 
@@ -159,6 +169,16 @@ pub(super) struct GroupState {
     pub(super) members: BTreeSet<String>,
     /// Membership changes made so far.
     pub(super) steps: usize,
+    pub(super) shape: GroupShape,
+    /// [`GroupShape::Crossing`]: the `msg_seq` of the `member.join` that
+    /// took the group above the threshold (the switch must follow it).
+    pub(super) crossed_at: Option<u64>,
+    /// The step from which [`MEMBERSHIP_CYCLE`] is followed (after the
+    /// adds that made a crossing group cross).
+    pub(super) cycle_from: usize,
+    /// The `msg_seq` of the group's `conv.mode` event in its conversation
+    /// log, read once the run settled ([`Groups::read_switches`]).
+    pub(super) switch: Option<u64>,
 }
 
 /// The groups, their control connections and every change made.
@@ -168,6 +188,8 @@ pub(super) struct Groups {
     pub(super) groups: Vec<GroupState>,
     pub(super) changes: Vec<MembershipChange>,
     pub(super) rng: StdRng,
+    /// The server's large-group threshold.
+    pub(super) large: u64,
 }
 
 impl Groups {
@@ -175,13 +197,20 @@ impl Groups {
     pub(super) async fn create(cfg: &ChaosConfig, url: &str, users: &[String]) -> anyhow::Result<Groups> {
         let control = users.iter().map(|u| (u.clone(), Control::new(url, u))).collect();
         let rng = StdRng::seed_from_u64(cfg.seed ^ MEMBERSHIP_SEED);
-        let mut g = Groups { users: users.to_vec(), control, groups: Vec::new(), changes: Vec::new(), rng };
+        let mut g = Groups {
+            users: users.to_vec(),
+            control,
+            groups: Vec::new(),
+            changes: Vec::new(),
+            rng,
+            large: cfg.large_group_members,
+        };
         for k in 0..cfg.groups {
             let owner = users[k % users.len()].clone();
-            let others: Vec<String> = if k % 2 == 0 || users.len() < 3 {
-                users.iter().filter(|u| **u != owner).cloned().collect()
-            } else {
-                vec![users[(k + 1) % users.len()].clone()]
+            let shape = GroupShape::of(k, users.len());
+            let others: Vec<String> = match shape {
+                GroupShape::Shared => users.iter().filter(|u| **u != owner).cloned().collect(),
+                GroupShape::Crossing | GroupShape::PerMember => vec![users[(k + 1) % users.len()].clone()],
             };
             let req = ConvCreateReq {
                 kind: "group".into(),
@@ -199,6 +228,10 @@ impl Groups {
                 initial: ok.members.clone(),
                 members: ok.members.into_iter().collect(),
                 steps: 0,
+                shape,
+                crossed_at: None,
+                cycle_from: 0,
+                switch: None,
             });
         }
         Ok(g)
@@ -217,17 +250,23 @@ impl Groups {
     }
 
     /// One seeded membership step in group `g` at scenario step `step`:
-    /// the group's first steps follow [`MEMBERSHIP_CYCLE`], later ones any
-    /// feasible operation; targets and callers are drawn among who may.
+    /// a crossing group adds until it is above the threshold; then (and in
+    /// the other shapes from the start) the group's first steps follow
+    /// [`MEMBERSHIP_CYCLE`], later ones any feasible operation; a
+    /// per-member group is never grown above the threshold. Targets and
+    /// callers are drawn among who may.
     pub(super) async fn change(&mut self, g: usize, step: usize, report: &mut Report) -> anyhow::Result<()> {
         let group = &self.groups[g];
         let outsiders: Vec<String> = self.users.iter().filter(|u| !group.members.contains(*u)).cloned().collect();
         let removable: Vec<String> = group.members.iter().filter(|u| **u != group.owner).cloned().collect();
+        let may_grow = group.shape != GroupShape::PerMember || (group.members.len() as u64) < self.large;
         let feasible = |op: &MemberOp| match op {
-            MemberOp::Add => !outsiders.is_empty(),
+            MemberOp::Add => !outsiders.is_empty() && may_grow,
             MemberOp::Remove | MemberOp::Leave => !removable.is_empty(),
         };
-        let op = match MEMBERSHIP_CYCLE.get(group.steps) {
+        let crossing = group.shape == GroupShape::Crossing && group.crossed_at.is_none();
+        let op = match MEMBERSHIP_CYCLE.get(group.steps.saturating_sub(group.cycle_from)) {
+            _ if crossing && feasible(&MemberOp::Add) => MemberOp::Add,
             Some(op) if feasible(op) => *op,
             _ => {
                 let ops: Vec<MemberOp> = MemberOp::ALL.into_iter().filter(feasible).collect();
@@ -267,6 +306,10 @@ impl Groups {
                 } else {
                     group.members.remove(&target);
                 }
+                if crossing && group.members.len() as u64 > self.large {
+                    group.crossed_at = Some(ok.msg_seq);
+                    group.cycle_from = group.steps;
+                }
                 *report.membership.entry(op.op()).or_default() += 1;
                 self.changes.push(MembershipChange { conv, op, user: target, by, msg_seq: ok.msg_seq, step });
             }
@@ -282,13 +325,66 @@ impl Groups {
         Ok(())
     }
 
+    /// Reads each group's conversation log (everything `history` serves
+    /// its owner, a member from `msg_seq` 1 to the end) for its
+    /// `conv.mode` events, records the switch, and reports a switch that
+    /// is not where G3 puts it: `msg_seq` 2 for a group created above the
+    /// threshold, right after the join that crossed it for a crossing
+    /// group, none for a group never above it; never two.
+    pub(super) async fn read_switches(&mut self, report: &mut Report) -> anyhow::Result<()> {
+        for g in 0..self.groups.len() {
+            let (conv, owner) = (self.groups[g].conv.clone(), self.groups[g].owner.clone());
+            let log = match self.control(&owner).history(&conv, LOG_END).await? {
+                Ok(log) => log,
+                Err(why) => {
+                    report.violations.push(format!("{owner}: `history` of {conv} refused: {why}"));
+                    continue;
+                }
+            };
+            let switches: Vec<u64> = log.iter().filter(|m| m.kind == KIND_MODE).map(|m| m.msg_seq).collect();
+            let group = &mut self.groups[g];
+            let expected = match group.shape {
+                GroupShape::Shared => (group.initial.len() as u64 > self.large).then_some(2),
+                GroupShape::Crossing => group.crossed_at.map(|j| j + 1),
+                GroupShape::PerMember => None,
+            };
+            group.switch = switches.iter().min().copied();
+            if group.shape == GroupShape::Crossing && group.switch.is_some() {
+                report.switched_mid_run += 1;
+            }
+            if switches.len() > 1 || group.switch != expected {
+                report.violations.push(format!(
+                    "{conv} ({:?}, threshold {}): conv.mode at msg_seq {switches:?} in its log, expected at {expected:?} (G3)",
+                    group.shape, self.large
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `user`'s shared groups and the head they may read in each, from
+    /// `conv.list` over the control connection (no device's marker).
+    pub(super) async fn shared_heads(&mut self, user: &str) -> anyhow::Result<Vec<SharedHead>> {
+        let reply = self.control(user).call(op::CONV_LIST, serde_json::json!({})).await?;
+        let reply = reply.map_err(|f| anyhow::anyhow!("{user} conv.list: {} ({})", f.code, f.message))?;
+        let ok: ConvListOk = serde_json::from_value(reply).context("conv.list.ok")?;
+        Ok(ok
+            .conversations
+            .into_iter()
+            .filter(|c| c.mode == tidemark_core::large::MODE_SHARED)
+            .map(|c| SharedHead { conv: c.conv, last_msg_seq: c.last_msg_seq, dirty: None })
+            .collect())
+    }
+
     /// Every group's facts for the checker.
     pub(super) fn facts(&self) -> Vec<(String, ConvFacts)> {
         self.groups
             .iter()
             .map(|g| {
                 let changes = self.changes.iter().filter(|c| c.conv == g.conv).cloned().collect();
-                (g.conv.clone(), ConvFacts { kind: ConvKind::Group, members: g.initial.clone(), changes })
+                let facts =
+                    ConvFacts { kind: ConvKind::Group, members: g.initial.clone(), changes, shared_from: g.switch };
+                (g.conv.clone(), facts)
             })
             .collect()
     }

@@ -18,6 +18,22 @@
 //! from non-members on purpose; a refusal is an outcome the checker judges,
 //! not an accepted message.
 //!
+//! Large groups (G2, G3). The server runs with a low large-group threshold
+//! ([`ChaosConfig::large_group_members`], two for the CI run): one group
+//! starts with every user, above it (shared from its creation), one starts
+//! with two users and its first membership steps add until it is above it
+//! (the switch comes mid-run, with sends before and after; the timeline
+//! schedules those adds by mid-run), and one never grows above it
+//! (per-member throughout). Above a switch a device gets the group's
+//! messages by `conv.sync` pulls after a dirty marker, not from sync pages:
+//! the change streams are relied on for accepted sends, resets and
+//! snapshots only (a pull's cursor move and its `GroupPulled` are counted,
+//! not needed), and the settle phase waits until each device holds each
+//! shared group up to the head its user may read (in-process: its marker
+//! clean too). After settling, each group's `conv.mode` is read from its
+//! conversation log (the owner's `history`) for the checker, and checked
+//! where G3 puts it.
+//!
 //! Snapshots (D7, L1–L2). The server runs with a user-log retention of
 //! about a second ([`Retention`]: keep window, inactivity window, a pass
 //! every 100 ms) and small, short-lived snapshots (a few events per
@@ -89,7 +105,7 @@ mod groups;
 mod report;
 mod server;
 
-pub use config::{ChaosConfig, Retention, ServerMode};
+pub use config::{ChaosConfig, GroupShape, Retention, ServerMode};
 use config::{ADMIN, PASSWORD};
 use device::{CrashAt, Device};
 use falloff::Falloffs;
@@ -140,6 +156,15 @@ fn schedule(cfg: &ChaosConfig, devices: usize, rng: &mut StdRng) -> Vec<(usize, 
             let group = rng.random_range(0..cfg.groups);
             events.push((rng.random_range(1..span.max(2)), Event::Membership { group }));
         }
+        // A crossing group gets the adds that take it above the threshold
+        // (its first steps are adds) by mid-run whatever the draws above:
+        // it switches with messages before and after.
+        let adds = (cfg.large_group_members + 1).saturating_sub(2) as usize;
+        for group in (0..cfg.groups).filter(|k| GroupShape::of(*k, cfg.users) == GroupShape::Crossing) {
+            for _ in 0..adds {
+                events.push((rng.random_range(span / 5..=span / 2), Event::Membership { group }));
+            }
+        }
     }
     // Early enough (some 40 steps before the end) that traffic goes on
     // while the client is stopped, so its user's other device moves the
@@ -161,7 +186,8 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
     }
     let mut rng = StdRng::seed_from_u64(cfg.seed);
     let dir = tempfile::tempdir().context("temporary directory")?;
-    let mut server = ServerSlot::boot(cfg.server.clone(), cfg.retention, dir.path().join("server")).await?;
+    let mut server =
+        ServerSlot::boot(cfg.server.clone(), cfg.retention, cfg.large_group_members, dir.path().join("server")).await?;
     let proxy = Proxy::start(server.addr, cfg.faults, cfg.seed).await.context("start the proxy")?;
     let users: Vec<String> = (0..cfg.users).map(|u| format!("u{u}")).collect();
     let mut devices = open_devices(&cfg, &server, &proxy, &users, dir.path()).await?;
@@ -194,7 +220,8 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
         *d.crash.lock().expect("crash plan lock") = None;
     }
     reopen_dead(&mut devices, &mut report).await?;
-    report.settled = settle(&cfg, &server, &mut devices, &mut report).await?;
+    report.settled = settle(&cfg, &server, &mut devices, &mut groups, &mut report).await?;
+    groups.read_switches(&mut report).await?;
 
     let (accepted, refused) = outcomes(&devices, &sent, &mut report).await;
     let mut views = Vec::with_capacity(devices.len());
@@ -203,7 +230,12 @@ pub async fn run(cfg: ChaosConfig) -> anyhow::Result<Report> {
     }
     let mut convs: BTreeMap<String, ConvFacts> = members
         .iter()
-        .map(|(c, m)| (c.clone(), ConvFacts { kind: ConvKind::Direct, members: m.clone(), changes: Vec::new() }))
+        .map(|(c, m)| {
+            (
+                c.clone(),
+                ConvFacts { kind: ConvKind::Direct, members: m.clone(), changes: Vec::new(), shared_from: None },
+            )
+        })
         .collect();
     convs.extend(groups.facts());
     let outcome = check::check(&check::Facts {
@@ -420,6 +452,8 @@ async fn tally_devices(devices: &[Device], report: &mut Report) -> anyhow::Resul
         report.snapshot_failures += log.snapshot_failures;
         report.digest_mismatches += log.digest_mismatches;
         report.cursor_moves_checked += log.moves_checked;
+        report.group_pulls += log.group_pulls;
+        report.group_clears += log.group_clears;
         // L2 and D5 for every device that fell off: a snapshot followed,
         // under a generation above the one it fell off at.
         if let Some(f) = log.awaiting_snapshot.filter(|_| log.lagged == 0) {
@@ -544,19 +578,27 @@ async fn reopen_dead(devices: &mut [Device], report: &mut Report) -> anyhow::Res
     Ok(())
 }
 
+/// A position and how far a device is there: `(head, applied)`, or a
+/// shared group's `(readable head, held)`.
+type Heads = (u64, u64);
+
 /// Waits until every outbox is drained and every device stands at its
 /// user's head, applied and ACKed (the server's ACK when its store is at
-/// hand, else the local one), for a few polls in a row. Notes what keeps a
-/// device from it if the wait gives up.
+/// hand, else the local one), and holds each of its user's shared groups
+/// up to the head the user may read there with its marker clean (the
+/// marker in-process; over the control connection the head only), for a
+/// few polls in a row. Notes what keeps a device from it if the wait gives
+/// up.
 async fn settle(
     cfg: &ChaosConfig,
     server: &ServerSlot,
     devices: &mut [Device],
+    groups: &mut Groups,
     report: &mut Report,
 ) -> anyhow::Result<bool> {
     let deadline = tokio::time::Instant::now() + cfg.settle_max;
     let mut quiet = 0;
-    let mut last_heads: Vec<(u64, u64)> = Vec::new();
+    let mut last_heads: (Vec<Heads>, Vec<Heads>) = (Vec::new(), Vec::new());
     // Why each device is not there yet, at the last poll.
     let mut behind: Vec<String> = Vec::new();
     // Devices at the head whose local ACK is behind the server's.
@@ -565,6 +607,8 @@ async fn settle(
         reopen_dead(devices, report).await?;
         // Each device's (applied, acked); in-process, the user's head too.
         let mut heads = Vec::with_capacity(devices.len());
+        // Each shared group's (readable head, held) per device.
+        let mut shared_heads = Vec::new();
         let mut done = true;
         behind.clear();
         stale_acks.clear();
@@ -594,6 +638,27 @@ async fn settle(
                     pos.generation
                 ));
             }
+            // G2: a shared group comes by `conv.sync` pulls, not by the
+            // user's log: standing at the head says nothing about it.
+            let shared = match server.shared_groups(&d.user, &d.id).await? {
+                Some(shared) => shared,
+                None => groups.shared_heads(&d.user).await?,
+            };
+            let local = client.conversations().await?;
+            for g in &shared {
+                let held = local.iter().find(|c| c.conv == g.conv).map_or(0, |c| c.contiguous_msg_seq);
+                shared_heads.push((g.last_msg_seq, held));
+                if held < g.last_msg_seq || g.dirty == Some(true) {
+                    done = false;
+                    behind.push(format!(
+                        "{}: shared group {} held up to {held}, the user may read up to {} (marker dirty: {:?})",
+                        d.name(),
+                        g.conv,
+                        g.last_msg_seq,
+                        g.dirty
+                    ));
+                }
+            }
             if pending > 0 || pos.applied_sync_seq != head || !acked {
                 done = false;
                 let log = d.log.lock().expect("log lock");
@@ -615,8 +680,8 @@ async fn settle(
                 done = false;
             }
         }
-        quiet = if done && heads == last_heads { quiet + 1 } else { 0 };
-        last_heads = heads;
+        quiet = if done && (&heads, &shared_heads) == (&last_heads.0, &last_heads.1) { quiet + 1 } else { 0 };
+        last_heads = (heads, shared_heads);
         if quiet >= SETTLE_QUIET_POLLS {
             report.notes.append(&mut stale_acks);
             return Ok(true);

@@ -45,6 +45,13 @@ pub struct Report {
     pub digest_mismatches: u64,
     pub check: check::Outcome,
     pub cursor_moves_checked: u64,
+    /// Shared groups: pulls committed then cleared, and clears that
+    /// succeeded (change streams).
+    pub group_pulls: u64,
+    pub group_clears: u64,
+    /// Groups that crossed the large-group threshold during the run and
+    /// switched (their `conv.mode` right after the crossing join).
+    pub switched_mid_run: usize,
     pub settled: bool,
     pub notes: Vec<String>,
     /// Violations seen while running (cursor moves) plus the checker's.
@@ -120,6 +127,11 @@ impl fmt::Display for Report {
             f,
             "  periods: {} group messages and {} membership events verified inside periods, {} out-of-period events confirmed absent",
             self.check.group_verified, self.check.membership_events_verified, self.check.out_of_period_absent
+        )?;
+        writeln!(
+            f,
+            "  large groups: {} in shared mode ({} switched mid-run); {} group messages verified above their switch (read by conv.sync); {} pulls cleared on the devices ({} clears succeeded)",
+            self.check.shared_groups, self.switched_mid_run, self.check.shared_verified, self.group_pulls, self.group_clears
         )?;
         writeln!(f, "  cursor moves checked: {}; settled: {}", self.cursor_moves_checked, self.settled)?;
         for n in &self.notes {

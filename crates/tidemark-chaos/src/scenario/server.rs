@@ -40,9 +40,22 @@ pub(super) enum Running {
 pub(super) struct ServerSlot {
     pub(super) mode: ServerMode,
     pub(super) retention: Retention,
+    /// The large-group threshold (`--large-group-members`).
+    pub(super) large_group_members: u64,
     pub(super) dir: PathBuf,
     pub(super) addr: SocketAddr,
     pub(super) running: Option<Running>,
+}
+
+/// A shared group as the server serves it to one user (and device).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SharedHead {
+    pub(super) conv: String,
+    /// The `msg_seq` the user may read up to.
+    pub(super) last_msg_seq: u64,
+    /// The device's marker is dirty; `None` when not known (read over the
+    /// user's control connection, not for the device).
+    pub(super) dirty: Option<bool>,
 }
 
 /// A device's server cursor next to its user's trim point.
@@ -71,9 +84,14 @@ impl Standing {
 }
 
 impl ServerSlot {
-    pub(super) async fn boot(mode: ServerMode, retention: Retention, dir: PathBuf) -> anyhow::Result<ServerSlot> {
-        let (running, addr) = boot(&mode, &retention, &dir, "127.0.0.1:0").await?;
-        Ok(ServerSlot { mode, retention, dir, addr, running: Some(running) })
+    pub(super) async fn boot(
+        mode: ServerMode,
+        retention: Retention,
+        large_group_members: u64,
+        dir: PathBuf,
+    ) -> anyhow::Result<ServerSlot> {
+        let (running, addr) = boot(&mode, &retention, large_group_members, &dir, "127.0.0.1:0").await?;
+        Ok(ServerSlot { mode, retention, large_group_members, dir, addr, running: Some(running) })
     }
 
     /// Events per conversation a snapshot carries, as this server is
@@ -133,6 +151,25 @@ impl ServerSlot {
         }
     }
 
+    /// The user's shared groups as the server serves them to `device`
+    /// (G2): `(conv, last_msg_seq, dirty)`, the head the user may read
+    /// (the marker's target, capped at a leave) and whether the device's
+    /// marker is dirty. In-process only (from its store); `None` for the
+    /// binary or while the server is down.
+    pub(super) async fn shared_groups(&self, user: &str, device: &str) -> anyhow::Result<Option<Vec<SharedHead>>> {
+        let Some(Running::InProcess(s)) = &self.running else { return Ok(None) };
+        let convs = s.state.store.list_conversations(user, Some(device)).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(Some(
+            convs
+                .into_iter()
+                .filter_map(|c| {
+                    let m = c.marker?;
+                    Some(SharedHead { conv: c.conv, last_msg_seq: c.last_msg_seq, dirty: Some(m.dirty) })
+                })
+                .collect(),
+        ))
+    }
+
     /// Stops the server: gracefully in-process, SIGKILL for the binary.
     pub(super) async fn kill(&mut self) {
         match self.running.take() {
@@ -147,7 +184,8 @@ impl ServerSlot {
 
     pub(super) async fn start(&mut self) -> anyhow::Result<()> {
         if self.running.is_none() {
-            let (running, _) = boot(&self.mode, &self.retention, &self.dir, &self.addr.to_string()).await?;
+            let (running, _) =
+                boot(&self.mode, &self.retention, self.large_group_members, &self.dir, &self.addr.to_string()).await?;
             self.running = Some(running);
         }
         Ok(())
@@ -157,20 +195,22 @@ impl ServerSlot {
 pub(super) async fn boot(
     mode: &ServerMode,
     retention: &Retention,
+    large_group_members: u64,
     dir: &std::path::Path,
     listen: &str,
 ) -> anyhow::Result<(Running, SocketAddr)> {
     match mode {
         ServerMode::InProcess => {
             let store = SqliteStore::open(dir).context("open the server store")?;
-            let config = retention.server_config();
+            let config = retention.server_config(large_group_members)?;
             let s = Server::start(listen, store, config).await.context("start the server")?;
             let addr = s.addr;
             Ok((Running::InProcess(s), addr))
         }
         ServerMode::Binary(bin) => {
             let (bin, dir, listen, retention) = (bin.clone(), dir.to_owned(), listen.to_owned(), *retention);
-            tokio::task::spawn_blocking(move || spawn_binary(&bin, &dir, &listen, &retention)).await?
+            tokio::task::spawn_blocking(move || spawn_binary(&bin, &dir, &listen, &retention, large_group_members))
+                .await?
         }
     }
 }
@@ -234,6 +274,7 @@ pub(super) fn spawn_binary(
     dir: &std::path::Path,
     listen: &str,
     retention: &Retention,
+    large_group_members: u64,
 ) -> anyhow::Result<(Running, SocketAddr)> {
     use std::io::BufRead;
     use std::process::{Command, Stdio};
@@ -241,6 +282,7 @@ pub(super) fn spawn_binary(
         .args(["serve", "--listen", listen, "--data"])
         .arg(dir)
         .args(retention.serve_args())
+        .args(["--large-group-members".to_owned(), large_group_members.to_string()])
         .env("TIDEMARK_ADMIN_TOKEN", ADMIN)
         .env("RUST_LOG", "error")
         .stdout(Stdio::piped())

@@ -484,9 +484,27 @@ pub(super) fn apply_envelope(
     }
     let (_, cursor) = slot.as_mut().expect("loaded above");
     // A period of this user starts at its own join event: what lies below
-    // it is outside the user's view, not a gap (§3.4.2).
+    // it is outside the user's view, not a gap (§3.4.2) — down to the
+    // user's previous leave only. When that leave is held above the cursor
+    // (the previous period's tail is not: in a shared group its messages
+    // come by `conv.sync`, while the leave and the join come by the user's
+    // log, G2; or an event of it was lost), skipping would pass messages
+    // of the previous period that were never held. The gap stays; the pull
+    // or repair that fills it serves this join again (it is inside the
+    // period), with the cursor at the leave by then, and skips only the
+    // time the user was out.
     if env.kind == "member.join" && env.content["user"].as_str() == Some(user) {
-        cursor.start_at(env.msg_seq - 1);
+        let tail_missing = tx
+            .query_row(
+                "SELECT EXISTS (SELECT 1 FROM messages WHERE conv = ?1 AND kind = 'member.leave'
+                   AND msg_seq > ?2 AND msg_seq < ?3 AND json_extract(content, '$.user') = ?4)",
+                params![env.conv, cursor.position() as i64, env.msg_seq as i64, user],
+                |r| r.get::<_, bool>(0),
+            )
+            .map_err(StoreError::from)?;
+        if !tail_missing {
+            cursor.start_at(env.msg_seq - 1);
+        }
     }
     // Only groups have a creation event and membership events: a
     // conversation first learned from one is a group, whatever was assumed.

@@ -196,6 +196,35 @@ fn a_join_starts_the_cursor_at_the_period() {
 }
 
 #[test]
+fn a_rejoin_skips_only_the_time_out_not_the_previous_periods_tail() {
+    // A shared group (G2): bob held 1..=4; 5 and 6 are messages of his
+    // first period, read by conv.sync, not in his log; his leave (7) and
+    // rejoin (9) are, and arrive first. 8 is outside his periods.
+    let (_d, mut s) = open();
+    let join = |sync_seq, msg_seq| {
+        conv_event(sync_seq, "g1", msg_seq, "member.join", "ann", json!({"user": "bob", "by": "ann", "op": "add"}))
+    };
+    let leave = conv_event(5, "g1", 7, "member.leave", "ann", json!({"user": "bob", "by": "ann", "op": "remove"}));
+    let first: Vec<UserEvent> = (1..=4).map(|m| event(m, "g1", m, "ann")).collect();
+    s.apply_page(&page(first, 4), GO).unwrap();
+    let r = s.apply_page(&page_at(1, 4, vec![leave.clone(), join(6, 9)], 6), GO).unwrap();
+    assert!(r.cursors.is_empty(), "nothing below the leave may be skipped: {:?}", r.cursors);
+    assert_eq!(r.gaps.len(), 1, "msg_seq 5..=6 are missing");
+    assert_eq!(s.conversation("g1").unwrap().unwrap().contiguous_msg_seq, 4);
+    // The pull from 5 serves 5, 6, the leave and the join again.
+    let env = |e: &UserEvent| e.message.clone().unwrap();
+    let pulled = vec![env(&event(0, "g1", 5, "ann")), env(&event(0, "g1", 6, "ann")), env(&leave), env(&join(0, 9))];
+    s.apply_pull("g1", &pulled, true, 10).unwrap();
+    assert_eq!(s.conversation("g1").unwrap().unwrap().contiguous_msg_seq, 9, "8 is the time bob was out");
+
+    // Once the previous period is held, a rejoin skips the time out at once.
+    let leave2 = conv_event(7, "g1", 10, "member.leave", "ann", json!({"user": "bob", "by": "ann", "op": "remove"}));
+    let r = s.apply_page(&page_at(1, 6, vec![leave2, join(8, 12)], 8), GO).unwrap();
+    assert!(r.gaps.is_empty(), "{:?}", r.gaps);
+    assert_eq!(s.conversation("g1").unwrap().unwrap().contiguous_msg_seq, 12);
+}
+
+#[test]
 fn per_user_events_move_the_read_position_and_settings() {
     let (_d, mut s) = open();
     let events = vec![
