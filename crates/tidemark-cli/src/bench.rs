@@ -33,6 +33,7 @@ mod connections;
 mod depth;
 mod device;
 mod fanout;
+mod large;
 mod pg;
 mod presence;
 mod proc;

@@ -106,6 +106,13 @@ impl SqliteStore {
     /// Opens (creating if needed) the store in `data_dir` and applies the
     /// schema migrations it lacks (`schema::migrate`); a database migrated
     /// by a newer build is refused with [`StoreError::SchemaTooNew`].
+    /// Rows the writer's committed transactions inserted, updated or
+    /// deleted since the store opened (`bench fanout --large` divides it by
+    /// the messages sent). Not in `StoreStats`: a SQLite measure.
+    pub fn rows_written(&self) -> u64 {
+        self.writer.stats.rows.load(Ordering::Relaxed)
+    }
+
     pub fn open(data_dir: &Path) -> StoreResult<Arc<SqliteStore>> {
         std::fs::create_dir_all(data_dir)
             .map_err(|e| StoreError::Unavailable(format!("create {}: {e}", data_dir.display())))?;

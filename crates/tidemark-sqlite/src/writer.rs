@@ -69,6 +69,9 @@ pub struct WriterStats {
     pub commits: AtomicU64,
     pub writes: AtomicU64,
     pub checkpoints: AtomicU64,
+    /// Rows inserted, updated or deleted by committed transactions
+    /// (SQLite's `total_changes`, trigger programs included).
+    pub rows: AtomicU64,
 }
 
 #[derive(Clone)]
@@ -206,6 +209,7 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats, failu
         // A transaction that changed no row (the relay's poll of an empty
         // outbox) writes no WAL frame and costs no fsync: it is not counted.
         if commit_error.is_none() && conn.total_changes() != changes_before {
+            stats.rows.fetch_add(conn.total_changes().saturating_sub(changes_before), Ordering::Relaxed);
             stats.commits.fetch_add(1, Ordering::Relaxed);
             stats.writes.fetch_add(size, Ordering::Relaxed);
             metrics::counter!(names::COMMITS).increment(1);

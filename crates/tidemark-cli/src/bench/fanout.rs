@@ -49,6 +49,13 @@
 //! All receivers of a run share the process and the disk (100 databases
 //! fsyncing at once on one machine, where real devices each have their own
 //! disk); both sides share that handicap.
+//!
+//! Each run also records, per message, the time until its *last* receiver
+//! committed it (`last_p50_ms`, `last_p99_ms`, in the JSON).
+//!
+//! `--large` runs the large-group matrix instead (`large.rs`): shared and
+//! per-member mode at `--large-sizes`, `--online-fraction` of the members
+//! online, beside this file's baseline to as many receivers.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -94,59 +101,82 @@ pub struct FanoutArgs {
     /// Where the temporary stores go (must be a real disk).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Large groups instead (`large.rs`): shared mode at `--large-sizes`,
+    /// per-member mode where the size allows it (up to 1,000), a fraction
+    /// of the members online, beside the bare broadcast to as many
+    /// receivers. Default output `bench-results/fanout-large.json`.
+    #[arg(long)]
+    pub large: bool,
+    /// `--large`: group sizes, members including the sender.
+    #[arg(long, value_delimiter = ',', default_values_t = vec![100u32, 1000, 10_000])]
+    pub large_sizes: Vec<u32>,
+    /// `--large`: the fraction of the members (sender excluded) online, each
+    /// one SDK client with its own local database; the others are accounts
+    /// and memberships only.
+    #[arg(long, default_value_t = 0.1)]
+    pub online_fraction: f64,
+    /// `--large`: messages sent before any receiver is online, to measure
+    /// the server's rows written per message without device work.
+    #[arg(long, default_value_t = 20)]
+    pub probe_messages: u32,
 }
 
-const TEXT: &str = "The quick brown fox jumps over the lazy dog; benchmark payload.";
-const LATENCY_MAX_US: u64 = 120_000_000;
-const RUN_TIMEOUT: Duration = Duration::from_secs(300);
+pub(super) const TEXT: &str = "The quick brown fox jumps over the lazy dog; benchmark payload.";
+pub(super) const LATENCY_MAX_US: u64 = 120_000_000;
+pub(super) const RUN_TIMEOUT: Duration = Duration::from_secs(300);
 /// Logging in, connecting and syncing the group's creation, per run.
-const SETUP_TIMEOUT: Duration = Duration::from_secs(120);
+pub(super) const SETUP_TIMEOUT: Duration = Duration::from_secs(120);
 /// The SDK's local store waits this long on a locked database; the
 /// baseline's databases use the same.
 const BUSY_TIMEOUT: Duration = Duration::from_millis(5_000);
 /// The message kind the sender uses; group creation events are control
 /// kinds, so a receiver counts exactly the sender's messages.
-const KIND: &str = "text";
+pub(super) const KIND: &str = "text";
 
 /// Nanoseconds since the run's shared reference instant.
-fn since(epoch: Instant) -> u64 {
+pub(super) fn since(epoch: Instant) -> u64 {
     epoch.elapsed().as_nanos() as u64
 }
 
-fn payload(n: u64, t0_ns: u64) -> serde_json::Value {
+pub(super) fn payload(n: u64, t0_ns: u64) -> serde_json::Value {
     serde_json::json!({ "text": TEXT, "n": n, "t0_ns": t0_ns })
 }
 
-fn latency_hist() -> Result<Histogram<u64>> {
+pub(super) fn latency_hist() -> Result<Histogram<u64>> {
     Ok(Histogram::<u64>::new_with_bounds(1, LATENCY_MAX_US, 3)?)
 }
 
 /// Records one delivery committed at `done_ns` of a message whose send
 /// started at `t0_ns`, in microseconds.
-fn record(hist: &mut Histogram<u64>, t0_ns: u64, done_ns: u64) {
+pub(super) fn record(hist: &mut Histogram<u64>, t0_ns: u64, done_ns: u64) {
     hist.saturating_record((done_ns.saturating_sub(t0_ns) / 1000).max(1));
 }
 
 #[derive(Debug, Clone, Serialize)]
-struct Run {
+pub(super) struct Run {
     members: u32,
     receivers: u32,
     messages: u32,
     deliveries: u64,
     secs: f64,
     deliveries_per_s: f64,
-    p50_ms: f64,
-    p99_ms: f64,
+    pub(super) p50_ms: f64,
+    pub(super) p99_ms: f64,
     max_ms: f64,
     /// Local transactions that committed deliveries, over all receivers.
     local_commits: u64,
     commits_per_delivery: f64,
     /// Tidemark only: hints the receivers' clients got.
     hints: u64,
+    /// Per message, the time until the last receiver committed it.
+    pub(super) last_p50_ms: f64,
+    pub(super) last_p99_ms: f64,
 }
 
 struct Tally {
     hist: Histogram<u64>,
+    /// Per message, until its last receiver's commit.
+    last: Histogram<u64>,
     /// Nanoseconds from the first send start to the last local commit.
     span_ns: u64,
     commits: u64,
@@ -170,6 +200,8 @@ fn finish(members: u32, messages: u32, t: Tally) -> Run {
         local_commits: t.commits,
         commits_per_delivery: t.commits as f64 / deliveries.max(1) as f64,
         hints: t.hints,
+        last_p50_ms: t.last.value_at_quantile(0.5) as f64 / 1000.0,
+        last_p99_ms: t.last.value_at_quantile(0.99) as f64 / 1000.0,
     }
 }
 
@@ -305,8 +337,10 @@ async fn tidemark_measure(
 
         // The send start of each delivery, from the content each receiver
         // committed to its local store.
-        let mut tally = Tally { hist: latency_hist()?, span_ns: 0, commits: 0, hints: 0 };
+        let mut tally = Tally { hist: latency_hist()?, last: latency_hist()?, span_ns: 0, commits: 0, hints: 0 };
         let mut last = start;
+        // msg_seq -> (send start, the last receiver's commit).
+        let mut per_message: HashMap<u64, (u64, u64)> = HashMap::new();
         for (c, seen) in clients.iter().zip(seen) {
             let seen = seen?;
             let stored = c.messages(&conv).await?;
@@ -327,9 +361,14 @@ async fn tidemark_measure(
                 let t0 = *t0_of.get(&msg_seq).with_context(|| format!("msg_seq {msg_seq} not in the local store"))?;
                 record(&mut tally.hist, t0, done);
                 last = last.max(done);
+                let slot = per_message.entry(msg_seq).or_insert((t0, done));
+                slot.1 = slot.1.max(done);
             }
             tally.commits += seen.commits;
             tally.hints += seen.hints;
+        }
+        for (t0, done) in per_message.values() {
+            record(&mut tally.last, *t0, *done);
         }
         tally.span_ns = last - start;
         Ok(finish(members, args.messages, tally))
@@ -459,7 +498,7 @@ fn commit_batch(conn: &mut Connection, rows: &[Row]) -> Result<()> {
     Ok(())
 }
 
-async fn baseline_run(parent: &Path, members: u32, args: &FanoutArgs, pb: &ProgressBar) -> Result<Run> {
+pub(super) async fn baseline_run(parent: &Path, members: u32, args: &FanoutArgs, pb: &ProgressBar) -> Result<Run> {
     let dir = TempDir::create(parent)?;
     let (addr, server) = baseline_server().await?;
     let result = baseline_measure(&dir.0, addr, members, args, pb).await;
@@ -492,6 +531,8 @@ async fn baseline_measure(
             let mut hist = latency_hist()?;
             let mut ready_tx = Some(ready_tx);
             let (mut got, mut commits, mut last) = (0u64, 0u64, 0u64);
+            // (msg_seq, send start, commit) of every delivery.
+            let mut done: Vec<(u64, u64, u64)> = Vec::with_capacity(messages as usize);
             while got < messages {
                 let Some(msg) = stream.next().await else { bail!("baseline client: closed") };
                 let Message::Text(text) = msg? else { continue };
@@ -520,6 +561,7 @@ async fn baseline_measure(
                 let now = since(epoch);
                 for r in &rows {
                     record(&mut hist, r.t0_ns, now);
+                    done.push((r.msg_seq, r.t0_ns, now));
                 }
                 got += rows.len() as u64;
                 commits += 1;
@@ -529,7 +571,7 @@ async fn baseline_measure(
             drop(sink);
             let held: i64 = conn.query_row("SELECT COUNT(*) FROM messages", [], |r| r.get(0))?;
             ensure!(held as u64 == messages, "a baseline client holds {held} of {messages} messages");
-            Ok((hist, commits, last))
+            Ok((hist, commits, last, done))
         }));
     }
     for r in readies {
@@ -559,13 +601,21 @@ async fn baseline_measure(
         }
     }
     let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("baseline timed out")??;
-    let mut tally = Tally { hist: latency_hist()?, span_ns: 0, commits: 0, hints: 0 };
+    let mut tally = Tally { hist: latency_hist()?, last: latency_hist()?, span_ns: 0, commits: 0, hints: 0 };
     let mut last = start;
+    let mut per_message: HashMap<u64, (u64, u64)> = HashMap::new();
     for r in results {
-        let (h, commits, l) = r?;
+        let (h, commits, l, done) = r?;
         tally.hist.add(&h)?;
         tally.commits += commits;
         last = last.max(l);
+        for (msg_seq, t0, at) in done {
+            let slot = per_message.entry(msg_seq).or_insert((t0, at));
+            slot.1 = slot.1.max(at);
+        }
+    }
+    for (t0, at) in per_message.values() {
+        record(&mut tally.last, *t0, *at);
     }
     tally.span_ns = last - start;
     Ok(finish(members, args.messages, tally))
@@ -648,6 +698,9 @@ fn summarize(members: u32, runs: &[&RoundRun]) -> GroupSummary {
 
 pub async fn run(args: FanoutArgs) -> Result<()> {
     init_logs();
+    if args.large {
+        return super::large::run(args).await;
+    }
     for &m in &args.groups {
         ensure!(m >= 2, "a group needs at least 2 members");
     }
