@@ -306,8 +306,9 @@ fn new_report(cfg: &ChaosConfig) -> Report {
     let mut report = Report { seed: cfg.seed, server: server_kind, ..Report::default() };
     if matches!(cfg.server, ServerMode::Binary(_)) {
         report.notes.push(format!(
-            "tidemark serve {}; snapshot pages: the binary's default {} items (no flag)",
+            "tidemark serve {} --large-group-members {}; snapshot pages: the binary's default {} items (no flag)",
             cfg.retention.serve_args().join(" "),
+            cfg.large_group_members,
             ServerConfig::default().snapshot_page_items
         ));
     }
