@@ -171,6 +171,15 @@ pub fn publish(target: MsgSeq, version: u64, max_seq: MsgSeq) -> (MsgSeq, u64) {
     (target.max(max_seq), version + 1)
 }
 
+/// R3 in shared mode: where the unread count above the switch is read
+/// from the log, `(above, upto]`: above the read cursor and the switch
+/// (below it the projection counts), up to the member's marker target.
+/// `None` when the window is empty (nothing to count).
+pub fn unread_window(read_seq: MsgSeq, shared_from: MsgSeq, target: MsgSeq) -> Option<(MsgSeq, MsgSeq)> {
+    let above = read_seq.max(shared_from);
+    (target > above).then_some((above, target))
+}
+
 /// Unread in shared mode: `counted` messages from others above the read
 /// cursor (counted up to [`UNREAD_COUNT_MAX`] + 1), as `(unread, capped)`.
 pub fn shared_unread(counted: u64) -> (u64, bool) {
@@ -268,6 +277,14 @@ mod tests {
         check_route(MODE_SHARED, Some(7), 9, KIND_LEAVE, Route::Subject);
         // A group created shared: its conv.created is the switch.
         check_route(MODE_SHARED, Some(1), 1, KIND_CREATED, Route::PerMember);
+    }
+
+    #[test]
+    fn unread_is_counted_above_the_read_cursor_and_the_switch_up_to_the_target() {
+        assert_eq!(unread_window(0, 4, 9), Some((4, 9)), "below the switch the projection counts");
+        assert_eq!(unread_window(6, 4, 9), Some((6, 9)));
+        assert_eq!(unread_window(9, 4, 9), None, "all read");
+        assert_eq!(unread_window(0, 4, 4), None, "nothing above the switch yet");
     }
 
     #[test]

@@ -121,9 +121,11 @@ pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which:
             query(c, &format!("SELECT {LIST_COLS} {from} AND uc.conv_id = $3"), &[&user, &device, &conv]).await?
         }
     };
+    // The dirty list of the sync path reads markers only: no unread count.
+    let count_unread = !matches!(which, Rows::Shared);
     let mut out = Vec::with_capacity(rows.len());
     for r in &rows {
-        let mut state = ConvState {
+        let state = ConvState {
             conv: col(r, 0)?,
             kind: col(r, 1)?,
             last_msg_seq: seq(r, 2)?,
@@ -136,24 +138,23 @@ pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which:
             marker: None,
             unread_capped: false,
         };
-        if let (tidemark_core::large::MODE_SHARED, Some(from)) = (state.mode.as_str(), seq_opt(r, 9)?) {
-            let marker = tidemark_core::large::marker(&tidemark_core::large::MarkerFacts {
-                published_target: seq(r, 10)?,
-                version: seq(r, 11)?,
-                left_at: seq_opt(r, 12)?,
-                cleared_seq: seq(r, 13)?,
-            });
-            // Unread: the projection's count up to the switch, plus the
-            // messages above it counted from the log on read (exact up to
-            // the cap, so it cannot drift).
-            let counted = shared_unread_above(c, user, &state.conv, state.read_seq.max(from), marker.target).await?;
-            let (unread, capped) = tidemark_core::large::shared_unread(state.unread + counted);
-            state.last_msg_seq = state.last_msg_seq.max(marker.target);
-            state.unread = unread;
-            state.unread_capped = capped;
-            state.marker = Some(marker);
-        }
-        out.push(state);
+        let (tidemark_core::large::MODE_SHARED, Some(from)) = (state.mode.as_str(), seq_opt(r, 9)?) else {
+            out.push(state);
+            continue;
+        };
+        let marker = tidemark_core::large::marker(&tidemark_core::large::MarkerFacts {
+            published_target: seq(r, 10)?,
+            version: seq(r, 11)?,
+            left_at: seq_opt(r, 12)?,
+            cleared_seq: seq(r, 13)?,
+        });
+        // Unread above the switch is counted from the log on read (exact
+        // up to the cap, so it cannot drift); the marker alone needs none.
+        let counted = match (count_unread, tidemark_core::large::unread_window(state.read_seq, from, marker.target)) {
+            (true, Some((above, upto))) => shared_unread_above(c, user, &state.conv, above, upto).await?,
+            _ => 0,
+        };
+        out.push(state.shared(marker, counted));
     }
     Ok(out)
 }
@@ -162,9 +163,6 @@ pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which:
 /// has not read, recalled or deleted for themselves, counted up to
 /// `large::UNREAD_COUNT_MAX + 1`.
 pub(crate) async fn shared_unread_above(c: &Conn, user: &str, conv: &str, above: u64, upto: u64) -> R<u64> {
-    if upto <= above {
-        return Ok(0);
-    }
     let control = tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
     let sql = format!(
         "SELECT COUNT(*) FROM (SELECT 1 FROM messages m

@@ -292,6 +292,8 @@ pub(crate) fn conv_rows(
     device: Option<&str>,
     which: Rows<'_>,
 ) -> StoreResult<Vec<ConvState>> {
+    // The dirty list of the sync path reads markers only: no unread count.
+    let count_unread = !matches!(which, Rows::Shared);
     let (filter, conv) = match which {
         Rows::All => ("", None),
         Rows::Shared => ("AND uc.shared = 1", None),
@@ -334,20 +336,19 @@ pub(crate) fn conv_rows(
     .collect::<Result<Vec<_>, _>>()
     .map_err(internal)?;
     let mut out = Vec::with_capacity(rows.len());
-    for (mut state, shared_from, facts) in rows {
-        if let (tidemark_core::large::MODE_SHARED, Some(from)) = (state.mode.as_str(), shared_from) {
-            let marker = tidemark_core::large::marker(&facts);
-            // Unread: the projection's count up to the switch, plus the
-            // messages above it counted from the log on read (exact up to
-            // the cap, so it cannot drift).
-            let counted = shared_unread_above(c, user, &state.conv, state.read_seq.max(from), marker.target)?;
-            let (unread, capped) = tidemark_core::large::shared_unread(state.unread + counted);
-            state.last_msg_seq = state.last_msg_seq.max(marker.target);
-            state.unread = unread;
-            state.unread_capped = capped;
-            state.marker = Some(marker);
-        }
-        out.push(state);
+    for (state, shared_from, facts) in rows {
+        let (tidemark_core::large::MODE_SHARED, Some(from)) = (state.mode.as_str(), shared_from) else {
+            out.push(state);
+            continue;
+        };
+        let marker = tidemark_core::large::marker(&facts);
+        // Unread above the switch is counted from the log on read (exact
+        // up to the cap, so it cannot drift); the marker alone needs none.
+        let counted = match (count_unread, tidemark_core::large::unread_window(state.read_seq, from, marker.target)) {
+            (true, Some((above, upto))) => shared_unread_above(c, user, &state.conv, above, upto)?,
+            _ => 0,
+        };
+        out.push(state.shared(marker, counted));
     }
     Ok(out)
 }
@@ -356,9 +357,6 @@ pub(crate) fn conv_rows(
 /// has not read, recalled or deleted for themselves, counted up to
 /// `large::UNREAD_COUNT_MAX + 1`.
 pub(crate) fn shared_unread_above(c: &Connection, user: &str, conv: &str, above: u64, upto: u64) -> StoreResult<u64> {
-    if upto <= above {
-        return Ok(0);
-    }
     let control = tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
     let sql = format!(
         "SELECT COUNT(*) FROM (SELECT 1 FROM messages m

@@ -319,6 +319,21 @@ pub struct ConvState {
     pub unread_capped: bool,
 }
 
+impl ConvState {
+    /// The row of a shared group (G2, R3): its marker, `last_msg_seq` at
+    /// the marker's target, `unread` the projection's count up to the
+    /// switch plus `counted` from the log above it
+    /// (`large::unread_window`), capped by `large::shared_unread`.
+    pub fn shared(mut self, marker: Marker, counted: u64) -> ConvState {
+        let (unread, capped) = tidemark_core::large::shared_unread(self.unread + counted);
+        self.last_msg_seq = self.last_msg_seq.max(marker.target);
+        self.unread = unread;
+        self.unread_capped = capped;
+        self.marker = Some(marker);
+        self
+    }
+}
+
 /// A shared group that moved in one fan-out batch: its published marker
 /// and the `msg_seq` of its last membership change.
 #[derive(Debug, Clone, PartialEq, Eq)]
