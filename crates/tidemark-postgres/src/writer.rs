@@ -66,7 +66,7 @@ pub const WRITE_BATCH_MAX: usize = 256;
 pub const WRITE_QUEUE_MAX: usize = 8192;
 /// Most runs of one request aborted by a deadlock or a serialisation failure
 /// (the first run included); the last one's error reaches the caller.
-pub const WRITE_ATTEMPTS_MAX: u32 = 3;
+pub const WRITE_ATTEMPTS_MAX: u32 = 5;
 /// Pause before a run again: `attempt × this`, plus a random part up to this,
 /// so two writers' retries do not meet in lockstep.
 pub const WRITE_RETRY_PAUSE_MS: u64 = 10;

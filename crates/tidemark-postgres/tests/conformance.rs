@@ -692,15 +692,13 @@ where
 /// and reads (which lock a user head, then fan-out events). Their batches
 /// hold every request's locks until COMMIT, so they can deadlock; the
 /// aborted request is run again by its writer (`WRITE_ATTEMPTS_MAX`).
-/// Nothing answers `Unavailable`, and nothing is written twice.
 ///
-/// Zero is what this run asserts; it is not a guarantee: a request that is
-/// the deadlock victim on every one of its `WRITE_ATTEMPTS_MAX` runs is still
-/// answered `Unavailable` (and counted as a give-up). So the test checks
-/// that every `Unavailable` is such a counted give-up, and that there are
-/// none here (retries are each in a later transaction, after the batch that
-/// held the other locks committed, so a second abort of the same request is
-/// already rare and a third has not been seen).
+/// A request that is the deadlock victim on every one of its runs is
+/// answered `Unavailable` (retryable) and counted as a give-up; how often
+/// that happens depends on the scheduler, so the test does not assert a
+/// number. It asserts what holds on every run: each `Unavailable` is such a
+/// counted give-up, the client's own retry (the same `client_msg_id`, as
+/// the SDK does) lands it, and nothing is written twice or lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_writers_hammering_the_same_rows_retry_deadlocks() {
     use tidemark_postgres::writer::WRITE_ATTEMPTS_MAX;
@@ -727,6 +725,7 @@ async fn two_writers_hammering_the_same_rows_retry_deadlocks() {
     let convs = Arc::new(convs);
     const TASKS_PER_STORE: u64 = 8;
     const SENDS_PER_TASK: u64 = 30;
+    const CLIENT_TRIES: u32 = 10;
     let mut tasks = tokio::task::JoinSet::new();
     for (s, store) in stores.iter().enumerate() {
         for t in 0..TASKS_PER_STORE {
@@ -745,17 +744,21 @@ async fn two_writers_hammering_the_same_rows_retry_deadlocks() {
                     let sender = &members[next(2)];
                     let cmid = format!("s{s}t{t}i{i}");
                     let cmd = SendCmd { message_id: format!("m_{cmid}"), ..send_cmd(sender, conv, &cmid) };
-                    let seq = match store.accept_send(cmd).await {
-                        Ok(a) => {
-                            assert!(!a.duplicate);
-                            sent += 1;
-                            a.msg_seq
+                    // The client retries a send answered `Unavailable` with
+                    // the same ids; a retry may find the first run committed
+                    // only if it was answered otherwise, so never here.
+                    let mut tries = 0;
+                    let seq = loop {
+                        tries += 1;
+                        match store.accept_send(cmd.clone()).await {
+                            Ok(a) => {
+                                assert!(!a.duplicate, "an Unavailable send committed nothing");
+                                sent += 1;
+                                break a.msg_seq;
+                            }
+                            Err(StoreError::Unavailable(_)) if tries < CLIENT_TRIES => unavailable += 1,
+                            Err(e) => panic!("send after {tries} tries: {e}"),
                         }
-                        Err(StoreError::Unavailable(_)) => {
-                            unavailable += 1;
-                            continue;
-                        }
-                        Err(e) => panic!("send: {e}"),
                     };
                     let other = &members[next(2)];
                     match store.mark_read(other, conv, seq, 0).await {
@@ -783,7 +786,6 @@ async fn two_writers_hammering_the_same_rows_retry_deadlocks() {
         stores.iter().map(|s| s.conflict_retries()).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
     eprintln!("conflict retries {retries}, give-ups {give_ups}, unavailable {unavailable} (attempts max {WRITE_ATTEMPTS_MAX})");
     assert_eq!(unavailable, give_ups, "every Unavailable is a request that used all of its runs");
-    assert_eq!(unavailable, 0, "no request failed: retries absorbed every deadlock");
     assert_eq!(sent, 2 * TASKS_PER_STORE * SENDS_PER_TASK);
 
     let raw = schemas.raw(&name).await;
