@@ -15,7 +15,10 @@
 //!   (another subject prefix): C learns it from the store, within
 //!   [`FENCE_WITHIN`];
 //! - a device connecting to node B supersedes its connection on node A, and
-//!   a frame sent late on A's socket has no effect.
+//!   a frame sent late on A's socket has no effect;
+//! - an operator's logout through node A, and a password change through A,
+//!   end the sessions on B (kicked over the bus) and on C (learnt from the
+//!   store), within [`FENCE_WITHIN`]; so does a deactivation.
 //!
 //! The services come from `TIDEMARK_TEST_PG_URL` and `TIDEMARK_TEST_NATS_URL`
 //! (`.ci/run` sets both). A test skips, saying why, only when a variable is
@@ -522,6 +525,73 @@ async fn device_revoked_through_node_a_is_kicked_on_b_and_refused_on_c() {
     assert!(WsConn::connect(&c.ws, &phone).await.is_err(), "node C refuses the revoked device's upgrade");
     let ok: serde_json::Value = http_c.rpc(&laptop, "conv.list", &serde_json::json!({})).await.unwrap();
     assert!(ok.is_object(), "the user's other device is not fenced");
+}
+
+/// Polls `conv.list` with `token` on `http` until it is refused as
+/// `UNAUTHENTICATED` (an ended session), up to [`FENCE_WITHIN`] after `since`.
+async fn refused_within(http: &Http, token: &str, since: Instant, what: &str) -> Duration {
+    loop {
+        match http.rpc::<_, serde_json::Value>(token, "conv.list", &serde_json::json!({})).await {
+            Err(e) if e.code() == Some(tidemark_client::proto::ErrorCode::Unauthenticated) => return since.elapsed(),
+            Err(e) => panic!("{what}: refused with another error: {e}"),
+            Ok(_) => {
+                assert!(since.elapsed() < FENCE_WITHIN, "{what}: still accepted after {FENCE_WITHIN:?}");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ended_sessions_through_node_a_end_on_b_over_the_bus_and_on_c_from_the_store() {
+    let name = "ended_sessions_through_node_a_end_on_b_over_the_bus_and_on_c_from_the_store";
+    let Some(services) = services(name).await else { return };
+    let cluster = Cluster::new(services);
+    let (a, b) = (cluster.node(&[]), cluster.node(&[]));
+    let c = cluster.deaf_node();
+    let (http_a, http_b, http_c) = (Http::new(&a.url), Http::new(&b.url), Http::new(&c.url));
+    for u in ["ann", "ben"] {
+        http_a.create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let phone = http_b.login("ann", "pw", "phone").await.unwrap().access_token;
+    let laptop = http_a.login("ann", "pw", "laptop").await.unwrap().access_token;
+    let tablet = http_c.login("ann", "pw", "tablet").await.unwrap().access_token;
+
+    // An operator logs the phone out through A: its socket on B is kicked
+    // at once (the bus), C refuses its token once it reloaded the fences.
+    let (ws, mut phone_events) = WsConn::connect(&b.ws, &phone).await.unwrap();
+    let _: serde_json::Value = ws.request("ping", &serde_json::json!({})).await.unwrap();
+    let at = Instant::now();
+    http_a.admin_logout(ADMIN, "ann", Some("phone")).await.unwrap();
+    assert_eq!(kicked_within(&mut phone_events, "the phone's socket on node B").await, "logged_out");
+    eprintln!("logout: kicked on B {:?} after it went through A", at.elapsed());
+    let on_c = refused_within(&http_c, &phone, at, "the phone's token on node C").await;
+    eprintln!("logout: refused on C (no bus) {on_c:?} after it went through A");
+    let _: serde_json::Value =
+        http_c.rpc(&tablet, "conv.list", &serde_json::json!({})).await.expect("the tablet is not logged out");
+
+    // A password change through the laptop on A logs the other devices out:
+    // the tablet's socket on the deaf node C is kicked from the store.
+    let (ws, mut tablet_events) = WsConn::connect(&c.ws, &tablet).await.unwrap();
+    let _: serde_json::Value = ws.request("ping", &serde_json::json!({})).await.unwrap();
+    let at = Instant::now();
+    let body = serde_json::json!({"old_password": "pw", "new_password": "pw2"});
+    let _: serde_json::Value = http_a.rpc(&laptop, "account.password", &body).await.unwrap();
+    assert_eq!(kicked_within(&mut tablet_events, "the tablet's socket on node C").await, "logged_out");
+    eprintln!("password change: tablet kicked on C (no bus) {:?} after it went through A", at.elapsed());
+    refused_within(&http_b, &tablet, at, "the tablet's token on node B").await;
+    let _: serde_json::Value =
+        http_b.rpc(&laptop, "conv.list", &serde_json::json!({})).await.expect("the laptop keeps its session");
+
+    // A deactivation through A ends the laptop's socket on B.
+    let (ws, mut laptop_events) = WsConn::connect(&b.ws, &laptop).await.unwrap();
+    let _: serde_json::Value = ws.request("ping", &serde_json::json!({})).await.unwrap();
+    let at = Instant::now();
+    http_a.admin_deactivate(ADMIN, "ann").await.unwrap();
+    assert_eq!(kicked_within(&mut laptop_events, "the laptop's socket on node B").await, "account_deactivated");
+    refused_within(&http_c, &laptop, at, "the laptop's token on node C").await;
+    let relogin = http_b.login("ann", "pw2", "laptop").await;
+    assert!(relogin.is_err(), "a deactivated account does not log in");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1101,14 +1101,22 @@ pub struct BusConv {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct BusKick {
+    /// The device; empty for a fence of the whole user (`logged_out`
+    /// without a device, `account_deactivated`).
     pub device: String,
     /// A `kicked` reason: `device_revoked` (end every connection of the
-    /// device and refuse its requests) or `superseded` (end its
-    /// connections older than `connection_epoch`).
+    /// device and refuse its requests), `superseded` (end its
+    /// connections older than `connection_epoch`), `logged_out` (end the
+    /// sessions of the device, or of every device of the user, issued up
+    /// to `ended_at_ms`) or `account_deactivated` (end all of the user's
+    /// sessions and refuse every later one).
     pub reason: String,
     /// The device's newest connection epoch (`superseded`); 0 otherwise.
     #[serde(default)]
     pub connection_epoch: u64,
+    /// When the sessions ended (`logged_out`), ms since the epoch; 0 otherwise.
+    #[serde(default)]
+    pub ended_at_ms: i64,
 }
 
 /// `GET /healthz` while the store answers.
@@ -1217,7 +1225,8 @@ mod tests {
         })
         .unwrap();
         assert_eq!(bus, r#"{"user":"ann","high_watermark":9}"#, "a plain hint is what earlier builds send");
-        let kick = BusKick { device: "phone".into(), reason: reason::SUPERSEDED.into(), connection_epoch: 4 };
+        let kick =
+            BusKick { device: "phone".into(), reason: reason::SUPERSEDED.into(), connection_epoch: 4, ended_at_ms: 0 };
         let bus = serde_json::to_value(BusHint {
             user: "ann".into(),
             high_watermark: 0,

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::StreamExt;
-use tidemark_proto::{BusConv, BusHint, BusKick};
+use tidemark_proto::{reason, BusConv, BusHint, BusKick};
 use tidemark_store::ConvMoved;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
@@ -95,7 +95,16 @@ impl HintBus {
     /// reason and, for `superseded`, the newest connection epoch); never
     /// waits. Published only after the store committed the fence.
     pub fn publish_kick(&self, user: &str, device: &str, reason: &str, connection_epoch: u64) {
-        let kick = BusKick { device: device.to_owned(), reason: reason.to_owned(), connection_epoch };
+        let kick = BusKick { device: device.to_owned(), reason: reason.to_owned(), connection_epoch, ended_at_ms: 0 };
+        self.queue(BusHint { user: user.to_owned(), high_watermark: 0, conv: None, kick: Some(kick), ephemeral: None });
+    }
+
+    /// Queues an end of sessions for the other nodes: `logged_out` of one
+    /// device (or, without one, of every device of `user`) at `ended_at_ms`,
+    /// or `account_deactivated`. Published only after the store committed it.
+    pub fn publish_session_end(&self, user: &str, device: Option<&str>, reason: &str, ended_at_ms: i64) {
+        let device = device.unwrap_or_default().to_owned();
+        let kick = BusKick { device, reason: reason.to_owned(), connection_epoch: 0, ended_at_ms };
         self.queue(BusHint { user: user.to_owned(), high_watermark: 0, conv: None, kick: Some(kick), ephemeral: None });
     }
 
@@ -186,7 +195,11 @@ fn decode(payload: &[u8]) -> Option<BusHint> {
     }
     tidemark_core::ids::check_user(&hint.user).ok()?;
     if let Some(kick) = &hint.kick {
-        tidemark_core::ids::check_device_id(&kick.device).ok()?;
+        // An end of every session of the user names no device.
+        let whole_user = matches!(kick.reason.as_str(), reason::LOGGED_OUT | reason::ACCOUNT_DEACTIVATED);
+        if !(whole_user && kick.device.is_empty()) {
+            tidemark_core::ids::check_device_id(&kick.device).ok()?;
+        }
     }
     Some(hint)
 }
@@ -332,7 +345,7 @@ mod tests {
             let hint = BusHint { user: user.to_owned(), high_watermark: hw, conv: None, kick: None, ephemeral: None };
             assert_eq!(decode(&encode(&hint)), Some(hint));
         }
-        let kick = BusKick { device: "phone".into(), reason: "superseded".into(), connection_epoch: 3 };
+        let kick = BusKick { device: "phone".into(), reason: "superseded".into(), connection_epoch: 3, ended_at_ms: 0 };
         let hint = BusHint { user: "bob".into(), high_watermark: 0, conv: None, kick: Some(kick), ephemeral: None };
         assert_eq!(decode(&encode(&hint)), Some(hint));
         // A large group's marker (G2): no user, its own subject.
@@ -366,5 +379,24 @@ mod tests {
         assert_eq!(user_token("a.b"), "x612e62");
         assert!(valid_prefix("tidemark.hint") && valid_prefix("t_1.hint"));
         assert!(!valid_prefix("") && !valid_prefix("a..b") && !valid_prefix("a.>") && !valid_prefix("a b"));
+    }
+
+    #[test]
+    fn session_ends_round_trip_with_or_without_a_device() {
+        let ends = [
+            ("phone", reason::LOGGED_OUT, 1_700_000_000_000),
+            ("", reason::LOGGED_OUT, 1_700_000_000_000),
+            ("", reason::ACCOUNT_DEACTIVATED, 0),
+        ];
+        for (device, why, ended_at_ms) in ends {
+            let kick = BusKick { device: device.into(), reason: why.into(), connection_epoch: 0, ended_at_ms };
+            let hint = BusHint { user: "bob".into(), high_watermark: 0, conv: None, kick: Some(kick), ephemeral: None };
+            assert_eq!(decode(&encode(&hint)), Some(hint), "{why} {device:?}");
+        }
+        // Only a whole-user end may name no device.
+        let kick =
+            BusKick { device: String::new(), reason: reason::SUPERSEDED.into(), connection_epoch: 2, ended_at_ms: 0 };
+        let hint = BusHint { user: "bob".into(), high_watermark: 0, conv: None, kick: Some(kick), ephemeral: None };
+        assert_eq!(decode(&encode(&hint)), None);
     }
 }

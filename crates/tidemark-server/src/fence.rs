@@ -1,9 +1,14 @@
 //! Fences that hold on every node of a cluster (P2, P5): a revoked device
-//! is refused and disconnected everywhere, and a newer connection of a
-//! device ends the older ones wherever they are.
+//! is refused and disconnected everywhere, a newer connection of a device
+//! ends the older ones wherever they are, and an operator's end of
+//! sessions (a logout of a device or of a user, a deactivation, a deletion,
+//! the other devices after a password change) refuses the ended sessions'
+//! tokens and disconnects them on every node.
 //!
-//! The store is the truth: `devices.state = 'REVOKED'` and the device's
-//! `connection_epoch`, committed before anything is announced. The node
+//! The store is the truth: `devices.state = 'REVOKED'`, the device's
+//! `connection_epoch`, the recorded session ends and deactivations
+//! ([`tidemark_store::Store::session_fences`]), committed before anything
+//! is announced. The node
 //! where a fence happens applies it at once and announces it on the hint
 //! bus ([`crate::bus::HintBus::publish_kick`]); every node applies what it
 //! hears at once. A bus message can be lost (it is fire-and-forget), so in
@@ -13,7 +18,10 @@
 //! connected here. The bound: a revoked device is refused by, and a
 //! superseded connection ends on, every node within the bus's latency, and
 //! never later than one refresh period plus the reload's own time after
-//! the fence committed, whatever the bus lost. Meanwhile a frame that
+//! the fence committed, whatever the bus lost. The same holds for session
+//! ends: each reload reads the recorded ends and deactivations, and a
+//! connection whose token was issued before an end it had not heard of is
+//! kicked then. Meanwhile a frame that
 //! arrives on a connection the hub already kicked is dropped unread
 //! (`gateway::ws`), so once a node knows, nothing of the old connection
 //! runs there.
@@ -26,23 +34,25 @@ use tidemark_proto::reason;
 use tokio::sync::watch;
 
 use crate::hub::Hub;
+use crate::sessions::Sessions;
 use crate::state::AppState;
 
 /// How often a cluster node reloads the fences from the store: the bound
 /// on a fence whose bus message was lost.
 pub const FENCE_REFRESH_EVERY: Duration = Duration::from_secs(1);
 
-/// The revoked devices this node knows of, and the hub whose connections
-/// the fences end.
+/// The revoked devices and ended sessions this node knows of, and the hub
+/// whose connections the fences end.
 #[derive(Debug)]
 pub struct Fences {
     revoked: RwLock<HashSet<(String, String)>>,
+    sessions: Arc<Sessions>,
     hub: Arc<Hub>,
 }
 
 impl Fences {
-    pub fn new(hub: Arc<Hub>, revoked: impl IntoIterator<Item = (String, String)>) -> Fences {
-        Fences { revoked: RwLock::new(revoked.into_iter().collect()), hub }
+    pub fn new(hub: Arc<Hub>, sessions: Arc<Sessions>, revoked: impl IntoIterator<Item = (String, String)>) -> Fences {
+        Fences { revoked: RwLock::new(revoked.into_iter().collect()), sessions, hub }
     }
 
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {
@@ -63,6 +73,28 @@ impl Fences {
         self.hub.supersede(user, device, epoch);
     }
 
+    /// The sessions of `device` (or of every device of `user`) issued up to
+    /// `at_ms` ended: refuse their tokens and end their connections here
+    /// (`logged_out`). Returns whether this node did not know it yet.
+    pub fn end_sessions(&self, user: &str, device: Option<&str>, at_ms: i64) -> bool {
+        let new = self.sessions.end(user, device, at_ms);
+        self.kick_ended(user, reason::LOGGED_OUT);
+        new
+    }
+
+    /// The account is deactivated: refuse its tokens and end its connections
+    /// here (`account_deactivated`). Returns whether this node did not know it.
+    pub fn deactivate(&self, user: &str) -> bool {
+        let new = self.sessions.deactivate(user);
+        self.kick_ended(user, reason::ACCOUNT_DEACTIVATED);
+        new
+    }
+
+    /// Ends the connections of `user` here whose session no longer opens.
+    fn kick_ended(&self, user: &str, why: &'static str) {
+        self.hub.kick_ended(user, why, |device, issued_at_ms| self.sessions.alive(user, device, issued_at_ms));
+    }
+
     /// Applies a fence heard on the bus; an unknown reason is ignored (a
     /// newer build's fence this one does not know).
     pub fn apply(&self, user: &str, kick: &tidemark_proto::BusKick) {
@@ -71,6 +103,13 @@ impl Fences {
                 self.revoke(user, &kick.device);
             }
             reason::SUPERSEDED => self.supersede(user, &kick.device, kick.connection_epoch),
+            reason::LOGGED_OUT => {
+                let device = (!kick.device.is_empty()).then_some(kick.device.as_str());
+                self.end_sessions(user, device, kick.ended_at_ms);
+            }
+            reason::ACCOUNT_DEACTIVATED => {
+                self.deactivate(user);
+            }
             other => tracing::debug!(reason = other, "unknown fence on the bus ignored"),
         }
     }
@@ -91,12 +130,30 @@ pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<boo
     }
 }
 
-/// One reload: the revoked devices, then the epochs and committed ACKs of
-/// the devices connected here.
+/// One reload: the revoked devices and the session ends, then the epochs
+/// and committed ACKs of the devices connected here.
 pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
     for (user, device) in state.store.revoked_devices().await? {
         if !state.fences.is_revoked(&user, &device) && state.fences.revoke(&user, &device) {
             tracing::info!(%user, %device, "revocation learnt from the store");
+        }
+    }
+    let ends = state.store.session_fences().await?;
+    for user in ends.deactivated {
+        if !state.sessions.is_deactivated(&user) && state.fences.deactivate(&user) {
+            tracing::info!(%user, "deactivation learnt from the store");
+        }
+    }
+    for (user, at_ms) in ends.users_ended {
+        if state.sessions.end(&user, None, at_ms) {
+            state.fences.end_sessions(&user, None, at_ms);
+            tracing::info!(%user, "end of sessions learnt from the store");
+        }
+    }
+    for (user, device, at_ms) in ends.devices_ended {
+        if state.sessions.end(&user, Some(&device), at_ms) {
+            state.fences.end_sessions(&user, Some(&device), at_ms);
+            tracing::info!(%user, %device, "end of a device's sessions learnt from the store");
         }
     }
     let connected = state.hub.devices();

@@ -22,6 +22,9 @@ pub struct ConnEntry {
     /// The device's connection epoch, from the store (`open_connection`):
     /// a newer connection of the device, on any node, has a higher one (P2).
     pub epoch: u64,
+    /// When the access token the connection authenticated with was issued
+    /// (ms): an operator's end of sessions after it ends the connection.
+    pub token_issued_at_ms: i64,
     /// Highest watermark to hint; 0 when nothing is pending.
     pending_hint: AtomicU64,
     /// Highest watermark hinted so far.
@@ -122,12 +125,22 @@ impl Hub {
     /// Registers a connection of connection epoch `epoch`; a connection of
     /// the same device with a lower epoch is kicked as superseded (P2), and
     /// so is this one if one with a higher epoch is already here (two
-    /// connections raced). `acked` and `user_hw` seed the lag check.
-    pub fn register(&self, user: &str, device: &str, epoch: u64, acked: u64, user_hw: u64) -> Arc<ConnEntry> {
+    /// connections raced). `acked` and `user_hw` seed the lag check;
+    /// `token_issued_at_ms` is when its access token was issued.
+    pub fn register(
+        &self,
+        user: &str,
+        device: &str,
+        epoch: u64,
+        token_issued_at_ms: i64,
+        acked: u64,
+        user_hw: u64,
+    ) -> Arc<ConnEntry> {
         let entry = Arc::new(ConnEntry {
             user: user.into(),
             device: device.into(),
             epoch,
+            token_issued_at_ms,
             pending_hint: AtomicU64::new(0),
             hinted: AtomicU64::new(0),
             rehint: AtomicBool::new(false),
@@ -217,6 +230,21 @@ impl Hub {
         }
     }
 
+    /// Ends, with `reason`, each connection of `user` whose session `alive`
+    /// (given the device and the token's issue time) no longer opens;
+    /// returns how many.
+    pub fn kick_ended(&self, user: &str, reason: &'static str, alive: impl Fn(&str, i64) -> bool) -> usize {
+        let users = self.users.lock().expect("hub lock");
+        let mut n = 0;
+        for c in users.get(user).into_iter().flat_map(|u| &u.conns) {
+            if !alive(&c.device, c.token_issued_at_ms) {
+                c.kick(reason);
+                n += 1;
+            }
+        }
+        n
+    }
+
     /// A connection of the device with epoch `epoch` opened on another
     /// node: this node's older ones end as superseded (P2).
     pub fn supersede(&self, user: &str, device: &str, epoch: u64) {
@@ -269,7 +297,7 @@ mod tests {
     #[test]
     fn hints_coalesce_to_the_latest_watermark() {
         let hub = Hub::default();
-        let c = hub.register("bob", "phone", 1, 0, 0);
+        let c = hub.register("bob", "phone", 1, 0, 0, 0);
         for hw in 1..=50 {
             hub.notify_user("bob", hw);
         }
@@ -282,8 +310,8 @@ mod tests {
     #[test]
     fn group_hints_reach_connected_members_once_per_group() {
         let hub = Hub::default();
-        let bob = hub.register("bob", "phone", 1, 0, 0);
-        let carol = hub.register("carol", "laptop", 1, 0, 0);
+        let bob = hub.register("bob", "phone", 1, 0, 0, 0);
+        let carol = hub.register("carol", "laptop", 1, 0, 0, 0);
         let members: HashSet<String> = ["bob", "dave"].iter().map(|s| s.to_string()).collect();
         for v in 1..=20 {
             assert_eq!(hub.notify_conv(&members, "g", 100 + v, v), 1);
@@ -301,7 +329,7 @@ mod tests {
     #[test]
     fn lagging_device_is_rehinted_and_a_newer_connection_supersedes() {
         let hub = Hub::default();
-        let c = hub.register("bob", "phone", 1, 0, 0);
+        let c = hub.register("bob", "phone", 1, 0, 0, 0);
         hub.notify_user("bob", 7);
         assert_eq!(c.take_hint(), Some((7, false)));
         let now = crate::util::now_ms();
@@ -310,7 +338,7 @@ mod tests {
         assert_eq!(c.take_hint(), Some((7, true)));
         hub.on_ack("bob", "phone", 7);
         assert_eq!(hub.rehint_sweep(now + 120_000, 60_000), 0, "caught up");
-        let newer = hub.register("bob", "phone", 2, 7, 7);
+        let newer = hub.register("bob", "phone", 2, 0, 7, 7);
         assert_eq!(c.kicked(), Some(tidemark_proto::reason::SUPERSEDED));
         assert_eq!(newer.kicked(), None);
         assert_eq!(hub.connections(), 1);
@@ -322,11 +350,11 @@ mod tests {
     #[test]
     fn the_highest_connection_epoch_of_a_device_wins_wherever_it_opened() {
         let hub = Hub::default();
-        let late = hub.register("bob", "phone", 5, 0, 0);
-        let raced = hub.register("bob", "phone", 4, 0, 0);
+        let late = hub.register("bob", "phone", 5, 0, 0, 0);
+        let raced = hub.register("bob", "phone", 4, 0, 0, 0);
         assert_eq!(raced.kicked(), Some(tidemark_proto::reason::SUPERSEDED), "an older epoch registering late loses");
         assert_eq!(late.kicked(), None);
-        let desk = hub.register("bob", "desk", 1, 0, 0);
+        let desk = hub.register("bob", "desk", 1, 0, 0, 0);
         hub.supersede("bob", "phone", 5);
         assert_eq!(late.kicked(), None, "the same epoch is not superseded");
         hub.supersede("bob", "phone", 6);

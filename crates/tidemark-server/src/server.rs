@@ -33,8 +33,8 @@ impl Server {
         let secret = store.server_secret().await.map_err(io)?;
         let revoked = store.revoked_devices().await.map_err(io)?;
         let hub = Arc::new(Hub::default());
-        let fences = Arc::new(crate::fence::Fences::new(hub.clone(), revoked));
-        let sessions = crate::sessions::Sessions::from_store(store.session_fences().await.map_err(io)?);
+        let sessions = Arc::new(crate::sessions::Sessions::from_store(store.session_fences().await.map_err(io)?));
+        let fences = Arc::new(crate::fence::Fences::new(hub.clone(), sessions.clone(), revoked));
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);

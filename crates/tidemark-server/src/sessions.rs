@@ -1,10 +1,12 @@
 //! Ended sessions, fenced in memory so no request of theirs runs: the
-//! moments an operator logged a user or a device out, and the deactivated
-//! accounts (the rule is `tidemark_core::session::alive`). Loaded from the
-//! store at start, updated by the admin endpoints. Like the revoked-device
-//! fence, another node of a cluster learns of an end only at its restart
-//! (until revocations cross the hint bus); the refresh tokens, deleted in
-//! the store, are refused by every node at once.
+//! moments an operator logged a user or a device out (or a password change
+//! logged the other devices out), and the deactivated accounts (the rule is
+//! `tidemark_core::session::alive`). Loaded from the store at start,
+//! updated by the admin endpoints and by [`crate::fence`] on every node of
+//! a cluster: an end crosses the hint bus, and each node reloads the ends
+//! from the store every `fence::FENCE_REFRESH_EVERY` as the bound when a bus
+//! message is lost. The refresh tokens, deleted in the store, are refused
+//! by every node at once.
 
 use std::collections::HashMap;
 use std::sync::RwLock;
@@ -53,20 +55,29 @@ impl Sessions {
         alive(issued_at_ms, fence)
     }
 
-    pub fn end(&self, user: &str, device: Option<&str>, at_ms: i64) {
+    /// Ends the sessions of `device` (or of every device of `user`) issued
+    /// up to `at_ms`; returns whether that moved the fence (false when an
+    /// end as late was known).
+    pub fn end(&self, user: &str, device: Option<&str>, at_ms: i64) -> bool {
         let mut users = self.users.write().expect("sessions lock");
         let u = users.entry(user.to_owned()).or_default();
-        match device {
-            Some(d) => {
-                let e = u.devices.entry(d.to_owned()).or_insert(0);
-                *e = (*e).max(at_ms);
-            }
-            None => u.ended_at_ms = u.ended_at_ms.max(at_ms),
-        }
+        let end = match device {
+            Some(d) => u.devices.entry(d.to_owned()).or_insert(0),
+            None => &mut u.ended_at_ms,
+        };
+        let moved = at_ms > *end;
+        *end = (*end).max(at_ms);
+        moved
     }
 
-    pub fn deactivate(&self, user: &str) {
-        self.users.write().expect("sessions lock").entry(user.to_owned()).or_default().deactivated = true;
+    /// Returns whether the user was not known as deactivated yet.
+    pub fn deactivate(&self, user: &str) -> bool {
+        let mut users = self.users.write().expect("sessions lock");
+        !std::mem::replace(&mut users.entry(user.to_owned()).or_default().deactivated, true)
+    }
+
+    pub fn is_deactivated(&self, user: &str) -> bool {
+        self.users.read().expect("sessions lock").get(user).is_some_and(|u| u.deactivated)
     }
 
     /// Takes back a deactivation fenced before the store said there is no

@@ -41,7 +41,7 @@ pub struct AppState {
     /// Typing and presence of this node's connections (issue 18).
     pub lane: Arc<crate::ephemeral::Lane>,
     /// Sessions ended by an operator, and deactivated accounts.
-    pub sessions: crate::sessions::Sessions,
+    pub sessions: Arc<crate::sessions::Sessions>,
     /// This node's WebSocket connections per user, at most
     /// [`ServerConfig::ws_connections_per_user_max`].
     pub ws_user_slots: Arc<UserConnSlots>,
@@ -65,8 +65,12 @@ impl AppState {
     /// Whether the access token of `ctx` still opens a session: not logged
     /// out by an operator since it was issued, its account not deactivated.
     pub fn session_alive(&self, user: &str, device: &str, expires_at_ms: i64) -> bool {
-        let issued_at_ms = expires_at_ms - self.config.access_token_ttl.as_millis() as i64;
-        self.sessions.alive(user, device, issued_at_ms)
+        self.sessions.alive(user, device, self.token_issued_at_ms(expires_at_ms))
+    }
+
+    /// When an access token that expires at `expires_at_ms` was issued.
+    pub fn token_issued_at_ms(&self, expires_at_ms: i64) -> i64 {
+        expires_at_ms - self.config.access_token_ttl.as_millis() as i64
     }
 
     pub fn is_revoked(&self, user: &str, device: &str) -> bool {

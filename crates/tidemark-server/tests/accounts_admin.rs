@@ -36,7 +36,7 @@ async fn device_list_and_a_password_change_that_logs_the_other_devices_out() {
     let ts = TestServer::start().await;
     ts.user("alice").await;
     let phone = ts.device("alice", "phone").await;
-    let laptop = ts.device("alice", "laptop").await;
+    let mut laptop = ts.device("alice", "laptop").await;
     ts.http.login("alice", PASSWORD, "old-tablet").await.unwrap();
     phone.ws.request_value("device.revoke", json!({"device_id": "old-tablet"})).await.unwrap();
 
@@ -57,6 +57,11 @@ async fn device_list_and_a_password_change_that_logs_the_other_devices_out() {
     let ok: Value = phone.ws.request("account.password", &body).await.unwrap();
     assert_eq!(ok["other_devices_logged_out"], true);
     assert_eq!(code(ts.http.refresh(&laptop.refresh).await), ErrorCode::Unauthenticated, "the laptop cannot refresh");
+    // The laptop's access token ends too: its socket is kicked, and the
+    // token is refused, while the phone's goes on.
+    assert_eq!(kicked(&mut laptop).await, reason::LOGGED_OUT);
+    assert_eq!(rpc_code(&ts, &laptop.token, "conv.list").await, ErrorCode::Unauthenticated);
+    let _: Value = ts.http.rpc(&phone.token, "conv.list", &json!({})).await.expect("the phone's token still works");
     ts.http.refresh(&phone.refresh).await.expect("the device that changed it keeps its session");
     assert_eq!(code(ts.http.login("alice", PASSWORD, "phone").await), ErrorCode::Unauthenticated);
     ts.http.login("alice", "a new one", "laptop").await.expect("the new password logs in");

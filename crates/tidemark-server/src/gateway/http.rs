@@ -187,14 +187,6 @@ pub async fn admin_rebuild_unread(State(state): State<Arc<AppState>>, headers: H
     }
 }
 
-/// Kicks every live connection on this node of `user`'s devices.
-async fn kick_user(state: &AppState, user: &str, why: &'static str) -> Result<(), ApiError> {
-    for d in state.store.list_devices(user).await? {
-        state.hub.kick_device(user, &d.device, why);
-    }
-    Ok(())
-}
-
 /// `POST /v1/admin/logout {user, device_id?}`: ends the sessions of one
 /// device, or of every device of the user: their refresh tokens are
 /// deleted, the access tokens issued until now are refused, live sockets
@@ -225,10 +217,9 @@ pub async fn admin_logout(
         if !state.store.end_sessions(&user, req.device_id.as_deref(), now).await? {
             return Err(ApiError::new(ErrorCode::NotFound, "no such user or device"));
         }
-        match &req.device_id {
-            Some(d) => state.hub.kick_device(&user, d, tidemark_proto::reason::LOGGED_OUT),
-            None => kick_user(&state, &user, tidemark_proto::reason::LOGGED_OUT).await?,
-        }
+        // Its live sockets here end, and the other nodes' on the bus.
+        state.fences.end_sessions(&user, req.device_id.as_deref(), now);
+        state.bus.publish_session_end(&user, req.device_id.as_deref(), tidemark_proto::reason::LOGGED_OUT, now);
         tracing::warn!(user = %user, device = ?req.device_id, "admin ended sessions");
         let device = req.device_id.as_deref();
         audit::record(&state, event::LOGGED_OUT, actor::ADMIN, &user, device, Some(peer.ip())).await;
@@ -267,7 +258,8 @@ pub async fn admin_deactivate(
                 return Err(e.into());
             }
         };
-        kick_user(&state, &user, tidemark_proto::reason::ACCOUNT_DEACTIVATED).await?;
+        state.fences.deactivate(&user);
+        state.bus.publish_session_end(&user, None, tidemark_proto::reason::ACCOUNT_DEACTIVATED, 0);
         tracing::warn!(user = %user, deactivated, "admin deactivated user");
         if deactivated {
             audit::record(&state, event::DEACTIVATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
@@ -299,8 +291,6 @@ pub async fn admin_delete(
     };
     let result = async {
         let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
-        // Its devices are listed before they are deleted, to kick them.
-        let devices = state.store.list_devices(&user).await?;
         state.sessions.deactivate(&user);
         let deleted = match state.store.delete_user(&user, crate::util::now_ms()).await {
             Ok(d) => d,
@@ -309,9 +299,8 @@ pub async fn admin_delete(
                 return Err(e.into());
             }
         };
-        for d in devices {
-            state.hub.kick_device(&user, &d.device, tidemark_proto::reason::ACCOUNT_DEACTIVATED);
-        }
+        state.fences.deactivate(&user);
+        state.bus.publish_session_end(&user, None, tidemark_proto::reason::ACCOUNT_DEACTIVATED, 0);
         tracing::warn!(user = %user, deleted, "admin deleted user");
         if deleted {
             audit::record(&state, event::DELETED, actor::ADMIN, &user, None, Some(peer.ip())).await;

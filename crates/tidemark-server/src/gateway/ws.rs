@@ -192,7 +192,8 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
             return;
         }
     };
-    let entry = state.hub.register(&ctx.user, &ctx.device, epoch, acked, user_hw);
+    let issued_at_ms = state.token_issued_at_ms(ctx.expires_at_ms);
+    let entry = state.hub.register(&ctx.user, &ctx.device, epoch, issued_at_ms, acked, user_hw);
     // The other nodes end their older connections of this device.
     state.bus.publish_kick(&ctx.user, &ctx.device, reason::SUPERSEDED, epoch);
     tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket connected");

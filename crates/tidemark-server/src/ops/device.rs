@@ -82,7 +82,19 @@ pub async fn change_password(state: &AppState, ctx: &AuthCtx, req: AccountPasswo
     if !state.store.change_password(&ctx.user, &hash, &ctx.device).await? {
         return Err(wrong());
     }
-    tracing::info!(device = %ctx.device, "password changed; other devices' refresh tokens deleted");
+    // The other devices' refresh tokens are deleted with the change; their
+    // access tokens end now too, on every node, and their sockets close.
+    let now = now_ms();
+    for d in state.store.list_devices(&ctx.user).await? {
+        if d.device == ctx.device {
+            continue;
+        }
+        state.sessions.end(&ctx.user, Some(&d.device), now);
+        state.store.end_sessions(&ctx.user, Some(&d.device), now).await?;
+        state.fences.end_sessions(&ctx.user, Some(&d.device), now);
+        state.bus.publish_session_end(&ctx.user, Some(&d.device), reason::LOGGED_OUT, now);
+    }
+    tracing::info!(device = %ctx.device, "password changed; the other devices are logged out");
     crate::audit::record(state, event::PASSWORD_CHANGED, actor::SELF, &ctx.user, Some(&ctx.device), None).await;
     Ok(AccountPasswordOk { other_devices_logged_out: true })
 }
