@@ -28,8 +28,10 @@ async fn audit(store: &dyn Store, event: &str, user: &str, device: Option<&str>)
     Ok(())
 }
 
-fn user_name(name: &str) -> Result<String> {
-    tidemark_core::ids::canonical_user(name).map_err(anyhow::Error::msg)
+/// The account a name means: its one form, or a legacy account by its
+/// exact name (`tidemark_server::accounts::resolve_user`).
+async fn user_name(store: &dyn tidemark_store::Store, name: &str) -> Result<String> {
+    tidemark_server::accounts::resolve_user(store, name).await.map_err(|e| anyhow::anyhow!("{}", e.message))
 }
 
 pub async fn user(command: UserCommand) -> Result<()> {
@@ -48,11 +50,11 @@ pub async fn user(command: UserCommand) -> Result<()> {
             Ok(())
         }
         UserCommand::Logout { name, device, store } => {
-            let name = user_name(&name)?;
             if let Some(d) = &device {
                 tidemark_core::ids::check_device_id(d).map_err(anyhow::Error::msg)?;
             }
             let store = open_store(&store).await?;
+            let name = user_name(&*store, &name).await?;
             if !store.end_sessions(&name, device.as_deref(), tidemark_server::util::now_ms()).await? {
                 bail!("no such user or device");
             }
@@ -64,8 +66,8 @@ pub async fn user(command: UserCommand) -> Result<()> {
             Ok(())
         }
         UserCommand::Deactivate { name, store } => {
-            let name = user_name(&name)?;
             let store = open_store(&store).await?;
+            let name = user_name(&*store, &name).await?;
             if store.deactivate_user(&name, tidemark_server::util::now_ms()).await? {
                 audit(&*store, event::DEACTIVATED, &name, None).await?;
                 println!("deactivated {name}");
@@ -75,8 +77,8 @@ pub async fn user(command: UserCommand) -> Result<()> {
             Ok(())
         }
         UserCommand::Delete { name, store } => {
-            let name = user_name(&name)?;
             let store = open_store(&store).await?;
+            let name = user_name(&*store, &name).await?;
             if store.delete_user(&name, tidemark_server::util::now_ms()).await? {
                 audit(&*store, event::DELETED, &name, None).await?;
                 println!("deleted {name}");
@@ -88,7 +90,10 @@ pub async fn user(command: UserCommand) -> Result<()> {
         UserCommand::Audit { name, since_secs, limit, store } => {
             let store = open_store(&store).await?;
             let keys = TokenKeys::from_secret(&store.server_secret().await?);
-            let user_hash = name.as_deref().map(user_name).transpose()?.map(|n| keys.audit_id(&n));
+            let user_hash = match name {
+                Some(n) => Some(keys.audit_id(&user_name(&*store, &n).await?)),
+                None => None,
+            };
             let from = since_secs.map_or(0, |s| {
                 tidemark_server::util::now_ms()
                     .saturating_sub(i64::try_from(s.saturating_mul(1000)).unwrap_or(i64::MAX))
@@ -112,17 +117,17 @@ pub async fn user(command: UserCommand) -> Result<()> {
 pub async fn device(command: DeviceCommand) -> Result<()> {
     match command {
         DeviceCommand::List { user, store } => {
-            let user = user_name(&user)?;
             let store = open_store(&store).await?;
+            let user = user_name(&*store, &user).await?;
             for d in store.list_devices(&user).await? {
                 println!("{}\t{}\t{}\t{}\t{}", d.device, d.state.as_str(), d.created_at_ms, d.last_seen_ms, d.name);
             }
             Ok(())
         }
         DeviceCommand::Revoke { user, device, store } => {
-            let user = user_name(&user)?;
             tidemark_core::ids::check_device_id(&device).map_err(anyhow::Error::msg)?;
             let store = open_store(&store).await?;
+            let user = user_name(&*store, &user).await?;
             let revoked = store.revoke_device(&user, &device, tidemark_server::util::now_ms()).await?;
             audit(&*store, event::DEVICE_REVOKED, &user, Some(&device)).await?;
             if revoked {

@@ -40,6 +40,28 @@ pub fn canonical_user(s: &str) -> Result<String, String> {
     Ok(s.to_ascii_lowercase())
 }
 
+/// The accounts a name from outside may mean, in the order to look them
+/// up: its one form, then (only when it differs) the name exactly as
+/// written, which is a *legacy* account's id: accounts created before
+/// names were folded keep the name they were created with and log in by
+/// it, exactly as written. The exact form is taken only when no account
+/// has the folded name, so a legacy `Alice` never shadows an `alice`.
+/// New accounts always get the folded form ([`canonical_user`]).
+pub fn user_lookups(s: &str) -> Result<(String, Option<String>), String> {
+    let folded = canonical_user(s)?;
+    let legacy = (folded != s).then(|| s.to_owned());
+    Ok((folded, legacy))
+}
+
+/// Which account a name means, given whether an account exists under its
+/// one form and under the exact legacy form ([`user_lookups`]).
+pub fn resolve_user(folded: String, legacy: Option<String>, folded_exists: bool, legacy_exists: bool) -> String {
+    match legacy {
+        Some(exact) if !folded_exists && legacy_exists => exact,
+        _ => folded,
+    }
+}
+
 pub fn check_device_id(s: &str) -> Result<(), String> {
     check("device_id", s, DEVICE_ID_BYTES_MAX)
 }
@@ -83,6 +105,25 @@ mod tests {
         check("\u{212a}elvin", Err(())); // the Kelvin sign is not a K: not ASCII, refused
         check(&"A".repeat(USER_BYTES_MAX), Ok(&"a".repeat(USER_BYTES_MAX)));
         check(&"A".repeat(USER_BYTES_MAX + 1), Err(()));
+    }
+
+    #[test]
+    fn a_legacy_name_is_looked_up_exactly_and_only_when_the_folded_one_is_missing() {
+        assert_eq!(user_lookups("alice"), Ok(("alice".into(), None)), "a folded name needs one lookup");
+        assert_eq!(user_lookups("Alice"), Ok(("alice".into(), Some("Alice".into()))));
+        assert!(user_lookups("Al ice").is_err());
+        // (folded exists, legacy exists) -> the account meant
+        let table = [
+            ((false, false), "alice"), // nobody: the folded form (a new account, or an unknown name)
+            ((true, false), "alice"),
+            ((true, true), "alice"),  // both (created before folding): the folded one wins
+            ((false, true), "Alice"), // only the legacy account
+        ];
+        for ((folded, legacy), expect) in table {
+            let got = resolve_user("alice".into(), Some("Alice".into()), folded, legacy);
+            assert_eq!(got, expect, "folded {folded}, legacy {legacy}");
+        }
+        assert_eq!(resolve_user("bob".into(), None, false, true), "bob", "no legacy form, no legacy account");
     }
 
     #[test]

@@ -31,6 +31,18 @@ pub fn check_new_account(user: &str, password: &str) -> Result<String, String> {
     Ok(user)
 }
 
+/// The account a name from outside means (`tidemark_core::ids::resolve_user`):
+/// its one form, or a legacy account created before names were folded,
+/// named exactly as written. Reads the store only for a name that is not
+/// in its one form. An invalid name is `BAD_REQUEST`.
+pub async fn resolve_user(store: &dyn tidemark_store::Store, name: &str) -> ApiResult<String> {
+    let (folded, legacy) = tidemark_core::ids::user_lookups(name).map_err(ApiError::bad_request)?;
+    let Some(exact) = legacy else { return Ok(folded) };
+    let folded_exists = store.password_hash(&folded).await?.is_some();
+    let legacy_exists = !folded_exists && store.password_hash(&exact).await?.is_some();
+    Ok(tidemark_core::ids::resolve_user(folded, Some(exact), folded_exists, legacy_exists))
+}
+
 /// The PHC string (Argon2id, default parameters, random salt) to store.
 pub fn hash_password(password: &str) -> Result<String, String> {
     let salt = SaltString::generate(&mut OsRng);

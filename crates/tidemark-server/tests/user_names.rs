@@ -2,14 +2,17 @@
 //! be registered beside `alice`, a login in any case reaches the one
 //! account, a conversation with `BOB` is the one with `bob`; and a
 //! conversation with a user who has no account is refused without naming
-//! them, the same way whichever name is missing.
+//! them, the same way whichever name is missing. An account created before
+//! names were folded (a *legacy* `Dora`, written straight to the store
+//! here) keeps its exact name: it logs in by it, others reach it by it, and
+//! an operator can end its sessions by it.
 
 mod common;
 
 use common::{code, TestServer, ADMIN, PASSWORD};
 use serde_json::{json, Value};
 use tidemark_client::proto::ErrorCode;
-use tidemark_client::ClientError;
+use tidemark_client::{ClientError, WsConn};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn names_differing_only_in_case_are_one_account() {
@@ -90,5 +93,40 @@ async fn a_conversation_with_an_unknown_user_is_refused_without_naming_anyone() 
         }
         other => panic!("conv.add of an unknown user: {other:?}"),
     }
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_legacy_account_with_upper_case_keeps_its_exact_name() {
+    let ts = TestServer::start().await;
+    ts.user("bob").await;
+    let store = ts.running().state.store.clone();
+    let hash = tidemark_server::accounts::hash_password(PASSWORD).unwrap();
+    // Created before folding: the store keeps a name as it is given.
+    assert!(store.create_user("Dora", &hash, 0).await.unwrap());
+    // Both, created before folding: the folded one is what `Eve` means.
+    assert!(store.create_user("Eve", &hash, 0).await.unwrap());
+    ts.user("eve").await;
+
+    let dora = ts.http.login("Dora", PASSWORD, "phone").await.expect("the legacy account logs in by its name");
+    assert_eq!(dora.user, "Dora");
+    assert_eq!(code(ts.http.login("dora", PASSWORD, "phone").await), ErrorCode::Unauthenticated, "no dora account");
+    assert_eq!(ts.http.login("EVE", PASSWORD, "phone").await.unwrap().user, "eve", "the folded account wins");
+
+    // Bob reaches Dora by her exact name; a folded `dora` is nobody.
+    let bob = ts.device("bob", "laptop").await;
+    let direct = bob.ws.conv_create_direct("Dora").await.unwrap();
+    assert_eq!(direct.members, vec!["Dora".to_owned(), "bob".to_owned()]);
+    assert_eq!(code(bob.ws.conv_create_direct("dora").await.map(|_| ())), ErrorCode::NotFound);
+    let (ws, _events) = WsConn::connect(&ts.ws_url(), &dora.access_token).await.unwrap();
+    let list: Value = ws.request("conv.list", &json!({})).await.unwrap();
+    assert_eq!(list["conversations"][0]["conv"], direct.conv.as_str(), "Dora sees the conversation");
+
+    // An operator ends her sessions by her name: her token is refused.
+    ts.http.admin_logout(ADMIN, "Dora", None).await.expect("the legacy name is found");
+    assert_eq!(
+        code(ts.http.rpc::<_, Value>(&dora.access_token, "conv.list", &json!({})).await),
+        ErrorCode::Unauthenticated
+    );
     ts.stop().await;
 }

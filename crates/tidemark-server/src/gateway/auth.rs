@@ -75,8 +75,10 @@ async fn issue(state: &AppState, user: &str, device: &str, family: String) -> Ap
 pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<LoginOk> {
     state.limits.admit_login_attempt(peer)?;
     // One account per name whatever its case: the folded name is the
-    // account, its throttle key and the token's user.
-    let user = tidemark_core::ids::canonical_user(&req.user).map_err(|_| unauthenticated("wrong user or password"))?;
+    // account, its throttle key and the token's user (or a legacy account,
+    // created before folding, by its exact name: `accounts::resolve_user`).
+    tidemark_core::ids::check_user(&req.user).map_err(|_| unauthenticated("wrong user or password"))?;
+    let user = accounts::resolve_user(state.store.as_ref(), &req.user).await?;
     let req = LoginReq { user, ..req };
     tidemark_core::ids::check_device_id(&req.device_id).map_err(ApiError::bad_request)?;
     if req.password.len() > accounts::PASSWORD_BYTES_MAX {

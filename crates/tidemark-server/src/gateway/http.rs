@@ -205,7 +205,7 @@ pub async fn admin_logout(
         Err(r) => return *r,
     };
     let result = async {
-        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        let user = crate::accounts::resolve_user(state.store.as_ref(), &req.user).await?;
         if let Some(d) = &req.device_id {
             tidemark_core::ids::check_device_id(d).map_err(ApiError::bad_request)?;
         }
@@ -248,7 +248,7 @@ pub async fn admin_deactivate(
         Err(r) => return *r,
     };
     let result = async {
-        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        let user = crate::accounts::resolve_user(state.store.as_ref(), &req.user).await?;
         // The fence first, then the store, as for a logout.
         state.sessions.deactivate(&user);
         let deactivated = match state.store.deactivate_user(&user, crate::util::now_ms()).await {
@@ -290,7 +290,7 @@ pub async fn admin_delete(
         Err(r) => return *r,
     };
     let result = async {
-        let user = tidemark_core::ids::canonical_user(&req.user).map_err(ApiError::bad_request)?;
+        let user = crate::accounts::resolve_user(state.store.as_ref(), &req.user).await?;
         state.sessions.deactivate(&user);
         let deleted = match state.store.delete_user(&user, crate::util::now_ms()).await {
             Ok(d) => d,
@@ -329,9 +329,7 @@ pub async fn admin_audit(State(state): State<Arc<AppState>>, headers: HeaderMap,
             return Err(ApiError::bad_request(format!("limit must be 1..={AUDIT_LIMIT_MAX}")));
         }
         let user_hash = match &req.user {
-            Some(u) => {
-                Some(state.keys.audit_id(&tidemark_core::ids::canonical_user(u).map_err(ApiError::bad_request)?))
-            }
+            Some(u) => Some(state.keys.audit_id(&crate::accounts::resolve_user(state.store.as_ref(), u).await?)),
             None => None,
         };
         let (from, to) = (req.from_ms.unwrap_or(0), req.to_ms.unwrap_or(i64::MAX));

@@ -65,16 +65,21 @@ fn limit(requested: Option<u32>, default: u32, max: u32) -> ApiResult<u32> {
     Ok(l)
 }
 
-/// The users a request names, each in its one form (so `Bob` is `bob`).
-fn canonical_users(names: &[String]) -> ApiResult<Vec<String>> {
-    names.iter().map(|m| tidemark_core::ids::canonical_user(m).map_err(ApiError::bad_request)).collect()
+/// The users a request names, each as the account it means (`Bob` is
+/// `bob`, or a legacy `Bob`: `accounts::resolve_user`).
+async fn resolve_users(state: &AppState, names: &[String]) -> ApiResult<Vec<String>> {
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        out.push(crate::accounts::resolve_user(state.store.as_ref(), name).await?);
+    }
+    Ok(out)
 }
 
 pub async fn create(state: &AppState, ctx: &AuthCtx, req: ConvCreateReq) -> ApiResult<ConvCreateOk> {
     match req.kind.as_str() {
         CONV_DIRECT => {
             // `members` names the peer, with or without the caller.
-            let members = canonical_users(&req.members)?;
+            let members = resolve_users(state, &req.members).await?;
             let others: Vec<&String> = members.iter().filter(|m| **m != ctx.user).collect();
             let [peer] = others.as_slice() else {
                 return Err(ApiError::bad_request("a direct conversation has exactly one other member"));
@@ -85,7 +90,7 @@ pub async fn create(state: &AppState, ctx: &AuthCtx, req: ConvCreateReq) -> ApiR
             Ok(ConvCreateOk { conv, kind: CONV_DIRECT.into(), members, created })
         }
         CONV_GROUP => {
-            let mut members = canonical_users(&req.members)?;
+            let mut members = resolve_users(state, &req.members).await?;
             let cmd = event_cmd(ctx, &new_id("g"), req.client_msg_id.clone())?;
             let (conv, _) = state.store.create_group(cmd, members.clone()).await?;
             state.relay_wake.notify_one();
@@ -109,7 +114,7 @@ pub async fn membership(
         MembershipChange::Leave => ctx.user.clone(),
         _ => {
             let named = req.user.as_deref().ok_or_else(|| ApiError::bad_request("user is required"))?;
-            tidemark_core::ids::canonical_user(named).map_err(ApiError::bad_request)?
+            crate::accounts::resolve_user(state.store.as_ref(), named).await?
         }
     };
     let cmd = event_cmd(ctx, &req.conv, req.client_msg_id)?;
