@@ -33,6 +33,7 @@ mod connections;
 mod depth;
 mod device;
 mod fanout;
+mod flood;
 mod large;
 mod pg;
 mod presence;
@@ -63,6 +64,10 @@ pub enum BenchCommand {
     /// of a concurrent send and sync page, beside a quiet phase of the same
     /// run.
     Presence(presence::PresenceArgs),
+    /// Login and send floods (issue 15): an honest user's login and send
+    /// p99 and the server's peak RSS under attack, beside a quiet phase of
+    /// the same run.
+    Flood(flood::FloodArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -120,6 +125,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Reconnect(args) => reconnect::run(args).await,
         BenchCommand::Connections(args) => connections::run(args).await,
         BenchCommand::Presence(args) => presence::run(args).await,
+        BenchCommand::Flood(args) => flood::run(args).await,
     }
 }
 
