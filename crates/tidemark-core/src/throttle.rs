@@ -50,9 +50,56 @@ pub fn admits_connection(user_live: usize, device_live: usize, max: usize) -> bo
     device_live > 0 || user_live < max
 }
 
+/// Requests a connection may send while told to wait (`RATE_LIMITED`,
+/// before its `retry_after_ms` passed) before the server closes it: a
+/// client that obeys the wait never gets near it; one that ignores it
+/// costs the node a refusal per request, which this bounds.
+pub const IGNORED_WAITS_MAX: u32 = 100;
+
+/// A connection's record of refusals it did not wait out.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Strikes {
+    /// Refusals in a row that arrived before the previous one's wait ended.
+    pub ignored: u32,
+    /// Until when the last refusal told the client to wait (ms).
+    pub wait_until_ms: i64,
+}
+
+impl Strikes {
+    /// Records a `RATE_LIMITED` answer at `now_ms` telling the client to
+    /// wait `retry_after_ms`; returns whether the connection has now ignored
+    /// more than `max` waits in a row and is to be closed. A request that
+    /// arrives after the previous wait ended starts the count again.
+    pub fn refused(&mut self, now_ms: i64, retry_after_ms: u64, max: u32) -> bool {
+        self.ignored = if now_ms < self.wait_until_ms { self.ignored.saturating_add(1) } else { 0 };
+        self.wait_until_ms = now_ms.saturating_add(retry_after_ms.min(i64::MAX as u64) as i64);
+        self.ignored > max
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_that_ignores_its_waits_is_closed_and_one_that_waits_never() {
+        // (now, retry_after) refusals in order -> closed after the last?
+        let cases: [(&str, &[(i64, u64)], u32, bool); 5] = [
+            ("one refusal", &[(0, 100)], 2, false),
+            ("three inside the waits, max 2", &[(0, 100), (10, 100), (20, 100), (30, 100)], 2, true),
+            ("two inside, max 2", &[(0, 100), (10, 100), (20, 100)], 2, false),
+            ("each after the previous wait", &[(0, 100), (100, 100), (200, 100), (300, 100)], 0, false),
+            ("a wait kept resets the count", &[(0, 100), (10, 100), (20, 100), (500, 100), (510, 100)], 2, false),
+        ];
+        for (what, refusals, max, expect) in cases {
+            let mut s = Strikes::default();
+            let mut closed = false;
+            for &(now, wait) in refusals {
+                closed = s.refused(now, wait, max);
+            }
+            assert_eq!(closed, expect, "{what}: {s:?}");
+        }
+    }
 
     #[test]
     fn a_user_connects_up_to_the_cap_and_a_connected_device_always_reconnects() {

@@ -1154,6 +1154,10 @@ pub mod reason {
     pub const LOGGED_OUT: &str = "logged_out";
     /// An operator deactivated the account: nothing more is accepted.
     pub const ACCOUNT_DEACTIVATED: &str = "account_deactivated";
+    /// The connection kept sending while told to wait (`RATE_LIMITED`
+    /// before its `retry_after_ms` passed), more than
+    /// `tidemark_core::throttle::IGNORED_WAITS_MAX` times in a row.
+    pub const WAITS_IGNORED: &str = "waits_ignored";
 }
 
 #[cfg(test)]

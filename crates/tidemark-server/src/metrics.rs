@@ -88,6 +88,8 @@ pub const HINTS_GROUP: &str = "tidemark_hints_group_queued_total";
 pub const MARKERS_PUBLISHED: &str = "tidemark_group_markers_published_total";
 pub const MARKER_CLEARS: &str = "tidemark_group_marker_clears_total";
 pub const SLOW_CONSUMERS: &str = "tidemark_slow_consumer_disconnects_total";
+/// WebSocket connections closed for sending on while told to wait.
+pub const WAITS_IGNORED_CLOSED: &str = "tidemark_waits_ignored_disconnects_total";
 pub const TRIMMED_EVENTS: &str = "tidemark_retention_trimmed_events_total";
 pub const SNAPSHOTS: &str = "tidemark_snapshots_total";
 pub const WS_CONNECTIONS: &str = "tidemark_ws_connections";
@@ -174,6 +176,11 @@ pub const FAMILIES: &[Family] = &[
         "dirty.clear calls, by outcome (cleared, stale: the marker stays dirty).",
     ),
     family(SLOW_CONSUMERS, Kind::Counter, "WebSocket connections closed because their send queue filled."),
+    family(
+        WAITS_IGNORED_CLOSED,
+        Kind::Counter,
+        "WebSocket connections closed for sending on while told to wait (RATE_LIMITED).",
+    ),
     family(TRIMMED_EVENTS, Kind::Counter, "User-log events removed by retention."),
     family(
         SNAPSHOTS,

@@ -1,7 +1,8 @@
 //! Rate limits (P3) against a real server: a device flooding sends gets
 //! `RATE_LIMITED` with `retry_after_ms`, nothing beyond its quota is
-//! accepted and other users are not affected; a throttled sync or ACK
-//! leaves the device's cursor where it was.
+//! accepted and other users are not affected; a connection that keeps
+//! sending while told to wait is closed; a throttled sync or ACK leaves the
+//! device's cursor where it was.
 
 mod common;
 
@@ -60,6 +61,46 @@ async fn a_flood_of_sends_is_limited_per_device_and_nothing_beyond_the_quota_is_
     // never written.
     let history = ann.ws.request_value("history", serde_json::json!({"conv": conv, "limit": 50})).await.unwrap();
     assert_eq!(history["messages"].as_array().unwrap().len(), accepted.len() + 1);
+    ts.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_keeps_sending_while_told_to_wait_is_closed() {
+    use tidemark_core::throttle::IGNORED_WAITS_MAX;
+    let limits = LimitsConfig { send_per_device: Rate::every(Duration::from_secs(60), 5), ..LimitsConfig::default() };
+    let ts = TestServer::start_with(ServerConfig { limits, ..ServerConfig::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let mut ann = ts.device("ann", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let (mut accepted, mut refused) = (0u32, 0u32);
+    for i in 0..(IGNORED_WAITS_MAX + 50) {
+        let sent = tokio::time::timeout(Duration::from_secs(5), ann.ws.send(&send_req(&conv, &format!("f-{i}")))).await;
+        match sent {
+            Ok(Ok(_)) => accepted += 1,
+            Ok(Err(ClientError::Server(f))) if f.code == ErrorCode::RateLimited => refused += 1,
+            // The socket closed (or a reply never came once it did).
+            Ok(Err(_)) | Err(_) => break,
+        }
+    }
+    assert_eq!(accepted, 5, "the burst");
+    // The first refusal tells the client to wait; each further one inside
+    // the wait is ignored; one more than the bound closes the connection
+    // (its own refusal may be cut off by the close).
+    let answered = IGNORED_WAITS_MAX + 1..=IGNORED_WAITS_MAX + 2;
+    assert!(answered.contains(&refused), "{refused} refusals answered before the close, not {answered:?}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let reason = loop {
+        match tokio::time::timeout_at(deadline, ann.events.recv()).await.expect("a kick in time") {
+            Some(tidemark_client::ServerEvent::Kicked { reason }) => break reason,
+            Some(tidemark_client::ServerEvent::Closed) | None => panic!("closed without a kick"),
+            Some(_) => continue,
+        }
+    };
+    assert_eq!(reason, tidemark_client::proto::reason::WAITS_IGNORED);
+    // Reconnecting is allowed; the quota did not refill.
+    let again = ts.device("ann", "phone").await;
+    assert_eq!(refusal(again.ws.send(&send_req(&conv, "after")).await).0, ErrorCode::RateLimited);
     ts.stop().await;
 }
 

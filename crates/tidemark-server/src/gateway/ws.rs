@@ -227,6 +227,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
     let token_left = Duration::from_millis((ctx.expires_at_ms - crate::util::now_ms()).max(0) as u64);
     let token_expiry = tokio::time::sleep(token_left);
     tokio::pin!(token_expiry);
+    let mut strikes = tidemark_core::throttle::Strikes::default();
     loop {
         tokio::select! {
             msg = stream.next() => {
@@ -242,7 +243,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
                     Message::Ping(_) | Message::Pong(_) => continue,
                 };
                 let Ok(permit) = inflight.clone().acquire_owned().await else { break };
-                handle_text(&state, &ctx, &entry, &out_tx, &mut tasks, text, permit).await;
+                handle_text(&state, &ctx, &entry, &out_tx, &mut tasks, text, permit, &mut strikes).await;
             }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             _ = kick.changed() => break,
@@ -280,6 +281,7 @@ async fn handle_text(
     tasks: &mut JoinSet<()>,
     text: Utf8Bytes,
     permit: tokio::sync::OwnedSemaphorePermit,
+    strikes: &mut tidemark_core::throttle::Strikes,
 ) {
     let frame = match split_frame(&text) {
         Ok(f) => f,
@@ -298,7 +300,24 @@ async fn handle_text(
     let rid = frame.rid;
     let mut fut = Box::pin(ops::dispatch(state.clone(), ctx.clone(), op.clone(), frame.body));
     match poll_once(&mut fut).await {
-        Poll::Ready(result) => push(out, entry, reply_text(&op, rid.as_deref(), result)),
+        Poll::Ready(result) => {
+            // Limits are checked before anything is read, so a refusal is
+            // answered here, at once: count the ones the client did not wait out.
+            let ignored = match &result {
+                Err(e) if e.code == ErrorCode::RateLimited => strikes.refused(
+                    crate::util::now_ms(),
+                    e.retry_after_ms.unwrap_or(0),
+                    tidemark_core::throttle::IGNORED_WAITS_MAX,
+                ),
+                _ => false,
+            };
+            push(out, entry, reply_text(&op, rid.as_deref(), result));
+            if ignored {
+                tracing::warn!(device = %ctx.device, "websocket kept sending while told to wait; closing");
+                metrics::counter!(m::WAITS_IGNORED_CLOSED).increment(1);
+                entry.kick(reason::WAITS_IGNORED);
+            }
+        }
         Poll::Pending => {
             let (out, entry) = (out.clone(), entry.clone());
             tasks.spawn(async move {
