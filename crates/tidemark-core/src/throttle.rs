@@ -84,7 +84,8 @@ mod tests {
     #[test]
     fn a_connection_that_ignores_its_waits_is_closed_and_one_that_waits_never() {
         // (now, retry_after) refusals in order -> closed after the last?
-        let cases: [(&str, &[(i64, u64)], u32, bool); 5] = [
+        type Case<'a> = (&'a str, &'a [(i64, u64)], u32, bool);
+        let cases: [Case; 5] = [
             ("one refusal", &[(0, 100)], 2, false),
             ("three inside the waits, max 2", &[(0, 100), (10, 100), (20, 100), (30, 100)], 2, true),
             ("two inside, max 2", &[(0, 100), (10, 100), (20, 100)], 2, false),
