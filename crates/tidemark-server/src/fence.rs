@@ -96,7 +96,7 @@ pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<boo
 pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
     for (user, device) in state.store.revoked_devices().await? {
         if !state.fences.is_revoked(&user, &device) && state.fences.revoke(&user, &device) {
-            tracing::info!(%user, %device, "revocation learnt from the store");
+            tracing::info!(user_hash = %state.log_id(&user), device_hash = %state.log_id(&device), "revocation learnt from the store");
         }
     }
     let connected = state.hub.devices();

@@ -36,15 +36,31 @@ pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Sen
         quote_id,
         now_ms: now_ms(),
     };
-    let accepted = state.store.accept_send(cmd).await?;
+    let conv = cmd.conv.clone();
+    let started = std::time::Instant::now();
+    let result = state.store.accept_send(cmd).await;
+    m::ACCEPT_LATENCY.record(started.elapsed().as_secs_f64());
+    let accepted = match result {
+        Ok(a) => a,
+        Err(e) => {
+            let e = ApiError::from(e);
+            m::SENDS_REFUSED.add_by("code", e.code.as_str(), 1);
+            crate::trace_stage!(stage = "accept", trace_id = "", conv = %conv,
+                user_hash = %state.log_id(&ctx.user), device_hash = %state.log_id(&ctx.device),
+                result = e.code.as_str(), "send refused");
+            return Err(e);
+        }
+    };
     if accepted.duplicate {
-        metrics::counter!(m::SENDS_DUPLICATE).increment(1);
+        m::SENDS_DUPLICATE.inc();
     } else {
-        metrics::counter!(m::SENDS_ACCEPTED).increment(1);
+        m::SENDS_ACCEPTED.inc();
         state.relay_wake.notify_one();
     }
-    tracing::debug!(message_id = %accepted.message_id, conv = %accepted.conv, msg_seq = accepted.msg_seq,
-        duplicate = accepted.duplicate, "send accepted");
+    crate::trace_stage!(stage = "accept", trace_id = %accepted.message_id, message_id = %accepted.message_id,
+        conv = %accepted.conv, msg_seq = accepted.msg_seq, user_hash = %state.log_id(&ctx.user),
+        device_hash = %state.log_id(&ctx.device), result = if accepted.duplicate { "duplicate" } else { "accepted" },
+        "send accepted: message and outbox record committed");
     Ok(SendOk {
         message_id: accepted.message_id,
         conv: accepted.conv,
