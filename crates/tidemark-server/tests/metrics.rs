@@ -36,7 +36,8 @@ async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
     assert_eq!(fresh.value("tidemark_refusals_total", &[("code", "NOT_MEMBER")]), 0.0);
     assert_eq!(fresh.value("tidemark_acks_total", &[("result", "advanced")]), 0.0);
 
-    // Known traffic: 3 sends and 1 retry, one refused login, one batch ACKed.
+    // Known traffic: 3 sends, 1 retry and 1 refused send, one refused login,
+    // one batch ACKed.
     ts.user("ann").await;
     ts.user("ben").await;
     let ann = ts.device("ann", "phone").await;
@@ -44,6 +45,7 @@ async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
     for cmid in ["m1", "m2", "m3", "m1"] {
         ann.send(&conv, cmid).await;
     }
+    let refused = code(ann.ws.send(&send_req("no-such-conv", "m4")).await);
     assert_eq!(
         code(ts.http.login("ann", "wrong password", "tablet").await),
         tidemark_client::proto::ErrorCode::Unauthenticated
@@ -67,9 +69,10 @@ async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
     assert!(after.value("tidemark_store_statements_total", &[]) > fresh.value("tidemark_store_statements_total", &[]));
     assert!(after.value("tidemark_store_commit_batch_requests", &[]) >= 1.0);
     // Stage metrics (O1, seed §18.1). Accept: every send is timed, the
-    // retry included; none was refused.
-    assert_eq!(after.value("tidemark_accept_latency_seconds", &[]), 4.0);
-    assert_eq!(after.value("tidemark_sends_refused_total", &[("code", "NOT_MEMBER")]), 0.0);
+    // retry and the refused one included; one was refused.
+    assert_eq!(after.value("tidemark_accept_latency_seconds", &[]), 5.0);
+    assert_eq!(after.value("tidemark_sends_refused_total", &[("code", refused.as_str())]), 1.0);
+    assert_eq!(after.value("tidemark_sends_refused_total", &[("code", "INTERNAL")]), 0.0);
     // Fan-out: 3 direct items (the messages), each to 2 recipients; none
     // in a group; no period missed or hit twice.
     let direct = [("conv_kind", "direct")];
