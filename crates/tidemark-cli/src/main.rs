@@ -132,6 +132,12 @@ enum Command {
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
+        /// Log line format on stderr: `text` for a person, `json` for one
+        /// JSON object per line (seed §18.2 fields, hashed ids). The stage
+        /// trace of each message is logged at debug level on the target
+        /// `tidemark::trace` (RUST_LOG=info,tidemark::trace=debug).
+        #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+        log_format: LogFormat,
     },
     /// Manage users.
     #[command(after_help = "These act on the store directly (--data or --database), a running server \
@@ -356,15 +362,28 @@ fn admin_token(file: Option<&std::path::Path>) -> Result<Option<String>> {
     Ok(Some(token).filter(|t| !t.is_empty()))
 }
 
+/// How `serve` writes its log lines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
 /// Logs on stderr, filtered by RUST_LOG (else `default`).
 fn init_logs(default: &str) {
+    init_logs_as(default, LogFormat::Text)
+}
+
+fn init_logs_as(default: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
-    // Colour codes only for a person at a terminal, never in a log file.
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .init();
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    match format {
+        // Colour codes only for a person at a terminal, never in a log file.
+        LogFormat::Text => builder.with_ansi(std::io::stderr().is_terminal()).init(),
+        // One object per line: timestamp, level, target and the event's
+        // fields flattened to the top (`stage`, `trace_id`, ids, hashes).
+        LogFormat::Json => builder.json().flatten_event(true).with_current_span(false).with_span_list(false).init(),
+    }
 }
 
 async fn wait_for_signal() {
@@ -407,8 +426,9 @@ async fn main() -> Result<()> {
             limits,
             timeouts,
             hold_fanout,
+            log_format,
         } => {
-            init_logs("info");
+            init_logs_as("info", log_format);
             let admin_token = admin_token(admin_token_file.as_deref())?;
             if nats.is_some() && store.database.is_none() {
                 bail!("--nats joins a cluster, which needs the shared PostgreSQL store (--database)");

@@ -113,6 +113,31 @@ pub fn route(mode: &str, shared_from: Option<MsgSeq>, msg_seq: MsgSeq, kind: &st
     }
 }
 
+/// Values of the `conv_kind` label of the fan-out metrics (seed §18.1:
+/// amplification per conversation kind), see [`fanout_class`].
+pub const FANOUT_CLASSES: &[&str] = &["direct", "group", "large"];
+
+/// The class a fan-out item is measured under: `direct`, `group` (a group
+/// event written per member) or `large` (a shared group's event, written to
+/// the conversation log and at most its subject's log), from the
+/// conversation's kind and the item's route.
+pub fn fanout_class(conv_kind: &str, route: Route) -> &'static str {
+    match (conv_kind, route) {
+        (_, Route::Shared | Route::Subject) => "large",
+        (crate::kinds::CONV_DIRECT, Route::PerMember) => "direct",
+        (_, Route::PerMember) => "group",
+    }
+}
+
+/// A period miss (seed §18.1): an item routed to members whose `msg_seq`
+/// no membership period covers. The writer only accepts an event from a
+/// member, so its own period always covers it; a miss means the periods
+/// and the conversation log disagree (an integrity error, counted, never
+/// delivered to anyone chosen by the current member list).
+pub fn period_miss(route: Route, periods_covering: usize) -> bool {
+    route != Route::Shared && periods_covering == 0
+}
+
 /// A member's marker as served (`conv.list`, sync, hints).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Marker {
@@ -194,6 +219,24 @@ pub fn shared_unread(counted: u64) -> (u64, bool) {
 mod tests {
     use super::*;
     use crate::kinds::{KIND_CREATED, KIND_RECALL};
+
+    #[test]
+    fn fanout_classes_and_period_misses() {
+        let cases = [
+            ("direct", Route::PerMember, "direct"),
+            ("group", Route::PerMember, "group"),
+            ("group", Route::Subject, "large"),
+            ("group", Route::Shared, "large"),
+        ];
+        for (kind, route, class) in cases {
+            assert_eq!(fanout_class(kind, route), class, "{kind} {route:?}");
+            assert!(FANOUT_CLASSES.contains(&class));
+        }
+        assert!(period_miss(Route::PerMember, 0));
+        assert!(period_miss(Route::Subject, 0));
+        assert!(!period_miss(Route::PerMember, 2));
+        assert!(!period_miss(Route::Shared, 0), "a shared event has no per-member recipients by design");
+    }
 
     fn facts(target: u64, version: u64, left_at: Option<u64>, cleared: u64) -> MarkerFacts {
         MarkerFacts { published_target: target, version, left_at, cleared_seq: cleared }

@@ -38,6 +38,7 @@ pub struct TokenKeys {
     cursor: [u8; 32],
     snapshot: [u8; 32],
     audit: [u8; 32],
+    log: [u8; 32],
 }
 
 impl std::fmt::Debug for TokenKeys {
@@ -115,6 +116,7 @@ impl TokenKeys {
             cursor: derive(secret, "tidemark/cursor/v1"),
             snapshot: derive(secret, "tidemark/snapshot/v1"),
             audit: derive(secret, "tidemark/audit/v1"),
+            log: derive(secret, "tidemark/log/v1"),
         }
     }
 
@@ -126,6 +128,22 @@ impl TokenKeys {
         let mut mac = HmacSha256::new_from_slice(&self.audit).expect("hmac takes any key length");
         mac.update(id.as_bytes());
         mac.finalize().into_bytes()[..16].iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    /// The one name a log line gives a user or a device id (O2, seed
+    /// §18.2 `user_id_hash`, `device_id_hash`): HMAC-SHA256 under a key
+    /// derived from this deployment's token secret, 64 bits in hex. Keyed,
+    /// so a reader of the logs cannot confirm a guessed name by hashing it
+    /// (a plain or salted-in-the-open hash falls to a dictionary of user
+    /// names); stable across restarts and across the nodes of one cluster,
+    /// which share the secret, so one device's lines join up everywhere; an
+    /// operator with the secret finds a user's lines by hashing the name.
+    /// Its key differs from the audit log's, so the two cannot be joined
+    /// by a reader of one of them.
+    pub fn log_id(&self, id: &str) -> String {
+        let mut mac = HmacSha256::new_from_slice(&self.log).expect("hmac takes any key length");
+        mac.update(id.as_bytes());
+        mac.finalize().into_bytes()[..8].iter().map(|b| format!("{b:02x}")).collect()
     }
 
     pub fn sign_access(&self, c: &AccessClaims) -> String {
@@ -263,6 +281,20 @@ pub fn token_tag(token: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_ids_are_stable_keyed_and_not_the_audit_ids() {
+        let k = keys();
+        assert_eq!(k.log_id("alice"), k.log_id("alice"));
+        assert_eq!(k.log_id("alice").len(), 16);
+        assert_ne!(k.log_id("alice"), k.log_id("bob"));
+        assert!(!k.audit_id("alice").starts_with(&k.log_id("alice")), "a separate key");
+        let other = TokenKeys::from_secret(b"another deployment secret");
+        assert_ne!(k.log_id("alice"), other.log_id("alice"), "keyed: not reproducible without the secret");
+        use sha2::Digest;
+        let plain: String = Sha256::digest(b"alice")[..8].iter().map(|b| format!("{b:02x}")).collect();
+        assert_ne!(k.log_id("alice"), plain, "not a plain hash of the name");
+    }
 
     #[test]
     fn audit_ids_are_stable_keyed_and_distinct() {

@@ -51,10 +51,10 @@ async fn periods_covering(c: &Conn, conv: &str, at: u64) -> R<Vec<Period>> {
 /// `msg_seq` and, for a control event, those covering its target's, as
 /// `control_recipients` combines them; in a shared group, as
 /// `large::route` decides (nobody, or the subject of a membership change).
-async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route)> {
+async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route, FannedOut)> {
     let source = query_one(
         c,
-        "SELECT s.kind, t.msg_seq, cv.mode, cv.shared_from FROM messages s
+        "SELECT s.kind, t.msg_seq, cv.mode, cv.shared_from, cv.kind FROM messages s
          JOIN conversations cv ON cv.conv_id = s.conv_id
          LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
          WHERE s.conv_id = $1 AND s.message_id = $2",
@@ -65,8 +65,14 @@ async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route)> {
     let target_seq = seq_opt(&source, 1)?;
     let mode: String = col(&source, 2)?;
     let route = large::route(&mode, seq_opt(&source, 3)?, item.msg_seq, &kind);
+    let conv_kind: String = col(&source, 4)?;
+    let mut seen = FannedOut {
+        source_event_id: item.source_event_id.clone(),
+        class: large::fanout_class(&conv_kind, route),
+        ..Default::default()
+    };
     let periods = match route {
-        Route::Shared => return Ok((Recipients::default(), route)),
+        Route::Shared => return Ok((Recipients::default(), route, seen)),
         Route::PerMember => periods_covering(c, &item.conv, item.msg_seq).await?,
         // The period the change opened or closed at this msg_seq.
         Route::Subject => periods_covering(c, &item.conv, item.msg_seq)
@@ -75,12 +81,13 @@ async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route)> {
             .filter(|p| p.join_seq == item.msg_seq || p.leave_seq == Some(item.msg_seq))
             .collect(),
     };
+    seen.period_miss = large::period_miss(route, periods.len());
     let at_event = recipients_at(&periods, item.msg_seq);
     let holders = match target_seq {
         Some(t) => Some(recipients_at(&periods_covering(c, &item.conv, t).await?, t)),
         None => None,
     };
-    Ok((control_recipients(at_event, holders, &kind), route))
+    Ok((control_recipients(at_event, holders, &kind), route, seen))
 }
 
 /// Publishes the marker of a shared group this batch moved up to
@@ -183,21 +190,22 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
     // marker publication each, whatever the number of items (G2).
     let mut moved: BTreeMap<String, u64> = BTreeMap::new();
     for item in items {
-        let (recipients, route) = resolve(c, item).await?;
+        let (recipients, route, mut seen) = resolve(c, item).await?;
         if route != Route::PerMember {
             let seq = moved.entry(item.conv.clone()).or_default();
             *seq = (*seq).max(item.msg_seq);
         }
-        plans.push(recipients);
+        seen.recipients = recipients.deliver.len() as u64;
+        plans.push((recipients, seen));
     }
-    let mut users: Vec<String> = plans.iter().flat_map(|r| r.deliver.iter().map(|(u, _)| u.clone())).collect();
+    let mut users: Vec<String> = plans.iter().flat_map(|(r, _)| r.deliver.iter().map(|(u, _)| u.clone())).collect();
     users.sort();
     users.dedup();
     lock_heads(c, &users).await?;
 
     let mut report = FanoutReport::default();
     let mut touched: BTreeMap<String, SyncSeq> = BTreeMap::new();
-    for (item, recipients) in items.iter().zip(plans) {
+    for (item, (recipients, mut seen)) in items.iter().zip(plans) {
         for user in &recipients.quarantined {
             exec(
                 c,
@@ -252,7 +260,9 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
             }
             report.events_written += 1;
             touched.insert(user.clone(), sync_seq);
+            seen.deliveries.push((user.clone(), sync_seq));
         }
+        report.items.push(seen);
         exec(c, "DELETE FROM outbox WHERE conv_id = $1 AND outbox_id = $2", &[&item.conv, &item.outbox_id]).await?;
         report.items_done += 1;
     }

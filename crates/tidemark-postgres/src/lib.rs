@@ -254,16 +254,16 @@ impl PgStore {
         let fanout_pool = pool(pg.clone(), 1)?;
         let mut writers = Vec::with_capacity(config.conv_writers);
         let mut tasks = Vec::with_capacity(config.conv_writers + 1);
-        let (writer, task) = Writer::start(writer_pool);
+        let (writer, task) = Writer::start(writer_pool, "conv");
         writers.push(writer);
         tasks.push(task);
         for _ in 1..config.conv_writers {
-            let (writer, task) = Writer::start(pool(pg.clone(), 1)?);
+            let (writer, task) = Writer::start(pool(pg.clone(), 1)?, "conv");
             writers.push(writer);
             tasks.push(task);
         }
         let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
-        let (user_writer, fanout_task) = Writer::start(fanout_pool);
+        let (user_writer, fanout_task) = Writer::start(fanout_pool, "user");
         tasks.push(fanout_task);
         Ok(Arc::new(PgStore {
             large_members: std::sync::atomic::AtomicU64::new(GroupPolicy::default().large_members),
@@ -733,6 +733,10 @@ impl Store for PgStore {
 
     async fn outbox_stats(&self) -> StoreResult<OutboxStats> {
         self.readers.read(|c| Box::pin(read::outbox_stats(c))).await
+    }
+
+    async fn gauges(&self, now_ms: i64) -> StoreResult<StoreGauges> {
+        self.readers.read(move |c| Box::pin(async move { read::gauges(c, now_ms).await })).await
     }
 
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {

@@ -239,6 +239,42 @@ pub(crate) async fn outbox_stats(c: &Conn) -> R<OutboxStats> {
     Ok(OutboxStats { backlog: seq(&row, 0)?, oldest_created_at_ms: col(&row, 1)? })
 }
 
+/// `Store::gauges`: one statement of aggregates, at scrape time.
+pub(crate) async fn gauges(c: &Conn, now_ms: i64) -> R<StoreGauges> {
+    let r = db::query_one(
+        c,
+        "SELECT
+     (SELECT COUNT(*) FROM outbox),
+     (SELECT MIN(created_at) FROM outbox),
+     (SELECT COALESCE(MAX(high_watermark), 0) FROM user_heads),
+     (SELECT COALESCE(MAX(high_watermark - trimmed_upto), 0) FROM user_heads),
+     (SELECT COALESCE(MAX(h.high_watermark - d.acked_sync_seq), 0) FROM devices d
+        JOIN user_heads h ON h.user_id = d.user_id WHERE d.state <> 'REVOKED'),
+     (SELECT COUNT(*) FROM devices d JOIN user_heads h ON h.user_id = d.user_id
+        WHERE d.state <> 'REVOKED' AND d.acked_sync_seq < h.trimmed_upto),
+     (SELECT COUNT(*) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > $1),
+     (SELECT MIN(created_at) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > $1),
+     (SELECT COUNT(*) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > $1),
+     (SELECT MIN(created_at) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > $1)",
+        &[&now_ms],
+    )
+    .await?;
+    // A difference is below zero only on drifted data (an ACK above its
+    // head, which reconciliation reports); the gauge shows it as zero.
+    let n = |i: usize| col::<i64>(&r, i).map(|v| v.max(0) as u64);
+    Ok(StoreGauges {
+        outbox: OutboxStats { backlog: n(0)?, oldest_created_at_ms: col(&r, 1)? },
+        user_high_watermark_max: n(2)?,
+        retained_events_max: n(3)?,
+        cursor_lag_events_max: n(4)?,
+        devices_below_trim: n(5)?,
+        recovery_sessions: n(6)?,
+        recovery_oldest_created_at_ms: col(&r, 7)?,
+        snapshot_sessions: n(8)?,
+        snapshot_oldest_created_at_ms: col(&r, 9)?,
+    })
+}
+
 pub(crate) async fn user_high_watermark(c: &Conn, user: &str) -> R<u64> {
     let hw: Option<i64> = scalar(c, "SELECT high_watermark FROM user_heads WHERE user_id = $1", &[&user]).await?;
     Ok(hw.unwrap_or(0) as u64)

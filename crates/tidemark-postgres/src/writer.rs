@@ -254,6 +254,9 @@ pub struct WriterStats {
 #[derive(Clone)]
 pub(crate) struct Writer {
     jobs: mpsc::Sender<Queued>,
+    /// The `writer` label of its conflict metrics: `conv` or `user`
+    /// (`metric_names::WRITERS`).
+    role: &'static str,
     pub(crate) stats: Arc<WriterStats>,
     failure: Arc<WriteFailure>,
 }
@@ -261,13 +264,13 @@ pub(crate) struct Writer {
 impl Writer {
     /// Starts the writer task on `pool` (a pool of one connection). The task
     /// ends once every `Writer` clone is gone and the queue is drained.
-    pub(crate) fn start(pool: Pool) -> (Writer, tokio::task::JoinHandle<()>) {
+    pub(crate) fn start(pool: Pool, role: &'static str) -> (Writer, tokio::task::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel::<Queued>(WRITE_QUEUE_MAX);
         let stats = Arc::new(WriterStats::default());
         let failure = Arc::new(WriteFailure::default());
         abort_on_writer_panic();
         let handle = tokio::spawn(IN_WRITER.scope((), run(pool, rx, stats.clone(), failure.clone())));
-        (Writer { jobs: tx, stats, failure }, handle)
+        (Writer { jobs: tx, role, stats, failure }, handle)
     }
 
     /// Whether writes commit: the last batch's failure, if none has
@@ -329,12 +332,12 @@ impl Writer {
                 Err(e) if db::is_lock_conflict(&e) => {
                     if attempt >= WRITE_ATTEMPTS_MAX {
                         self.stats.conflict_give_ups.fetch_add(1, Ordering::Relaxed);
-                        metrics::counter!(names::CONFLICT_GIVE_UPS).increment(1);
+                        names::CONFLICT_GIVE_UPS.add_by("writer", self.role, 1);
                         tracing::warn!(error = %e, attempts = attempt, "store request aborted by lock conflicts");
                         return Err(e);
                     }
                     self.stats.conflict_retries.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!(names::CONFLICT_RETRIES).increment(1);
+                    names::CONFLICT_RETRIES.add_by("writer", self.role, 1);
                     tracing::debug!(error = %e, attempt, "store request aborted by a lock conflict; retrying");
                     let jitter = rand::random_range(0..=WRITE_RETRY_PAUSE_MS);
                     tokio::time::sleep(Duration::from_millis(WRITE_RETRY_PAUSE_MS * u64::from(attempt) + jitter)).await;
@@ -641,8 +644,8 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Queued>, stats: Arc<WriterStats>
         if commit_error.is_none() {
             stats.commits.fetch_add(1, Ordering::Relaxed);
             stats.writes.fetch_add(size, Ordering::Relaxed);
-            metrics::counter!(names::COMMITS).increment(1);
-            metrics::histogram!(names::COMMIT_BATCH_REQUESTS).record(size as f64);
+            names::COMMITS.inc();
+            names::COMMIT_BATCH_REQUESTS.record(size as f64);
         }
         for complete in completers {
             complete(commit_error.clone());
@@ -685,7 +688,7 @@ mod tests {
         raw.batch_execute(&format!("CREATE SCHEMA {schema}; CREATE TABLE {schema}.t (v INT PRIMARY KEY)"))
             .await
             .unwrap();
-        let (writer, _task) = Writer::start(crate::pool(pg, 1).unwrap());
+        let (writer, _task) = Writer::start(crate::pool(pg, 1).unwrap(), "conv");
 
         // Hold the writer inside a batch until every request below queued
         // up, so they all run in the next batch, as one pipeline.

@@ -116,7 +116,7 @@ impl HintBus {
     fn queue(&self, hint: BusHint) {
         let Some(tx) = &self.tx else { return };
         if tx.try_send(hint).is_err() {
-            metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
+            m::HINTS_BUS_DROPPED.inc();
         }
     }
 }
@@ -265,9 +265,9 @@ async fn publish_loop(
         // The client buffers while reconnecting; an error here is a hint
         // lost, which the re-hint sweep and client syncs cover.
         match client.publish(subject.clone(), encode(&hint).into()).await {
-            Ok(()) => metrics::counter!(m::HINTS_BUS_PUBLISHED).increment(1),
+            Ok(()) => m::HINTS_BUS_PUBLISHED.add(1),
             Err(e) => {
-                metrics::counter!(m::HINTS_BUS_DROPPED).increment(1);
+                m::HINTS_BUS_DROPPED.inc();
                 tracing::debug!(%subject, error = %e, "hint not published");
             }
         }
@@ -292,9 +292,9 @@ async fn publish_ephemeral_loop(
         let subject = format!("{prefix}.{}", user_token(&hint.user));
         let payload = serde_json::to_vec(&hint).expect("a bus payload serializes");
         match client.publish(subject, payload.into()).await {
-            Ok(()) => metrics::counter!(m::EPHEMERAL_BUS_PUBLISHED).increment(1),
+            Ok(()) => m::EPHEMERAL_BUS_PUBLISHED.add(1),
             Err(e) => {
-                metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "bus_queue_full").increment(1);
+                m::EPHEMERAL_DROPPED.add_by("reason", "bus_queue_full", 1);
                 tracing::debug!(error = %e, "ephemeral signal not published");
             }
         }
@@ -320,14 +320,14 @@ async fn subscribe_loop(mut subscriber: async_nats::Subscriber, to: Receivers, m
         match decode(&message.payload) {
             Some(BusHint { user, ephemeral: Some(eph), .. }) => lane.from_bus(user, eph).await,
             Some(BusHint { conv: Some(c), .. }) => {
-                metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
+                m::HINTS_BUS_RECEIVED.inc();
                 let moved =
                     ConvMoved { conv: c.conv, target: c.target, version: c.version, members_seq: c.members_seq };
                 groups.deliver(&moved).await;
             }
             Some(BusHint { user, kick: Some(kick), .. }) => fences.apply(&user, &kick),
             Some(BusHint { user, high_watermark, kick: None, .. }) => {
-                metrics::counter!(m::HINTS_BUS_RECEIVED).increment(1);
+                m::HINTS_BUS_RECEIVED.inc();
                 hub.notify_user(&user, high_watermark);
             }
             None => tracing::warn!(subject = %message.subject, "malformed hint on the bus ignored"),

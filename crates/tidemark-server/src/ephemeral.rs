@@ -149,7 +149,7 @@ impl EphConn {
         if stored {
             self.wake.notify_one();
         } else {
-            metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "slots_full").increment(1);
+            m::EPHEMERAL_DROPPED.add_by("reason", "slots_full", 1);
         }
         stored
     }
@@ -167,7 +167,7 @@ impl EphConn {
         let mut out: Vec<ServerFrame> = slots.presence.drain().map(|(_, w)| w.frame).collect();
         for (_, w) in slots.typing.drain() {
             if w.stale_at_ms.is_some_and(|at| at <= now_ms) {
-                metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "expired").increment(1);
+                m::EPHEMERAL_DROPPED.add_by("reason", "expired", 1);
             } else {
                 out.push(w.frame);
             }
@@ -415,7 +415,7 @@ impl Lane {
                     held.insert(key, Held { typing, to: to.clone() });
                 }
                 Some(_) => {
-                    metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "typing_held_full").increment(1);
+                    m::EPHEMERAL_DROPPED.add_by("reason", "typing_held_full", 1);
                 }
                 None => {
                     held.remove(&key);
@@ -519,7 +519,7 @@ impl Lane {
                 ephemeral: Some(BusEphemeral { to: to.to_vec(), frame: signal.frame.clone(), answer: signal.answer }),
             };
             if bus.try_send(hint).is_err() {
-                metrics::counter!(m::EPHEMERAL_DROPPED, "reason" => "bus_queue_full").increment(1);
+                m::EPHEMERAL_DROPPED.add_by("reason", "bus_queue_full", 1);
             }
         }
     }
@@ -527,7 +527,7 @@ impl Lane {
     /// A signal another node published (`from` is the hint's user), run by
     /// the bus subscriber task.
     pub async fn from_bus(&self, from: String, eph: BusEphemeral) {
-        metrics::counter!(m::EPHEMERAL_BUS_RECEIVED).increment(1);
+        m::EPHEMERAL_BUS_RECEIVED.inc();
         let about_sender = match &eph.frame {
             Some(ServerFrame::Presence(p)) if p.user == from => Some(p.state == Presence::Offline.as_str()),
             _ => None,

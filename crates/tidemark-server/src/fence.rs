@@ -135,25 +135,29 @@ pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<boo
 pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
     for (user, device) in state.store.revoked_devices().await? {
         if !state.fences.is_revoked(&user, &device) && state.fences.revoke(&user, &device) {
-            tracing::info!(%user, %device, "revocation learnt from the store");
+            tracing::info!(user_hash = %state.log_id(&user), device_hash = %state.log_id(&device), "revocation learnt from the store");
         }
     }
     let ends = state.store.session_fences().await?;
     for user in ends.deactivated {
         if !state.sessions.is_deactivated(&user) && state.fences.deactivate(&user) {
-            tracing::info!(%user, "deactivation learnt from the store");
+            tracing::info!(user_hash = %state.log_id(&user), "deactivation learnt from the store");
         }
     }
     for (user, at_ms) in ends.users_ended {
         if state.sessions.end(&user, None, at_ms) {
             state.fences.end_sessions(&user, None, at_ms);
-            tracing::info!(%user, "end of sessions learnt from the store");
+            tracing::info!(user_hash = %state.log_id(&user), "end of sessions learnt from the store");
         }
     }
     for (user, device, at_ms) in ends.devices_ended {
         if state.sessions.end(&user, Some(&device), at_ms) {
             state.fences.end_sessions(&user, Some(&device), at_ms);
-            tracing::info!(%user, %device, "end of a device's sessions learnt from the store");
+            tracing::info!(
+                user_hash = %state.log_id(&user),
+                device_hash = %state.log_id(&device),
+                "end of a device's sessions learnt from the store"
+            );
         }
     }
     let connected = state.hub.devices();

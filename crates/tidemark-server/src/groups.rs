@@ -69,6 +69,6 @@ impl GroupHints {
             },
         };
         let n = self.hub.notify_conv(&users, &moved.conv, moved.target, moved.version);
-        metrics::counter!(crate::metrics::HINTS_GROUP).increment(n as u64);
+        crate::metrics::HINTS_GROUP.add(n as u64);
     }
 }

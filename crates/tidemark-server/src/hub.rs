@@ -32,6 +32,9 @@ pub struct ConnEntry {
     rehint: AtomicBool,
     /// The device's ACK as last seen by this server.
     acked: AtomicU64,
+    /// Since when the ACK has been behind the user's watermark (0: not
+    /// behind), for the online-lag metric in seconds.
+    behind_since_ms: AtomicI64,
     last_hint_at_ms: AtomicI64,
     /// Large groups (G2): per group, the latest marker `(target, version)`
     /// not yet sent. One slot per group the user is in, so bounded by the
@@ -97,14 +100,32 @@ impl ConnEntry {
         self.kick.subscribe()
     }
 
-    fn hint(&self, hw: u64, rehint: bool, now_ms: i64) {
-        self.pending_hint.fetch_max(hw, Ordering::AcqRel);
+    /// Queues a hint; returns whether it merged into one already waiting
+    /// (coalesced).
+    fn hint(&self, hw: u64, rehint: bool, now_ms: i64) -> bool {
+        let waiting = self.pending_hint.fetch_max(hw, Ordering::AcqRel);
         if rehint {
             self.rehint.store(true, Ordering::Release);
         }
+        if self.acked.load(Ordering::Acquire) < hw {
+            let _ = self.behind_since_ms.compare_exchange(0, now_ms, Ordering::AcqRel, Ordering::Acquire);
+        }
         self.last_hint_at_ms.store(now_ms, Ordering::Release);
         self.wake.notify_one();
+        waiting != 0
     }
+}
+
+/// The online devices' lag behind their users' watermarks, as this hub
+/// knows them (`/metrics` samples it at scrape time).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LagSample {
+    /// Connections whose device's ACK is below its user's watermark.
+    pub lagging: u64,
+    /// The largest `watermark - acked`, in events.
+    pub events_max: u64,
+    /// The longest time an ACK has stayed behind, in milliseconds.
+    pub behind_ms_max: i64,
 }
 
 /// The connections of one user and the user's latest known watermark.
@@ -145,6 +166,7 @@ impl Hub {
             hinted: AtomicU64::new(0),
             rehint: AtomicBool::new(false),
             acked: AtomicU64::new(acked),
+            behind_since_ms: AtomicI64::new(0),
             last_hint_at_ms: AtomicI64::new(crate::util::now_ms()),
             conv_hints: Mutex::new(HashMap::new()),
             wake: Notify::new(),
@@ -153,6 +175,9 @@ impl Hub {
         let mut users = self.users.lock().expect("hub lock");
         let u = users.entry(user.to_owned()).or_default();
         u.high_watermark = u.high_watermark.max(user_hw);
+        if acked < u.high_watermark {
+            entry.behind_since_ms.store(crate::util::now_ms(), Ordering::Release);
+        }
         for other in u.conns.iter().filter(|c| c.device == device) {
             let older = if other.epoch < epoch { other } else { &entry };
             older.kick(tidemark_proto::reason::SUPERSEDED);
@@ -161,7 +186,7 @@ impl Hub {
             u.conns.retain(|c| c.device != device);
         }
         u.conns.push(entry.clone());
-        metrics::gauge!(crate::metrics::WS_CONNECTIONS).increment(1.0);
+        crate::metrics::WS_CONNECTIONS.shift(1.0);
         entry
     }
 
@@ -173,7 +198,7 @@ impl Hub {
                 users.remove(&entry.user);
             }
         }
-        metrics::gauge!(crate::metrics::WS_CONNECTIONS).decrement(1.0);
+        crate::metrics::WS_CONNECTIONS.shift(-1.0);
     }
 
     /// A fan-out committed: the user's log now reaches `hw`.
@@ -182,8 +207,12 @@ impl Hub {
         let mut users = self.users.lock().expect("hub lock");
         let Some(u) = users.get_mut(user) else { return };
         u.high_watermark = u.high_watermark.max(hw);
+        let mut coalesced = 0;
         for c in &u.conns {
-            c.hint(hw, false, now);
+            coalesced += u64::from(c.hint(hw, false, now));
+        }
+        if coalesced > 0 {
+            crate::metrics::HINTS_COALESCED.add(coalesced);
         }
     }
 
@@ -217,9 +246,35 @@ impl Hub {
 
     pub fn on_ack(&self, user: &str, device: &str, acked: u64) {
         let users = self.users.lock().expect("hub lock");
-        for c in users.get(user).into_iter().flat_map(|u| &u.conns).filter(|c| c.device == device) {
-            c.acked.fetch_max(acked, Ordering::AcqRel);
+        let Some(u) = users.get(user) else { return };
+        for c in u.conns.iter().filter(|c| c.device == device) {
+            let now_acked = c.acked.fetch_max(acked, Ordering::AcqRel).max(acked);
+            if now_acked >= u.high_watermark {
+                c.behind_since_ms.store(0, Ordering::Release);
+            }
         }
+    }
+
+    /// The online devices' lag at `now_ms`: one walk over the connections
+    /// under the hub's lock, memory only.
+    pub fn lag(&self, now_ms: i64) -> LagSample {
+        let users = self.users.lock().expect("hub lock");
+        let mut sample = LagSample::default();
+        for u in users.values() {
+            for c in &u.conns {
+                let behind = u.high_watermark.saturating_sub(c.acked.load(Ordering::Acquire));
+                if behind == 0 {
+                    continue;
+                }
+                sample.lagging += 1;
+                sample.events_max = sample.events_max.max(behind);
+                let since = c.behind_since_ms.load(Ordering::Acquire);
+                if since > 0 {
+                    sample.behind_ms_max = sample.behind_ms_max.max(now_ms - since);
+                }
+            }
+        }
+        sample
     }
 
     /// Ends every connection of a device (revocation, P5).
@@ -282,6 +337,7 @@ impl Hub {
                 }
             }
         }
+        crate::metrics::HINTS_REHINTED.add(n as u64);
         n
     }
 
@@ -305,6 +361,26 @@ mod tests {
         assert_eq!(c.take_hint(), None);
         hub.notify_user("bob", 40);
         assert_eq!(c.take_hint(), None, "an older watermark is not hinted again");
+    }
+
+    #[test]
+    fn lag_is_measured_from_the_watermark_and_ends_with_the_ack() {
+        let hub = Hub::default();
+        let phone = hub.register("bob", "phone", 1, 0, 3, 3);
+        let desk = hub.register("bob", "desk", 1, 0, 3, 3);
+        assert_eq!(hub.lag(0), LagSample::default(), "both caught up");
+        let t = crate::util::now_ms();
+        hub.notify_user("bob", 8);
+        let later = hub.lag(t + 60_000);
+        assert_eq!((later.lagging, later.events_max), (2, 5));
+        assert!((60_000..=60_000 + (crate::util::now_ms() - t)).contains(&later.behind_ms_max), "{later:?}");
+        hub.on_ack("bob", "desk", 8);
+        assert_eq!((hub.lag(t).lagging, hub.lag(t).events_max), (1, 5), "the desk caught up, the phone did not");
+        hub.on_ack("bob", "phone", 6);
+        assert_eq!(hub.lag(t).events_max, 2, "still behind, since the first hint");
+        hub.on_ack("bob", "phone", 8);
+        assert_eq!(hub.lag(t + 60_000), LagSample::default());
+        drop((phone, desk));
     }
 
     #[test]

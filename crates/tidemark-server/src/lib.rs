@@ -21,6 +21,22 @@
 //! store, hints are only hints (D8), and two servers can run in one process
 //! because every dependency is passed in explicitly.
 
+/// One line of a message's stage trace (O2, seed §18.2): a debug event on
+/// the target `tidemark::trace`, so an operator turns traces on alone
+/// (`RUST_LOG=info,tidemark::trace=debug`) and `--log-format json` writes
+/// them as JSON lines. Every line carries `stage` (the metric stages of
+/// `tidemark_store::metric_names::stage`) and `trace_id`; ids of users and
+/// devices only as `AppState::log_id` hashes; never a body, a token, a
+/// password or a push payload. A message's `trace_id` is its message id,
+/// so every node names it without carrying context; a device's batch
+/// (its pages and their ACK) is traced by the batch token's tag.
+#[macro_export]
+macro_rules! trace_stage {
+    ($($field:tt)*) => {
+        tracing::debug!(target: "tidemark::trace", $($field)*)
+    };
+}
+
 pub mod accounts;
 pub mod audit;
 pub mod bus;

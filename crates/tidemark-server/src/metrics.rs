@@ -29,10 +29,11 @@ pub fn install() -> PrometheusHandle {
                 .set_buckets(SECONDS_BUCKETS)
                 .and_then(|b| {
                     b.set_buckets_for_metric(
-                        Matcher::Full(store::COMMIT_BATCH_REQUESTS.to_owned()),
+                        Matcher::Full(store::COMMIT_BATCH_REQUESTS.name.to_owned()),
                         store::COMMIT_BATCH_BUCKETS,
                     )
                 })
+                .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_events".to_owned()), EVENTS_BUCKETS))
                 .expect("static buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
@@ -49,68 +50,143 @@ pub fn install() -> PrometheusHandle {
 #[derive(Debug, Clone, Copy)]
 pub enum Kind {
     Counter,
-    /// A counter with one label; registered at zero for every value the
-    /// function lists.
+    /// A counter with one label besides `stage`; registered at zero for
+    /// every value the function lists.
     CounterBy(&'static str, fn() -> Vec<&'static str>),
     Gauge,
+    GaugeBy(&'static str, fn() -> Vec<&'static str>),
     Histogram,
+    HistogramBy(&'static str, fn() -> Vec<&'static str>),
 }
 
-/// One metric family: its name, kind and HELP text.
+/// One metric family: its name and stage, kind and HELP text.
 #[derive(Debug, Clone, Copy)]
 pub struct Family {
-    pub name: &'static str,
+    pub metric: Metric,
     pub kind: Kind,
     pub help: &'static str,
 }
 
-const fn family(name: &'static str, kind: Kind, help: &'static str) -> Family {
-    Family { name, kind, help }
+impl Family {
+    pub fn name(&self) -> &'static str {
+        self.metric.name
+    }
 }
 
-pub const SENDS_ACCEPTED: &str = "tidemark_sends_accepted_total";
-pub const SENDS_DUPLICATE: &str = "tidemark_sends_duplicate_total";
-pub const OUTBOX_BACKLOG: &str = "tidemark_outbox_backlog";
-pub const OUTBOX_OLDEST_AGE: &str = "tidemark_outbox_oldest_age_seconds";
-pub const FANOUT_LAG: &str = "tidemark_fanout_lag_seconds";
-pub const FANOUT_EVENTS: &str = "tidemark_fanout_events_total";
-pub const FANOUT_DUPLICATES: &str = "tidemark_fanout_duplicates_total";
-pub const FANOUT_QUARANTINED: &str = "tidemark_fanout_quarantined_total";
-pub const SYNC_PAGES: &str = "tidemark_sync_pages_total";
-pub const ACKS: &str = "tidemark_acks_total";
-pub const REFUSALS: &str = "tidemark_refusals_total";
-pub const GENERATION_BUMPS: &str = "tidemark_generation_bumps_total";
-pub const HINTS: &str = "tidemark_hints_sent_total";
-pub const HINTS_BUS_PUBLISHED: &str = "tidemark_hints_bus_published_total";
-pub const HINTS_BUS_RECEIVED: &str = "tidemark_hints_bus_received_total";
-pub const HINTS_BUS_DROPPED: &str = "tidemark_hints_bus_dropped_total";
-pub const HINTS_GROUP: &str = "tidemark_hints_group_queued_total";
-pub const MARKERS_PUBLISHED: &str = "tidemark_group_markers_published_total";
-pub const MARKER_CLEARS: &str = "tidemark_group_marker_clears_total";
-pub const SLOW_CONSUMERS: &str = "tidemark_slow_consumer_disconnects_total";
+const fn family(metric: Metric, kind: Kind, help: &'static str) -> Family {
+    Family { metric, kind, help }
+}
+
+pub use store::{stage, Metric};
+
+// ---------------------------------------------------------------- accept
+pub const SENDS_ACCEPTED: Metric = Metric::new("tidemark_sends_accepted_total", stage::ACCEPT);
+/// Idempotency hits: a send answered with its earlier message.
+pub const SENDS_DUPLICATE: Metric = Metric::new("tidemark_sends_duplicate_total", stage::ACCEPT);
+/// Sends refused, by code (a failed transaction is `INTERNAL` or `UNAVAILABLE`).
+pub const SENDS_REFUSED: Metric = Metric::new("tidemark_sends_refused_total", stage::ACCEPT);
+/// From a send reaching the server to its answer (the store's commit of
+/// message and outbox record included), whatever the outcome.
+pub const ACCEPT_LATENCY: Metric = Metric::new("tidemark_accept_latency_seconds", stage::ACCEPT);
+// ---------------------------------------------------------------- outbox
+pub const OUTBOX_BACKLOG: Metric = Metric::new("tidemark_outbox_backlog", stage::OUTBOX);
+pub const OUTBOX_OLDEST_AGE: Metric = Metric::new("tidemark_outbox_oldest_age_seconds", stage::OUTBOX);
+// ---------------------------------------------------------------- fan-out
+/// From acceptance to the user events committed, by conversation kind.
+pub const FANOUT_LAG: Metric = Metric::new("tidemark_fanout_lag_seconds", stage::FANOUT);
+/// Recipients per fanned-out item, by conversation kind.
+pub const FANOUT_AMPLIFICATION: Metric = Metric::new("tidemark_fanout_amplification_events", stage::FANOUT);
+pub const FANOUT_EVENTS: Metric = Metric::new("tidemark_fanout_events_total", stage::FANOUT);
+pub const FANOUT_DUPLICATES: Metric = Metric::new("tidemark_fanout_duplicates_total", stage::FANOUT);
+/// Multi-hits: one user hit by two membership periods of one event.
+pub const FANOUT_QUARANTINED: Metric = Metric::new("tidemark_fanout_quarantined_total", stage::FANOUT);
+/// Items no membership period covers (`core::large::period_miss`).
+pub const FANOUT_PERIOD_MISSES: Metric = Metric::new("tidemark_fanout_period_misses_total", stage::FANOUT);
+// ---------------------------------------------------------------- sync log
+pub const SYNC_LOG_HEAD_MAX: Metric = Metric::new("tidemark_sync_log_head_max", stage::SYNC_LOG);
+pub const SYNC_LOG_RETAINED_MAX: Metric = Metric::new("tidemark_sync_log_retained_events_max", stage::SYNC_LOG);
+pub const SYNC_LOG_CURSOR_LAG_MAX: Metric = Metric::new("tidemark_sync_log_cursor_lag_events_max", stage::SYNC_LOG);
+pub const SYNC_LOG_BELOW_TRIM: Metric = Metric::new("tidemark_sync_log_devices_below_trim", stage::SYNC_LOG);
+/// One `Store::sync_page` read (cursor, bounds, session, events).
+pub const SYNC_PAGE_LATENCY: Metric = Metric::new("tidemark_sync_page_latency_seconds", stage::SYNC_LOG);
+// ---------------------------------------------------------------- device sync
+pub const SYNC_PAGES: Metric = Metric::new("tidemark_sync_pages_total", stage::DEVICE_SYNC);
+/// Events per page served (the batch size of seed §18.1).
+pub const SYNC_PAGE_EVENTS: Metric = Metric::new("tidemark_sync_page_events", stage::DEVICE_SYNC);
+pub const ACKS: Metric = Metric::new("tidemark_acks_total", stage::DEVICE_SYNC);
+pub const GENERATION_BUMPS: Metric = Metric::new("tidemark_generation_bumps_total", stage::DEVICE_SYNC);
+/// A page or an ACK under a generation that is no longer the device's.
+pub const GENERATION_CONFLICTS: Metric = Metric::new("tidemark_generation_conflicts_total", stage::DEVICE_SYNC);
+/// Online devices (connected to this node): the largest lag behind the
+/// user's watermark, in events and in seconds, and how many lag at all.
+pub const ONLINE_LAG_EVENTS_MAX: Metric = Metric::new("tidemark_online_device_lag_events_max", stage::DEVICE_SYNC);
+pub const ONLINE_LAG_SECONDS_MAX: Metric = Metric::new("tidemark_online_device_lag_seconds_max", stage::DEVICE_SYNC);
+pub const ONLINE_LAGGING: Metric = Metric::new("tidemark_online_devices_lagging", stage::DEVICE_SYNC);
+/// Live recovery sessions by kind (`replay`: D6; `snapshot`: D7 rebuilds
+/// building or ready) and the age of the oldest.
+pub const RECOVERY_SESSIONS: Metric = Metric::new("tidemark_recovery_sessions", stage::DEVICE_SYNC);
+pub const RECOVERY_OLDEST_AGE: Metric = Metric::new("tidemark_recovery_session_oldest_age_seconds", stage::DEVICE_SYNC);
+pub const SNAPSHOTS: Metric = Metric::new("tidemark_snapshots_total", stage::DEVICE_SYNC);
+// ---------------------------------------------------------------- push (hints)
+pub const HINTS: Metric = Metric::new("tidemark_hints_sent_total", stage::PUSH);
+/// Hints merged into one already waiting on the connection (D8).
+pub const HINTS_COALESCED: Metric = Metric::new("tidemark_hints_coalesced_total", stage::PUSH);
+pub const HINTS_REHINTED: Metric = Metric::new("tidemark_hints_rehinted_total", stage::PUSH);
+pub const HINTS_BUS_PUBLISHED: Metric = Metric::new("tidemark_hints_bus_published_total", stage::PUSH);
+pub const HINTS_BUS_RECEIVED: Metric = Metric::new("tidemark_hints_bus_received_total", stage::PUSH);
+pub const HINTS_BUS_DROPPED: Metric = Metric::new("tidemark_hints_bus_dropped_total", stage::PUSH);
+pub const HINTS_GROUP: Metric = Metric::new("tidemark_hints_group_queued_total", stage::PUSH);
+pub const MARKERS_PUBLISHED: Metric = Metric::new("tidemark_group_markers_published_total", stage::PUSH);
+pub const MARKER_CLEARS: Metric = Metric::new("tidemark_group_marker_clears_total", stage::PUSH);
+// ---------------------------------------------------------------- invariants
+/// Broken or attempted-broken invariants the server caught, by invariant
+/// ([`INVARIANTS`]). A broken invariant that stops the process is logged
+/// (`stage=invariant`) by the panic hook instead: no scrape would see it.
+pub const INVARIANT_VIOLATIONS: Metric = Metric::new("tidemark_invariant_violations_total", stage::INVARIANT);
+/// Values of the `invariant` label of [`INVARIANT_VIOLATIONS`].
+pub const INVARIANTS: &[&str] = &[
+    // An ACK above the watermark its batch token was issued with (D4).
+    "ack_beyond_watermark",
+    // An ACK or page under an older generation (D4, D5).
+    "stale_generation",
+    // One user hit by two membership periods of one event (F4; quarantined).
+    "period_overlap",
+    // An event no membership period covers (F4).
+    "period_miss",
+];
+// ---------------------------------------------------------------- gateway
+pub const SLOW_CONSUMERS: Metric = Metric::new("tidemark_slow_consumer_disconnects_total", stage::GATEWAY);
 /// WebSocket connections closed for sending on while told to wait.
-pub const WAITS_IGNORED_CLOSED: &str = "tidemark_waits_ignored_disconnects_total";
-pub const TRIMMED_EVENTS: &str = "tidemark_retention_trimmed_events_total";
-pub const SNAPSHOTS: &str = "tidemark_snapshots_total";
-pub const WS_CONNECTIONS: &str = "tidemark_ws_connections";
+pub const WAITS_IGNORED_CLOSED: Metric = Metric::new("tidemark_waits_ignored_disconnects_total", stage::GATEWAY);
+pub const WS_CONNECTIONS: Metric = Metric::new("tidemark_ws_connections", stage::GATEWAY);
+pub const REFUSALS: Metric = Metric::new("tidemark_refusals_total", stage::GATEWAY);
+// ---------------------------------------------------------------- storage
+pub const TRIMMED_EVENTS: Metric = Metric::new("tidemark_retention_trimmed_events_total", stage::STORAGE);
+/// Write requests carried by the store's committed transactions, read from
+/// the store's own counters at scrape time.
+pub const STORE_WRITE_REQUESTS: Metric = Metric::new("tidemark_store_write_requests_total", stage::STORAGE);
+/// SQL statements the store's connections ran (reads and writes).
+pub const STORE_STATEMENTS: Metric = Metric::new("tidemark_store_statements_total", stage::STORAGE);
+/// Of those, statements on read connections (SQLite only).
+pub const STORE_READ_STATEMENTS: Metric = Metric::new("tidemark_store_read_statements_total", stage::STORAGE);
+// ---------------------------------------------------------------- ephemeral lane
 /// Ephemeral frames (typing, presence) written to connections, by kind.
-pub const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
+pub const EPHEMERAL_SENT: Metric = Metric::new("tidemark_ephemeral_frames_sent_total", stage::EPHEMERAL);
 /// Ephemeral frames dropped before reaching a connection, by reason.
-pub const EPHEMERAL_DROPPED: &str = "tidemark_ephemeral_dropped_total";
+pub const EPHEMERAL_DROPPED: Metric = Metric::new("tidemark_ephemeral_dropped_total", stage::EPHEMERAL);
 /// Ephemeral signals published to and received from the other nodes.
-pub const EPHEMERAL_BUS_PUBLISHED: &str = "tidemark_ephemeral_bus_published_total";
-pub const EPHEMERAL_BUS_RECEIVED: &str = "tidemark_ephemeral_bus_received_total";
+pub const EPHEMERAL_BUS_PUBLISHED: Metric = Metric::new("tidemark_ephemeral_bus_published_total", stage::EPHEMERAL);
+pub const EPHEMERAL_BUS_RECEIVED: Metric = Metric::new("tidemark_ephemeral_bus_received_total", stage::EPHEMERAL);
 /// Values of the `kind` label of [`EPHEMERAL_SENT`].
 pub const EPHEMERAL_KINDS: &[&str] = &["typing", "presence"];
 /// Values of the `reason` label of [`EPHEMERAL_DROPPED`].
 pub const EPHEMERAL_DROP_REASONS: &[&str] = &["slots_full", "expired", "bus_queue_full", "typing_held_full"];
-/// Write requests carried by the store's committed transactions, read from
-/// the store's own counters at scrape time.
-pub const STORE_WRITE_REQUESTS: &str = "tidemark_store_write_requests_total";
-/// SQL statements the store's connections ran (reads and writes).
-pub const STORE_STATEMENTS: &str = "tidemark_store_statements_total";
-/// Of those, statements on read connections (SQLite only).
-pub const STORE_READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
+
+/// Values of the `kind` label of [`RECOVERY_SESSIONS`] and [`RECOVERY_OLDEST_AGE`].
+pub const RECOVERY_KINDS: &[&str] = &["replay", "snapshot"];
+
+/// Bucket bounds of the histograms counted in events (amplification, page size).
+pub const EVENTS_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0];
 
 /// Values of the `result` label of [`ACKS`]: every [`AckDecision`] (see
 /// [`ack_result`]) and the refusal of an ACK above its batch's watermark.
@@ -128,6 +204,9 @@ pub const ACK_RESULTS: &[&str] = &[
 /// Values of the `outcome` label of [`SNAPSHOTS`].
 pub const SNAPSHOT_OUTCOMES: &[&str] = &["built", "installed"];
 
+/// Values of the `op` label of [`GENERATION_CONFLICTS`].
+pub const GENERATION_CONFLICT_OPS: &[&str] = &["page", "ack"];
+
 /// The `result` label of an ACK the store decided.
 pub fn ack_result(decision: &AckDecision) -> &'static str {
     match decision {
@@ -141,30 +220,110 @@ pub fn ack_result(decision: &AckDecision) -> &'static str {
     }
 }
 
+/// Counts a caught invariant violation (one of [`INVARIANTS`]).
+pub fn invariant_violation(invariant: &'static str) {
+    debug_assert!(INVARIANTS.contains(&invariant), "{invariant} is not declared");
+    INVARIANT_VIOLATIONS.add_by("invariant", invariant, 1);
+}
+
+fn codes() -> Vec<&'static str> {
+    ErrorCode::ALL.iter().map(|c| c.as_str()).collect()
+}
+
+fn conv_kinds() -> Vec<&'static str> {
+    tidemark_core::large::FANOUT_CLASSES.to_vec()
+}
+
 /// Every family, in exposition order. Labelled families list their labels'
 /// values so that each series exists from start-up.
 pub const FAMILIES: &[Family] = &[
     family(SENDS_ACCEPTED, Kind::Counter, "Messages accepted (new, committed with their outbox record)."),
     family(SENDS_DUPLICATE, Kind::Counter, "Sends answered with an earlier message (same sender and client_msg_id)."),
+    family(
+        SENDS_REFUSED,
+        Kind::CounterBy("code", codes),
+        "Sends refused, by error code (INTERNAL, UNAVAILABLE: the transaction failed).",
+    ),
+    family(
+        ACCEPT_LATENCY,
+        Kind::Histogram,
+        "From a send reaching the server to its answer, store commit included, in seconds.",
+    ),
     family(OUTBOX_BACKLOG, Kind::Gauge, "Outbox records not yet fanned out."),
     family(OUTBOX_OLDEST_AGE, Kind::Gauge, "Age of the oldest outbox record, in seconds."),
-    family(FANOUT_LAG, Kind::Histogram, "Time from acceptance to the user events being committed, in seconds."),
+    family(
+        FANOUT_LAG,
+        Kind::HistogramBy("conv_kind", conv_kinds),
+        "Time from acceptance to the user events being committed, in seconds, by conversation kind.",
+    ),
+    family(
+        FANOUT_AMPLIFICATION,
+        Kind::HistogramBy("conv_kind", conv_kinds),
+        "Recipients of each fanned-out event (user events it costs), by conversation kind.",
+    ),
     family(FANOUT_EVENTS, Kind::Counter, "User events written by fan-out."),
     family(FANOUT_DUPLICATES, Kind::Counter, "Fan-out deliveries skipped because the user already had the event."),
     family(
         FANOUT_QUARANTINED,
         Kind::Counter,
-        "Fan-out items quarantined: two membership periods of one user (integrity error).",
+        "Fan-out multi-hits quarantined: two membership periods of one user (integrity error).",
     ),
-    family(SYNC_PAGES, Kind::Counter, "Sync pages served."),
-    family(ACKS, Kind::CounterBy("result", || ACK_RESULTS.to_vec()), "Sync ACKs, by result."),
+    family(FANOUT_PERIOD_MISSES, Kind::Counter, "Fan-out items no membership period covers (integrity error)."),
     family(
-        REFUSALS,
-        Kind::CounterBy("code", || ErrorCode::ALL.iter().map(|c| c.as_str()).collect()),
-        "Requests refused, by error code.",
+        SYNC_LOG_HEAD_MAX,
+        Kind::Gauge,
+        "The highest committed user high watermark (a sync_seq), sampled at scrape.",
     ),
+    family(SYNC_LOG_RETAINED_MAX, Kind::Gauge, "The longest retained user log (head minus trim point), in events."),
+    family(
+        SYNC_LOG_CURSOR_LAG_MAX,
+        Kind::Gauge,
+        "The device cursor furthest behind its user's head (devices not revoked), in events.",
+    ),
+    family(
+        SYNC_LOG_BELOW_TRIM,
+        Kind::Gauge,
+        "Devices whose ACK is below their user's trim point (their next sync resets).",
+    ),
+    family(SYNC_PAGE_LATENCY, Kind::Histogram, "One sync page read from the store (one snapshot), in seconds."),
+    family(SYNC_PAGES, Kind::Counter, "Sync pages served."),
+    family(SYNC_PAGE_EVENTS, Kind::Histogram, "Events per sync page served."),
+    family(ACKS, Kind::CounterBy("result", || ACK_RESULTS.to_vec()), "Sync ACKs, by result."),
     family(GENERATION_BUMPS, Kind::Counter, "Device generations bumped (resets and recovery sessions)."),
+    family(
+        GENERATION_CONFLICTS,
+        Kind::CounterBy("op", || GENERATION_CONFLICT_OPS.to_vec()),
+        "Pages and ACKs refused STALE_GENERATION (an older generation than the device's), by operation.",
+    ),
+    family(
+        ONLINE_LAG_EVENTS_MAX,
+        Kind::Gauge,
+        "Connected devices: the largest ACK lag behind the user's watermark, in events.",
+    ),
+    family(
+        ONLINE_LAG_SECONDS_MAX,
+        Kind::Gauge,
+        "Connected devices: the longest time an ACK has stayed behind the user's watermark, in seconds.",
+    ),
+    family(ONLINE_LAGGING, Kind::Gauge, "Connected devices whose ACK is behind their user's watermark."),
+    family(
+        RECOVERY_SESSIONS,
+        Kind::GaugeBy("kind", || RECOVERY_KINDS.to_vec()),
+        "Live recovery sessions: replay (D6) and snapshot rebuilds (D7), sampled at scrape.",
+    ),
+    family(
+        RECOVERY_OLDEST_AGE,
+        Kind::GaugeBy("kind", || RECOVERY_KINDS.to_vec()),
+        "Age of the oldest live recovery session, by kind, in seconds (0: none).",
+    ),
+    family(
+        SNAPSHOTS,
+        Kind::CounterBy("outcome", || SNAPSHOT_OUTCOMES.to_vec()),
+        "Snapshots, by outcome (built, installed).",
+    ),
     family(HINTS, Kind::Counter, "Hint frames sent to connected devices."),
+    family(HINTS_COALESCED, Kind::Counter, "Hints merged into a hint already waiting on its connection (coalesced)."),
+    family(HINTS_REHINTED, Kind::Counter, "Hints repeated to connected devices whose ACK lags (re-hint sweep)."),
     family(HINTS_BUS_PUBLISHED, Kind::Counter, "Hints published to the other nodes (NATS hint bus)."),
     family(HINTS_BUS_RECEIVED, Kind::Counter, "Hints received from the other nodes (NATS hint bus)."),
     family(HINTS_BUS_DROPPED, Kind::Counter, "Hints not published: queue full or NATS error (only latency is lost)."),
@@ -175,19 +334,20 @@ pub const FAMILIES: &[Family] = &[
         Kind::CounterBy("outcome", || vec!["cleared", "stale"]),
         "dirty.clear calls, by outcome (cleared, stale: the marker stays dirty).",
     ),
+    family(
+        INVARIANT_VIOLATIONS,
+        Kind::CounterBy("invariant", || INVARIANTS.to_vec()),
+        "Invariant violations caught (refused or quarantined), by invariant.",
+    ),
     family(SLOW_CONSUMERS, Kind::Counter, "WebSocket connections closed because their send queue filled."),
     family(
         WAITS_IGNORED_CLOSED,
         Kind::Counter,
         "WebSocket connections closed for sending on while told to wait (RATE_LIMITED).",
     ),
-    family(TRIMMED_EVENTS, Kind::Counter, "User-log events removed by retention."),
-    family(
-        SNAPSHOTS,
-        Kind::CounterBy("outcome", || SNAPSHOT_OUTCOMES.to_vec()),
-        "Snapshots, by outcome (built, installed).",
-    ),
     family(WS_CONNECTIONS, Kind::Gauge, "Open authenticated WebSocket connections."),
+    family(REFUSALS, Kind::CounterBy("code", codes), "Requests refused, by error code."),
+    family(TRIMMED_EVENTS, Kind::Counter, "User-log events removed by retention."),
     family(
         EPHEMERAL_SENT,
         Kind::CounterBy("kind", || EPHEMERAL_KINDS.to_vec()),
@@ -215,36 +375,79 @@ pub const FAMILIES: &[Family] = &[
         Kind::CounterBy("done", || store::WAL_TRUNCATION_RESULTS.to_vec()),
         "Truncating SQLite WAL checkpoints, by whether readers let them finish.",
     ),
-    family(store::CONFLICT_RETRIES, Kind::Counter, "PostgreSQL write requests re-run after a serialization conflict."),
-    family(store::CONFLICT_GIVE_UPS, Kind::Counter, "PostgreSQL write requests given up after repeated conflicts."),
+    family(
+        store::CONFLICT_RETRIES,
+        Kind::CounterBy("writer", || store::WRITERS.to_vec()),
+        "PostgreSQL write requests re-run after a lock conflict, by writer (user: user-head conflicts).",
+    ),
+    family(
+        store::CONFLICT_GIVE_UPS,
+        Kind::CounterBy("writer", || store::WRITERS.to_vec()),
+        "PostgreSQL write requests given up after repeated conflicts, by writer.",
+    ),
 ];
+
+/// Refreshes the gauges sampled at scrape time: the store's aggregates
+/// (one read statement) and the online devices' lag from this node's hub
+/// (memory only). Nothing here runs per request.
+/// A store that did not answer leaves its gauges at their last values.
+pub fn sample(store: Option<&tidemark_store::StoreGauges>, lag: &crate::hub::LagSample, now_ms: i64) {
+    ONLINE_LAG_EVENTS_MAX.set(lag.events_max as f64);
+    ONLINE_LAG_SECONDS_MAX.set(lag.behind_ms_max as f64 / 1000.0);
+    ONLINE_LAGGING.set(lag.lagging as f64);
+    let Some(g) = store else { return };
+    let age = |created: Option<i64>| created.map(|c| (now_ms - c).max(0) as f64 / 1000.0).unwrap_or(0.0);
+    OUTBOX_BACKLOG.set(g.outbox.backlog as f64);
+    OUTBOX_OLDEST_AGE.set(age(g.outbox.oldest_created_at_ms));
+    SYNC_LOG_HEAD_MAX.set(g.user_high_watermark_max as f64);
+    SYNC_LOG_RETAINED_MAX.set(g.retained_events_max as f64);
+    SYNC_LOG_CURSOR_LAG_MAX.set(g.cursor_lag_events_max as f64);
+    SYNC_LOG_BELOW_TRIM.set(g.devices_below_trim as f64);
+    RECOVERY_SESSIONS.set_by("kind", "replay", g.recovery_sessions as f64);
+    RECOVERY_SESSIONS.set_by("kind", "snapshot", g.snapshot_sessions as f64);
+    RECOVERY_OLDEST_AGE.set_by("kind", "replay", age(g.recovery_oldest_created_at_ms));
+    RECOVERY_OLDEST_AGE.set_by("kind", "snapshot", age(g.snapshot_oldest_created_at_ms));
+}
 
 fn register_all() {
     for f in FAMILIES {
+        let (name, stage) = (f.metric.name, f.metric.stage);
         match f.kind {
             Kind::Counter => {
-                metrics::describe_counter!(f.name, f.help);
-                metrics::counter!(f.name).increment(0);
+                metrics::describe_counter!(name, f.help);
+                f.metric.add(0);
             }
             Kind::CounterBy(label, values) => {
-                metrics::describe_counter!(f.name, f.help);
+                metrics::describe_counter!(name, f.help);
                 for value in values() {
-                    metrics::counter!(f.name, label => value).increment(0);
+                    f.metric.add_by(label, value, 0);
                 }
             }
             Kind::Gauge => {
-                metrics::describe_gauge!(f.name, f.help);
-                metrics::gauge!(f.name).increment(0.0);
+                metrics::describe_gauge!(name, f.help);
+                f.metric.shift(0.0);
+            }
+            Kind::GaugeBy(label, values) => {
+                metrics::describe_gauge!(name, f.help);
+                for value in values() {
+                    metrics::gauge!(name, "stage" => stage, label => value).increment(0.0);
+                }
             }
             Kind::Histogram => {
-                metrics::describe_histogram!(f.name, f.help);
+                metrics::describe_histogram!(name, f.help);
                 // A handle registers the family; it renders with zero counts.
-                let _ = metrics::histogram!(f.name);
+                let _ = metrics::histogram!(name, "stage" => stage);
+            }
+            Kind::HistogramBy(label, values) => {
+                metrics::describe_histogram!(name, f.help);
+                for value in values() {
+                    let _ = metrics::histogram!(name, "stage" => stage, label => value);
+                }
             }
         }
     }
 }
 
 pub fn refusal(code: ErrorCode) {
-    metrics::counter!(REFUSALS, "code" => code.as_str()).increment(1);
+    REFUSALS.add_by("code", code.as_str(), 1);
 }

@@ -82,21 +82,49 @@ async fn drain(state: &AppState, shutdown: &watch::Receiver<bool>) -> Result<Dra
         }
         let report = claimed.report;
         let committed = now_ms();
-        for item in &claimed.items {
-            metrics::histogram!(m::FANOUT_LAG).record((committed - item.created_at_ms).max(0) as f64 / 1000.0);
-        }
-        metrics::counter!(m::FANOUT_EVENTS).increment(report.events_written);
-        metrics::counter!(m::FANOUT_DUPLICATES).increment(report.duplicates_skipped);
-        metrics::counter!(m::FANOUT_QUARANTINED).increment(report.quarantined);
+        observe(state, &claimed.items, &report, committed);
         for (user, hw) in &report.users {
             state.hint_user(user, *hw);
         }
-        metrics::counter!(crate::metrics::MARKERS_PUBLISHED).increment(report.convs.len() as u64);
+        crate::metrics::MARKERS_PUBLISHED.add(report.convs.len() as u64);
         for moved in &report.convs {
             state.hint_conv(moved).await;
         }
     }
     Ok(Drained::More)
+}
+
+/// The metrics and the trace of one committed fan-out, from its report
+/// (no store read): lag and amplification per conversation kind, the
+/// integrity counters, and one trace line per item and per user event.
+fn observe(state: &AppState, items: &[tidemark_store::OutboxItem], report: &tidemark_store::FanoutReport, now: i64) {
+    m::FANOUT_EVENTS.add(report.events_written);
+    m::FANOUT_DUPLICATES.add(report.duplicates_skipped);
+    m::FANOUT_QUARANTINED.add(report.quarantined);
+    if report.quarantined > 0 {
+        m::INVARIANT_VIOLATIONS.add_by("invariant", "period_overlap", report.quarantined);
+    }
+    for (item, seen) in items.iter().zip(&report.items) {
+        debug_assert_eq!(item.source_event_id, seen.source_event_id, "the report follows the outbox order");
+        let lag_ms = (now - item.created_at_ms).max(0);
+        m::FANOUT_LAG.record_by("conv_kind", seen.class, lag_ms as f64 / 1000.0);
+        m::FANOUT_AMPLIFICATION.record_by("conv_kind", seen.class, seen.recipients as f64);
+        if seen.period_miss {
+            m::FANOUT_PERIOD_MISSES.inc();
+            m::invariant_violation("period_miss");
+            tracing::error!(stage = "fanout", trace_id = %item.source_event_id, conv = %item.conv,
+                msg_seq = item.msg_seq, "no membership period covers this event; delivered to no one");
+        }
+        crate::trace_stage!(stage = "fanout", trace_id = %item.source_event_id, message_id = %item.source_event_id,
+            conv = %item.conv, msg_seq = item.msg_seq, outbox_id = item.outbox_id, conv_kind = seen.class,
+            recipients = seen.recipients, events = seen.deliveries.len(), lag_ms, result = "fanned_out",
+            "outbox item fanned out");
+        for (user, sync_seq) in &seen.deliveries {
+            crate::trace_stage!(stage = "fanout", trace_id = %item.source_event_id,
+                message_id = %item.source_event_id, user_hash = %state.log_id(user), sync_seq = *sync_seq,
+                result = "delivered", "user event written");
+        }
+    }
 }
 
 pub async fn run_rehint(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
@@ -122,7 +150,7 @@ pub async fn run_retention(state: Arc<AppState>, mut shutdown: watch::Receiver<b
         }
         match state.store.trim_user_logs(policy, now_ms()).await {
             Ok(r) if r.events_deleted > 0 || r.snapshots_expired > 0 => {
-                metrics::counter!(m::TRIMMED_EVENTS).increment(r.events_deleted);
+                m::TRIMMED_EVENTS.add(r.events_deleted);
                 tracing::info!(
                     users = r.users_trimmed,
                     events = r.events_deleted,

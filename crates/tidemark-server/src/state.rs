@@ -53,6 +53,14 @@ impl AppState {
     pub fn hint_user(&self, user: &str, hw: u64) {
         self.hub.notify_user(user, hw);
         self.bus.publish(user, hw);
+        crate::trace_stage!(stage = "push", trace_id = "", user_hash = %self.log_id(user), sync_seq = hw,
+            result = "hinted", "hint queued");
+    }
+
+    /// The name a log line gives a user or device id: the keyed hash of
+    /// `TokenKeys::log_id`, the one home of that rule.
+    pub fn log_id(&self, id: &str) -> String {
+        self.keys.log_id(id)
     }
 
     /// A large group's marker was published here: hint its members on this

@@ -98,7 +98,12 @@ fn frame() -> impl Strategy<Value = String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn random_frames_get_contract_errors_and_never_kill_the_connection() {
-    let ts = TestServer::start().await;
+    // Without rate limits: this client never waits as `RATE_LIMITED` tells
+    // it, and a connection that keeps ignoring its waits is closed by
+    // design (docs/protocol.md §1.6; tests/limits.rs covers that and the
+    // refusals themselves).
+    let limits = tidemark_server::limits::LimitsConfig::off();
+    let ts = TestServer::start_with(tidemark_server::ServerConfig { limits, ..Default::default() }).await;
     ts.user("ann").await;
     ts.user("ben").await;
     let login = ts.http.login("ann", PASSWORD, "phone").await.unwrap();

@@ -367,7 +367,7 @@ async fn admin_health_metrics_and_openapi() {
         "tidemark_fanout_lag_seconds",
         "tidemark_sync_pages_total",
         "tidemark_acks_total",
-        "tidemark_refusals_total{code=\"UNAUTHENTICATED\"}",
+        "tidemark_refusals_total{stage=\"gateway\",code=\"UNAUTHENTICATED\"}",
         "tidemark_store_commits",
     ] {
         assert!(metrics.contains(name), "metric {name} missing");

@@ -7,111 +7,15 @@
 //!
 //! The recorder is process-global: the other test in this binary sends
 //! nothing and scrapes nothing, so the values read here come from the first
-//! test's traffic alone under any test runner.
+//! test's traffic alone under any test runner (`stage_metrics.rs` holds the
+//! stage tests with traffic of their own).
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 
+use common::exposition::scrape;
 use common::*;
-use prometheus_parse::{Scrape, Value};
-
-struct Exposition {
-    text: String,
-    scrape: Scrape,
-}
-
-async fn scrape(ts: &TestServer) -> Exposition {
-    let text = reqwest::get(format!("{}/metrics", ts.running().url())).await.unwrap().text().await.unwrap();
-    let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("the exposition parses");
-    Exposition { text, scrape }
-}
-
-impl Exposition {
-    /// `# TYPE` of every family.
-    fn types(&self) -> BTreeMap<String, String> {
-        self.text
-            .lines()
-            .filter_map(|l| l.strip_prefix("# TYPE "))
-            .map(|l| {
-                let (name, kind) = l.split_once(' ').expect("TYPE line has a name and a type");
-                (name.to_owned(), kind.to_owned())
-            })
-            .collect()
-    }
-
-    /// The value of one series: `name` with exactly these labels.
-    fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
-        let sample = self
-            .scrape
-            .samples
-            .iter()
-            .find(|s| {
-                s.metric == name
-                    && s.labels.iter().count() == labels.len()
-                    && labels.iter().all(|(k, v)| s.labels.get(k) == Some(*v))
-            })
-            .unwrap_or_else(|| panic!("no series {name}{labels:?} in\n{}", self.text));
-        match &sample.value {
-            Value::Counter(v) | Value::Gauge(v) | Value::Untyped(v) => *v,
-            Value::Histogram(h) => h.iter().map(|b| b.count).fold(0.0, f64::max),
-            Value::Summary(_) => panic!("{name} is a summary"),
-        }
-    }
-
-    /// Every convention violation found, one line each.
-    fn lint(&self) -> Vec<String> {
-        let mut problems = Vec::new();
-        let types = self.types();
-        for (name, kind) in &types {
-            if !self.scrape.docs.contains_key(name) {
-                problems.push(format!("{name}: no HELP"));
-            }
-            match kind.as_str() {
-                "counter" if !name.ends_with("_total") => problems.push(format!("{name}: counter without _total")),
-                "counter" => {}
-                "gauge" | "histogram" if name.ends_with("_total") => {
-                    problems.push(format!("{name}: a {kind} named like a counter"))
-                }
-                "gauge" | "histogram" => {}
-                other => problems.push(format!("{name}: type {other} (untyped or summary)")),
-            }
-            if let Some(base) = name.strip_suffix("_total") {
-                if types.contains_key(base) {
-                    problems.push(format!("{name} and {base}: one family under two names"));
-                }
-            }
-            if kind == "histogram" && !(name.ends_with("_seconds") || name.ends_with("_requests")) {
-                problems.push(format!("{name}: histogram without a unit suffix"));
-            }
-        }
-        // Buckets: every series of a histogram has the same bounds, ending
-        // at +Inf, and a histogram of whole requests has no bucket below 1.
-        for s in &self.scrape.samples {
-            let Value::Histogram(buckets) = &s.value else { continue };
-            let bounds: Vec<f64> = buckets.iter().map(|b| b.less_than).collect();
-            if bounds.last() != Some(&f64::INFINITY) {
-                problems.push(format!("{}: buckets do not end at +Inf", s.metric));
-            }
-            if s.metric.ends_with("_requests") && bounds.iter().any(|b| *b < 1.0) {
-                problems.push(format!("{}: a count histogram with buckets below 1: {bounds:?}", s.metric));
-            }
-        }
-        for line in self.text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
-            let name = line.split(['{', ' ']).next().unwrap();
-            let family = ["_bucket", "_sum", "_count"]
-                .iter()
-                .find_map(|suffix| {
-                    name.strip_suffix(suffix).filter(|f| types.get(*f).map(String::as_str) == Some("histogram"))
-                })
-                .unwrap_or(name);
-            if !types.contains_key(family) {
-                problems.push(format!("{name}: a series without a TYPE"));
-            }
-        }
-        problems
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
@@ -121,7 +25,7 @@ async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
     let fresh = scrape(&ts).await;
     assert_eq!(fresh.lint(), Vec::<String>::new(), "lint of a fresh server");
     let types = fresh.types();
-    let declared: BTreeSet<&str> = tidemark_server::metrics::FAMILIES.iter().map(|f| f.name).collect();
+    let declared: BTreeSet<&str> = tidemark_server::metrics::FAMILIES.iter().map(|f| f.name()).collect();
     let exposed: BTreeSet<&str> = types.keys().map(String::as_str).collect();
     assert_eq!(
         declared.difference(&exposed).collect::<Vec<_>>(),
@@ -132,7 +36,8 @@ async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
     assert_eq!(fresh.value("tidemark_refusals_total", &[("code", "NOT_MEMBER")]), 0.0);
     assert_eq!(fresh.value("tidemark_acks_total", &[("result", "advanced")]), 0.0);
 
-    // Known traffic: 3 sends and 1 retry, one refused login, one batch ACKed.
+    // Known traffic: 3 sends, 1 retry and 1 refused send, one refused login,
+    // one batch ACKed.
     ts.user("ann").await;
     ts.user("ben").await;
     let ann = ts.device("ann", "phone").await;
@@ -140,6 +45,7 @@ async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
     for cmid in ["m1", "m2", "m3", "m1"] {
         ann.send(&conv, cmid).await;
     }
+    let refused = code(ann.ws.send(&send_req("no-such-conv", "m4")).await);
     assert_eq!(
         code(ts.http.login("ann", "wrong password", "tablet").await),
         tidemark_client::proto::ErrorCode::Unauthenticated
@@ -162,6 +68,32 @@ async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
     assert!(after.value("tidemark_store_commits_total", &[]) >= 1.0);
     assert!(after.value("tidemark_store_statements_total", &[]) > fresh.value("tidemark_store_statements_total", &[]));
     assert!(after.value("tidemark_store_commit_batch_requests", &[]) >= 1.0);
+    // Stage metrics (O1, seed §18.1). Accept: every send is timed, the
+    // retry and the refused one included; one was refused.
+    assert_eq!(after.value("tidemark_accept_latency_seconds", &[]), 5.0);
+    assert_eq!(after.value("tidemark_sends_refused_total", &[("code", refused.as_str())]), 1.0);
+    assert_eq!(after.value("tidemark_sends_refused_total", &[("code", "INTERNAL")]), 0.0);
+    // Fan-out: 3 direct items (the messages), each to 2 recipients; none
+    // in a group; no period missed or hit twice.
+    let direct = [("conv_kind", "direct")];
+    assert_eq!(after.value("tidemark_fanout_lag_seconds", &direct), 3.0);
+    assert_eq!(after.value("tidemark_fanout_amplification_events", &direct), 3.0);
+    assert_eq!(after.sum("tidemark_fanout_amplification_events", &direct), 6.0);
+    assert_eq!(after.value("tidemark_fanout_amplification_events", &[("conv_kind", "group")]), 0.0);
+    assert_eq!(after.value("tidemark_fanout_period_misses_total", &[]), 0.0);
+    assert_eq!(after.value("tidemark_invariant_violations_total", &[("invariant", "period_overlap")]), 0.0);
+    // Sync log: both users' logs hold the 3 messages; ann's phone never
+    // ACKed (3 behind), ben ACKed everything.
+    assert_eq!(after.value("tidemark_sync_log_head_max", &[]), 3.0);
+    assert_eq!(after.value("tidemark_sync_log_cursor_lag_events_max", &[]), 3.0);
+    assert_eq!(after.value("tidemark_sync_log_devices_below_trim", &[]), 0.0);
+    assert_eq!(after.value("tidemark_outbox_backlog", &[]), 0.0);
+    // Pages: every page timed and sized; their events add up to what ben
+    // applied (the first page holds them all, the limit being 10).
+    let pages = after.value("tidemark_sync_pages_total", &[]);
+    assert_eq!(after.value("tidemark_sync_page_events", &[]), pages);
+    assert_eq!(after.sum("tidemark_sync_page_events", &[]), 3.0);
+    assert!(after.value("tidemark_sync_page_latency_seconds", &[]) >= pages);
     ts.stop().await;
 }
 

@@ -402,7 +402,11 @@ async fn statements_when_idle(ts: &TestServer) -> f64 {
     let url = format!("{}/metrics", ts.running().url());
     let value = |text: &str, name: &str| -> f64 {
         text.lines()
-            .find_map(|l| l.strip_prefix(name).filter(|r| r.starts_with(' ')).map(|r| r.trim().parse().unwrap()))
+            .find_map(|l| {
+                // `name value` or `name{labels} value` (every series has a stage label).
+                let rest = l.strip_prefix(name).filter(|r| r.starts_with([' ', '{']))?;
+                rest.rsplit(' ').next().map(|v| v.parse().unwrap())
+            })
             .unwrap_or_else(|| panic!("{name} not in /metrics"))
     };
     for _ in 0..200 {

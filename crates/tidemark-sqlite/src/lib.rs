@@ -268,20 +268,30 @@ fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<
 /// `control_recipients` combines them; in a shared group, as
 /// `large::route` decides (nobody, or the subject of a membership change).
 /// The route comes back beside them.
-fn resolve(conn: &Connection, item: &OutboxItem) -> StoreResult<(tidemark_core::membership::Recipients, Route)> {
-    let (kind, target_seq, mode, shared_from): (String, Option<i64>, String, Option<i64>) = conn
+/// The recipients of one item and what its metrics need: the item's
+/// `FannedOut` with its class and period miss (recipients not yet set).
+fn resolve(
+    conn: &Connection,
+    item: &OutboxItem,
+) -> StoreResult<(tidemark_core::membership::Recipients, Route, FannedOut)> {
+    let (kind, target_seq, mode, shared_from, conv_kind): (String, Option<i64>, String, Option<i64>, String) = conn
         .prepare_cached(
-            "SELECT s.kind, t.msg_seq, c.mode, c.shared_from FROM messages s
+            "SELECT s.kind, t.msg_seq, c.mode, c.shared_from, c.kind FROM messages s
              JOIN conversations c ON c.conv_id = s.conv_id
              LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
              WHERE s.message_id = ?1",
         )
         .map_err(internal)?
-        .query_row(params![item.source_event_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .query_row(params![item.source_event_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
         .map_err(internal)?;
     let route = large::route(&mode, shared_from.map(|v| v as u64), item.msg_seq, &kind);
+    let mut seen = FannedOut {
+        source_event_id: item.source_event_id.clone(),
+        class: large::fanout_class(&conv_kind, route),
+        ..Default::default()
+    };
     let periods = match route {
-        Route::Shared => return Ok((Default::default(), route)),
+        Route::Shared => return Ok((Default::default(), route, seen)),
         Route::PerMember => periods_covering(conn, &item.conv, item.msg_seq)?,
         // The period the change opened or closed at this msg_seq.
         Route::Subject => periods_covering(conn, &item.conv, item.msg_seq)?
@@ -289,12 +299,13 @@ fn resolve(conn: &Connection, item: &OutboxItem) -> StoreResult<(tidemark_core::
             .filter(|p| p.join_seq == item.msg_seq || p.leave_seq == Some(item.msg_seq))
             .collect(),
     };
+    seen.period_miss = large::period_miss(route, periods.len());
     let at_event = recipients_at(&periods, item.msg_seq);
     let holders = match target_seq.map(|t| t as u64) {
         Some(t) => Some(recipients_at(&periods_covering(conn, &item.conv, t)?, t)),
         None => None,
     };
-    Ok((control_recipients(at_event, holders, &kind), route))
+    Ok((control_recipients(at_event, holders, &kind), route, seen))
 }
 
 fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResult<FanoutReport> {
@@ -304,7 +315,8 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
     // marker publication each, whatever the number of items (G2).
     let mut moved: std::collections::BTreeMap<String, u64> = Default::default();
     for item in items {
-        let (recipients, route) = resolve(conn, item)?;
+        let (recipients, route, mut fanned) = resolve(conn, item)?;
+        fanned.recipients = recipients.deliver.len() as u64;
         if route != Route::PerMember {
             let seq = moved.entry(item.conv.clone()).or_default();
             *seq = (*seq).max(item.msg_seq);
@@ -372,7 +384,9 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
             }
             report.events_written += 1;
             touched.insert(user.clone(), sync_seq as u64);
+            fanned.deliveries.push((user.clone(), sync_seq as u64));
         }
+        report.items.push(fanned);
         conn.prepare_cached("DELETE FROM outbox WHERE outbox_id = ?1")
             .map_err(internal)?
             .execute(params![item.outbox_id])
@@ -775,6 +789,43 @@ impl Store for SqliteStore {
                 c.query_row("SELECT COUNT(*), MIN(created_at) FROM outbox", [], |r| {
                     Ok(OutboxStats { backlog: r.get::<_, i64>(0)? as u64, oldest_created_at_ms: r.get(1)? })
                 })
+            })
+            .await
+    }
+
+    async fn gauges(&self, now_ms: i64) -> StoreResult<StoreGauges> {
+        self.readers
+            .read(move |c| {
+                c.query_row(
+                    "SELECT
+     (SELECT COUNT(*) FROM outbox),
+     (SELECT MIN(created_at) FROM outbox),
+     (SELECT COALESCE(MAX(high_watermark), 0) FROM user_heads),
+     (SELECT COALESCE(MAX(high_watermark - trimmed_upto), 0) FROM user_heads),
+     (SELECT COALESCE(MAX(h.high_watermark - d.acked_sync_seq), 0) FROM devices d
+        JOIN user_heads h ON h.user_id = d.user_id WHERE d.state <> 'REVOKED'),
+     (SELECT COUNT(*) FROM devices d JOIN user_heads h ON h.user_id = d.user_id
+        WHERE d.state <> 'REVOKED' AND d.acked_sync_seq < h.trimmed_upto),
+     (SELECT COUNT(*) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > ?1),
+     (SELECT MIN(created_at) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > ?1),
+     (SELECT COUNT(*) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > ?1),
+     (SELECT MIN(created_at) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > ?1)",
+                    params![now_ms],
+                    |r| {
+                        let n = |i: usize| r.get::<_, i64>(i).map(|v| v.max(0) as u64);
+                        Ok(StoreGauges {
+                            outbox: OutboxStats { backlog: n(0)?, oldest_created_at_ms: r.get(1)? },
+                            user_high_watermark_max: n(2)?,
+                            retained_events_max: n(3)?,
+                            cursor_lag_events_max: n(4)?,
+                            devices_below_trim: n(5)?,
+                            recovery_sessions: n(6)?,
+                            recovery_oldest_created_at_ms: r.get(7)?,
+                            snapshot_sessions: n(8)?,
+                            snapshot_oldest_created_at_ms: r.get(9)?,
+                        })
+                    },
+                )
             })
             .await
     }

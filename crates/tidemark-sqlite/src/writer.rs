@@ -150,7 +150,7 @@ fn checkpoint(conn: &Connection, wal: &std::path::Path, stats: &WriterStats) {
     match conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
         Ok(()) => {
             stats.checkpoints.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!(names::CHECKPOINTS).increment(1);
+            names::CHECKPOINTS.inc();
         }
         Err(e) => tracing::warn!(error = %e, "passive checkpoint failed"),
     }
@@ -161,9 +161,9 @@ fn checkpoint(conn: &Connection, wal: &std::path::Path, stats: &WriterStats) {
     match conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get::<_, i64>(0)) {
         Ok(busy) => {
             stats.checkpoints.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!(names::CHECKPOINTS).increment(1);
+            names::CHECKPOINTS.inc();
             let done = if busy == 0 { "yes" } else { "busy" };
-            metrics::counter!(names::WAL_TRUNCATIONS, "done" => done).increment(1);
+            names::WAL_TRUNCATIONS.add_by("done", done, 1);
         }
         Err(e) => tracing::warn!(error = %e, "truncating checkpoint failed"),
     }
@@ -212,8 +212,8 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats, failu
             stats.rows.fetch_add(conn.total_changes().saturating_sub(changes_before), Ordering::Relaxed);
             stats.commits.fetch_add(1, Ordering::Relaxed);
             stats.writes.fetch_add(size, Ordering::Relaxed);
-            metrics::counter!(names::COMMITS).increment(1);
-            metrics::histogram!(names::COMMIT_BATCH_REQUESTS).record(size as f64);
+            names::COMMITS.inc();
+            names::COMMIT_BATCH_REQUESTS.record(size as f64);
             since_checkpoint += 1;
         }
         for complete in completers {

@@ -56,6 +56,7 @@ where
     devices_list_and_sessions_end_durably(&*fresh().await).await;
     audit_log_is_queried_by_user_and_time_and_trimmed(&*fresh().await).await;
     deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tombstone(&*fresh().await).await;
+    gauges_sample_what_the_store_holds(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -1119,4 +1120,75 @@ pub async fn privacy_audience_and_receipts(store: &dyn Store) {
     assert!(matches!(group, Err(StoreError::Forbidden(_))), "direct conversations only: {group:?}");
     assert!(matches!(store.delivery_receipts("a", &direct, vec!["m-none".into()]).await, Err(StoreError::NotFound(_))));
     assert_eq!(store.delivery_receipts("c", &direct, vec![]).await, Err(StoreError::NotMember));
+}
+
+/// O1 (`Store::gauges`): the scrape-time sample counts exactly what the
+/// store holds: the outbox, the highest user head, the cursor furthest
+/// behind, devices below the trim point, live recovery sessions and
+/// snapshots with the age of the oldest, each ending when it expires.
+pub async fn gauges_sample_what_the_store_holds(store: &dyn Store) {
+    assert_eq!(store.gauges(T0).await.unwrap(), StoreGauges::default(), "an empty store samples zeros");
+    users(store, &["a", "b"]).await;
+    let (conv, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
+    for i in 0..4 {
+        store.accept_send(send("a", &conv, &format!("{i}"))).await.unwrap();
+    }
+    let g = store.gauges(T0).await.unwrap();
+    assert_eq!(g.outbox, store.outbox_stats().await.unwrap());
+    assert_eq!(g.outbox.backlog, 4);
+    assert_eq!(g.user_high_watermark_max, 0, "nothing fanned out yet");
+    drain(store).await;
+    let phone = store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("b", "desk", "Desk", T0).await.unwrap();
+    let active = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::Active };
+    assert!(store.cas_device_cursor("b", "phone", phone.cursor, active, T0).await.unwrap().0);
+    store.ack("b", "phone", 1, None, 3, T0).await.unwrap();
+    let g = store.gauges(T0).await.unwrap();
+    assert_eq!(g.outbox.backlog, 0);
+    assert_eq!(g.user_high_watermark_max, 4, "each user's log holds the 4 messages");
+    assert_eq!(g.retained_events_max, 4, "nothing trimmed");
+    assert_eq!(g.cursor_lag_events_max, 4, "the desk never ACKed: 4 behind (the phone is 1 behind)");
+    assert_eq!(g.devices_below_trim, 0);
+    assert!(store.revoke_device("b", "desk", T0).await.unwrap());
+    assert_eq!(store.gauges(T0).await.unwrap().cursor_lag_events_max, 1, "a revoked device holds nothing back");
+
+    // A recovery session opened at T0 + 10, live until T0 + 1_000.
+    let cursor = store.device("b", "phone").await.unwrap().unwrap().cursor;
+    let session = tidemark_core::cursor::RecoveryInfo {
+        session_id: "r1".into(),
+        resume_from: 1,
+        high_watermark: 4,
+        expires_at_ms: T0 + 1_000,
+    };
+    assert!(store.begin_recovery("b", "phone", cursor, session, T0 + 10).await.unwrap().0);
+    let g = store.gauges(T0 + 20).await.unwrap();
+    assert_eq!((g.recovery_sessions, g.recovery_oldest_created_at_ms), (1, Some(T0 + 10)));
+    assert_eq!((g.snapshot_sessions, g.snapshot_oldest_created_at_ms), (0, None));
+    let g = store.gauges(T0 + 1_000).await.unwrap();
+    assert_eq!((g.recovery_sessions, g.recovery_oldest_created_at_ms), (0, None), "an expired session is not live");
+
+    // A snapshot started at T0 + 30 for the phone, reset meanwhile.
+    let cursor = store.device("b", "phone").await.unwrap().unwrap().cursor;
+    let resetting = DeviceCursor { generation: cursor.generation + 1, state: DeviceState::Resetting, ..cursor };
+    assert!(store.cas_device_cursor("b", "phone", cursor, resetting, T0 + 30).await.unwrap().0);
+    store.begin_snapshot("b", "phone", resetting.generation, "s1", 4, T0 + 2_000, T0 + 30).await.unwrap();
+    let g = store.gauges(T0 + 40).await.unwrap();
+    assert_eq!((g.snapshot_sessions, g.snapshot_oldest_created_at_ms), (1, Some(T0 + 30)));
+    assert_eq!(store.gauges(T0 + 2_000).await.unwrap().snapshot_sessions, 0, "an expired snapshot is not live");
+
+    // Retention trims a's log to the ACK of its one active device; a's
+    // other device, quiet since T0 and ACKed at 1, is left below it.
+    for (device, acked, at) in [("a1", 4, T0 + 3_000), ("a2", 1, T0)] {
+        let rec = store.login_device("a", device, device, at).await.unwrap();
+        assert!(store.cas_device_cursor("a", device, rec.cursor, active, at).await.unwrap().0);
+        store.ack("a", device, 1, None, acked, at).await.unwrap();
+    }
+    let window =
+        RetentionPolicy { keep_events_younger_than_ms: 0, device_inactive_after_ms: 1_000, history_keep_ms: None };
+    store.trim_user_logs(window, T0 + 3_000).await.unwrap();
+    assert_eq!(store.user_log("a").await.unwrap().trimmed_upto, 4);
+    let g = store.gauges(T0 + 3_000).await.unwrap();
+    assert_eq!(g.retained_events_max, 4, "b's log, with no active device, keeps its 4 events");
+    assert_eq!(g.devices_below_trim, 1, "a2");
+    assert_eq!(g.cursor_lag_events_max, 3, "a2 is 3 behind a's head");
 }

@@ -205,6 +205,25 @@ pub struct FanoutReport {
     pub items_done: u64,
     /// Shared groups whose marker this batch published (G2), once each.
     pub convs: Vec<ConvMoved>,
+    /// Each item fanned out, in outbox order: what the metrics and the
+    /// trace of seed §18.1–18.2 need, gathered from facts the fan-out read
+    /// anyway (no statement added).
+    pub items: Vec<FannedOut>,
+}
+
+/// What fan-out did with one outbox item.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FannedOut {
+    pub source_event_id: String,
+    /// `tidemark_core::large::fanout_class`: direct, group or large.
+    pub class: &'static str,
+    /// The recipients resolved from the membership periods (the item's
+    /// amplification), redeliveries included.
+    pub recipients: u64,
+    /// `tidemark_core::large::period_miss`: no period covers the item.
+    pub period_miss: bool,
+    /// The user events written, each `(user, sync_seq)`.
+    pub deliveries: Vec<(String, SyncSeq)>,
 }
 
 /// What one [`Store::fan_out_next`] claimed and did.
@@ -504,6 +523,33 @@ pub struct OutboxStats {
     pub oldest_created_at_ms: Option<i64>,
 }
 
+/// What `/metrics` samples from the store at scrape time (seed §18.1), in
+/// one read: aggregates over whole tables, never per request, never per
+/// user (a scrape pays one statement whatever the traffic).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreGauges {
+    pub outbox: OutboxStats,
+    /// The highest committed high watermark of any user's log.
+    pub user_high_watermark_max: SyncSeq,
+    /// The longest retained user log: `head - trimmed_upto`, in events.
+    pub retained_events_max: u64,
+    /// The cursor furthest behind its user's head, over devices not
+    /// revoked (`head - acked_sync_seq`, in events): what the lowest
+    /// retained cursor holds back, whether its device is online or not.
+    pub cursor_lag_events_max: u64,
+    /// Devices not revoked whose ACK is below their user's trim point:
+    /// their next sync resets them (L2).
+    pub devices_below_trim: u64,
+    /// Recovery sessions (D6) still live at `now_ms`, and when the oldest
+    /// of them opened.
+    pub recovery_sessions: u64,
+    pub recovery_oldest_created_at_ms: Option<i64>,
+    /// Snapshots (D7) building or ready, not installed and not expired at
+    /// `now_ms`: devices rebuilding; and when the oldest was started.
+    pub snapshot_sessions: u64,
+    pub snapshot_oldest_created_at_ms: Option<i64>,
+}
+
 /// Counters a backend keeps about its own durability work.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct StoreStats {
@@ -693,6 +739,10 @@ pub trait Store: Send + Sync + 'static {
     async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>>;
 
     async fn outbox_stats(&self) -> StoreResult<OutboxStats>;
+
+    /// The gauges `/metrics` samples at scrape time ([`StoreGauges`]), in
+    /// one read statement; sessions count as live while `expires_at > now_ms`.
+    async fn gauges(&self, now_ms: i64) -> StoreResult<StoreGauges>;
 
     /// Fans the items out in one transaction: recipients from the periods
     /// covering each `msg_seq` (F4), one user event per recipient with the

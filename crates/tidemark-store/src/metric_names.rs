@@ -1,21 +1,103 @@
-//! Names of the metric families the storage backends record themselves
-//! (the server's `metrics` module describes and pre-registers them, so an
-//! operator sees a zero rather than a missing family). Prometheus
-//! conventions: counters end in `_total`, units come last in a name.
+//! Metric families: the [`Metric`] handle every family is recorded through
+//! (its name and its stage, so every series carries the `stage` label of
+//! seed §18.1 and no call site can forget it), and the families the storage
+//! backends record themselves (the server's `metrics` module describes and
+//! pre-registers them, so an operator sees a zero rather than a missing
+//! family). Prometheus conventions: counters end in `_total`, units come
+//! last in a name.
+
+/// The `stage` label values: the rows of seed §18.1 (and the gateway and
+/// ephemeral lane, which the table does not name).
+pub mod stage {
+    pub const ACCEPT: &str = "accept";
+    pub const OUTBOX: &str = "outbox";
+    pub const FANOUT: &str = "fanout";
+    pub const SYNC_LOG: &str = "sync_log";
+    pub const DEVICE_SYNC: &str = "device_sync";
+    pub const GAP: &str = "gap";
+    pub const PUSH: &str = "push";
+    pub const STORAGE: &str = "storage";
+    pub const INVARIANT: &str = "invariant";
+    pub const GATEWAY: &str = "gateway";
+    pub const EPHEMERAL: &str = "ephemeral";
+    /// Every value, in the order of seed §18.1 (the dashboard's rows).
+    pub const ALL: &[&str] =
+        &[ACCEPT, OUTBOX, FANOUT, SYNC_LOG, DEVICE_SYNC, GAP, PUSH, STORAGE, INVARIANT, GATEWAY, EPHEMERAL];
+}
+
+/// One metric family: its name and the stage its series are labelled with.
+/// Recording goes through these methods, which add `stage`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Metric {
+    pub name: &'static str,
+    pub stage: &'static str,
+}
+
+impl Metric {
+    pub const fn new(name: &'static str, stage: &'static str) -> Metric {
+        Metric { name, stage }
+    }
+
+    /// Adds `n` to a counter.
+    pub fn add(&self, n: u64) {
+        metrics::counter!(self.name, "stage" => self.stage).increment(n);
+    }
+
+    pub fn inc(&self) {
+        self.add(1);
+    }
+
+    /// Adds `n` to the series of a counter with one more label.
+    pub fn add_by(&self, label: &'static str, value: &'static str, n: u64) {
+        metrics::counter!(self.name, "stage" => self.stage, label => value).increment(n);
+    }
+
+    /// Sets a counter to a total kept elsewhere (the store's own counters).
+    pub fn absolute(&self, total: u64) {
+        metrics::counter!(self.name, "stage" => self.stage).absolute(total);
+    }
+
+    pub fn set(&self, v: f64) {
+        metrics::gauge!(self.name, "stage" => self.stage).set(v);
+    }
+
+    pub fn set_by(&self, label: &'static str, value: &'static str, v: f64) {
+        metrics::gauge!(self.name, "stage" => self.stage, label => value).set(v);
+    }
+
+    /// Moves a gauge by `d` (up or down).
+    pub fn shift(&self, d: f64) {
+        metrics::gauge!(self.name, "stage" => self.stage).increment(d);
+    }
+
+    pub fn record(&self, v: f64) {
+        metrics::histogram!(self.name, "stage" => self.stage).record(v);
+    }
+
+    pub fn record_by(&self, label: &'static str, value: &'static str, v: f64) {
+        metrics::histogram!(self.name, "stage" => self.stage, label => value).record(v);
+    }
+}
 
 /// Write transactions committed (counter).
-pub const COMMITS: &str = "tidemark_store_commits_total";
+pub const COMMITS: Metric = Metric::new("tidemark_store_commits_total", stage::STORAGE);
 /// Write requests per committed transaction (histogram, in requests).
-pub const COMMIT_BATCH_REQUESTS: &str = "tidemark_store_commit_batch_requests";
+pub const COMMIT_BATCH_REQUESTS: Metric = Metric::new("tidemark_store_commit_batch_requests", stage::STORAGE);
 /// Bucket bounds of [`COMMIT_BATCH_REQUESTS`], in requests.
 pub const COMMIT_BATCH_BUCKETS: &[f64] = &[1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0];
 /// WAL checkpoints run by the SQLite writer (counter; two fsyncs each).
-pub const CHECKPOINTS: &str = "tidemark_store_checkpoints_total";
+pub const CHECKPOINTS: Metric = Metric::new("tidemark_store_checkpoints_total", stage::STORAGE);
 /// Truncating WAL checkpoints, by whether they finished (`done` = yes|busy).
-pub const WAL_TRUNCATIONS: &str = "tidemark_store_wal_truncations_total";
+pub const WAL_TRUNCATIONS: Metric = Metric::new("tidemark_store_wal_truncations_total", stage::STORAGE);
 /// Values of the `done` label of [`WAL_TRUNCATIONS`].
 pub const WAL_TRUNCATION_RESULTS: &[&str] = &["yes", "busy"];
-/// PostgreSQL requests re-run after a serialization conflict (counter).
-pub const CONFLICT_RETRIES: &str = "tidemark_store_conflict_retries_total";
-/// PostgreSQL requests given up after repeated conflicts (counter).
-pub const CONFLICT_GIVE_UPS: &str = "tidemark_store_conflict_give_ups_total";
+/// PostgreSQL requests re-run after a serialization conflict or deadlock
+/// (counter), by `writer`: `conv` (a conversation writer) or `user` (the
+/// user-side writer, where every user head is locked and advanced: its
+/// retries are the head conflicts of seed §18.1). SQLite has one writer
+/// and no conflict, so its series stay at zero.
+pub const CONFLICT_RETRIES: Metric = Metric::new("tidemark_store_conflict_retries_total", stage::STORAGE);
+/// PostgreSQL requests given up after repeated conflicts (counter), by `writer`.
+pub const CONFLICT_GIVE_UPS: Metric = Metric::new("tidemark_store_conflict_give_ups_total", stage::STORAGE);
+/// Values of the `writer` label of [`CONFLICT_RETRIES`] and [`CONFLICT_GIVE_UPS`].
+pub const WRITERS: &[&str] = &["conv", "user"];

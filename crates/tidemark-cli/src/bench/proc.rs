@@ -67,10 +67,12 @@ pub(super) fn open_files_soft_limit() -> Option<u64> {
 }
 
 /// The value of an unlabelled metric in a Prometheus text exposition.
+/// The value of the first series of `name` (`name value`, or `name{labels}
+/// value`: every series carries a `stage` label).
 pub(super) fn metric_value(text: &str, name: &str) -> Option<f64> {
     text.lines().find_map(|l| {
         let rest = l.strip_prefix(name)?;
-        rest.starts_with(' ').then(|| rest.trim().parse().ok()).flatten()
+        rest.starts_with([' ', '{']).then(|| rest.rsplit(' ').next()?.parse().ok()).flatten()
     })
 }
 
@@ -128,6 +130,8 @@ mod tests {
         assert_eq!(metric_value(text, "tidemark_store_statements"), Some(1234.0));
         assert_eq!(metric_value(text, "tidemark_outbox_backlog"), Some(0.0));
         assert_eq!(metric_value(text, "tidemark_store"), None);
+        let labelled = "tidemark_outbox_backlog{stage=\"outbox\"} 7\n";
+        assert_eq!(metric_value(labelled, "tidemark_outbox_backlog"), Some(7.0));
     }
 
     #[test]

@@ -15,12 +15,6 @@ use crate::util::{new_secret, now_ms, sha256_hex};
 use crate::{accounts, audit};
 use tidemark_core::audit::{actor, event};
 
-/// A short hash of a user name for logs (O2: ids are hashed, never shown
-/// to an outsider reading the logs).
-fn short_hash(s: &str) -> String {
-    sha256_hex(s)[..12].to_owned()
-}
-
 fn unauthenticated(message: &str) -> ApiError {
     ApiError::new(ErrorCode::Unauthenticated, message)
 }
@@ -90,7 +84,7 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
     let ok = state.limits.hash(move || accounts::verify_login(&password, hash.as_deref())).await?;
     state.limits.login_outcome(&req.user, peer, ok, now_ms());
     if !ok {
-        tracing::warn!(user_hash = %short_hash(&req.user), %peer, "login failed");
+        tracing::warn!(user_hash = %state.log_id(&req.user), %peer, "login failed");
         audit::record(state, event::LOGIN_FAILED, actor::ANONYMOUS, &req.user, Some(&req.device_id), Some(peer)).await;
         return Err(unauthenticated("wrong user or password"));
     }
@@ -105,7 +99,7 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
     if device.cursor.state == tidemark_core::cursor::DeviceState::Revoked {
         return Err(ApiError::device_revoked());
     }
-    tracing::info!(user = %req.user, device = %req.device_id, "login");
+    tracing::info!(user_hash = %state.log_id(&req.user), device_hash = %state.log_id(&req.device_id), "login");
     audit::record(state, event::LOGIN, actor::SELF, &req.user, Some(&req.device_id), Some(peer)).await;
     issue(state, &req.user, &req.device_id, crate::util::new_id("f")).await
 }
@@ -120,7 +114,7 @@ pub async fn refresh(state: &AppState, peer: IpAddr, req: RefreshReq) -> ApiResu
         RefreshUse::Unknown => return Err(unauthenticated("unknown or used refresh token")),
         RefreshUse::Expired(_) => return Err(unauthenticated("refresh token expired")),
         RefreshUse::FamilyRevoked(rec) => {
-            tracing::warn!(user = %rec.user, device = %rec.device, %peer, "refresh token reused; its family is revoked");
+            tracing::warn!(user_hash = %state.log_id(&rec.user), device_hash = %state.log_id(&rec.device), %peer, "refresh token reused; its family is revoked");
             audit::record(state, event::REFRESH_REUSED, actor::ANONYMOUS, &rec.user, Some(&rec.device), Some(peer))
                 .await;
             return Err(unauthenticated("unknown or used refresh token"));
@@ -144,7 +138,7 @@ pub async fn refresh(state: &AppState, peer: IpAddr, req: RefreshReq) -> ApiResu
         state.store.end_sessions(&user, Some(&device), now_ms()).await?;
         return Err(session_ended());
     }
-    tracing::info!(user = %user, device = %device, "token refreshed");
+    tracing::info!(user_hash = %state.log_id(&user), device_hash = %state.log_id(&device), "token refreshed");
     audit::record(state, event::REFRESH, actor::SELF, &user, Some(&device), Some(peer)).await;
     Ok(ok)
 }

@@ -220,7 +220,7 @@ pub async fn admin_logout(
         // Its live sockets here end, and the other nodes' on the bus.
         state.fences.end_sessions(&user, req.device_id.as_deref(), now);
         state.bus.publish_session_end(&user, req.device_id.as_deref(), tidemark_proto::reason::LOGGED_OUT, now);
-        tracing::warn!(user = %user, device = ?req.device_id, "admin ended sessions");
+        tracing::warn!(user_hash = %state.log_id(&user), device_hash = ?req.device_id.as_deref().map(|d| state.log_id(d)), "admin ended sessions");
         let device = req.device_id.as_deref();
         audit::record(&state, event::LOGGED_OUT, actor::ADMIN, &user, device, Some(peer.ip())).await;
         Ok(AdminLogoutOk { user, device_id: req.device_id.clone() })
@@ -260,7 +260,7 @@ pub async fn admin_deactivate(
         };
         state.fences.deactivate(&user);
         state.bus.publish_session_end(&user, None, tidemark_proto::reason::ACCOUNT_DEACTIVATED, 0);
-        tracing::warn!(user = %user, deactivated, "admin deactivated user");
+        tracing::warn!(user_hash = %state.log_id(&user), deactivated, "admin deactivated user");
         if deactivated {
             audit::record(&state, event::DEACTIVATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
         }
@@ -301,7 +301,7 @@ pub async fn admin_delete(
         };
         state.fences.deactivate(&user);
         state.bus.publish_session_end(&user, None, tidemark_proto::reason::ACCOUNT_DEACTIVATED, 0);
-        tracing::warn!(user = %user, deleted, "admin deleted user");
+        tracing::warn!(user_hash = %state.log_id(&user), deleted, "admin deleted user");
         if deleted {
             audit::record(&state, event::DELETED, actor::ADMIN, &user, None, Some(peer.ip())).await;
         }
@@ -369,7 +369,7 @@ pub async fn admin_create_user(
     };
     match crate::accounts::create_user(&state, &req.user, &req.password).await {
         Ok((user, created)) => {
-            tracing::info!(user = %user, created, "admin created user");
+            tracing::info!(user_hash = %state.log_id(&user), created, "admin created user");
             if created {
                 audit::record(&state, event::USER_CREATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
             }
@@ -397,18 +397,17 @@ pub async fn healthz(State(state): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
-    // Gauges that are cheap to read at scrape time are refreshed here.
-    if let Ok(s) = state.store.outbox_stats().await {
-        metrics::gauge!(m::OUTBOX_BACKLOG).set(s.backlog as f64);
-        let age = s.oldest_created_at_ms.map(|c| (crate::util::now_ms() - c).max(0) as f64 / 1000.0).unwrap_or(0.0);
-        metrics::gauge!(m::OUTBOX_OLDEST_AGE).set(age);
-    }
+    // Gauges are sampled here, at scrape time: one store read of
+    // aggregates and a walk of this node's connections, nothing per request.
+    let now = crate::util::now_ms();
+    let gauges = state.store.gauges(now).await.ok();
+    m::sample(gauges.as_ref(), &state.hub.lag(now), now);
     let st = state.store.stats();
     // The store keeps its own totals; the counters take them as they are.
-    metrics::counter!(m::STORE_WRITE_REQUESTS).absolute(st.writes);
-    metrics::counter!(m::STORE_STATEMENTS).absolute(st.statements);
+    m::STORE_WRITE_REQUESTS.absolute(st.writes);
+    m::STORE_STATEMENTS.absolute(st.statements);
     if let Some(reads) = st.read_statements {
-        metrics::counter!(m::STORE_READ_STATEMENTS).absolute(reads);
+        m::STORE_READ_STATEMENTS.absolute(reads);
     }
     ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], state.metrics.render()).into_response()
 }

@@ -120,8 +120,8 @@ fn push(out: &mpsc::Sender<String>, entry: &ConnEntry, text: String) {
     match out.try_send(text) {
         Ok(()) => {}
         Err(mpsc::error::TrySendError::Full(_)) => {
-            metrics::counter!(m::SLOW_CONSUMERS).increment(1);
-            tracing::warn!(device = %entry.device, epoch = entry.epoch, "send queue full; disconnecting slow consumer");
+            m::SLOW_CONSUMERS.inc();
+            tracing::warn!(stage = "gateway", epoch = entry.epoch, "send queue full; disconnecting slow consumer");
             entry.kick(reason::SLOW_CONSUMER);
         }
         Err(mpsc::error::TrySendError::Closed(_)) => {}
@@ -196,7 +196,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
     let entry = state.hub.register(&ctx.user, &ctx.device, epoch, issued_at_ms, acked, user_hw);
     // The other nodes end their older connections of this device.
     state.bus.publish_kick(&ctx.user, &ctx.device, reason::SUPERSEDED, epoch);
-    tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket connected");
+    tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket connected");
     let (out_tx, out_rx) = mpsc::channel::<String>(state.config.ws_send_queue_max);
     if let Some(rid) = auth_rid {
         let ok = AuthOk { user: ctx.user.clone(), device_id: ctx.device.clone(), connection_epoch: entry.epoch };
@@ -205,7 +205,9 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
     }
     // The ephemeral lane (issue 18): presence and typing of this connection.
     let eph = state.lane.attach(&ctx.user, &ctx.device, entry.epoch);
+    let device_hash = state.log_id(&ctx.device);
     let mut writer = tokio::spawn(write_loop(
+        device_hash,
         sink,
         out_rx,
         entry.clone(),
@@ -255,7 +257,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
             }
             _ = liveness.tick() => {
                 if last_seen.elapsed() > silent_max {
-                    tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket silent; closing");
+                    tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket silent; closing");
                     break;
                 }
             }
@@ -270,7 +272,7 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
     }
     state.hub.unregister(&entry);
     state.lane.detach(&eph).await;
-    tracing::debug!(device = %ctx.device, epoch = entry.epoch, "websocket closed");
+    tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket closed");
 }
 
 // The reader loop's state, passed apart so each borrow stays as narrow as it is.
@@ -315,8 +317,8 @@ async fn handle_text(
             };
             push(out, entry, reply_text(&op, rid.as_deref(), result));
             if ignored {
-                tracing::warn!(device = %ctx.device, "websocket kept sending while told to wait; closing");
-                metrics::counter!(m::WAITS_IGNORED_CLOSED).increment(1);
+                tracing::warn!(stage = "gateway", device_hash = %state.log_id(&ctx.device), "websocket kept sending while told to wait; closing");
+                m::WAITS_IGNORED_CLOSED.inc();
                 entry.kick(reason::WAITS_IGNORED);
             }
         }
@@ -348,13 +350,14 @@ async fn send_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn)
     }
     for frame in &frames {
         let kind = if matches!(frame, ServerFrame::Typing(_)) { "typing" } else { "presence" };
-        metrics::counter!(m::EPHEMERAL_SENT, "kind" => kind).increment(1);
+        m::EPHEMERAL_SENT.add_by("kind", kind, 1);
         sink.feed(Message::Text(server_frame_text(frame).into())).await?;
     }
     sink.flush().await
 }
 
 async fn write_loop(
+    device_hash: String,
     mut sink: SplitSink<WebSocket, Message>,
     mut out: mpsc::Receiver<String>,
     entry: Arc<ConnEntry>,
@@ -381,6 +384,8 @@ async fn write_loop(
                 let mut frames = Vec::new();
                 if let Some((hw, rehint)) = entry.take_hint() {
                     let why = if rehint { reason::LAGGING_ACK } else { reason::NEW_EVENT };
+                    crate::trace_stage!(stage = "push", trace_id = "", device_hash = %device_hash, sync_seq = hw,
+                        result = why, "hint sent");
                     frames.push(Hint::user(hw, why));
                 }
                 for (conv, target, version) in entry.take_conv_hints() {
@@ -394,7 +399,7 @@ async fn write_loop(
                 }
                 let mut sent = Ok(());
                 for hint in frames {
-                    metrics::counter!(m::HINTS).increment(1);
+                    m::HINTS.inc();
                     sent = sink.send(Message::Text(server_frame_text(&ServerFrame::Hint(hint)).into())).await;
                     if sent.is_err() {
                         break;

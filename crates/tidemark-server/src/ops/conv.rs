@@ -153,8 +153,7 @@ pub async fn dirty_clear(state: &AppState, ctx: &AuthCtx, req: DirtyClearReq) ->
     check_conv(&req.conv)?;
     let (cleared, marker) =
         state.store.clear_marker(&ctx.user, &ctx.device, &req.conv, req.dirty_version, req.last_msg_seq).await?;
-    metrics::counter!(crate::metrics::MARKER_CLEARS, "outcome" => if cleared { "cleared" } else { "stale" })
-        .increment(1);
+    crate::metrics::MARKER_CLEARS.add_by("outcome", if cleared { "cleared" } else { "stale" }, 1);
     Ok(DirtyClearOk { conv: req.conv, cleared, dirty_target_msg_seq: marker.target, dirty_version: marker.version })
 }
 

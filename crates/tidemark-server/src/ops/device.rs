@@ -27,7 +27,7 @@ pub async fn revoke(state: &AppState, ctx: &AuthCtx, req: DeviceRevokeReq) -> Ap
     // on the bus (or reload it from the store, `fence`).
     state.fences.revoke(&ctx.user, &req.device_id);
     state.bus.publish_kick(&ctx.user, &req.device_id, reason::DEVICE_REVOKED, 0);
-    tracing::info!(device = %req.device_id, by_device = %ctx.device, "device revoked");
+    tracing::info!(device_hash = %state.log_id(&req.device_id), by_device_hash = %state.log_id(&ctx.device), "device revoked");
     crate::audit::record(state, event::DEVICE_REVOKED, actor::SELF, &ctx.user, Some(&req.device_id), None).await;
     Ok(DeviceRevokeOk { device_id: req.device_id, revoked })
 }
@@ -73,7 +73,7 @@ pub async fn change_password(state: &AppState, ctx: &AuthCtx, req: AccountPasswo
     let (ok, hash) = verdict;
     state.limits.login_outcome(&ctx.user, PASSWORD_CHANGE_KEY, ok, now_ms());
     let Some(hash) = hash else {
-        tracing::warn!(device = %ctx.device, "password change refused: wrong password");
+        tracing::warn!(device_hash = %state.log_id(&ctx.device), "password change refused: wrong password");
         let failed = event::PASSWORD_CHANGE_FAILED;
         crate::audit::record(state, failed, actor::SELF, &ctx.user, Some(&ctx.device), None).await;
         return Err(wrong());
@@ -94,7 +94,7 @@ pub async fn change_password(state: &AppState, ctx: &AuthCtx, req: AccountPasswo
         state.fences.end_sessions(&ctx.user, Some(&d.device), now);
         state.bus.publish_session_end(&ctx.user, Some(&d.device), reason::LOGGED_OUT, now);
     }
-    tracing::info!(device = %ctx.device, "password changed; the other devices are logged out");
+    tracing::info!(device_hash = %state.log_id(&ctx.device), "password changed; the other devices are logged out");
     crate::audit::record(state, event::PASSWORD_CHANGED, actor::SELF, &ctx.user, Some(&ctx.device), None).await;
     Ok(AccountPasswordOk { other_devices_logged_out: true })
 }

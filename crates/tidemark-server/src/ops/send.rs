@@ -11,7 +11,30 @@ use crate::metrics as m;
 use crate::state::AppState;
 use crate::util::{new_id, now_ms};
 
+/// Times and counts every send (O1, stage `accept`), refusals included,
+/// and traces its outcome.
 pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<SendOk> {
+    let started = std::time::Instant::now();
+    let result = accept(state, ctx, req).await;
+    m::ACCEPT_LATENCY.record(started.elapsed().as_secs_f64());
+    match &result {
+        Ok(accepted) => {
+            crate::trace_stage!(stage = "accept", trace_id = %accepted.message_id,
+                message_id = %accepted.message_id, conv = %accepted.conv, msg_seq = accepted.msg_seq,
+                user_hash = %state.log_id(&ctx.user), device_hash = %state.log_id(&ctx.device),
+                result = if accepted.duplicate { "duplicate" } else { "accepted" },
+                "send accepted: message and outbox record committed");
+        }
+        Err(e) => {
+            m::SENDS_REFUSED.add_by("code", e.code.as_str(), 1);
+            crate::trace_stage!(stage = "accept", trace_id = "", user_hash = %state.log_id(&ctx.user),
+                device_hash = %state.log_id(&ctx.device), result = e.code.as_str(), "send refused");
+        }
+    }
+    result
+}
+
+async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<SendOk> {
     if req.conv.is_empty() || req.conv.len() > ID_BYTES_MAX {
         return Err(ApiError::bad_request(format!("conv must be 1..={ID_BYTES_MAX} bytes")));
     }
@@ -38,13 +61,11 @@ pub async fn run(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Sen
     };
     let accepted = state.store.accept_send(cmd).await?;
     if accepted.duplicate {
-        metrics::counter!(m::SENDS_DUPLICATE).increment(1);
+        m::SENDS_DUPLICATE.inc();
     } else {
-        metrics::counter!(m::SENDS_ACCEPTED).increment(1);
+        m::SENDS_ACCEPTED.inc();
         state.relay_wake.notify_one();
     }
-    tracing::debug!(message_id = %accepted.message_id, conv = %accepted.conv, msg_seq = accepted.msg_seq,
-        duplicate = accepted.duplicate, "send accepted");
     Ok(SendOk {
         message_id: accepted.message_id,
         conv: accepted.conv,

@@ -72,7 +72,7 @@ pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk
                     ..ApiError::new(ErrorCode::Unavailable, "device cursor is busy; retry")
                 });
             }
-            metrics::counter!(m::GENERATION_BUMPS).increment(1);
+            m::GENERATION_BUMPS.inc();
             cursor = now_cursor;
         }
     }
@@ -96,8 +96,8 @@ pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk
         all.chunks(state.config.snapshot_page_items.max(1)).map(|c| c.iter().map(canonical_item).collect()).collect();
     let page_count = pages.len() as u32;
     state.store.finish_snapshot(&snapshot_id, &digest, pages).await?;
-    metrics::counter!(m::SNAPSHOTS, "outcome" => "built").increment(1);
-    tracing::info!(device = %ctx.device, snapshot_id = %snapshot_id, base, items = all.len(), "snapshot ready");
+    m::SNAPSHOTS.add_by("outcome", "built", 1);
+    tracing::info!(stage = "device_sync", device_hash = %state.log_id(&ctx.device), snapshot_id = %snapshot_id, base, items = all.len(), "snapshot ready");
     let token = state.keys.sign_snapshot(&SnapshotClaims {
         snapshot_id: snapshot_id.clone(),
         user: ctx.user.clone(),
@@ -153,7 +153,7 @@ pub async fn ack(state: &AppState, ctx: &AuthCtx, req: SnapshotAckReq) -> ApiRes
     check_device(state, ctx, &claims).await?;
     let (installed, cursor) = state.store.ack_snapshot(&ctx.user, &ctx.device, &claims.snapshot_id, now).await?;
     if installed {
-        metrics::counter!(m::SNAPSHOTS, "outcome" => "installed").increment(1);
+        m::SNAPSHOTS.add_by("outcome", "installed", 1);
         state.hub.on_ack(&ctx.user, &ctx.device, cursor.acked_sync_seq);
         return Ok(SnapshotAckOk { acked_sync_seq: cursor.acked_sync_seq, sync_generation: cursor.generation });
     }

@@ -111,8 +111,9 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
                 if !won {
                     continue;
                 }
-                metrics::counter!(m::GENERATION_BUMPS).increment(1);
-                tracing::info!(device = %ctx.device, generation = cursor.generation, from, "recovery session opened");
+                m::GENERATION_BUMPS.inc();
+                tracing::info!(stage = "device_sync", device_hash = %state.log_id(&ctx.device),
+                    generation = cursor.generation, from, "recovery session opened");
                 // The page was read with the cursor the CAS expected: it is
                 // exactly `(from, user_hw]`, and the session fences it now.
                 let batch = Batch {
@@ -143,8 +144,9 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
             let batch = Batch { generation: new.generation, resume_from: 0, high_watermark: user_hw, recovery: None };
             return first_page(state, ctx, batch, 0, events, limit, now);
         }
-        metrics::counter!(m::GENERATION_BUMPS).increment(1);
-        tracing::info!(device = %ctx.device, generation = new.generation, "device generation bumped; reset required");
+        m::GENERATION_BUMPS.inc();
+        tracing::info!(stage = "device_sync", device_hash = %state.log_id(&ctx.device), generation = new.generation,
+            "device generation bumped; reset required");
         return Err(ApiError::reset_required(new.generation));
     }
     Err(ApiError { retry_after_ms: Some(100), ..ApiError::new(ErrorCode::Unavailable, "device cursor is busy; retry") })
@@ -154,11 +156,10 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
 /// page holds (to tell whether more follow); a device the store does not
 /// know must log in again.
 async fn read_page(state: &AppState, ctx: &AuthCtx, query: PageQuery, limit: u32) -> ApiResult<SyncRead> {
-    state
-        .store
-        .sync_page(&ctx.user, &ctx.device, query, limit + 1)
-        .await?
-        .ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))
+    let started = std::time::Instant::now();
+    let read = state.store.sync_page(&ctx.user, &ctx.device, query, limit + 1).await;
+    m::SYNC_PAGE_LATENCY.record(started.elapsed().as_secs_f64());
+    read?.ok_or_else(|| ApiError::new(ErrorCode::Unauthenticated, "unknown device; log in again"))
 }
 
 /// The fixed ends of a batch, as they go into its token.
@@ -222,7 +223,11 @@ async fn next_page(
     match decision {
         PageDecision::Next(NextPage::Serve { .. }) => page(state, token, &claims, cursor.acked_sync_seq, events, limit),
         PageDecision::Next(NextPage::Revoked) => Err(ApiError::device_revoked()),
-        PageDecision::Next(NextPage::StaleGeneration { current }) => Err(ApiError::stale_generation(current)),
+        PageDecision::Next(NextPage::StaleGeneration { current }) => {
+            m::GENERATION_CONFLICTS.add_by("op", "page", 1);
+            m::invariant_violation("stale_generation");
+            Err(ApiError::stale_generation(current))
+        }
         PageDecision::Next(NextPage::ResetRequired { generation }) => Err(ApiError::reset_required(generation)),
         // Never a partial page: the rest of this batch is no longer all in
         // the log (trimmed, or its recovery session expired and stopped
@@ -236,7 +241,7 @@ async fn next_page(
                 return Err(ApiError::new(ErrorCode::TokenInvalid, "the batch ended; start a new one")
                     .with_generation(cursor.generation));
             }
-            metrics::counter!(m::GENERATION_BUMPS).increment(1);
+            m::GENERATION_BUMPS.inc();
             Err(ApiError::reset_required(cursor.generation))
         }
         PageDecision::First(_) => Err(ApiError::new(ErrorCode::Internal, "a next page got a first page's decision")),
@@ -269,8 +274,15 @@ fn page(
         (true, Some(last)) => Some(state.keys.sign_cursor(&token, last.sync_seq)),
         _ => None,
     };
+    let first = stored.first().map(|e| e.sync_seq);
+    let last = stored.last().map(|e| e.sync_seq);
     let events = stored.into_iter().map(super::render::user_event).collect::<ApiResult<Vec<_>>>()?;
-    metrics::counter!(m::SYNC_PAGES).increment(1);
+    m::SYNC_PAGES.inc();
+    m::SYNC_PAGE_EVENTS.record(events.len() as f64);
+    crate::trace_stage!(stage = "sync_log", trace_id = %tidemark_core::token::token_tag(&token),
+        user_hash = %state.log_id(&claims.user), device_hash = %state.log_id(&claims.device),
+        generation = claims.generation, resume_from = claims.resume_from, high_watermark = claims.high_watermark,
+        first_sync_seq = first, sync_seq = last, events = events.len(), has_more, result = "served", "sync page served");
     Ok(SyncOk {
         sync_generation: claims.generation,
         resume_from: claims.resume_from,
@@ -287,8 +299,13 @@ fn page(
 pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckOk> {
     let now = now_ms();
     let claims = state.keys.verify_batch(&req.batch_token, &ctx.user, &ctx.device, now).map_err(token_error)?;
+    let trace_id = tidemark_core::token::token_tag(&req.batch_token);
     if req.sync_seq > claims.high_watermark {
-        metrics::counter!(m::ACKS, "result" => "beyond_watermark").increment(1);
+        m::ACKS.add_by("result", "beyond_watermark", 1);
+        m::invariant_violation("ack_beyond_watermark");
+        crate::trace_stage!(stage = "device_sync", trace_id = %trace_id, device_hash = %state.log_id(&ctx.device),
+            generation = claims.generation, sync_seq = req.sync_seq, high_watermark = claims.high_watermark,
+            result = "beyond_watermark", "ack refused");
         return Err(ApiError::new(
             ErrorCode::AckBeyondWatermark,
             format!("sync_seq {} is above the batch watermark {}", req.sync_seq, claims.high_watermark),
@@ -298,7 +315,14 @@ pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckO
         .store
         .ack(&ctx.user, &ctx.device, claims.generation, claims.recovery_session.as_deref(), req.sync_seq, now)
         .await?;
-    metrics::counter!(m::ACKS, "result" => m::ack_result(&result.decision)).increment(1);
+    m::ACKS.add_by("result", m::ack_result(&result.decision), 1);
+    if let AckDecision::StaleGeneration { .. } = result.decision {
+        m::GENERATION_CONFLICTS.add_by("op", "ack", 1);
+        m::invariant_violation("stale_generation");
+    }
+    crate::trace_stage!(stage = "device_sync", trace_id = %trace_id, user_hash = %state.log_id(&ctx.user),
+        device_hash = %state.log_id(&ctx.device), generation = claims.generation, sync_seq = req.sync_seq,
+        acked_sync_seq = result.cursor.acked_sync_seq, result = m::ack_result(&result.decision), "ack");
     match result.decision {
         AckDecision::Advance { .. } | AckDecision::Unchanged { .. } | AckDecision::CompleteRecovery { .. } => {
             state.hub.on_ack(&ctx.user, &ctx.device, result.cursor.acked_sync_seq);

@@ -2,6 +2,8 @@
 //! temporary directory, and real clients over HTTP and WebSocket.
 #![allow(dead_code)]
 
+pub mod exposition;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
