@@ -34,6 +34,7 @@ mod depth;
 mod device;
 mod fanout;
 mod large;
+mod maintenance;
 mod pg;
 mod presence;
 mod proc;
@@ -63,6 +64,11 @@ pub enum BenchCommand {
     /// of a concurrent send and sync page, beside a quiet phase of the same
     /// run.
     Presence(presence::PresenceArgs),
+    /// Maintenance off the critical path (issue 16): a send's p99 while
+    /// the retention pass, the unread rebuild and reconciliation run in
+    /// their bounded chunks on a large population, beside a quiet phase of
+    /// the same run.
+    Maintenance(maintenance::MaintenanceArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -120,6 +126,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Reconnect(args) => reconnect::run(args).await,
         BenchCommand::Connections(args) => connections::run(args).await,
         BenchCommand::Presence(args) => presence::run(args).await,
+        BenchCommand::Maintenance(args) => maintenance::run(args).await,
     }
 }
 
