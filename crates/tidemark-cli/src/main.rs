@@ -52,6 +52,8 @@ struct StoreArgs {
     database_conv_writers: u16,
 }
 
+// Parsed once per process: the size of `Serve`'s flags costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Run the server.

@@ -327,7 +327,7 @@ async fn phase(
         None => ([0; 3], [0.0; 3]),
     };
     relay.await??;
-    ensure!(all.len() > 0, "nothing was sent");
+    ensure!(!all.is_empty(), "nothing was sent");
     Ok(Phase {
         round,
         maintenance,
