@@ -11,7 +11,7 @@ use tidemark_core::audit::{actor, event};
 use tidemark_core::token::TokenKeys;
 use tidemark_store::{AuditEntry, Store};
 
-use crate::{open_store, DeviceCommand, UserCommand};
+use crate::{open_store, AdminCommand, DeviceCommand, UserCommand};
 
 /// Appends an operator's action to the audit log.
 async fn audit(store: &dyn Store, event: &str, user: &str, device: Option<&str>) -> Result<()> {
@@ -135,6 +135,17 @@ pub async fn device(command: DeviceCommand) -> Result<()> {
             } else {
                 println!("{user}'s device {device} was revoked already");
             }
+            Ok(())
+        }
+    }
+}
+
+pub async fn admin(command: AdminCommand) -> Result<()> {
+    match command {
+        AdminCommand::Reconcile { dry_run, store } => {
+            let store = open_store(&store).await?;
+            let reply = tidemark_server::reconcile::run_once(&*store, dry_run).await.context("reconcile")?;
+            println!("{}", serde_json::to_string_pretty(&reply)?);
             Ok(())
         }
     }

@@ -35,6 +35,7 @@ mod device;
 mod fanout;
 mod flood;
 mod large;
+mod maintenance;
 mod pg;
 mod presence;
 mod proc;
@@ -68,6 +69,11 @@ pub enum BenchCommand {
     /// p99 and the server's peak RSS under attack, beside a quiet phase of
     /// the same run.
     Flood(flood::FloodArgs),
+    /// Maintenance off the critical path (issue 16): a send's p99 while
+    /// the retention pass, the unread rebuild and reconciliation run in
+    /// their bounded chunks on a large population, beside a quiet phase of
+    /// the same run.
+    Maintenance(maintenance::MaintenanceArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -126,6 +132,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Connections(args) => connections::run(args).await,
         BenchCommand::Presence(args) => presence::run(args).await,
         BenchCommand::Flood(args) => flood::run(args).await,
+        BenchCommand::Maintenance(args) => maintenance::run(args).await,
     }
 }
 

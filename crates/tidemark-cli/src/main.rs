@@ -52,6 +52,8 @@ struct StoreArgs {
     database_conv_writers: u16,
 }
 
+// Parsed once per process: the size of `Serve`'s flags costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Command {
     /// Run the server.
@@ -97,6 +99,11 @@ enum Command {
         /// How often the retention pass runs, milliseconds.
         #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(u64).range(10..))]
         retention_every_ms: u64,
+        /// Run the reconciliation job (repairs on) every this many
+        /// seconds; 0 (the default): only on demand, by POST
+        /// /v1/admin/reconcile or `tidemark admin reconcile`.
+        #[arg(long, default_value_t = 0)]
+        reconcile_every_secs: u64,
         /// Keep every user-log entry (no retention pass at all).
         #[arg(long, conflicts_with_all = ["log_keep_secs", "device_inactive_secs"])]
         keep_all_logs: bool,
@@ -152,6 +159,11 @@ enum Command {
     Device {
         #[command(subcommand)]
         command: DeviceCommand,
+    },
+    /// Operator maintenance on the store (--data or --database).
+    Admin {
+        #[command(subcommand)]
+        command: AdminCommand,
     },
     /// Benchmarks; each prints a table and writes JSON.
     Bench {
@@ -327,6 +339,24 @@ enum DeviceCommand {
     },
 }
 
+#[derive(Subcommand)]
+enum AdminCommand {
+    /// Reconcile the stored facts relation by relation (seed 000 §18.3):
+    /// re-enqueue missing fan-outs and recount unread where that is safe,
+    /// report the rest (overlapping or missing membership periods, ACKs
+    /// above the head, events without their message, the quarantine).
+    /// Prints the report as JSON (the reply of POST /v1/admin/reconcile).
+    /// It runs on the store directly, in bounded chunks, beside a running
+    /// server as well; needs no admin token.
+    Reconcile {
+        /// Find and report only; repair nothing.
+        #[arg(long)]
+        dry_run: bool,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
 async fn open_store(args: &StoreArgs) -> Result<Arc<dyn Store>> {
     let Some(url) = &args.database else {
         let store = SqliteStore::open(&args.data).with_context(|| format!("open store in {}", args.data.display()))?;
@@ -416,6 +446,7 @@ async fn main() -> Result<()> {
             log_keep_secs,
             device_inactive_secs,
             retention_every_ms,
+            reconcile_every_secs,
             keep_all_logs,
             snapshot_ttl_secs,
             snapshot_messages_per_conv,
@@ -448,6 +479,8 @@ async fn main() -> Result<()> {
                     history_keep_ms: history_keep_days.map(|d| i64::from(d) * 24 * 3600 * 1000),
                 }),
                 retention_every: std::time::Duration::from_millis(retention_every_ms),
+                reconcile_every: (reconcile_every_secs > 0)
+                    .then(|| std::time::Duration::from_secs(reconcile_every_secs)),
                 snapshot_ttl: std::time::Duration::from_secs(snapshot_ttl_secs),
                 snapshot_messages_per_conv,
                 hold_fanout,
@@ -489,6 +522,10 @@ async fn main() -> Result<()> {
         }
         Command::User { command } => admin::user(command).await,
         Command::Device { command } => admin::device(command).await,
+        Command::Admin { command } => {
+            init_logs("warn");
+            admin::admin(command).await
+        }
         Command::Bench { command } => bench::run(command).await,
         Command::Demo => {
             init_logs("warn");

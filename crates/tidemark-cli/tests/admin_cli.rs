@@ -101,3 +101,49 @@ async fn an_operator_lists_revokes_logs_out_deactivates_and_reads_the_audit_log(
     let again = http.login("alice", PASSWORD, "phone").await.expect("the logged-out device logs in again");
     ping(again.access_token).await.unwrap();
 }
+
+/// `tidemark admin reconcile` (O3) on a data directory: a dry run reports
+/// a corrupted unread count, a run repairs it, the next finds nothing; the
+/// report is the endpoint's JSON.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_reconcile_reports_then_repairs_once() {
+    use tidemark_store::Store;
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let store = tidemark_sqlite::SqliteStore::open(dir.path()).unwrap();
+        for u in ["alice", "bob"] {
+            store.create_user(u, "phc-not-used", 0).await.unwrap();
+        }
+        let (conv, _) = store.create_direct("alice", "bob", "c1", 0).await.unwrap();
+        store
+            .accept_send(tidemark_store::SendCmd {
+                sender: "alice".into(),
+                sender_device: "d".into(),
+                conv,
+                client_msg_id: "k1".into(),
+                kind: "text".into(),
+                content: "{\"text\":\"hi\"}".into(),
+                message_id: "m1".into(),
+                quote_id: None,
+                now_ms: 0,
+            })
+            .await
+            .unwrap();
+        while !store.fan_out_next(10, 0).await.unwrap().items.is_empty() {}
+    }
+    let db = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
+    db.execute("UPDATE user_convs SET unread = 5 WHERE user_id = 'bob'", []).unwrap();
+    let run = |args: &[&str]| -> Value { serde_json::from_str(&tidemark(dir.path(), args)).unwrap() };
+    let dry = run(&["admin", "reconcile", "--dry-run"]);
+    assert_eq!(
+        (&dry["found"], &dry["repaired"], &dry["findings"][0]["reason"]),
+        (&json!(1), &json!(0), &json!("unread_drift"))
+    );
+    let unread =
+        || db.query_row("SELECT unread FROM user_convs WHERE user_id = 'bob'", [], |r| r.get::<_, i64>(0)).unwrap();
+    assert_eq!(unread(), 5, "a dry run changes nothing");
+    let fixed = run(&["admin", "reconcile"]);
+    assert_eq!((&fixed["found"], &fixed["repaired"], &fixed["messages_checked"]), (&json!(1), &json!(1), &json!(1)));
+    assert_eq!(unread(), 1);
+    assert_eq!(run(&["admin", "reconcile"])["found"], 0);
+}

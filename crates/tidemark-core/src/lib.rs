@@ -21,6 +21,7 @@ pub mod large;
 pub mod membership;
 pub mod page;
 pub mod projection;
+pub mod reconcile;
 pub mod refresh;
 pub mod retention;
 pub mod session;

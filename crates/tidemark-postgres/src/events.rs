@@ -857,37 +857,6 @@ pub(crate) async fn record_delivery(c: &Conn, user: &str, device: &str, ids: &[S
     .await
 }
 
-pub(crate) async fn rebuild_unread(c: &Conn) -> R<UnreadRebuild> {
-    let rows = query(
-        c,
-        "SELECT uc.user_id, uc.conv_id, uc.unread,
-                (SELECT COUNT(*) FROM messages m
-                 WHERE m.conv_id = uc.conv_id AND m.msg_seq > uc.read_seq AND m.msg_seq <= uc.last_msg_seq
-                   AND m.sender <> uc.user_id AND m.state <> 'recalled'
-                   AND m.kind NOT IN ('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction')
-                   AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = uc.user_id
-                               AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
-                   AND NOT EXISTS (SELECT 1 FROM user_deleted d
-                                   WHERE d.user_id = uc.user_id AND d.message_id = m.message_id))
-         FROM user_convs uc ORDER BY uc.user_id, uc.conv_id",
-        &[],
-    )
-    .await?;
-    let mut report = UnreadRebuild::default();
-    for row in rows {
-        report.rows_checked += 1;
-        let (user, conv, unread, fact): (String, String, i64, i64) =
-            (col(&row, 0)?, col(&row, 1)?, col(&row, 2)?, col(&row, 3)?);
-        if fact != unread {
-            report.drifted += 1;
-            tracing::warn!(user = %user, conv = %conv, stored = unread, fact, "unread drift repaired");
-            exec(c, "UPDATE user_convs SET unread = $3 WHERE user_id = $1 AND conv_id = $2", &[&user, &conv, &fact])
-                .await?;
-        }
-    }
-    Ok(report)
-}
-
 /// `NotFound` for a conversation that does not exist, else `NotMember`.
 async fn not_found_or_not_member(c: &Conn, conv: &str) -> R<StoreError> {
     let exists: Option<i32> = scalar(c, "SELECT 1 FROM conversations WHERE conv_id = $1", &[&conv]).await?;

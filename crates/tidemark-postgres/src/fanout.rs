@@ -51,7 +51,7 @@ async fn periods_covering(c: &Conn, conv: &str, at: u64) -> R<Vec<Period>> {
 /// `msg_seq` and, for a control event, those covering its target's, as
 /// `control_recipients` combines them; in a shared group, as
 /// `large::route` decides (nobody, or the subject of a membership change).
-async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route, FannedOut)> {
+pub(crate) async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route, FannedOut)> {
     let source = query_one(
         c,
         "SELECT s.kind, t.msg_seq, cv.mode, cv.shared_from, cv.kind FROM messages s
@@ -132,8 +132,11 @@ async fn lock_heads(c: &Conn, users: &[String]) -> R<()> {
 /// Appends one conversation event to one user's log and moves the user's
 /// projection, in one statement, as `projection::delivery` decided; returns
 /// the new `sync_seq`. Every event moves `last_msg_seq`; unread moves only
-/// for a message from someone else above the read cursor that the user did
-/// not delete for themselves; the user's own event moves the read cursor (R3).
+/// for a message from someone else above the read cursor and above
+/// `last_msg_seq` (what the row counts already: a late delivery, such as a
+/// fan-out re-enqueued by reconciliation, was counted when the row moved
+/// past it) that the user did not delete for themselves; the user's own
+/// event moves the read cursor (R3).
 const DELIVER: &str = "WITH h AS (
          INSERT INTO user_heads AS h (user_id, high_watermark) VALUES ($1, 1)
          ON CONFLICT (user_id) DO UPDATE SET high_watermark = h.high_watermark + 1
@@ -149,7 +152,7 @@ const DELIVER: &str = "WITH h AS (
          ON CONFLICT (user_id, conv_id) DO UPDATE SET
              last_msg_seq = GREATEST(uc.last_msg_seq, $4),
              read_seq = CASE WHEN $8 THEN GREATEST(uc.read_seq, $4) ELSE uc.read_seq END,
-             unread = uc.unread + CASE WHEN $9 AND $4 > uc.read_seq
+             unread = uc.unread + CASE WHEN $9 AND $4 > uc.read_seq AND $4 > uc.last_msg_seq
                  AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = $5)
                  THEN 1 ELSE 0 END)
      SELECT sync_seq FROM e";

@@ -91,6 +91,7 @@ mod fanout;
 mod lifecycle;
 mod read;
 mod receipts;
+mod reconcile;
 pub mod schema;
 pub mod writer;
 
@@ -685,8 +686,28 @@ impl Store for PgStore {
             .await
     }
 
-    async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild> {
-        self.user_writer.write(|c| Box::pin(events::rebuild_unread(c))).await
+    async fn reconcile_messages(&self, after: MessageCursor, limit: u32) -> StoreResult<MessageChunk> {
+        self.readers.snapshot(move |c| Box::pin(reconcile::messages(c, after, limit))).await
+    }
+
+    async fn reconcile_users(&self, after: Option<String>, limit: u32) -> StoreResult<UserChunk> {
+        self.readers.snapshot(move |c| Box::pin(reconcile::users(c, after, limit))).await
+    }
+
+    async fn requeue_fanout(&self, conv: &str, message_id: &str, now_ms: i64) -> StoreResult<bool> {
+        let (conv, id) = (conv.to_owned(), message_id.to_owned());
+        self.conv_writer(&conv.clone())
+            .write(move |c| Box::pin(async move { reconcile::requeue_fanout(c, &conv, &id, now_ms).await }))
+            .await
+    }
+
+    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<(u64, u64)>> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.user_writer.write(move |c| Box::pin(async move { reconcile::recount_unread(c, &user, &conv).await })).await
+    }
+
+    async fn quarantine(&self, after: Option<(String, String)>, limit: u32) -> StoreResult<Vec<QuarantineRecord>> {
+        self.readers.read(move |c| Box::pin(reconcile::quarantine(c, after, limit))).await
     }
 
     async fn conv_sync(
@@ -935,8 +956,15 @@ impl Store for PgStore {
             .await
     }
 
-    async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
-        self.user_writer.write(move |c| Box::pin(lifecycle::trim_user_logs(c, policy, now_ms))).await
+    async fn trim_step(
+        &self,
+        policy: RetentionPolicy,
+        now_ms: i64,
+        step: TrimStep,
+    ) -> StoreResult<(TrimReport, Option<String>)> {
+        self.user_writer
+            .write(move |c| Box::pin(async move { lifecycle::trim_step(c, policy, now_ms, step).await }))
+            .await
     }
 
     fn set_group_policy(&self, policy: GroupPolicy) {

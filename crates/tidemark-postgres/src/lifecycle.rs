@@ -221,33 +221,70 @@ const USER_FENCES: &str = "SELECT h.high_watermark, h.trimmed_upto,
         EXISTS (SELECT 1 FROM users u WHERE u.user_id = h.user_id AND u.deleted_at IS NOT NULL)
      FROM user_heads h WHERE h.user_id = $1 FOR UPDATE OF h";
 
-/// One retention pass. Per user, the fence is the lowest of: the ACK of
+/// One step of the retention pass (`Store::trim_step`). Per user, the fence is the lowest of: the ACK of
 /// every device that is `ACTIVE` or `RECOVERING` and moved within the
 /// inactivity window, the `resume_from` of every live recovery session, and
 /// the base of every live (`BUILDING`/`READY`, unexpired) snapshot.
 /// Events above the fence, or younger than the keep window, stay. The
 /// client never reports a position that counts here (L1). Users are visited
-/// in `user_id` order, the order fan-out locks heads in.
-pub(crate) async fn trim_user_logs(c: &Conn, policy: RetentionPolicy, now_ms: i64) -> R<TrimReport> {
-    let snapshots_expired = exec(
-        c,
-        "UPDATE snapshots SET state = 'EXPIRED' WHERE state IN ('BUILDING','READY') AND expires_at <= $1",
-        &[&now_ms],
-    )
-    .await?;
-    let mut report = TrimReport { snapshots_expired, ..TrimReport::default() };
-    exec(
-        c,
-        "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE state = 'EXPIRED')",
-        &[],
-    )
-    .await?;
-    if let Some(keep) = policy.history_keep_ms {
-        trim_history(c, now_ms - keep, &mut report).await?;
+/// in `user_id` order, the order fan-out locks heads in; each step is a
+/// writer request of its own, so the head locks it takes last one step.
+pub(crate) async fn trim_step(
+    c: &Conn,
+    policy: RetentionPolicy,
+    now_ms: i64,
+    step: TrimStep,
+) -> R<(TrimReport, Option<String>)> {
+    match step {
+        TrimStep::Snapshots => {
+            let snapshots_expired = exec(
+                c,
+                "UPDATE snapshots SET state = 'EXPIRED' WHERE state IN ('BUILDING','READY') AND expires_at <= $1",
+                &[&now_ms],
+            )
+            .await?;
+            exec(
+                c,
+                "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE state = 'EXPIRED')",
+                &[],
+            )
+            .await?;
+            Ok((TrimReport { snapshots_expired, ..TrimReport::default() }, None))
+        }
+        TrimStep::History { after } => {
+            let mut report = TrimReport::default();
+            let keep = policy.history_keep_ms.unwrap_or(i64::MAX);
+            let next = trim_history(c, now_ms.saturating_sub(keep), &after, &mut report).await?;
+            Ok((report, next))
+        }
+        TrimStep::Users { after } => {
+            let mut report = TrimReport::default();
+            let next = trim_users(c, policy, now_ms, &after, &mut report).await?;
+            Ok((report, next))
+        }
     }
-    let users = query(c, "SELECT user_id FROM user_heads ORDER BY user_id", &[]).await?;
+}
+
+/// L1 for up to `RETENTION_USERS_PER_CHUNK` users after `after`, deleting
+/// at most `RETENTION_EVENTS_PER_CHUNK` events; the user to resume after.
+async fn trim_users(
+    c: &Conn,
+    policy: RetentionPolicy,
+    now_ms: i64,
+    after: &str,
+    report: &mut TrimReport,
+) -> R<Option<String>> {
+    let users = query(
+        c,
+        "SELECT user_id FROM user_heads WHERE user_id > $1 ORDER BY user_id LIMIT $2",
+        &[&after, &i64::from(RETENTION_USERS_PER_CHUNK)],
+    )
+    .await?;
+    let full = users.len() as u32 == RETENTION_USERS_PER_CHUNK;
     let active_since = now_ms - policy.device_inactive_after_ms;
     let young = now_ms - policy.keep_events_younger_than_ms;
+    let mut budget = RETENTION_EVENTS_PER_CHUNK;
+    let mut prev = after.to_owned();
     for u in &users {
         let user: String = col(u, 0)?;
         let Some(r) = query_opt(c, USER_FENCES, &[&user, &active_since, &now_ms, &young]).await? else { continue };
@@ -260,16 +297,28 @@ pub(crate) async fn trim_user_logs(c: &Conn, policy: RetentionPolicy, now_ms: i6
             aged: seq_opt(&r, 5)?,
             deleted: col(&r, 6)?,
         };
-        let Some(fence) = retention::trim_to(fences) else { continue };
-        let fence = big(fence);
-        let deleted =
-            exec(c, "DELETE FROM user_events WHERE user_id = $1 AND sync_seq <= $2", &[&user, &fence]).await?;
-        exec(c, "UPDATE user_heads SET trimmed_upto = $2 WHERE user_id = $1", &[&user, &fence]).await?;
-        tracing::info!(user = %user, trimmed_upto = fence, deleted, "user log trimmed");
-        report.users_trimmed += 1;
-        report.events_deleted += deleted;
+        if let Some(fence) = retention::trim_to(fences) {
+            // Bounded: the rest of a long log goes in the next step (the
+            // trim point moves with what was deleted, so it stays true).
+            let capped = fence.min(fences.trimmed_upto + budget);
+            let deleted =
+                exec(c, "DELETE FROM user_events WHERE user_id = $1 AND sync_seq <= $2", &[&user, &big(capped)])
+                    .await?;
+            exec(c, "UPDATE user_heads SET trimmed_upto = $2 WHERE user_id = $1", &[&user, &big(capped)]).await?;
+            tracing::info!(user = %user, trimmed_upto = capped, deleted, "user log trimmed");
+            report.users_trimmed += 1;
+            report.events_deleted += deleted;
+            budget -= capped - fences.trimmed_upto;
+            if capped < fence {
+                return Ok(Some(prev));
+            }
+            if budget == 0 {
+                return Ok(Some(user));
+            }
+        }
+        prev = user;
     }
-    Ok(report)
+    Ok(full.then_some(prev))
 }
 
 pub(crate) async fn recovery_session(c: &Conn, user: &str, device: &str) -> R<Option<RecoveryInfo>> {
@@ -381,8 +430,19 @@ pub(crate) async fn ack(
 /// conversation, `min_seq` moves up to the first message younger than the
 /// cutoff (or past the head), contents below it expire, recall tombstones
 /// stay.
-async fn trim_history(c: &Conn, cutoff_ms: i64, report: &mut TrimReport) -> R<()> {
-    let convs = query(c, "SELECT conv_id, head, min_seq FROM conversations ORDER BY conv_id", &[]).await?;
+/// L3 for up to `RETENTION_CONVS_PER_CHUNK` conversations after `after`;
+/// the conversation to resume after, `None` after the last.
+async fn trim_history(c: &Conn, cutoff_ms: i64, after: &str, report: &mut TrimReport) -> R<Option<String>> {
+    let convs = query(
+        c,
+        "SELECT conv_id, head, min_seq FROM conversations WHERE conv_id > $1 ORDER BY conv_id LIMIT $2",
+        &[&after, &i64::from(RETENTION_CONVS_PER_CHUNK)],
+    )
+    .await?;
+    let next = match convs.last() {
+        Some(last) if convs.len() as u32 == RETENTION_CONVS_PER_CHUNK => Some(col::<String>(last, 0)?),
+        _ => None,
+    };
     for row in &convs {
         let (conv, head, min_seq): (String, i64, i64) = (col(row, 0)?, col(row, 1)?, col(row, 2)?);
         let first_young: Option<i64> = crate::db::scalar::<Option<i64>>(
@@ -408,5 +468,5 @@ async fn trim_history(c: &Conn, cutoff_ms: i64, report: &mut TrimReport) -> R<()
         report.conversations_trimmed += 1;
         report.messages_expired += expired;
     }
-    Ok(())
+    Ok(next)
 }

@@ -486,8 +486,11 @@ async fn postgres_matches_sqlite_operation_by_operation() {
     check!(sq, pg, "delivery unknown", |s| s.record_delivery("b", "phone", vec!["m-a-a3".into(), "zz".into()], 43));
     let too_many: Vec<String> = (0..501).map(|i| format!("x{i}")).collect();
     check!(sq, pg, "delivery too many", |s| s.record_delivery("b", "phone", too_many.clone(), 43));
-    let rebuilt = same!(sq, pg, "rebuild_unread", |s| s.rebuild_unread()).unwrap();
+    let rebuilt = same!(sq, pg, "rebuild_unread", |s| reconcile::rebuild_unread(s, 3)).unwrap();
     assert!(rebuilt.rows_checked >= 8);
+    let cfg = reconcile::ReconcileConfig { messages_per_chunk: 3, users_per_chunk: 2, ..Default::default() };
+    let report = same!(sq, pg, "reconcile", |s| reconcile::run(s, &cfg, 50)).unwrap();
+    assert!(report.messages_checked >= 8, "{report:?}");
     let items = sq.pending_outbox(1000).await.unwrap();
     let pg_items = pg.pending_outbox(1000).await.unwrap();
     assert_eq!(norm(&sq.fan_out(items, 50).await), norm(&pg.fan_out(pg_items, 50).await), "fan_out after reads");
@@ -812,4 +815,23 @@ async fn two_writers_hammering_the_same_rows_retry_deadlocks() {
         0,
         "F2: every user's log is 1..=head"
     );
+}
+
+/// O3 (the shared check): the drift is planted through a plain connection
+/// on the store's schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciliation_repairs_once_and_reports_the_rest() {
+    let Some(url) = pg_url("reconciliation_repairs_once_and_reports_the_rest") else { return };
+    let schemas = Schemas::new(url);
+    let store = schemas.fresh().await;
+    let raw = schemas.raw(store.schema().unwrap()).await;
+    let raw = &raw;
+    conformance::reconciliation_repairs_once_and_reports_the_rest(
+        &*store,
+        move |sql| async move {
+            raw.batch_execute(sql).await.unwrap();
+        },
+        move |sql| async move { raw.query_one(sql, &[]).await.unwrap().get(0) },
+    )
+    .await;
 }

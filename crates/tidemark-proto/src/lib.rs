@@ -864,6 +864,97 @@ pub struct AdminUnreadOk {
     pub drifted: u64,
 }
 
+/// `POST /v1/admin/reconcile` (O3): one reconciliation run.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminReconcileReq {
+    /// Find and report only; repair nothing.
+    #[serde(default)]
+    pub dry_run: bool,
+}
+
+/// What a reconciliation run checked, found and repaired.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdminReconcileOk {
+    pub dry_run: bool,
+    pub messages_checked: u64,
+    pub convs_checked: u64,
+    pub users_checked: u64,
+    pub unread_rows_checked: u64,
+    /// Bounded read chunks the run went through.
+    pub chunks: u64,
+    pub found: u64,
+    /// Findings whose repair was applied and changed something.
+    pub repaired: u64,
+    /// Findings with no safe repair: for a person.
+    pub reported: u64,
+    /// Counts per relation that found something.
+    pub relations: Vec<ReconcileRelation>,
+    /// The first findings (at most 1000).
+    pub findings: Vec<ReconcileFinding>,
+    /// Findings beyond the list, counted only.
+    pub findings_left_off: u64,
+    /// Fan-out items quarantined for overlapping membership periods (the
+    /// first 1000), never delivered to that user.
+    pub quarantine: Vec<QuarantineEntry>,
+    pub quarantine_total: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ReconcileRelation {
+    /// `fanout`, `periods`, `event_source`, `ack_head`, `conv_head`, `unread`.
+    pub relation: String,
+    pub found: u64,
+    pub repaired: u64,
+    pub reported: u64,
+}
+
+/// One broken relation; absent fields do not apply to it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ReconcileFinding {
+    pub relation: String,
+    pub reason: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub conv: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub device_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub msg_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sync_seq: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub period_id: Option<i64>,
+    /// What is stored (an unread count, an ACK, a head).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored: Option<u64>,
+    /// What the facts say it should be.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fact: Option<u64>,
+    /// `requeue` or `recount`; absent: for a person.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub repair: Option<String>,
+    pub repaired: bool,
+}
+
+/// One quarantine record (F4).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct QuarantineEntry {
+    pub source_event_id: String,
+    pub user: String,
+    pub conv: String,
+    pub msg_seq: u64,
+    pub reason: String,
+    pub created_at_ms: i64,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvListOk {

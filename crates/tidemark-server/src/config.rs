@@ -119,6 +119,11 @@ pub struct ServerConfig {
     pub retention: Option<tidemark_store::RetentionPolicy>,
     /// How often the retention pass runs.
     pub retention_every: Duration,
+    /// How often the reconciliation job (O3) runs with repairs on; `None`
+    /// (the default): only on demand (`POST /v1/admin/reconcile`,
+    /// `tidemark admin reconcile`), since a run reads every message and
+    /// every user.
+    pub reconcile_every: Option<Duration>,
     /// Test hook: accept sends but never fan out (the outbox keeps them).
     /// Used to prove that a crash before fan-out loses nothing.
     pub hold_fanout: bool,
@@ -161,6 +166,7 @@ impl Default for ServerConfig {
                 history_keep_ms: None,
             }),
             retention_every: Duration::from_secs(60),
+            reconcile_every: None,
             hold_fanout: false,
             hint_bus: HintBusConfig::Local,
             group_policy: tidemark_core::large::GroupPolicy::default(),

@@ -72,7 +72,8 @@ impl Server {
         let sweep = spawn_fatal("limits sweep", sweep_limits(state.clone(), shutdown_rx.clone()));
         let typing = spawn_fatal("typing sweep", state.lane.clone().run_sweep(shutdown_rx.clone()));
         let audit = spawn_fatal("audit retention", crate::audit::run_retention(state.clone(), shutdown_rx.clone()));
-        let mut tasks = vec![http, relay, rehint, retention, sweep, typing, audit];
+        let reconcile = spawn_fatal("reconcile", crate::reconcile::run_scheduled(state.clone(), shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention, sweep, typing, audit, reconcile];
         if let Some(pending) = bus_pending {
             // Cluster mode: fences reach this node on the bus, and from the
             // store should the bus lose one (`fence`).

@@ -657,6 +657,76 @@ async fn unread_rebuild_reports_and_repairs_drift() {
     ts.stop().await;
 }
 
+/// O3 on a live server: `POST /v1/admin/reconcile` finds a user event lost
+/// behind the server's back and an ACK set above the head; a dry run
+/// changes nothing, a run re-enqueues the lost fan-out (the relay delivers
+/// it again, once) and leaves the ACK to a person; a second run repairs
+/// nothing. Without the admin token it is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconcile_endpoint_repairs_a_lost_event_once_and_reports_an_ack_above_the_head() {
+    let ts = TestServer::start().await;
+    for u in ["ann", "ben"] {
+        ts.user(u).await;
+    }
+    let ann = ts.device("ann", "phone").await;
+    let mut ben = ts.device("ben", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        ids.push(say(&ann.ws, &conv, &format!("{i}")).await["message_id"].as_str().unwrap().to_owned());
+    }
+    ben.sync_until(3, 10).await;
+    let reconcile = |token: &'static str, body: Value| {
+        let url = format!("{}/v1/admin/reconcile", ts.running().url());
+        async move { reqwest::Client::new().post(url).bearer_auth(token).json(&body).send().await.unwrap() }
+    };
+    let refused = reconcile("not-the-token", json!({})).await;
+    assert_eq!(refused.status(), 401);
+    let clean: Value = reconcile(ADMIN, json!({})).await.json().await.unwrap();
+    assert_eq!((clean["found"].as_u64(), clean["messages_checked"].as_u64()), (Some(0), Some(3)), "{clean}");
+
+    let db = rusqlite::Connection::open(ts.dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
+    db.busy_timeout(Duration::from_secs(5)).unwrap();
+    db.execute("DELETE FROM user_events WHERE user_id = 'ben' AND message_id = ?1", [&ids[1]]).unwrap();
+    db.execute("UPDATE devices SET acked_sync_seq = 500 WHERE user_id = 'ann'", []).unwrap();
+    let dry: Value = reconcile(ADMIN, json!({"dry_run": true})).await.json().await.unwrap();
+    assert_eq!(
+        (dry["found"].as_u64(), dry["repaired"].as_u64(), dry["reported"].as_u64()),
+        (Some(2), Some(0), Some(1))
+    );
+    let run: Value = reconcile(ADMIN, json!({})).await.json().await.unwrap();
+    assert_eq!(
+        (run["found"].as_u64(), run["repaired"].as_u64(), run["reported"].as_u64()),
+        (Some(2), Some(1), Some(1))
+    );
+    let findings = run["findings"].as_array().unwrap();
+    let lost = findings.iter().find(|f| f["relation"] == "fanout").unwrap();
+    assert_eq!(
+        (&lost["user"], &lost["message_id"], &lost["repair"]),
+        (&json!("ben"), &json!(ids[1]), &json!("requeue"))
+    );
+    let ack = findings.iter().find(|f| f["relation"] == "ack_head").unwrap();
+    assert_eq!((&ack["user"], &ack["stored"], &ack["repaired"]), (&json!("ann"), &json!(500), &json!(false)));
+    // The relay delivers the re-enqueued item: ben's log holds it again.
+    ben.sync_until(4, 10).await;
+    assert_eq!(
+        ben.log[3].message.as_ref().map(|m| m.message_id.as_str()),
+        Some(ids[1].as_str()),
+        "the lost message, again"
+    );
+    let count = |sql: &str| db.query_row(sql, [], |r| r.get::<_, i64>(0)).unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while count("SELECT COUNT(*) FROM outbox") > 0 {
+        assert!(tokio::time::Instant::now() < deadline, "the relay never ran the re-enqueued item");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let again: Value = reconcile(ADMIN, json!({})).await.json().await.unwrap();
+    assert_eq!((again["found"].as_u64(), again["repaired"].as_u64()), (Some(1), Some(0)), "{again}");
+    assert_eq!(count("SELECT COUNT(*) FROM user_events WHERE user_id = 'ben' AND period_id <> 0"), 3);
+    assert_eq!(count("SELECT acked_sync_seq FROM devices WHERE user_id = 'ann'"), 500, "left to a person");
+    ts.stop().await;
+}
+
 /// Visibility of control events and idempotency keys: a newcomer never
 /// receives an edit of a message from before its join; a recall also wipes
 /// the content that earlier edit events carried; an own reply clears the

@@ -630,29 +630,6 @@ pub(crate) fn record_delivery(c: &Connection, user: &str, device: &str, ids: &[S
     Ok(added)
 }
 
-pub(crate) fn rebuild_unread(c: &Connection) -> R<UnreadRebuild> {
-    let rows: Vec<(String, String, i64, i64)> = {
-        let mut stmt = c.prepare("SELECT user_id, conv_id, read_seq, unread FROM user_convs").map_err(internal)?;
-        let it = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))).map_err(internal)?;
-        it.collect::<Result<_, _>>().map_err(internal)?
-    };
-    let mut report = UnreadRebuild::default();
-    for (user, conv, read_seq, unread) in rows {
-        report.rows_checked += 1;
-        let fact = count_unread(c, &user, &conv, read_seq as u64)?;
-        if fact != unread as u64 {
-            report.drifted += 1;
-            tracing::warn!(user = %user, conv = %conv, stored = unread, fact, "unread drift repaired");
-            exec(
-                c,
-                "UPDATE user_convs SET unread = ?3 WHERE user_id = ?1 AND conv_id = ?2",
-                params![user, conv, fact as i64],
-            )?;
-        }
-    }
-    Ok(report)
-}
-
 /// Why `conv` has nothing for its caller (`control::not_member`).
 pub(crate) fn not_found_or_not_member(c: &Connection, conv: &str) -> R<StoreError> {
     let exists: Option<i64> = q(c, "SELECT 1 FROM conversations WHERE conv_id = ?1", params![conv])?;

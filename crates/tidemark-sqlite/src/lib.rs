@@ -19,6 +19,7 @@ mod events;
 mod lifecycle;
 mod read;
 mod receipts;
+mod reconcile;
 pub mod schema;
 pub mod writer;
 
@@ -364,7 +365,10 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
             .map_err(internal)?;
             // Projections commit with the event: once per (user, event), as
             // `projection::delivery` decides; a message the user already
-            // deleted for themselves never counts.
+            // deleted for themselves never counts, nor one at or below
+            // `last_msg_seq` (old values on the right of SET): the row
+            // counted it when it moved past it, so a late delivery (a
+            // fan-out re-enqueued by reconciliation) counts no second time.
             let d = projection::delivery(&item.kind, user, &item.actor);
             conn.prepare_cached(
                 "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
@@ -372,7 +376,7 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
                  ON CONFLICT(user_id, conv_id) DO UPDATE SET
                     last_msg_seq = MAX(last_msg_seq, ?3),
                     read_seq = CASE WHEN ?4 THEN MAX(read_seq, ?3) ELSE read_seq END,
-                    unread = unread + CASE WHEN ?5 AND ?3 > read_seq
+                    unread = unread + CASE WHEN ?5 AND ?3 > read_seq AND ?3 > last_msg_seq
                         AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = ?6)
                         THEN 1 ELSE 0 END",
             )
@@ -696,8 +700,26 @@ impl Store for SqliteStore {
         self.writer.write(move |c| events::record_delivery(c, &user, &device, &message_ids, now_ms)).await
     }
 
-    async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild> {
-        self.writer.write(events::rebuild_unread).await
+    async fn reconcile_messages(&self, after: MessageCursor, limit: u32) -> StoreResult<MessageChunk> {
+        self.readers.read_store(move |c| reconcile::messages(c, after, limit)).await
+    }
+
+    async fn reconcile_users(&self, after: Option<String>, limit: u32) -> StoreResult<UserChunk> {
+        self.readers.read_store(move |c| reconcile::users(c, after, limit)).await
+    }
+
+    async fn requeue_fanout(&self, conv: &str, message_id: &str, now_ms: i64) -> StoreResult<bool> {
+        let (conv, id) = (conv.to_owned(), message_id.to_owned());
+        self.writer.write(move |c| reconcile::requeue_fanout(c, &conv, &id, now_ms)).await
+    }
+
+    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<(u64, u64)>> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.writer.write(move |c| reconcile::recount_unread(c, &user, &conv)).await
+    }
+
+    async fn quarantine(&self, after: Option<(String, String)>, limit: u32) -> StoreResult<Vec<QuarantineRecord>> {
+        self.readers.read_store(move |c| reconcile::quarantine(c, after, limit)).await
     }
 
     async fn conv_sync(
@@ -771,8 +793,13 @@ impl Store for SqliteStore {
         self.writer.write(move |c| lifecycle::ack_snapshot(c, &user, &device, &id, now_ms)).await
     }
 
-    async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
-        self.writer.write(move |c| lifecycle::trim_user_logs(c, policy, now_ms)).await
+    async fn trim_step(
+        &self,
+        policy: RetentionPolicy,
+        now_ms: i64,
+        step: TrimStep,
+    ) -> StoreResult<(TrimReport, Option<String>)> {
+        self.writer.write(move |c| lifecycle::trim_step(c, policy, now_ms, step)).await
     }
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {

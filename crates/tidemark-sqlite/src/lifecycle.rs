@@ -184,65 +184,81 @@ pub(crate) fn ack_snapshot(
 /// the base of every live (`BUILDING`/`READY`, unexpired) snapshot.
 /// Events above the fence, or younger than the keep window, stay. The
 /// client never reports a position that counts here (L1).
-pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i64) -> R<TrimReport> {
-    let snapshots_expired = c
-        .execute(
-            "UPDATE snapshots SET state = 'EXPIRED' WHERE state IN ('BUILDING','READY') AND expires_at <= ?1",
-            params![now_ms],
-        )
-        .map_err(internal)? as u64;
-    let mut report = TrimReport { snapshots_expired, ..TrimReport::default() };
-    c.execute(
-        "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE state = 'EXPIRED')",
-        [],
-    )
-    .map_err(internal)?;
-    if let Some(keep) = policy.history_keep_ms {
-        trim_history(c, now_ms - keep, &mut report)?;
+/// One step of the retention pass (`Store::trim_step`), in the writer's
+/// transaction.
+pub(crate) fn trim_step(
+    c: &Connection,
+    policy: RetentionPolicy,
+    now_ms: i64,
+    step: TrimStep,
+) -> R<(TrimReport, Option<String>)> {
+    match step {
+        TrimStep::Snapshots => {
+            let snapshots_expired = c
+                .execute(
+                    "UPDATE snapshots SET state = 'EXPIRED' WHERE state IN ('BUILDING','READY') AND expires_at <= ?1",
+                    params![now_ms],
+                )
+                .map_err(internal)? as u64;
+            c.execute(
+                "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE state = 'EXPIRED')",
+                [],
+            )
+            .map_err(internal)?;
+            Ok((TrimReport { snapshots_expired, ..TrimReport::default() }, None))
+        }
+        TrimStep::History { after } => {
+            let mut report = TrimReport::default();
+            let keep = policy.history_keep_ms.unwrap_or(i64::MAX);
+            let next = trim_history(c, now_ms.saturating_sub(keep), &after, &mut report)?;
+            Ok((report, next))
+        }
+        TrimStep::Users { after } => {
+            let mut report = TrimReport::default();
+            let next = trim_users(c, policy, now_ms, &after, &mut report)?;
+            Ok((report, next))
+        }
     }
+}
+
+/// L1 for up to `RETENTION_USERS_PER_CHUNK` users after `after`, deleting
+/// at most `RETENTION_EVENTS_PER_CHUNK` events; the user to resume after.
+fn trim_users(
+    c: &Connection,
+    policy: RetentionPolicy,
+    now_ms: i64,
+    after: &str,
+    report: &mut TrimReport,
+) -> R<Option<String>> {
     let users: Vec<(String, i64, i64)> = {
-        let mut stmt = c.prepare("SELECT user_id, high_watermark, trimmed_upto FROM user_heads").map_err(internal)?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT user_id, high_watermark, trimmed_upto FROM user_heads WHERE user_id > ?1 ORDER BY user_id LIMIT ?2",
+            )
+            .map_err(internal)?;
+        let rows = stmt
+            .query_map(params![after, RETENTION_USERS_PER_CHUNK], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .map_err(internal)?;
         rows.collect::<Result<_, _>>().map_err(internal)?
     };
     let active_since = now_ms - policy.device_inactive_after_ms;
     let young = now_ms - policy.keep_events_younger_than_ms;
+    let mut budget = RETENTION_EVENTS_PER_CHUNK;
+    let mut prev = after.to_owned();
+    let full = users.len() as u32 == RETENTION_USERS_PER_CHUNK;
     for (user, hw, trimmed) in users {
-        let device_fence: Option<i64> = c
-            .query_row(
-                "SELECT MIN(acked_sync_seq) FROM devices WHERE user_id = ?1 AND state IN ('ACTIVE','RECOVERING')
-                 AND updated_at >= ?2",
-                params![user, active_since],
-                |r| r.get(0),
-            )
-            .map_err(internal)?;
-        let recovery_fence: Option<i64> = c
-            .query_row(
-                "SELECT MIN(resume_from) FROM recovery_sessions WHERE user_id = ?1 AND state = 'ACTIVE' AND expires_at > ?2",
-                params![user, now_ms],
-                |r| r.get(0),
-            )
-            .map_err(internal)?;
-        let snapshot_fence: Option<i64> = c
-            .query_row(
-                "SELECT MIN(base_sync_seq) FROM snapshots WHERE user_id = ?1 AND state IN ('BUILDING','READY')",
-                params![user],
-                |r| r.get(0),
-            )
-            .map_err(internal)?;
-        let age_fence: Option<i64> = c
-            .query_row(
-                "SELECT MAX(sync_seq) FROM user_events WHERE user_id = ?1 AND created_at < ?2",
-                params![user, young],
-                |r| r.get(0),
-            )
-            .map_err(internal)?;
-        let deleted: bool = c
-            .query_row(
-                "SELECT EXISTS (SELECT 1 FROM users WHERE user_id = ?1 AND deleted_at IS NOT NULL)",
-                params![user],
-                |r| r.get(0),
-            )
+        let (device_fence, recovery_fence, snapshot_fence, age_fence, deleted): (
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            Option<i64>,
+            bool,
+        ) = c
+            .prepare_cached(USER_FENCES)
+            .map_err(internal)?
+            .query_row(params![user, active_since, now_ms, young], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+            })
             .map_err(internal)?;
         let seq = |v: Option<i64>| v.map(|v| v as u64);
         let fences = Fences {
@@ -254,19 +270,42 @@ pub(crate) fn trim_user_logs(c: &Connection, policy: RetentionPolicy, now_ms: i6
             aged: seq(age_fence),
             deleted,
         };
-        let Some(fence) = retention::trim_to(fences) else { continue };
-        let fence = fence as i64;
-        let deleted = c
-            .execute("DELETE FROM user_events WHERE user_id = ?1 AND sync_seq <= ?2", params![user, fence])
-            .map_err(internal)?;
-        c.execute("UPDATE user_heads SET trimmed_upto = ?2 WHERE user_id = ?1", params![user, fence])
-            .map_err(internal)?;
-        tracing::info!(user = %user, trimmed_upto = fence, deleted, "user log trimmed");
-        report.users_trimmed += 1;
-        report.events_deleted += deleted as u64;
+        if let Some(fence) = retention::trim_to(fences) {
+            // Bounded: the rest of a long log goes in the next step (the
+            // trim point moves with what was deleted, so it stays true).
+            let capped = fence.min(trimmed as u64 + budget);
+            let deleted = c
+                .execute("DELETE FROM user_events WHERE user_id = ?1 AND sync_seq <= ?2", params![user, capped as i64])
+                .map_err(internal)?;
+            c.execute("UPDATE user_heads SET trimmed_upto = ?2 WHERE user_id = ?1", params![user, capped as i64])
+                .map_err(internal)?;
+            tracing::info!(user = %user, trimmed_upto = capped, deleted, "user log trimmed");
+            report.users_trimmed += 1;
+            report.events_deleted += deleted as u64;
+            budget -= capped - trimmed as u64;
+            if capped < fence {
+                // This user again, from where the step stopped.
+                return Ok(Some(prev));
+            }
+            if budget == 0 {
+                return Ok(Some(user));
+            }
+        }
+        prev = user;
     }
-    Ok(report)
+    Ok(full.then_some(prev))
 }
+
+/// A user's retention fences in one statement: the lowest ACK of its valid
+/// devices, of its live recovery sessions and snapshots, the newest event
+/// old enough to go, and whether the user was deleted.
+const USER_FENCES: &str = "SELECT
+    (SELECT MIN(acked_sync_seq) FROM devices WHERE user_id = ?1 AND state IN ('ACTIVE','RECOVERING')
+        AND updated_at >= ?2),
+    (SELECT MIN(resume_from) FROM recovery_sessions WHERE user_id = ?1 AND state = 'ACTIVE' AND expires_at > ?3),
+    (SELECT MIN(base_sync_seq) FROM snapshots WHERE user_id = ?1 AND state IN ('BUILDING','READY')),
+    (SELECT MAX(sync_seq) FROM user_events WHERE user_id = ?1 AND created_at < ?4),
+    EXISTS (SELECT 1 FROM users WHERE user_id = ?1 AND deleted_at IS NOT NULL)";
 
 pub(crate) fn recovery_session(c: &Connection, user: &str, device: &str) -> R<Option<RecoveryInfo>> {
     c.prepare_cached(
@@ -370,12 +409,21 @@ pub(crate) fn ack(
 /// events and recalled messages are tombstones and stay as they are, so a
 /// device that still holds an original learns of its recall whatever the
 /// window.
-fn trim_history(c: &Connection, cutoff_ms: i64, report: &mut TrimReport) -> R<()> {
+/// L3 for up to `RETENTION_CONVS_PER_CHUNK` conversations after `after`;
+/// the conversation to resume after, `None` after the last.
+fn trim_history(c: &Connection, cutoff_ms: i64, after: &str, report: &mut TrimReport) -> R<Option<String>> {
     let convs: Vec<(String, i64, i64)> = {
-        let mut stmt = c.prepare("SELECT conv_id, head, min_seq FROM conversations").map_err(internal)?;
-        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT conv_id, head, min_seq FROM conversations WHERE conv_id > ?1 ORDER BY conv_id LIMIT ?2",
+            )
+            .map_err(internal)?;
+        let rows = stmt
+            .query_map(params![after, RETENTION_CONVS_PER_CHUNK], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .map_err(internal)?;
         rows.collect::<Result<_, _>>().map_err(internal)?
     };
+    let next = (convs.len() as u32 == RETENTION_CONVS_PER_CHUNK).then(|| convs[convs.len() - 1].0.clone());
     for (conv, head, min_seq) in convs {
         let first_young: Option<i64> = c
             .query_row(
@@ -401,5 +449,5 @@ fn trim_history(c: &Connection, cutoff_ms: i64, report: &mut TrimReport) -> R<()
         report.conversations_trimmed += 1;
         report.messages_expired += expired as u64;
     }
-    Ok(())
+    Ok(next)
 }

@@ -130,3 +130,22 @@ async fn a_database_from_before_numbered_migrations_is_adopted_as_step_one() {
         conn.query_row("SELECT COUNT(*) FROM meta WHERE key = 'schema_version'", [], |r| r.get(0)).unwrap();
     assert_eq!(stamps, 0, "the old stamp is gone");
 }
+
+/// O3 (the shared check): the drift is planted through a second
+/// connection to the database file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconciliation_repairs_once_and_reports_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let raw = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
+    raw.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    let raw = &raw;
+    conformance::reconciliation_repairs_once_and_reports_the_rest(
+        &*store,
+        move |sql| async move {
+            raw.execute(sql, []).unwrap();
+        },
+        move |sql| async move { raw.query_row(sql, [], |r| r.get(0)).unwrap() },
+    )
+    .await;
+}

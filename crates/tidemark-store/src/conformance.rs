@@ -1192,3 +1192,155 @@ pub async fn gauges_sample_what_the_store_holds(store: &dyn Store) {
     assert_eq!(g.devices_below_trim, 1, "a2");
     assert_eq!(g.cursor_lag_events_max, 3, "a2 is 3 behind a's head");
 }
+
+/// O3 (`core::reconcile`, `tidemark_store::reconcile`): drift planted
+/// behind the store's back is found relation by relation; the repairable
+/// (a user event deleted, an outbox item removed before it ran, an unread
+/// count corrupted) is repaired exactly once over two runs, the rest (an
+/// ACK above the head, overlapping periods, an event whose message does
+/// not exist, a conversation head off its messages) is reported and left
+/// as it is. `raw` runs one statement on the backend's database, `count`
+/// one `SELECT COUNT(*)`; both SQL texts are plain enough for either.
+pub async fn reconciliation_repairs_once_and_reports_the_rest<X, XF, N, NF>(store: &dyn Store, raw: X, count: N)
+where
+    X: Fn(&'static str) -> XF,
+    XF: std::future::Future<Output = ()>,
+    N: Fn(&'static str) -> NF,
+    NF: std::future::Future<Output = i64>,
+{
+    use crate::reconcile::{run, ReconcileConfig, ReconcileReport};
+    use tidemark_core::reconcile::{reason, relation};
+
+    users(store, &["a", "b", "c"]).await;
+    store.login_device("a", "d1", "phone", T0).await.unwrap();
+    store.create_group(ev("g1", "a", "e1"), vec!["b".into(), "c".into()]).await.unwrap();
+    store.create_group(ev("g2", "a", "e2"), vec!["b".into()]).await.unwrap();
+    store.accept_send(SendCmd { message_id: "m1".into(), ..send("a", "g1", "c1") }).await.unwrap();
+    store.accept_send(SendCmd { message_id: "m2".into(), ..send("b", "g1", "c2") }).await.unwrap();
+    drain(store).await;
+    // A clean store: nothing found.
+    let cfg = ReconcileConfig { messages_per_chunk: 2, users_per_chunk: 1, ..ReconcileConfig::default() };
+    let clean = run(store, &cfg, T0).await.unwrap();
+    assert_eq!((clean.found(), clean.messages_checked, clean.users_checked), (0, 4, 3), "{clean:?}");
+
+    // The drift.
+    // c has no message of its own in g1, so nothing moves its read cursor
+    // past m1: the re-delivery must not count m1 a second time.
+    raw("DELETE FROM user_events WHERE user_id = 'c' AND source_event_id = 'm1'").await;
+    store.accept_send(SendCmd { message_id: "m3".into(), ..send("a", "g1", "c3") }).await.unwrap();
+    raw("DELETE FROM outbox WHERE source_event_id = 'm3'").await;
+    raw("UPDATE user_convs SET unread = 7 WHERE user_id = 'c' AND conv_id = 'g1'").await;
+    raw("UPDATE devices SET acked_sync_seq = 999 WHERE user_id = 'a' AND device_id = 'd1'").await;
+    raw("INSERT INTO membership_periods (conv_id, user_id, join_seq, leave_seq) VALUES ('g2', 'b', 0, NULL)").await;
+    store.accept_send(SendCmd { message_id: "m4".into(), ..send("a", "g2", "c4") }).await.unwrap();
+    drain(store).await;
+    raw("DELETE FROM user_events WHERE user_id = 'a' AND source_event_id = 'm4'").await;
+    raw("INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id, period_id,
+                                  data, created_at)
+         VALUES ('c', 1000, 'message', 'g1', 50, 'ghost', 'ghost', 0, NULL, 0)")
+    .await;
+    raw("UPDATE conversations SET head = head + 5 WHERE conv_id = 'g2'").await;
+
+    fn summary(r: &ReconcileReport) -> Vec<(&'static str, &'static str, String, String, bool, bool)> {
+        let mut v: Vec<_> = r
+            .findings
+            .iter()
+            .map(|f| {
+                let x = &f.finding;
+                let subject = x.message_id.clone().or(x.conv.clone()).unwrap_or_default();
+                (x.relation, x.reason, x.user.clone().unwrap_or_default(), subject, x.repair.is_some(), f.repaired)
+            })
+            .collect();
+        v.sort();
+        v
+    }
+    let reported =
+        |rel, why, user: &str, subject: &str| (rel, why, user.to_string(), subject.to_string(), false, false);
+    let left_alone = vec![
+        reported(relation::ACK_HEAD, reason::ACK_ABOVE_HEAD, "a", ""),
+        reported(relation::CONV_HEAD, reason::HEAD_MISMATCH, "", "g2"),
+        reported(relation::EVENT_SOURCE, reason::MESSAGE_MISSING, "c", "ghost"),
+        reported(relation::FANOUT, reason::MISSING_UNSAFE, "a", "m4"),
+        reported(relation::PERIODS, reason::OVERLAP_QUARANTINED, "b", "m4"),
+        // g2's creation reached b before the overlap was planted.
+        reported(relation::PERIODS, reason::OVERLAP_UNRECORDED, "b", "e2"),
+    ];
+    let repairable = |done: bool| {
+        vec![
+            (relation::FANOUT, reason::OUTBOX_ITEM_MISSING, "a".to_string(), "m3".to_string(), true, done),
+            (relation::FANOUT, reason::OUTBOX_ITEM_MISSING, "b".to_string(), "m3".to_string(), true, done),
+            (relation::FANOUT, reason::OUTBOX_ITEM_MISSING, "c".to_string(), "m3".to_string(), true, done),
+            (relation::FANOUT, reason::USER_EVENT_MISSING, "c".to_string(), "m1".to_string(), true, done),
+            (relation::UNREAD, reason::UNREAD_DRIFT, "c".to_string(), "g1".to_string(), true, done),
+        ]
+    };
+    let expect = |done: bool| {
+        let mut v = left_alone.clone();
+        v.extend(repairable(done));
+        v.sort();
+        v
+    };
+
+    // A dry run finds everything and changes nothing.
+    let dry = run(store, &ReconcileConfig { repair: false, ..cfg }, T0).await.unwrap();
+    assert_eq!(summary(&dry), expect(false), "{dry:?}");
+    assert_eq!(store.pending_outbox(10).await.unwrap().len(), 0, "a dry run re-enqueues nothing");
+    assert_eq!(count("SELECT COUNT(*) FROM user_convs WHERE user_id = 'c' AND conv_id = 'g1' AND unread = 7").await, 1);
+
+    // The first run repairs each repairable finding once: one item per
+    // message, however many logs lack it.
+    let first = run(store, &cfg, T0).await.unwrap();
+    assert_eq!(summary(&first), expect(true), "{first:?}");
+    assert_eq!((first.repaired(), first.reported()), (5, 6));
+    let requeued: Vec<String> =
+        store.pending_outbox(10).await.unwrap().into_iter().map(|i| i.source_event_id).collect();
+    assert_eq!(requeued, vec!["m1".to_string(), "m3".into()], "one item per message missing from a log");
+    assert_eq!(first.quarantine.len(), 1, "the quarantine report: {first:?}");
+    assert_eq!(
+        (first.quarantine[0].source_event_id.as_str(), first.quarantine[0].user.as_str()),
+        ("m4", "b"),
+        "overlapping periods go to a person"
+    );
+    // Between runs the relay runs (or not: a pending item is not drift).
+    let pending = run(store, &cfg, T0).await.unwrap();
+    assert_eq!(
+        summary(&pending),
+        {
+            let mut v = left_alone.clone();
+            v.sort();
+            v
+        },
+        "{pending:?}"
+    );
+    drain(store).await;
+    let second = run(store, &cfg, T0).await.unwrap();
+    assert_eq!(
+        summary(&second),
+        {
+            let mut v = left_alone.clone();
+            v.sort();
+            v
+        },
+        "nothing left to repair: {second:?}"
+    );
+    assert_eq!(second.repaired(), 0);
+    assert_eq!(store.pending_outbox(10).await.unwrap().len(), 0);
+
+    // Repaired exactly once: each log holds each message once.
+    assert_eq!(count("SELECT COUNT(*) FROM user_events WHERE source_event_id = 'm1'").await, 3);
+    assert_eq!(count("SELECT COUNT(*) FROM user_events WHERE source_event_id = 'm3'").await, 3);
+    assert_eq!(count("SELECT COUNT(*) FROM user_events WHERE user_id = 'c' AND source_event_id = 'm1'").await, 1);
+    let c_g1 = state_of(store.list_conversations("c", None).await.unwrap(), "g1");
+    assert_eq!(c_g1.unread, 3, "c's unread: m1 and m2 recounted, m3 delivered late, m1 again not counted twice");
+    // And the rest untouched.
+    assert_eq!(store.device("a", "d1").await.unwrap().unwrap().cursor.acked_sync_seq, 999);
+    assert_eq!(count("SELECT COUNT(*) FROM user_events WHERE source_event_id = 'm4'").await, 0);
+    assert_eq!(count("SELECT COUNT(*) FROM user_events WHERE source_event_id = 'ghost'").await, 1);
+    assert_eq!(count("SELECT COUNT(*) FROM conversations WHERE conv_id = 'g2' AND head = 7").await, 1);
+
+    // The unread rebuild is the same job on one relation.
+    raw("UPDATE user_convs SET unread = 9 WHERE user_id = 'b' AND conv_id = 'g1'").await;
+    let rebuilt = crate::reconcile::rebuild_unread(store, 1).await.unwrap();
+    assert_eq!(rebuilt, UnreadRebuild { rows_checked: 5, drifted: 1 });
+    assert_eq!(crate::reconcile::rebuild_unread(store, 2).await.unwrap().drifted, 0);
+}

@@ -18,6 +18,7 @@
 #[cfg(feature = "conformance")]
 pub mod conformance;
 pub mod metric_names;
+pub mod reconcile;
 
 use async_trait::async_trait;
 pub use tidemark_core::control::ControlOutcome;
@@ -430,6 +431,42 @@ pub struct UnreadRebuild {
     pub drifted: u64,
 }
 
+/// A reconciliation window over the conversation side: the messages
+/// after `(conv, msg_seq)` in `(conv_id, msg_seq)` order (O3).
+pub type MessageCursor = Option<(String, MsgSeq)>;
+
+/// One chunk of the conversation side, read in one snapshot
+/// ([`Store::reconcile_messages`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MessageChunk {
+    pub messages: Vec<tidemark_core::reconcile::MessageFacts>,
+    /// Head and highest message of each conversation this chunk entered.
+    pub convs: Vec<tidemark_core::reconcile::ConvFacts>,
+    /// Where the next chunk starts; `None` after the last.
+    pub next: MessageCursor,
+}
+
+/// One chunk of the user side ([`Store::reconcile_users`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UserChunk {
+    pub users: Vec<tidemark_core::reconcile::UserFacts>,
+    /// The last user of this chunk, where the next starts; `None` after
+    /// the last.
+    pub next: Option<String>,
+}
+
+/// One stored quarantine record (F4): a fan-out item that hit two
+/// membership periods of one user, never delivered to that user.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuarantineRecord {
+    pub source_event_id: String,
+    pub user: String,
+    pub conv: String,
+    pub msg_seq: MsgSeq,
+    pub reason: String,
+    pub created_at_ms: i64,
+}
+
 /// One sync page and what it was decided from, read in one snapshot
 /// ([`Store::sync_page`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -500,6 +537,36 @@ pub struct TrimReport {
     pub conversations_trimmed: u64,
     /// Messages whose content expired (tombstones of recalls stay).
     pub messages_expired: u64,
+}
+
+impl TrimReport {
+    fn add(&mut self, o: &TrimReport) {
+        self.users_trimmed += o.users_trimmed;
+        self.events_deleted += o.events_deleted;
+        self.snapshots_expired += o.snapshots_expired;
+        self.conversations_trimmed += o.conversations_trimmed;
+        self.messages_expired += o.messages_expired;
+    }
+}
+
+/// Users one retention step reads (one writer request each), so other
+/// writes interleave between steps.
+pub const RETENTION_USERS_PER_CHUNK: u32 = 200;
+/// User-log events one retention step deletes at most; a user with more
+/// to trim is trimmed over several steps (`trimmed_upto` moves with each).
+pub const RETENTION_EVENTS_PER_CHUNK: u64 = 20_000;
+/// Conversations one history-retention step reads (L3).
+pub const RETENTION_CONVS_PER_CHUNK: u32 = 200;
+
+/// One bounded step of the retention pass ([`Store::trim_step`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TrimStep {
+    /// Expire the snapshots past their lifetime and drop their pages.
+    Snapshots,
+    /// History retention (L3) of the conversations after `after`.
+    History { after: String },
+    /// Log trimming (L1) of the users after `after`.
+    Users { after: String },
 }
 
 /// Retention settings (L1–L2).
@@ -707,8 +774,37 @@ pub trait Store: Send + Sync + 'static {
         now_ms: i64,
     ) -> StoreResult<u64>;
 
-    /// Recomputes every unread count from the facts and fixes drift (R3).
-    async fn rebuild_unread(&self) -> StoreResult<UnreadRebuild>;
+    // ------------------------------------------------------ reconciliation
+
+    /// Reads, in one snapshot and without the writer, the facts of up to
+    /// `limit` messages after `after` in `(conv_id, msg_seq)` order (O3,
+    /// `core::reconcile::check_message`): pending outbox items, recipients
+    /// as the fan-out resolves them, the recipients whose log lacks the
+    /// event (leaving out a log trimmed past it or a deleted user's),
+    /// quarantine records; and head and highest message of each
+    /// conversation the chunk enters.
+    async fn reconcile_messages(&self, after: MessageCursor, limit: u32) -> StoreResult<MessageChunk>;
+
+    /// Reads, in one snapshot and without the writer, the facts of up to
+    /// `limit` users after `after` in `user_id` order
+    /// (`core::reconcile::check_user`): head, ACKs of devices not revoked,
+    /// each conversation row's unread and its recount, and the events
+    /// whose message or period is not there.
+    async fn reconcile_users(&self, after: Option<String>, limit: u32) -> StoreResult<UserChunk>;
+
+    /// Repair: puts a message's outbox item back, as its acceptance wrote
+    /// it, unless one is pending; `false` when nothing was written. The
+    /// fan-out then writes only what the logs lack (F3).
+    async fn requeue_fanout(&self, conv: &str, message_id: &str, now_ms: i64) -> StoreResult<bool>;
+
+    /// Repair: recounts one row's unread from the facts (R3) in one writer
+    /// request; `(stored before, now)`, equal when nothing changed, `None`
+    /// without the row.
+    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<(u64, u64)>>;
+
+    /// Up to `limit` quarantine records after `(source_event_id, user)`,
+    /// in that order: the report for a person (F4).
+    async fn quarantine(&self, after: Option<(String, String)>, limit: u32) -> StoreResult<Vec<QuarantineRecord>>;
 
     /// `conv.sync` for `user` (C1–C2), limited to the user's periods.
     async fn conv_sync(
@@ -815,8 +911,39 @@ pub trait Store: Send + Sync + 'static {
     ) -> StoreResult<(bool, DeviceCursor)>;
 
     /// One retention pass over every user log (L1–L2): never past the
-    /// slowest valid device's ACK or a live snapshot's base.
-    async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport>;
+    /// slowest valid device's ACK or a live snapshot's base. It runs as
+    /// bounded steps ([`Store::trim_step`]), each its own writer request,
+    /// so every other write waits for one step at most, never the pass.
+    async fn trim_user_logs(&self, policy: RetentionPolicy, now_ms: i64) -> StoreResult<TrimReport> {
+        let mut report = TrimReport::default();
+        let mut step = TrimStep::Snapshots;
+        loop {
+            let (done, more) = self.trim_step(policy, now_ms, step.clone()).await?;
+            report.add(&done);
+            step = match (step, more) {
+                (TrimStep::History { .. }, Some(after)) => TrimStep::History { after },
+                (TrimStep::Users { .. }, Some(after)) => TrimStep::Users { after },
+                (TrimStep::Snapshots, _) if policy.history_keep_ms.is_some() => {
+                    TrimStep::History { after: String::new() }
+                }
+                (TrimStep::Snapshots | TrimStep::History { .. }, _) => TrimStep::Users { after: String::new() },
+                (TrimStep::Users { .. }, None) => return Ok(report),
+            };
+        }
+    }
+
+    /// One step of the retention pass in one writer request: the snapshot
+    /// expiry; or history retention of up to [`RETENTION_CONVS_PER_CHUNK`]
+    /// conversations; or log trimming of up to [`RETENTION_USERS_PER_CHUNK`]
+    /// users deleting at most [`RETENTION_EVENTS_PER_CHUNK`] events. Returns
+    /// what it did and, when the same kind of step has more to do, the
+    /// conversation or user to resume after.
+    async fn trim_step(
+        &self,
+        policy: RetentionPolicy,
+        now_ms: i64,
+        step: TrimStep,
+    ) -> StoreResult<(TrimReport, Option<String>)>;
 
     /// Events with `after < sync_seq <= upto`, ascending, at most `limit`.
     async fn read_user_events(

@@ -15,8 +15,8 @@ use axum::Json;
 use serde_json::Value;
 use tidemark_proto::{
     AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminDeleteOk, AdminDeleteReq, AdminEpochOk,
-    AdminEpochReq, AdminLogoutOk, AdminLogoutReq, AdminUnreadOk, AdminUserOk, AdminUserReq, AuditEntryOut, ErrorCode,
-    HealthOk, HealthUnavailable, LoginReq, RefreshReq, AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX,
+    AdminEpochReq, AdminLogoutOk, AdminLogoutReq, AdminReconcileReq, AdminUnreadOk, AdminUserOk, AdminUserReq,
+    AuditEntryOut, ErrorCode, HealthOk, HealthUnavailable, LoginReq, RefreshReq, AUDIT_LIMIT_DEFAULT, AUDIT_LIMIT_MAX,
 };
 
 use super::auth;
@@ -178,11 +178,32 @@ pub async fn admin_rebuild_unread(State(state): State<Arc<AppState>>, headers: H
     if let Err(r) = admin_guard(&state, &headers) {
         return *r;
     }
-    match state.store.rebuild_unread().await {
+    match tidemark_store::reconcile::rebuild_unread(&*state.store, tidemark_store::reconcile::USERS_PER_CHUNK).await {
         Ok(r) => {
             tracing::info!(rows = r.rows_checked, drifted = r.drifted, "unread rebuilt");
             Json(AdminUnreadOk { rows_checked: r.rows_checked, drifted: r.drifted }).into_response()
         }
+        Err(e) => error_response(e.into()),
+    }
+}
+
+/// `POST /v1/admin/reconcile {dry_run?}` (O3): one reconciliation run over
+/// every relation, in bounded chunks; repairs what is safe (unless
+/// `dry_run`) and reports the rest, the quarantine included.
+pub async fn admin_reconcile(State(state): State<Arc<AppState>>, headers: HeaderMap, body: Bytes) -> Response {
+    if let Err(r) = admin_guard(&state, &headers) {
+        return *r;
+    }
+    let req: AdminReconcileReq = if body.is_empty() {
+        AdminReconcileReq::default()
+    } else {
+        match parse_body(&body) {
+            Ok(r) => r,
+            Err(r) => return *r,
+        }
+    };
+    match crate::reconcile::run_once(&*state.store, req.dry_run).await {
+        Ok(reply) => Json(reply).into_response(),
         Err(e) => error_response(e.into()),
     }
 }

@@ -29,6 +29,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/admin/users", post(http::admin_create_user))
         .route("/v1/admin/conv/epoch", post(http::admin_bump_epoch))
         .route("/v1/admin/unread/rebuild", post(http::admin_rebuild_unread))
+        .route("/v1/admin/reconcile", post(http::admin_reconcile))
         .route("/v1/admin/logout", post(http::admin_logout))
         .route("/v1/admin/deactivate", post(http::admin_deactivate))
         .route("/v1/admin/delete", post(http::admin_delete))

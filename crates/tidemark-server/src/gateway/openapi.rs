@@ -347,6 +347,13 @@ fn document_value() -> OpenApi {
             None,
             s.of::<AdminUnreadOk>(),
         ),
+        (
+            "/v1/admin/reconcile",
+            "Reconcile the stored facts relation by relation; repair what is safe, report the rest (admin token, O3)",
+            Some(ADMIN),
+            Some((s.of::<AdminReconcileReq>(), false)),
+            s.of::<AdminReconcileOk>(),
+        ),
     ];
     for (path, summary, security, request, reply) in accounts {
         paths = paths.path(path, post(summary, security, request, reply, &error));
