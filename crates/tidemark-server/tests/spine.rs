@@ -481,7 +481,7 @@ async fn a_resume_of_a_hundred_events_costs_at_most_fourteen_statements() {
             ann.ws.send(&send_req(&conv, &format!("r{round}-{i}"))).await.unwrap();
         }
         let before = statements_when_idle(&ts).await;
-        let (ws, events) = WsConn::connect(&ts.ws_url(), &ben.token).await.unwrap();
+        let (ws, events) = tidemark_client::WsConn::connect(&ts.ws_url(), &ben.token).await.unwrap();
         (ben.ws, ben.events) = (ws, events);
         let first = ben.sync_page(50).await.unwrap();
         assert!(first.has_more, "two pages of 50");
