@@ -320,7 +320,8 @@ mod tests {
             tokio::join!(
                 hold,
                 writer.write(insert("a")),
-                writer.write_unguarded(|_| -> StoreResult<()> { Err(StoreError::NotFound("before any change".into())) }),
+                writer
+                    .write_unguarded(|_| -> StoreResult<()> { Err(StoreError::NotFound("before any change".into())) }),
                 writer.write_unguarded(insert("b")),
                 release,
             )
