@@ -106,7 +106,7 @@ use tidemark_core::page::{PageQuery, SyncFacts};
 use tidemark_core::SyncSeq;
 use tidemark_store::*;
 
-use db::{big, col, exec, query, query_opt, scalar, seq, Conn};
+use db::{big, col, exec, query, query_opt, scalar, seq, seq_opt, Conn};
 use read::ReadPool;
 use writer::Writer;
 
@@ -989,18 +989,26 @@ impl Store for PgStore {
             .await
     }
 
-    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64> {
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<OpenedConnection> {
         let (user, device) = (user.to_owned(), device.to_owned());
         // One statement: pipelined with the sends of its batch.
         let params: Vec<writer::Param> = vec![Box::new(user), Box::new(device.clone())];
         self.writer()
             .write_statement(
                 "UPDATE devices SET connection_epoch = connection_epoch + 1
-                 WHERE user_id = $1 AND device_id = $2 RETURNING connection_epoch",
+                 WHERE user_id = $1 AND device_id = $2
+                 RETURNING connection_epoch, acked_sync_seq,
+                           (SELECT high_watermark FROM user_heads WHERE user_id = $1)",
                 params,
                 move |rows| {
                     writer::Decided::Answer(match rows.first() {
-                        Some(r) => seq(r, 0),
+                        Some(r) => (|| {
+                            Ok(OpenedConnection {
+                                connection_epoch: seq(r, 0)?,
+                                acked_sync_seq: seq(r, 1)?,
+                                high_watermark: seq_opt(r, 2)?.unwrap_or(0),
+                            })
+                        })(),
                         None => Err(StoreError::NotFound(format!("device {device}"))),
                     })
                 },
@@ -1070,6 +1078,11 @@ impl Store for PgStore {
     async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {
         let user = user.to_owned();
         self.readers.read(move |c| Box::pin(async move { receipts::presence_audience(c, &user, limit).await })).await
+    }
+
+    async fn presence_facts(&self, user: &str, limit: u32) -> StoreResult<(Privacy, Vec<String>)> {
+        let user = user.to_owned();
+        self.readers.read(move |c| Box::pin(async move { receipts::presence_facts(c, &user, limit).await })).await
     }
 
     async fn conv_receipts(&self, user: &str, conv: &str, at: Option<u64>) -> StoreResult<Receipts> {

@@ -350,10 +350,17 @@ async fn add_reactions(c: &Conn, d: &mut Decorations, convs: &[String], ids: &[S
 /// The facts a sync page is decided from, in one statement: the device's
 /// cursor, the user's log bounds, the device's open recovery session.
 pub(crate) async fn sync_facts(c: &Conn, user: &str, device: &str) -> R<Option<SyncFacts>> {
+    Ok(facts_and_shared(c, user, device).await?.map(|(facts, _)| facts))
+}
+
+/// [`sync_facts`] and whether the user has a shared group (G2), in one
+/// statement: the batch's last page reads the dirty markers only then.
+async fn facts_and_shared(c: &Conn, user: &str, device: &str) -> R<Option<(SyncFacts, bool)>> {
     let row = query_opt(
         c,
         "SELECT d.sync_generation, d.acked_sync_seq, d.state, h.high_watermark, h.trimmed_upto,
-                s.session_id, s.resume_from, s.high_watermark, s.expires_at
+                s.session_id, s.resume_from, s.high_watermark, s.expires_at,
+                EXISTS (SELECT 1 FROM user_convs g WHERE g.user_id = d.user_id AND g.shared)
          FROM devices d
          LEFT JOIN user_heads h ON h.user_id = d.user_id
          LEFT JOIN recovery_sessions s ON s.user_id = d.user_id AND s.device_id = d.device_id AND s.state = 'ACTIVE'
@@ -375,7 +382,7 @@ pub(crate) async fn sync_facts(c: &Conn, user: &str, device: &str) -> R<Option<S
             expires_at_ms: col(&r, 8)?,
         }),
     };
-    Ok(Some(SyncFacts { device, log, session }))
+    Ok(Some((SyncFacts { device, log, session }, col(&r, 9)?)))
 }
 
 /// A sync page: the facts, the core's decision on them, and the range it
@@ -387,7 +394,7 @@ pub(crate) async fn sync_page(
     query: &PageQuery,
     limit: u32,
 ) -> R<Option<SyncRead>> {
-    let Some(facts) = sync_facts(c, user, device).await? else {
+    let Some((facts, shared_groups)) = facts_and_shared(c, user, device).await? else {
         return Ok(None);
     };
     let decision = decide_page(&facts, query);
@@ -395,7 +402,7 @@ pub(crate) async fn sync_page(
         Some((after, upto)) => user_events(c, user, after, upto, limit).await?,
         None => Vec::new(),
     };
-    Ok(Some(SyncRead { facts, decision, events }))
+    Ok(Some(SyncRead { facts, decision, events, shared_groups }))
 }
 
 /// The columns [`user_events`] reads after the event's and the message's:

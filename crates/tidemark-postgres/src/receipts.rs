@@ -70,6 +70,41 @@ pub(crate) async fn presence_audience(c: &Conn, user: &str, limit: u32) -> R<Vec
     rows.iter().map(|r| col::<String>(r, 0)).collect()
 }
 
+/// [`privacy`] and [`presence_audience`] in one statement (one snapshot):
+/// a tagged row of switches (NULLs when never set), then the audience.
+pub(crate) async fn presence_facts(c: &Conn, user: &str, limit: u32) -> R<(Privacy, Vec<String>)> {
+    let limit = i64::from(limit);
+    let rows = query(
+        c,
+        "SELECT 0, p.hide_presence, p.private_receipts, NULL::text
+         FROM (SELECT 1) x LEFT JOIN user_privacy p ON p.user_id = $1
+         UNION ALL
+         SELECT 1, NULL, NULL, a.user_id FROM (
+             SELECT DISTINCT o.user_id FROM membership_periods m
+             JOIN membership_periods o ON o.conv_id = m.conv_id AND o.leave_seq IS NULL AND o.user_id <> $1
+             WHERE m.user_id = $1 AND m.leave_seq IS NULL
+             ORDER BY o.user_id LIMIT $2) a",
+        &[&user, &limit],
+    )
+    .await?;
+    let mut privacy = Privacy::default();
+    let mut audience = Vec::new();
+    for r in &rows {
+        if col::<i32>(r, 0)? == 0 {
+            privacy = Privacy {
+                hide_presence: col::<Option<bool>>(r, 1)?.unwrap_or(false),
+                private_receipts: col::<Option<bool>>(r, 2)?.unwrap_or(false),
+            };
+        } else {
+            audience.push(col::<String>(r, 3)?);
+        }
+    }
+    // Sorted as `presence_audience` answers, whatever order the arms of
+    // the UNION come out in.
+    audience.sort_unstable();
+    Ok((privacy, audience))
+}
+
 async fn conversation_kind(c: &Conn, conv: &str) -> R<Option<String>> {
     scalar(c, "SELECT kind FROM conversations WHERE conv_id = $1", &[&conv]).await
 }

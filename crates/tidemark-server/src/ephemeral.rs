@@ -319,9 +319,8 @@ impl Lane {
     }
 
     async fn facts(&self, user: &str) -> ApiResult<(tidemark_store::Privacy, Vec<String>)> {
-        let privacy = self.store.privacy(user).await?;
-        let audience = self.store.presence_audience(user, self.config.audience_max).await?;
-        Ok((privacy, audience))
+        // One statement: a storm of connects reads each user's facts once.
+        Ok(self.store.presence_facts(user, self.config.audience_max).await?)
     }
 
     /// Who sees `user`'s presence now (read at every announcement, which

@@ -460,3 +460,55 @@ async fn a_sync_page_costs_the_same_statements_for_one_message_or_forty() {
     );
     ts.stop().await;
 }
+
+/// Issue 19's bound on a resume: a device that reconnects 100 events behind
+/// (the WebSocket with its token, two pages of 50, each ACKed, as in
+/// `tidemark bench reconnect`) costs at most 16 SQL statements when nothing
+/// else writes: 3 reads (the presence facts and one per page; no sync facts,
+/// no dirty markers for a user in no shared group) and 5 writes (the
+/// connection epoch, which reads the ACK and the head in the same statement,
+/// and per ACK the cursor read and update, none in a savepoint), a
+/// `BEGIN`/`COMMIT` around each of the 3 writing requests (in a storm those
+/// pairs are shared by a whole group commit), and 2 more in the window (the
+/// replaced connection's close, the counter's own scrape). About 25 before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_of_a_hundred_events_costs_at_most_sixteen_statements() {
+    // 300 sends in a burst: the per-device send limit is not under test.
+    let limits = tidemark_server::limits::LimitsConfig::off();
+    let ts = TestServer::start_with(tidemark_server::ServerConfig { limits, ..Default::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let mut ben = ts.device("ben", "phone").await;
+    ben.sync_batch(100).await;
+    let mut least = f64::MAX;
+    for round in 0..3 {
+        for i in 0..100 {
+            ann.ws.send(&send_req(&conv, &format!("r{round}-{i}"))).await.unwrap();
+        }
+        let before = statements_when_idle(&ts).await;
+        let (ws, events) = tidemark_client::WsConn::connect(&ts.ws_url(), &ben.token).await.unwrap();
+        (ben.ws, ben.events) = (ws, events);
+        let first = ben.sync_page(50).await.unwrap();
+        assert!(first.has_more, "two pages of 50");
+        ben.ws.ack(&first.batch_token, first.events.last().unwrap().sync_seq).await.unwrap();
+        let req = SyncReq {
+            batch_token: Some(first.batch_token.clone()),
+            cursor: first.next_cursor.clone(),
+            limit: Some(50),
+            ..Default::default()
+        };
+        let second = ben.ws.sync(&req).await.unwrap();
+        assert!(!second.has_more && second.dirty.is_empty());
+        assert_eq!(first.events.len() + second.events.len(), 100);
+        ben.ws.ack(&first.batch_token, second.batch_high_watermark).await.unwrap();
+        for e in first.events.into_iter().chain(second.events) {
+            ben.apply(e);
+        }
+        let after = statements_when_idle(&ts).await;
+        least = least.min(after - before);
+    }
+    assert!(least <= 16.0, "a resume cost {least} SQL statements");
+    ts.stop().await;
+}

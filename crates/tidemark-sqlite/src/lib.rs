@@ -953,7 +953,10 @@ impl Store for SqliteStore {
         now_ms: i64,
     ) -> StoreResult<AckResult> {
         let (user, device, session) = (user.to_owned(), device.to_owned(), token_session.map(str::to_owned));
-        self.writer.write(move |c| lifecycle::ack(c, &user, &device, generation, session.as_deref(), seq, now_ms)).await
+        // Its reads and decision come before its first change: no savepoint.
+        self.writer
+            .write_unguarded(move |c| lifecycle::ack(c, &user, &device, generation, session.as_deref(), seq, now_ms))
+            .await
     }
 
     async fn begin_recovery(
@@ -1003,21 +1006,30 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| read::active_members(c, &conv)).await
     }
 
-    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64> {
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<OpenedConnection> {
         let (user, device) = (user.to_owned(), device.to_owned());
+        // One statement, without a savepoint: nothing to undo if it fails.
         self.writer
-            .write(move |c| {
-                let epoch: Option<i64> = c
-                    .query_row(
+            .write_unguarded(move |c| {
+                let row: Option<(i64, i64, Option<i64>)> = c
+                    .prepare_cached(
                         "UPDATE devices SET connection_epoch = connection_epoch + 1
-                         WHERE user_id = ?1 AND device_id = ?2 RETURNING connection_epoch",
-                        params![user, device],
-                        |r| r.get(0),
+                         WHERE user_id = ?1 AND device_id = ?2
+                         RETURNING connection_epoch, acked_sync_seq,
+                                   (SELECT high_watermark FROM user_heads WHERE user_id = ?1)",
                     )
+                    .map_err(internal)?
+                    .query_row(params![user, device], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
                     .optional()
                     .map_err(internal)?;
-                let epoch = epoch.ok_or_else(|| StoreError::NotFound(format!("device {device}")))?;
-                u64::try_from(epoch).map_err(|_| StoreError::Internal(format!("negative connection epoch {epoch}")))
+                let (epoch, acked, head) = row.ok_or_else(|| StoreError::NotFound(format!("device {device}")))?;
+                let connection_epoch = u64::try_from(epoch)
+                    .map_err(|_| StoreError::Internal(format!("negative connection epoch {epoch}")))?;
+                Ok(OpenedConnection {
+                    connection_epoch,
+                    acked_sync_seq: acked.max(0) as u64,
+                    high_watermark: head.unwrap_or(0).max(0) as u64,
+                })
             })
             .await
     }
@@ -1078,6 +1090,11 @@ impl Store for SqliteStore {
     async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {
         let user = user.to_owned();
         self.readers.read_store(move |c| receipts::presence_audience(c, &user, limit)).await
+    }
+
+    async fn presence_facts(&self, user: &str, limit: u32) -> StoreResult<(Privacy, Vec<String>)> {
+        let user = user.to_owned();
+        self.readers.read_store(move |c| receipts::presence_facts(c, &user, limit)).await
     }
 
     async fn conv_receipts(&self, user: &str, conv: &str, at: Option<u64>) -> StoreResult<Receipts> {

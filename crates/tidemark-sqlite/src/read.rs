@@ -96,18 +96,23 @@ impl ReadPool {
 }
 
 /// The columns of a sync page's facts, read by [`facts_at`].
+/// The last column says whether the user has a shared group (G2), off the
+/// partial index `user_convs_shared`: the batch's last page reads the dirty
+/// markers only then.
 const FACTS_COLS: &str = "d.sync_generation, d.acked_sync_seq, d.state, h.high_watermark, h.trimmed_upto,
-     s.session_id, s.resume_from, s.high_watermark, s.expires_at";
+     s.session_id, s.resume_from, s.high_watermark, s.expires_at,
+     EXISTS (SELECT 1 FROM user_convs g WHERE g.user_id = d.user_id AND g.shared = 1)";
 /// Columns of [`FACTS_COLS`].
-const FACTS_WIDTH: usize = 9;
+const FACTS_WIDTH: usize = 10;
 /// The device, its user's head and its open recovery session (at most one:
 /// `recovery_one_active`), all by primary or unique key.
 const FACTS_FROM: &str = "devices d
      LEFT JOIN user_heads h ON h.user_id = d.user_id
      LEFT JOIN recovery_sessions s ON s.user_id = d.user_id AND s.device_id = d.device_id AND s.state = 'ACTIVE'";
 
-/// The facts as read, before the device state is checked.
-type FactsRow = (i64, i64, String, UserLog, Option<RecoveryInfo>);
+/// The facts as read, before the device state is checked, and whether the
+/// user has a shared group.
+type FactsRow = (i64, i64, String, UserLog, Option<RecoveryInfo>, bool);
 
 fn facts_at(r: &rusqlite::Row) -> rusqlite::Result<FactsRow> {
     let session = match r.get::<_, Option<String>>(5)? {
@@ -123,18 +128,23 @@ fn facts_at(r: &rusqlite::Row) -> rusqlite::Result<FactsRow> {
         high_watermark: r.get::<_, Option<i64>>(3)?.unwrap_or(0) as u64,
         trimmed_upto: r.get::<_, Option<i64>>(4)?.unwrap_or(0) as u64,
     };
-    Ok((r.get(0)?, r.get(1)?, r.get(2)?, log, session))
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, log, session, r.get(9)?))
 }
 
-fn to_facts((generation, acked, state, log, session): FactsRow) -> StoreResult<SyncFacts> {
+fn to_facts((generation, acked, state, log, session, shared): FactsRow) -> StoreResult<(SyncFacts, bool)> {
     let state = DeviceState::parse(&state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
     let device = DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state };
-    Ok(SyncFacts { device, log, session })
+    Ok((SyncFacts { device, log, session }, shared))
 }
 
 /// The facts a sync page is decided from, in one statement: the device's
 /// cursor, the user's log bounds, the device's open recovery session.
 pub(crate) fn sync_facts(c: &Connection, user: &str, device: &str) -> StoreResult<Option<SyncFacts>> {
+    Ok(facts_and_shared(c, user, device)?.map(|(facts, _)| facts))
+}
+
+/// [`sync_facts`] and whether the user has a shared group, in one statement.
+fn facts_and_shared(c: &Connection, user: &str, device: &str) -> StoreResult<Option<(SyncFacts, bool)>> {
     let sql = format!("SELECT {FACTS_COLS} FROM {FACTS_FROM} WHERE d.user_id = ?1 AND d.device_id = ?2");
     let row = c
         .prepare_cached(&sql)
@@ -184,7 +194,7 @@ pub(crate) fn sync_page(
         facts.get_or_insert(f);
         events.extend(e);
     }
-    let Some(facts) = facts.map(to_facts).transpose()? else {
+    let Some((facts, shared_groups)) = facts.map(to_facts).transpose()? else {
         return Ok(None);
     };
     let decision = decide_page(&facts, query);
@@ -193,10 +203,10 @@ pub(crate) fn sync_page(
         PageQuery::First { .. } => (facts.device.acked_sync_seq, facts.log.high_watermark),
     };
     match decision.range(&facts) {
-        None => Ok(Some(SyncRead { facts, decision, events: Vec::new() })),
+        None => Ok(Some(SyncRead { facts, decision, events: Vec::new(), shared_groups })),
         Some(range) if range == read && !events.iter().any(has_reactions) => {
             let events = render_events(c, events, range.0, range.1)?;
-            Ok(Some(SyncRead { facts, decision, events }))
+            Ok(Some(SyncRead { facts, decision, events, shared_groups }))
         }
         Some(_) => sync_page_in_transaction(c, user, device, query, limit),
     }
@@ -231,7 +241,7 @@ fn sync_page_in_transaction(
 ) -> StoreResult<Option<SyncRead>> {
     c.prepare_cached("BEGIN").map_err(internal)?.execute([]).map_err(internal)?;
     let result = (|| {
-        let Some(facts) = sync_facts(c, user, device)? else {
+        let Some((facts, shared_groups)) = facts_and_shared(c, user, device)? else {
             return Ok(None);
         };
         let decision = decide_page(&facts, query);
@@ -239,7 +249,7 @@ fn sync_page_in_transaction(
             Some((after, upto)) => user_events(c, user, after, upto, limit)?,
             None => Vec::new(),
         };
-        Ok(Some(SyncRead { facts, decision, events }))
+        Ok(Some(SyncRead { facts, decision, events, shared_groups }))
     })();
     // Read-only: nothing to keep; end the snapshot either way.
     c.prepare_cached("COMMIT").map_err(internal)?.execute([]).map_err(internal)?;

@@ -60,11 +60,48 @@ pub(crate) fn presence_audience(c: &Connection, user: &str, limit: u32) -> R<Vec
             "SELECT DISTINCT o.user_id FROM membership_periods m
              JOIN membership_periods o ON o.conv_id = m.conv_id AND o.leave_seq IS NULL AND o.user_id <> ?1
              WHERE m.user_id = ?1 AND m.leave_seq IS NULL
-             ORDER BY o.user_id LIMIT ?2",
+             ORDER BY o.user_id LIMIT ?2 + 0",
         )
         .map_err(internal)?;
     let rows = stmt.query_map(params![user, limit], |r| r.get(0)).map_err(internal)?;
     rows.collect::<Result<_, _>>().map_err(internal)
+}
+
+/// [`privacy`] and [`presence_audience`] in one statement (one snapshot):
+/// a tagged row of switches (NULLs when never set), then the audience.
+pub(crate) fn presence_facts(c: &Connection, user: &str, limit: u32) -> R<(Privacy, Vec<String>)> {
+    let mut stmt = c
+        .prepare_cached(
+            "SELECT 0, p.hide_presence, p.private_receipts, NULL
+             FROM (SELECT 1) LEFT JOIN user_privacy p ON p.user_id = ?1
+             UNION ALL
+             SELECT 1, NULL, NULL, a.user_id FROM (
+                 SELECT DISTINCT o.user_id FROM membership_periods m
+                 JOIN membership_periods o ON o.conv_id = m.conv_id AND o.leave_seq IS NULL AND o.user_id <> ?1
+                 WHERE m.user_id = ?1 AND m.leave_seq IS NULL
+                 ORDER BY o.user_id LIMIT ?2 + 0) a",
+        )
+        .map_err(internal)?;
+    let rows = stmt
+        .query_map(params![user, limit], |r| {
+            Ok((r.get::<_, i64>(0)?, r.get::<_, Option<bool>>(1)?, r.get::<_, Option<bool>>(2)?, r.get(3)?))
+        })
+        .map_err(internal)?;
+    let mut privacy = Privacy::default();
+    let mut audience = Vec::new();
+    for row in rows {
+        match row.map_err(internal)? {
+            (0, hide, private, _) => {
+                privacy = Privacy { hide_presence: hide.unwrap_or(false), private_receipts: private.unwrap_or(false) }
+            }
+            (_, _, _, Some(u)) => audience.push(u),
+            (_, _, _, None) => return Err(StoreError::Internal("an audience row without a user".into())),
+        }
+    }
+    // Sorted as `presence_audience` answers, whatever order the compound
+    // statement's arms come out in.
+    audience.sort_unstable();
+    Ok((privacy, audience))
 }
 
 fn conversation_kind(c: &Connection, conv: &str) -> R<Option<String>> {

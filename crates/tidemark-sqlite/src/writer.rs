@@ -4,7 +4,12 @@
 //!
 //! Each request runs inside its own SAVEPOINT, so a request that fails (for
 //! example a send to a conversation the sender left) rolls back alone and
-//! the rest of the batch commits. Replies are sent only after COMMIT
+//! the rest of the batch commits. Requests on the resume path whose
+//! failures come before their first change ([`Writer::write_unguarded`]:
+//! opening a connection, an ACK) skip the savepoint's two statements; if
+//! one fails after changing a row anyway, the whole batch is rolled back
+//! and every request of it answered `UNAVAILABLE` (a retry is safe), so a
+//! partial request never commits. Replies are sent only after COMMIT
 //! returned: a caller never hears "ok" for something that is not durable.
 //!
 //! A transaction that cannot begin or commit (a full disk, an I/O error)
@@ -61,8 +66,10 @@ fn abort_on_writer_panic() {
 
 /// Completes one request once the batch's commit outcome is known.
 type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
-/// One write request: runs inside the open transaction.
-type Job = Box<dyn FnOnce(&Connection) -> Completer + Send>;
+/// One write request: runs inside the open transaction; `true` beside
+/// the completer means it failed after changing rows it cannot undo
+/// alone, and the batch must be rolled back.
+type Job = Box<dyn FnOnce(&Connection) -> (Completer, bool) + Send>;
 
 #[derive(Debug, Default)]
 pub struct WriterStats {
@@ -114,15 +121,44 @@ impl Writer {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
+        self.submit(move |conn| (in_savepoint(conn, f), false)).await
+    }
+
+    /// [`Writer::write`] without the request's SAVEPOINT (two statements
+    /// fewer), for requests that fail, if at all, before their first
+    /// change: they read, decide, then write. Should one fail after a
+    /// change nonetheless (an I/O error between two statements), nothing
+    /// of its batch commits: the batch is rolled back and every request of
+    /// it answered `UNAVAILABLE`, as when a COMMIT fails.
+    pub async fn write_unguarded<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        self.submit(move |conn| {
+            let before = conn.total_changes();
+            let result = f(conn);
+            let poisoned = result.is_err() && conn.total_changes() != before;
+            (result, poisoned)
+        })
+        .await
+    }
+
+    async fn submit<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> (StoreResult<T>, bool) + Send + 'static,
+    {
         let (tx, rx) = oneshot::channel::<StoreResult<T>>();
         let job: Job = Box::new(move |conn: &Connection| {
-            let result = in_savepoint(conn, f);
-            Box::new(move |commit_error: Option<StoreError>| {
+            let (result, poisoned) = f(conn);
+            let complete: Completer = Box::new(move |commit_error: Option<StoreError>| {
                 let _ = tx.send(match commit_error {
                     Some(e) => Err(e),
                     None => result,
                 });
-            })
+            });
+            (complete, poisoned)
         });
         self.jobs.send(job).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
         rx.await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?
@@ -196,13 +232,29 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats, failu
             std::thread::sleep(std::time::Duration::from_millis(50));
             continue;
         }
-        let completers: Vec<Completer> = batch.drain(..).map(|job| job(&conn)).collect();
-        let commit_error = match conn.execute_batch("COMMIT") {
-            Ok(()) => None,
-            Err(e) => {
-                let _ = conn.execute_batch("ROLLBACK");
-                tracing::error!(error = %e, "store commit failed; batch rolled back");
-                Some(StoreError::Unavailable(format!("commit: {e}")))
+        let mut poisoned = false;
+        let completers: Vec<Completer> = batch
+            .drain(..)
+            .map(|job| {
+                let (complete, p) = job(&conn);
+                poisoned |= p;
+                complete
+            })
+            .collect();
+        let commit_error = if poisoned {
+            // An unguarded request failed after a change: none of the batch
+            // commits (see `Writer::write_unguarded`).
+            let _ = conn.execute_batch("ROLLBACK");
+            tracing::error!("a request failed after writing without a savepoint; batch rolled back");
+            Some(StoreError::Unavailable("a request of the batch failed after writing; retry".into()))
+        } else {
+            match conn.execute_batch("COMMIT") {
+                Ok(()) => None,
+                Err(e) => {
+                    let _ = conn.execute_batch("ROLLBACK");
+                    tracing::error!(error = %e, "store commit failed; batch rolled back");
+                    Some(StoreError::Unavailable(format!("commit: {e}")))
+                }
             }
         };
         failure.set(commit_error.as_ref().map(|e| e.to_string()));
@@ -237,6 +289,66 @@ mod tests {
     const CHILD_ENV: &str = "TIDEMARK_TEST_WRITER_PANIC_CHILD";
     /// SIGABRT on Linux and the BSDs, what `std::process::abort` raises.
     const SIGABRT: i32 = 6;
+
+    /// An unguarded request (no savepoint) that fails before any change
+    /// leaves its batch to commit; one that fails after a change takes the
+    /// whole batch down with it, so no partial request ever commits.
+    #[test]
+    fn an_unguarded_request_failing_after_a_change_rolls_its_batch_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("db");
+        let setup = Connection::open(&path).unwrap();
+        setup.execute_batch("CREATE TABLE t (k TEXT PRIMARY KEY)").unwrap();
+        drop(setup);
+        let (writer, _thread) = Writer::start(Connection::open(&path).unwrap());
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        fn insert(k: &'static str) -> impl FnOnce(&Connection) -> StoreResult<()> + Send + 'static {
+            move |c: &Connection| c.execute("INSERT INTO t (k) VALUES (?1)", [k]).map(|_| ()).map_err(crate::internal)
+        }
+        // A job that holds the writer until the others are queued behind
+        // it, so those land in one batch.
+        let gate = || {
+            let (open, wait) = std::sync::mpsc::channel::<()>();
+            let hold = writer.write(move |_| -> StoreResult<()> {
+                let _ = wait.recv();
+                Ok(())
+            });
+            (hold, async move { open.send(()).unwrap() })
+        };
+        let (hold, release) = gate();
+        let (_, kept, refused, other, ()) = rt.block_on(async {
+            tokio::join!(
+                hold,
+                writer.write(insert("a")),
+                writer
+                    .write_unguarded(|_| -> StoreResult<()> { Err(StoreError::NotFound("before any change".into())) }),
+                writer.write_unguarded(insert("b")),
+                release,
+            )
+        });
+        assert!(kept.is_ok() && other.is_ok(), "{kept:?} {other:?}");
+        assert!(matches!(refused, Err(StoreError::NotFound(_))));
+        let (hold, release) = gate();
+        let (_, guarded, poisoned, ()) = rt.block_on(async {
+            tokio::join!(
+                hold,
+                writer.write(insert("c")),
+                writer.write_unguarded(|c: &Connection| -> StoreResult<()> {
+                    insert("d")(c)?;
+                    Err(StoreError::Internal("after a change".into()))
+                }),
+                release,
+            )
+        });
+        assert!(matches!(guarded, Err(StoreError::Unavailable(_))), "the whole batch is refused: {guarded:?}");
+        assert!(matches!(poisoned, Err(StoreError::Unavailable(_))), "{poisoned:?}");
+        let check = Connection::open(&path).unwrap();
+        let mut stmt = check.prepare("SELECT k FROM t ORDER BY k").unwrap();
+        let keys: Vec<String> = stmt.query_map([], |r| r.get(0)).unwrap().map(Result::unwrap).collect();
+        assert_eq!(keys, vec!["a", "b"], "nothing of the poisoned batch committed");
+        // The writer goes on.
+        rt.block_on(writer.write_unguarded(insert("e"))).unwrap();
+    }
 
     /// A panic inside a write request must end the process, not just the
     /// writer thread (after which every write would answer `UNAVAILABLE`).

@@ -107,6 +107,16 @@ pub async fn large_group_rules(store: &dyn Store) {
     store.accept_send(send("a", "g", "m2")).await.unwrap(); // 2
     drain(store).await;
     let b_hw = store.user_high_watermark("b").await.unwrap();
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    let shared_groups = || async {
+        let first = tidemark_core::page::PageQuery::First {
+            client: tidemark_core::cursor::ClientPosition { generation: None, local_applied_sync_seq: Some(0) },
+            policy: tidemark_core::cursor::RecoveryPolicy { max_gap: 0 },
+            now_ms: T0,
+        };
+        store.sync_page("b", "phone", first, 1).await.unwrap().unwrap().shared_groups
+    };
+    assert!(!shared_groups().await, "G2: no shared group, no dirty markers to read at a batch's end");
     // The fourth member crosses the threshold: join at 3, switch at 4.
     assert_eq!(store.change_membership(ev("g", "a", "add-d"), "d", Add).await, Ok(3));
     assert_eq!(
@@ -121,6 +131,7 @@ pub async fn large_group_rules(store: &dyn Store) {
     let kinds: Vec<(&str, Option<u64>)> = b_events.iter().map(|e| (e.kind.as_str(), e.msg_seq)).collect();
     assert_eq!(kinds, vec![(EVENT_MEMBERSHIP, Some(3)), (EVENT_MODE, Some(4))], "the switch is in every member's log");
     let hw_after_switch = store.user_high_watermark("b").await.unwrap();
+    assert!(shared_groups().await, "G2: the page's snapshot finds the shared group");
 
     // Above the switch: nothing per member; one marker publication.
     for i in 0..5 {
@@ -1035,9 +1046,10 @@ pub async fn connection_epochs_are_per_device_and_durable(store: &dyn Store) {
     let fences = store.device_fences(&[pair("phone"), pair("desk"), pair("gone")]).await.unwrap();
     assert!(fences.iter().all(|f| f.connection_epoch == 0 && !f.revoked), "P2: no connection yet: {fences:?}");
     assert_eq!(fences.len(), 2, "an unknown device has no fences");
-    assert_eq!(store.open_connection("b", "phone").await.unwrap(), 1);
-    assert_eq!(store.open_connection("b", "desk").await.unwrap(), 1, "P2: epochs are per device");
-    assert_eq!(store.open_connection("b", "phone").await.unwrap(), 2);
+    let epoch = |d: &'static str| async move { store.open_connection("b", d).await.unwrap().connection_epoch };
+    assert_eq!(epoch("phone").await, 1);
+    assert_eq!(epoch("desk").await, 1, "P2: epochs are per device");
+    assert_eq!(epoch("phone").await, 2);
     assert!(matches!(store.open_connection("b", "gone").await, Err(StoreError::NotFound(_))));
     // A re-login keeps the epoch: it numbers connections, not logins.
     let phone = store.login_device("b", "phone", "Phone", T0 + 1).await.unwrap();
@@ -1050,6 +1062,16 @@ pub async fn connection_epochs_are_per_device_and_durable(store: &dyn Store) {
     let seen: Vec<(&str, u64, bool, u64)> =
         fences.iter().map(|f| (f.device.as_str(), f.connection_epoch, f.revoked, f.acked_sync_seq)).collect();
     assert_eq!(seen, vec![("desk", 1, true, 0), ("phone", 2, false, 7)], "P2/P5/D8: the fences as committed");
+    // Opening a connection reads the device's ACK and the user's head with
+    // the epoch it commits (what the hub registers it with).
+    users(store, &["c"]).await;
+    let (conv, _) = store.create_direct("b", "c", "c-open", T0).await.unwrap();
+    store.accept_send(send("c", &conv, "o1")).await.unwrap();
+    store.fan_out(store.pending_outbox(100).await.unwrap(), T0).await.unwrap();
+    let head = store.user_high_watermark("b").await.unwrap();
+    assert!(head > 0);
+    let opened = store.open_connection("b", "phone").await.unwrap();
+    assert_eq!(opened, OpenedConnection { connection_epoch: 3, acked_sync_seq: 7, high_watermark: head });
 }
 
 /// Issue 18: privacy switches are durable and written only on a change;
@@ -1073,6 +1095,14 @@ pub async fn privacy_audience_and_receipts(store: &dyn Store) {
     assert_eq!(audience("c").await, vec!["a", "d"]);
     assert_eq!(audience("e").await, Vec::<String>::new());
     assert_eq!(store.presence_audience("a", 2).await.unwrap(), vec!["b", "c"], "bounded by the limit");
+    // The connect path's one read: the same switches and audience.
+    store.set_privacy("c", Some(true), Some(true), T0).await.unwrap();
+    for (u, limit) in [("a", 100), ("a", 2), ("c", 100), ("e", 100), ("nobody", 100)] {
+        let facts = store.presence_facts(u, limit).await.unwrap();
+        let apart = (store.privacy(u).await.unwrap(), store.presence_audience(u, limit).await.unwrap());
+        assert_eq!(facts, apart, "presence_facts({u}, {limit})");
+    }
+    store.set_privacy("c", Some(false), Some(false), T0).await.unwrap();
 
     for i in 0..3 {
         store.accept_send(send("a", "g1", &format!("g{i}"))).await.unwrap();

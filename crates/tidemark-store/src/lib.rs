@@ -477,6 +477,24 @@ pub struct SyncRead {
     /// The events of `decision.range(&facts)` (empty when it names none),
     /// ascending, at most the `limit` asked for.
     pub events: Vec<StoredEvent>,
+    /// Whether the user had a conversation in shared mode (G2) in the same
+    /// snapshot: only then can the page that ends a batch have dirty
+    /// markers to read ([`Store::dirty_markers`]). A group that becomes
+    /// shared later does so in a transaction whose events reach the user's
+    /// log above this page's head, so a later batch sees the flag.
+    pub shared_groups: bool,
+}
+
+/// What opening a WebSocket connection committed and read
+/// ([`Store::open_connection`]), from one statement.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenedConnection {
+    /// The device's new connection epoch (P2).
+    pub connection_epoch: u64,
+    /// The device's committed ACK (D8: what the re-hint sweep measures).
+    pub acked_sync_seq: SyncSeq,
+    /// The user's committed log head.
+    pub high_watermark: SyncSeq,
 }
 
 /// The result of an ACK: the decision taken inside the backend's
@@ -1073,6 +1091,11 @@ pub trait Store: Send + Sync + 'static {
     /// the user's presence.
     async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>>;
 
+    /// [`Store::privacy`] and [`Store::presence_audience`] of one user in
+    /// one statement: what a connecting device's presence is announced
+    /// with.
+    async fn presence_facts(&self, user: &str, limit: u32) -> StoreResult<(Privacy, Vec<String>)>;
+
     /// The read positions (R2) of `conv`'s current members as `user` may
     /// see them (`tidemark_core::ephemeral::visible_receipts`, on the
     /// members, their `read_seq` and their privacy read in one statement);
@@ -1093,9 +1116,10 @@ pub trait Store: Send + Sync + 'static {
 
     /// A new WebSocket connection of the device (P2): its
     /// `connection_epoch`, one above the device's previous connection on
-    /// any node, committed before it returns. `NotFound` for a device that
-    /// never logged in.
-    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<u64>;
+    /// any node, committed before it returns, with the device's ACK and the
+    /// user's head read by the same statement (what the hub registers the
+    /// connection with). `NotFound` for a device that never logged in.
+    async fn open_connection(&self, user: &str, device: &str) -> StoreResult<OpenedConnection>;
 
     /// The durable fences of these devices (absent ones are left out), in
     /// one read: what a node checks its live connections against, and the

@@ -176,24 +176,21 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
             None => return,
         },
     };
-    // The device's ACK and its user's head, in one statement, for the
-    // re-hint sweep (D8).
-    let (acked, user_hw) = match state.store.sync_facts(&ctx.user, &ctx.device).await {
-        Ok(Some(f)) => (f.device.acked_sync_seq, f.log.high_watermark),
-        _ => (0, 0),
-    };
     // The device's next connection epoch, durable and shared by every node
     // (P2): committed before the connection is registered, so an older
-    // connection anywhere has a lower one.
-    let epoch = match state.store.open_connection(&ctx.user, &ctx.device).await {
-        Ok(epoch) => epoch,
+    // connection anywhere has a lower one. The same statement reads the
+    // device's ACK and its user's head for the re-hint sweep (D8).
+    let opened = match state.store.open_connection(&ctx.user, &ctx.device).await {
+        Ok(opened) => opened,
         Err(e) => {
             let _ = sink.send(Message::Text(error_text(ApiError::from(e), auth_rid.flatten()).into())).await;
             return;
         }
     };
+    let epoch = opened.connection_epoch;
     let issued_at_ms = state.token_issued_at_ms(ctx.expires_at_ms);
-    let entry = state.hub.register(&ctx.user, &ctx.device, epoch, issued_at_ms, acked, user_hw);
+    let entry =
+        state.hub.register(&ctx.user, &ctx.device, epoch, issued_at_ms, opened.acked_sync_seq, opened.high_watermark);
     // The other nodes end their older connections of this device.
     state.bus.publish_kick(&ctx.user, &ctx.device, reason::SUPERSEDED, epoch);
     tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket connected");

@@ -41,10 +41,14 @@ fn token_error(e: TokenError) -> ApiError {
 
 /// `sync`: one page; the page that ends a batch also carries the caller's
 /// dirty large-group markers (G2), read after the page, so a group that
-/// moved meanwhile shows as dirty rather than being missed.
+/// moved meanwhile shows as dirty rather than being missed. They are read
+/// only if the page's snapshot found the user in a shared group: one that
+/// turns shared (or that the user joins) later puts its switch (or the
+/// join) in the user's log above this batch, and the batch that brings it
+/// ends with the read.
 pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk<RawJson>> {
-    let mut page = page_of(state, ctx, req).await?;
-    if !page.has_more {
+    let (mut page, shared_groups) = page_of(state, ctx, req).await?;
+    if !page.has_more && shared_groups {
         page.dirty = state
             .store
             .dirty_markers(&ctx.user, &ctx.device)
@@ -60,7 +64,8 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Sy
     Ok(page)
 }
 
-async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<SyncOk<RawJson>> {
+/// A page, and whether its snapshot found the user in a shared group.
+async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<(SyncOk<RawJson>, bool)> {
     let limit = req.limit.unwrap_or(SYNC_LIMIT_DEFAULT);
     if limit == 0 || limit > SYNC_LIMIT_MAX {
         return Err(ApiError::bad_request(format!("limit must be 1..={SYNC_LIMIT_MAX}")));
@@ -78,7 +83,8 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
         // The cursor, the log bounds, the recovery session, the resume
         // decision and the page it starts with: one read snapshot.
         let read = read_page(state, ctx, PageQuery::First { client, policy, now_ms: now }, limit).await?;
-        let SyncRead { facts, decision, events } = read;
+        let SyncRead { facts, decision, events, shared_groups } = read;
+        let with_flag = |page: SyncOk<RawJson>| (page, shared_groups);
         let PageDecision::First(resume) = decision else {
             return Err(ApiError::new(ErrorCode::Internal, "a first page got a next page's decision"));
         };
@@ -87,7 +93,7 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
         let (expected, new, start) = match resume {
             Resume::Replay { generation, from } => {
                 let batch = Batch { generation, resume_from: from, high_watermark: user_hw, recovery: None };
-                return first_page(state, ctx, batch, current.acked_sync_seq, events, limit, now);
+                return first_page(state, ctx, batch, current.acked_sync_seq, events, limit, now).map(with_flag);
             }
             Resume::ContinueRecovery { generation } => {
                 let s = facts.session.expect("a recovering device has its session");
@@ -97,7 +103,7 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
                     high_watermark: s.high_watermark,
                     recovery: Some(s.session_id),
                 };
-                return first_page(state, ctx, batch, current.acked_sync_seq, events, limit, now);
+                return first_page(state, ctx, batch, current.acked_sync_seq, events, limit, now).map(with_flag);
             }
             Resume::Recover { from, .. } => {
                 let info = RecoveryInfo {
@@ -122,7 +128,7 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
                     high_watermark: user_hw,
                     recovery: Some(info.session_id),
                 };
-                return first_page(state, ctx, batch, cursor.acked_sync_seq, events, limit, now);
+                return first_page(state, ctx, batch, cursor.acked_sync_seq, events, limit, now).map(with_flag);
             }
             Resume::Activate { generation } | Resume::Rebuild { generation } => {
                 (current, DeviceCursor { generation, acked_sync_seq: 0, state: DeviceState::Active }, true)
@@ -142,7 +148,7 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<Syn
             // Only reached while the user's log is retained from its start;
             // the page `(0, user_hw]` was read with the cursor the CAS expected.
             let batch = Batch { generation: new.generation, resume_from: 0, high_watermark: user_hw, recovery: None };
-            return first_page(state, ctx, batch, 0, events, limit, now);
+            return first_page(state, ctx, batch, 0, events, limit, now).map(with_flag);
         }
         m::GENERATION_BUMPS.inc();
         tracing::info!(stage = "device_sync", device_hash = %state.log_id(&ctx.device), generation = new.generation,
@@ -205,7 +211,7 @@ async fn next_page(
     cursor: Option<String>,
     limit: u32,
     now: i64,
-) -> ApiResult<SyncOk<RawJson>> {
+) -> ApiResult<(SyncOk<RawJson>, bool)> {
     let claims = state.keys.verify_batch(&token, &ctx.user, &ctx.device, now).map_err(token_error)?;
     let position = match cursor {
         Some(c) => state.keys.verify_cursor(&c, &token, &claims).map_err(token_error)?,
@@ -218,10 +224,12 @@ async fn next_page(
         recovery_session: claims.recovery_session.clone(),
         now_ms: now,
     };
-    let SyncRead { facts, decision, events } = read_page(state, ctx, query, limit).await?;
+    let SyncRead { facts, decision, events, shared_groups } = read_page(state, ctx, query, limit).await?;
     let cursor = facts.device;
     match decision {
-        PageDecision::Next(NextPage::Serve { .. }) => page(state, token, &claims, cursor.acked_sync_seq, events, limit),
+        PageDecision::Next(NextPage::Serve { .. }) => {
+            page(state, token, &claims, cursor.acked_sync_seq, events, limit).map(|p| (p, shared_groups))
+        }
         PageDecision::Next(NextPage::Revoked) => Err(ApiError::device_revoked()),
         PageDecision::Next(NextPage::StaleGeneration { current }) => {
             m::GENERATION_CONFLICTS.add_by("op", "page", 1);
