@@ -21,6 +21,7 @@ pub mod large;
 pub mod membership;
 pub mod page;
 pub mod projection;
+pub mod push;
 pub mod refresh;
 pub mod retention;
 pub mod session;
