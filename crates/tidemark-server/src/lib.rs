@@ -35,6 +35,7 @@ pub mod limits;
 pub mod listener;
 pub mod metrics;
 pub mod ops;
+pub mod push;
 pub mod relay;
 pub mod server;
 pub mod sessions;

@@ -102,6 +102,18 @@ pub const EPHEMERAL_BUS_RECEIVED: &str = "tidemark_ephemeral_bus_received_total"
 pub const EPHEMERAL_KINDS: &[&str] = &["typing", "presence"];
 /// Values of the `reason` label of [`EPHEMERAL_DROPPED`].
 pub const EPHEMERAL_DROP_REASONS: &[&str] = &["slots_full", "expired", "bus_queue_full", "typing_held_full"];
+/// Offline push (P4). "Accepted" is the provider's word: it took the
+/// notification; nothing here says a device received it.
+pub const PUSH_OWED: &str = "tidemark_push_notifications_owed_total";
+pub const PUSH_ATTEMPTS: &str = "tidemark_push_attempts_total";
+pub const PUSH_RESULTS: &str = "tidemark_push_results_total";
+pub const PUSH_COALESCED: &str = "tidemark_push_coalesced_events_total";
+pub const PUSH_EXPIRED: &str = "tidemark_push_expired_events_total";
+pub const PUSH_GIVEN_UP: &str = "tidemark_push_given_up_total";
+pub const PUSH_TARGETS_REMOVED: &str = "tidemark_push_targets_removed_total";
+pub const PUSH_LATENCY: &str = "tidemark_push_accept_latency_seconds";
+/// Values of the `result` label of [`PUSH_RESULTS`] (`tidemark_push::Outcome::label`).
+pub const PUSH_RESULT_LABELS: &[&str] = &["accepted", "token_rejected", "throttled", "failed_retryable", "failed"];
 /// Write requests carried by the store's committed transactions, read from
 /// the store's own counters at scrape time.
 pub const STORE_WRITE_REQUESTS: &str = "tidemark_store_write_requests_total";
@@ -210,6 +222,22 @@ pub const FAMILIES: &[Family] = &[
     ),
     family(store::CONFLICT_RETRIES, Kind::Counter, "PostgreSQL write requests re-run after a serialization conflict."),
     family(store::CONFLICT_GIVE_UPS, Kind::Counter, "PostgreSQL write requests given up after repeated conflicts."),
+    family(PUSH_OWED, Kind::Counter, "Offline push notifications due (one per coalesced range of a device)."),
+    family(PUSH_ATTEMPTS, Kind::Counter, "Requests made to push providers."),
+    family(
+        PUSH_RESULTS,
+        Kind::CounterBy("result", || PUSH_RESULT_LABELS.to_vec()),
+        "Push provider answers, by result (accepted means the provider took it, not that a device has it).",
+    ),
+    family(PUSH_COALESCED, Kind::Counter, "Events folded into a push notification beside its first."),
+    family(PUSH_EXPIRED, Kind::Counter, "Events not pushed because they were older than the push expiry."),
+    family(PUSH_GIVEN_UP, Kind::Counter, "Push notifications given up (refused, retries exhausted, or unsendable)."),
+    family(PUSH_TARGETS_REMOVED, Kind::Counter, "Push targets removed because their provider rejected the token."),
+    family(
+        PUSH_LATENCY,
+        Kind::Histogram,
+        "Time from the fan-out commit of a push's first event to the provider's accept, in seconds.",
+    ),
 ];
 
 fn register_all() {

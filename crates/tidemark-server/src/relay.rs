@@ -91,6 +91,9 @@ async fn drain(state: &AppState, shutdown: &watch::Receiver<bool>) -> Result<Dra
         for (user, hw) in &report.users {
             state.hint_user(user, *hw);
         }
+        if !report.users.is_empty() {
+            state.push_wake.notify_one();
+        }
         metrics::counter!(crate::metrics::MARKERS_PUBLISHED).increment(report.convs.len() as u64);
         for moved in &report.convs {
             state.hint_conv(moved).await;
