@@ -135,7 +135,9 @@ enum Command {
         #[command(flatten)]
         limits: LimitArgs,
         #[command(flatten)]
-        timeouts: TimeoutArgs,
+        timeouts: Box<TimeoutArgs>,
+        #[command(flatten)]
+        push: Box<PushArgs>,
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
@@ -175,6 +177,95 @@ enum Command {
     Demo,
     /// Chat interactively as one device of a user (the SDK with its local store).
     Chat(chat::ChatArgs),
+}
+
+/// Offline push (P4): the providers devices may register with. Secrets
+/// come from files, never from the command line.
+#[derive(clap::Args)]
+struct PushArgs {
+    /// The operator's webhook receiver (platform `webhook`); needs
+    /// --push-webhook-secret-file.
+    #[arg(long, requires = "push_webhook_secret_file")]
+    push_webhook_url: Option<String>,
+    /// The HMAC key of the webhook's signatures: the file's first line.
+    #[arg(long, requires = "push_webhook_url")]
+    push_webhook_secret_file: Option<PathBuf>,
+    /// Web Push (platform `webpush`): the VAPID private key, base64url of
+    /// the 32-byte P-256 scalar, first line of the file.
+    #[arg(long, requires = "push_vapid_subject")]
+    push_vapid_key_file: Option<PathBuf>,
+    /// The VAPID `sub` claim, e.g. mailto:ops@example.org.
+    #[arg(long, requires = "push_vapid_key_file")]
+    push_vapid_subject: Option<String>,
+    /// A Matrix push gateway such as Sygnal (platform `gateway`), its base URL.
+    #[arg(long)]
+    push_gateway_url: Option<String>,
+    /// The key push tokens are sealed with at rest (AES-256-GCM): 32 bytes
+    /// or 64 hex digits. Without it the key is derived from the server
+    /// secret, which lives in the same database.
+    #[arg(long)]
+    push_token_key_file: Option<PathBuf>,
+    /// Events of one device within this many milliseconds of the first are
+    /// coalesced into one notification.
+    #[arg(long, default_value_t = tidemark_core::push::PUSH_WINDOW_MS_DEFAULT as u64, value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    push_window_ms: u64,
+    /// Events older than this many seconds are not pushed.
+    #[arg(long, default_value_t = (tidemark_core::push::PUSH_EXPIRY_MS_DEFAULT / 1000) as u64, value_parser = clap::value_parser!(u64).range(1..))]
+    push_expiry_secs: u64,
+    /// How often the push worker looks for due pushes, milliseconds.
+    #[arg(long, default_value_t = millis(tidemark_server::push::PUSH_POLL_DEFAULT), value_parser = clap::value_parser!(u64).range(10..))]
+    push_poll_ms: u64,
+    /// How long a node's claim on a device's pushes lasts, milliseconds: a
+    /// node that dies holding one frees it after this.
+    #[arg(long, default_value_t = millis(tidemark_server::push::PUSH_LEASE_DEFAULT), value_parser = clap::value_parser!(u64).range(100..))]
+    push_lease_ms: u64,
+}
+
+fn first_line(path: &std::path::Path) -> Result<String> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    let line = text.lines().next().unwrap_or("").trim().to_owned();
+    if line.is_empty() {
+        bail!("{} is empty", path.display());
+    }
+    Ok(line)
+}
+
+impl PushArgs {
+    fn config(&self) -> Result<tidemark_server::push::PushConfig> {
+        use std::sync::Arc;
+        let mut providers: Vec<Arc<dyn tidemark_push::Provider>> = Vec::new();
+        if let (Some(url), Some(file)) = (&self.push_webhook_url, &self.push_webhook_secret_file) {
+            providers.push(Arc::new(tidemark_push::webhook::Webhook::new(url.clone(), first_line(file)?.into_bytes())));
+        }
+        if let (Some(file), Some(subject)) = (&self.push_vapid_key_file, &self.push_vapid_subject) {
+            let key = tidemark_push::webpush::VapidKey::from_base64url(&first_line(file)?, subject.clone())
+                .with_context(|| format!("{} does not hold a VAPID private key", file.display()))?;
+            providers.push(Arc::new(tidemark_push::webpush::WebPush::new(key)));
+        }
+        if let Some(url) = &self.push_gateway_url {
+            providers.push(Arc::new(tidemark_push::gateway::Gateway::new(url)));
+        }
+        let token_key = match &self.push_token_key_file {
+            Some(file) => {
+                let bytes = std::fs::read(file).with_context(|| format!("read {}", file.display()))?;
+                Some(tidemark_push::seal::TokenSealer::key_from_file_bytes(&bytes).map_err(anyhow::Error::msg)?)
+            }
+            None => None,
+        };
+        let defaults = tidemark_server::push::PushConfig::default();
+        Ok(tidemark_server::push::PushConfig {
+            providers,
+            token_key,
+            policy: tidemark_core::push::PushPolicy {
+                window_ms: self.push_window_ms as i64,
+                expiry_ms: secs_to_ms(self.push_expiry_secs),
+                ..defaults.policy
+            },
+            poll: std::time::Duration::from_millis(self.push_poll_ms),
+            lease: std::time::Duration::from_millis(self.push_lease_ms),
+            ..defaults
+        })
+    }
 }
 
 /// Connection timeouts, so slow or silent clients cannot hold connections.
@@ -456,10 +547,12 @@ async fn main() -> Result<()> {
             audit_keep_days,
             limits,
             timeouts,
+            push,
             hold_fanout,
             log_format,
         } => {
             init_logs_as("info", log_format);
+            let push = push.config()?;
             let admin_token = admin_token(admin_token_file.as_deref())?;
             if nats.is_some() && store.database.is_none() {
                 bail!("--nats joins a cluster, which needs the shared PostgreSQL store (--database)");
@@ -492,6 +585,7 @@ async fn main() -> Result<()> {
                 group_policy: tidemark_core::large::GroupPolicy { large_members: large_group_members },
                 http_timeouts: timeouts.http(),
                 ws_auth_timeout: std::time::Duration::from_millis(timeouts.ws_auth_timeout_ms),
+                push,
                 ..defaults
             };
             let server = Server::start(&listen, store, config).await?;

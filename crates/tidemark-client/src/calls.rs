@@ -17,6 +17,7 @@
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
+use tidemark_proto::push::{PushListOk, PushRegisterOk, PushRegisterReq, PushRemoveOk, PushRemoveReq, PushTargetInfo};
 use tidemark_proto::{
     op, AccountPasswordOk, AccountPasswordReq, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq,
     ConvSettingsOk, ConvSettingsReq, DeliveryAckOk, DeliveryAckReq, DeviceInfo, DeviceListOk, DeviceRevokeOk,
@@ -242,5 +243,29 @@ impl Client {
         let req = AccountPasswordReq { old_password: old_password.to_owned(), new_password: new_password.to_owned() };
         let _: AccountPasswordOk = self.request(op::ACCOUNT_PASSWORD, &req).await?;
         Ok(())
+    }
+
+    /// Sets (or replaces) this device's offline push target (P4): the
+    /// provider platform (`tidemark_proto::push::platform`), the provider's
+    /// token or Web Push endpoint with its keys, and how much a
+    /// notification may say. The reply shows the token as a hash and its
+    /// last four characters only.
+    pub async fn register_push(&self, req: PushRegisterReq) -> Result<PushTargetInfo, SdkError> {
+        let ok: PushRegisterOk = self.request(op::PUSH_REGISTER, &req).await?;
+        Ok(ok.target)
+    }
+
+    /// The push targets of the user's devices, this one marked `current`.
+    pub async fn push_targets(&self) -> Result<Vec<PushTargetInfo>, SdkError> {
+        let ok: PushListOk = self.request(op::PUSH_LIST, &serde_json::json!({})).await?;
+        Ok(ok.targets)
+    }
+
+    /// Removes the push target of `device_id` (this device's if `None`);
+    /// false if it had none.
+    pub async fn remove_push(&self, device_id: Option<&str>) -> Result<bool, SdkError> {
+        let ok: PushRemoveOk =
+            self.request(op::PUSH_REMOVE, &PushRemoveReq { device_id: device_id.map(str::to_owned) }).await?;
+        Ok(ok.removed)
     }
 }

@@ -217,3 +217,44 @@ async fn edits_reactions_settings_deletes_and_receipts_through_the_sdk() {
         .unwrap();
     assert!(matches!(ben.react(&conv, &id, "👍", true).await, Err(SdkError::Offline)));
 }
+
+/// P4 through the SDK: register (and replace) this device's push target,
+/// list the user's targets with tokens shown only as hash and last four,
+/// remove one; a bad target is refused with `BAD_REQUEST`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn push_targets_are_registered_listed_and_removed_through_the_sdk() {
+    use tidemark_client::proto::push::{PreviewLevel, PushRegisterReq};
+    let webhook = tidemark_push::webhook::Webhook::new("http://127.0.0.1:9/hook", b"k".to_vec());
+    let push = tidemark_server::push::PushConfig {
+        providers: vec![std::sync::Arc::new(webhook)],
+        ..tidemark_server::push::PushConfig::default()
+    };
+    let h = Harness::start_with(ServerConfig { push, ..ServerConfig::default() }).await;
+    h.user("bob").await;
+    let phone = h.ready("bob", "phone").await;
+    let desk = h.ready("bob", "desk").await;
+    let req = |token: &str, preview| PushRegisterReq {
+        platform: "webhook".into(),
+        token: token.into(),
+        app_id: "chat".into(),
+        p256dh: None,
+        auth: None,
+        preview,
+    };
+    let shown = phone.register_push(req("phone-token-0001", PreviewLevel::Full)).await.unwrap();
+    assert_eq!((shown.device_id.as_str(), shown.token_last4.as_str(), shown.current), ("phone", "0001", true));
+    assert_eq!(shown.preview, PreviewLevel::Full);
+    let shown = phone.register_push(req("phone-token-0002", PreviewLevel::None)).await.unwrap();
+    assert_eq!((shown.token_last4.as_str(), shown.preview), ("0002", PreviewLevel::None), "replaced");
+    desk.register_push(req("desk-token-0003", PreviewLevel::Conversation)).await.unwrap();
+    let listed = desk.push_targets().await.unwrap();
+    let seen: Vec<(&str, &str, bool)> =
+        listed.iter().map(|t| (t.device_id.as_str(), t.token_last4.as_str(), t.current)).collect();
+    assert_eq!(seen, vec![("desk", "0003", true), ("phone", "0002", false)]);
+    assert!(!format!("{listed:?}").contains("phone-token"), "{listed:?}");
+    let bad = PushRegisterReq { platform: "webpush".into(), ..req("not-a-url", PreviewLevel::None) };
+    assert_eq!(refused(phone.register_push(bad).await), ErrorCode::BadRequest);
+    assert!(desk.remove_push(Some("phone")).await.unwrap());
+    assert!(!phone.remove_push(None).await.unwrap(), "already removed");
+    assert_eq!(desk.push_targets().await.unwrap().len(), 1);
+}

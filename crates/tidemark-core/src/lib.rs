@@ -21,6 +21,7 @@ pub mod large;
 pub mod membership;
 pub mod page;
 pub mod projection;
+pub mod push;
 pub mod reconcile;
 pub mod refresh;
 pub mod retention;

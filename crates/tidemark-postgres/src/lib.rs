@@ -89,6 +89,7 @@ mod db;
 mod events;
 mod fanout;
 mod lifecycle;
+mod push;
 mod read;
 mod receipts;
 mod reconcile;
@@ -498,6 +499,8 @@ impl Store for PgStore {
                         return Err(StoreError::NotFound(format!("device {device}")));
                     };
                     exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1 AND device_id = $2", &[&user, &device])
+                        .await?;
+                    exec(c, "DELETE FROM push_targets WHERE user_id = $1 AND device_id = $2", &[&user, &device])
                         .await?;
                     let Some(revoked) = tidemark_core::cursor::revoked(rec.cursor) else { return Ok(false) };
                     write_cursor(c, &user, &device, revoked, now_ms).await?;
@@ -1252,6 +1255,7 @@ impl Store for PgStore {
                     let Some(row) = row else { return Err(StoreError::NotFound("no such user".into())) };
                     let deactivated: Option<i64> = col(&row, 0)?;
                     exec(c, "DELETE FROM refresh_tokens WHERE user_id = $1", &[&user]).await?;
+                    exec(c, "DELETE FROM push_targets WHERE user_id = $1", &[&user]).await?;
                     if deactivated.is_some() {
                         return Ok(false);
                     }
@@ -1418,9 +1422,15 @@ impl Store for PgStore {
                         &[&user],
                     )
                     .await?;
-                    for table in
-                        ["snapshots", "recovery_sessions", "refresh_tokens", "deliveries", "user_deleted", "devices"]
-                    {
+                    for table in [
+                        "snapshots",
+                        "recovery_sessions",
+                        "refresh_tokens",
+                        "deliveries",
+                        "user_deleted",
+                        "devices",
+                        "push_targets",
+                    ] {
                         exec(c, &format!("DELETE FROM {table} WHERE user_id = $1"), &[&user]).await?;
                     }
                     // The head's row lock, held to COMMIT, orders this with
@@ -1446,6 +1456,48 @@ impl Store for PgStore {
 
     fn health(&self) -> tidemark_store::StoreHealth {
         self.all_writers().map(Writer::health).find(|h| h.write_failure.is_some()).unwrap_or_default()
+    }
+
+    async fn put_push_target(&self, target: PushTarget, now_ms: i64) -> StoreResult<bool> {
+        self.writer().write(move |c| Box::pin(async move { push::put_target(c, &target, now_ms).await })).await
+    }
+
+    async fn push_targets(&self, user: &str) -> StoreResult<Vec<PushTarget>> {
+        let user = user.to_owned();
+        self.readers.read(move |c| Box::pin(async move { push::targets(c, &user).await })).await
+    }
+
+    async fn remove_push_target(&self, user: &str, device: &str, token_hash: Option<&str>) -> StoreResult<bool> {
+        let (user, device, hash) = (user.to_owned(), device.to_owned(), token_hash.map(str::to_owned));
+        self.writer()
+            .write(move |c| Box::pin(async move { push::remove_target(c, &user, &device, hash.as_deref()).await }))
+            .await
+    }
+
+    async fn claim_pushes(
+        &self,
+        now_ms: i64,
+        lease_ms: i64,
+        limit: u32,
+        scan_max: u32,
+    ) -> StoreResult<Vec<OwedPushes>> {
+        self.writer()
+            .write(move |c| Box::pin(async move { push::claim(c, now_ms, lease_ms, limit, scan_max).await }))
+            .await
+    }
+
+    async fn finish_push(
+        &self,
+        user: &str,
+        device: &str,
+        claim: i64,
+        step: PushStep,
+        now_ms: i64,
+    ) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer()
+            .write(move |c| Box::pin(async move { push::finish(c, &user, &device, claim, step, now_ms).await }))
+            .await
     }
 }
 

@@ -67,7 +67,42 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 7, name: "session ends and deactivation", sql: SESSION_ENDS },
     Migration { version: 8, name: "audit log", sql: AUDIT_LOG },
     Migration { version: 9, name: "deleted users", sql: DELETED_USERS },
+    Migration { version: 10, name: "offline push targets", sql: PUSH_TARGETS },
 ];
+
+/// Step 10 (P4, issue 20): one offline push target per device, keyed like
+/// `devices` (a user table, distributed by `user_id`). The token is sealed
+/// by the server (AES-GCM) and found again by its hash; `pushed_through`
+/// is the `sync_seq` up to which the device's log is settled for push
+/// (only grows), so what a device owes is derived from the committed log,
+/// never queued. `next_at` holds a coalescing window or a backoff;
+/// `claim_seq`/`claim_until` are the lease of the node working on it,
+/// taken with `FOR UPDATE SKIP LOCKED` so two nodes never push one device
+/// at once. Deleted with the device's revocation and the user's
+/// deactivation or deletion.
+pub const PUSH_TARGETS: &str = r#"
+CREATE TABLE IF NOT EXISTS push_targets (
+    user_id         TEXT NOT NULL,
+    device_id       TEXT NOT NULL,
+    platform        TEXT NOT NULL,
+    token_sealed    BYTEA NOT NULL,
+    token_hash      TEXT NOT NULL,
+    token_last4     TEXT NOT NULL,
+    app_id          TEXT NOT NULL,
+    p256dh          TEXT,
+    auth            TEXT,
+    preview         TEXT NOT NULL CHECK (preview IN ('none','conversation','full')),
+    pushed_through  BIGINT NOT NULL,
+    next_at         BIGINT NOT NULL DEFAULT 0,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    claim_seq       BIGINT NOT NULL DEFAULT 0,
+    claim_until     BIGINT NOT NULL DEFAULT 0,
+    created_at      BIGINT NOT NULL,
+    updated_at      BIGINT NOT NULL,
+    PRIMARY KEY (user_id, device_id)
+);
+CREATE INDEX IF NOT EXISTS push_targets_due ON push_targets (next_at);
+"#;
 
 /// Step 3: each device's newest WebSocket connection (P2), moved by
 /// `Store::open_connection` on whichever node the device connects to; and

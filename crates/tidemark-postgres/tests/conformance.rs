@@ -835,3 +835,57 @@ async fn reconciliation_repairs_once_and_reports_the_rest() {
     )
     .await;
 }
+
+/// P4 in cluster mode: two nodes (two stores, each its own writers and
+/// transactions) claiming owed pushes at once never take one target twice,
+/// and between them take every due one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_never_claim_one_push_target() {
+    let Some(url) = pg_url("two_nodes_never_claim_one_push_target") else { return };
+    let schemas = Schemas::new(url);
+    let name = schemas.fresh_name();
+    let one = PgStore::open(schemas.config(&name)).await.unwrap();
+    let two = PgStore::open(schemas.config(&name)).await.unwrap();
+    for u in ["a", "b"] {
+        one.create_user(u, "x", 0).await.unwrap();
+    }
+    let devices: Vec<String> = (0..40).map(|i| format!("dev{i:02}")).collect();
+    for d in &devices {
+        one.login_device("b", d, "D", 0).await.unwrap();
+        let target = tidemark_store::PushTarget {
+            user: "b".into(),
+            device: d.clone(),
+            platform: "webhook".into(),
+            token_sealed: vec![1, 2, 3],
+            token_hash: format!("h-{d}"),
+            token_last4: "last".into(),
+            app_id: String::new(),
+            p256dh: None,
+            auth: None,
+            preview: "none".into(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        };
+        one.put_push_target(target, 0).await.unwrap();
+    }
+    let (conv, _) = one.create_direct("a", "b", "c1", 0).await.unwrap();
+    one.accept_send(send_cmd("a", &conv, "k1")).await.unwrap();
+    while !one.fan_out_next(100, 0).await.unwrap().items.is_empty() {}
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..8 {
+        let store = if i % 2 == 0 { one.clone() } else { two.clone() };
+        tasks.spawn(async move {
+            let mut got = Vec::new();
+            loop {
+                let claimed = store.claim_pushes(1_000, 60_000, 3, 10).await.unwrap();
+                if claimed.is_empty() {
+                    return got;
+                }
+                got.extend(claimed.into_iter().map(|o| o.target.device));
+            }
+        });
+    }
+    let mut got: Vec<String> = tasks.join_all().await.into_iter().flatten().collect();
+    got.sort();
+    assert_eq!(got, devices, "P4: every due target claimed exactly once across nodes");
+}

@@ -90,6 +90,10 @@ pub mod op {
     pub const DEVICE_LIST: &str = "device.list";
     /// Change the caller's password (P1).
     pub const ACCOUNT_PASSWORD: &str = "account.password";
+    /// Offline push targets of the caller's devices (P4, issue 20).
+    pub const PUSH_REGISTER: &str = "push.register";
+    pub const PUSH_LIST: &str = "push.list";
+    pub const PUSH_REMOVE: &str = "push.remove";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -122,6 +126,9 @@ pub mod op {
         PRIVACY_SET,
         CONV_RECEIPTS,
         DELIVERY_RECEIPTS,
+        PUSH_REGISTER,
+        PUSH_LIST,
+        PUSH_REMOVE,
     ];
 }
 

@@ -19,6 +19,7 @@ pub const PUSH_PAYLOAD_BYTES_MAX: usize = 3_000;
 /// How much a notification may say, from least to most.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub enum PreviewLevel {
     /// "Something new": a count and nothing else (the default).
     #[default]
@@ -70,6 +71,157 @@ impl PushPayload {
                 .map(|p| PushPreview { text: cut(&p.text, PUSH_PREVIEW_BYTES_MAX).to_owned(), sender: p.sender }),
         }
     }
+}
+
+impl PreviewLevel {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PreviewLevel::None => "none",
+            PreviewLevel::Conversation => "conversation",
+            PreviewLevel::Full => "full",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<PreviewLevel> {
+        [PreviewLevel::None, PreviewLevel::Conversation, PreviewLevel::Full].into_iter().find(|l| l.as_str() == s)
+    }
+}
+
+/// The providers a push target names (`push.register`'s `platform`).
+pub mod platform {
+    /// The operator's signed HTTPS webhook.
+    pub const WEBHOOK: &str = "webhook";
+    /// Web Push (RFC 8030/8291/8292): `token` is the subscription endpoint.
+    pub const WEBPUSH: &str = "webpush";
+    /// A Matrix push gateway (Sygnal): `token` is the APNs/FCM push key.
+    pub const GATEWAY: &str = "gateway";
+    pub const ALL: &[&str] = &[WEBHOOK, WEBPUSH, GATEWAY];
+}
+
+/// Longest `token` (a Web Push endpoint URL, an APNs/FCM token), in bytes.
+pub const PUSH_TOKEN_BYTES_MAX: usize = 2_048;
+/// Longest `app_id`, in bytes.
+pub const PUSH_APP_ID_BYTES_MAX: usize = 128;
+/// Longest `p256dh` or `auth` (base64url), in bytes.
+pub const PUSH_KEY_BYTES_MAX: usize = 128;
+
+/// `push.register`: set (or replace) the calling device's push target.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PushRegisterReq {
+    /// `webhook`, `webpush` or `gateway` ([`platform`]).
+    pub platform: String,
+    /// The provider's address of the device; never shown again in full.
+    #[cfg_attr(feature = "openapi", schema(min_length = 1, max_length = 2048))]
+    pub token: String,
+    /// The app the token belongs to (the gateway's `app_id`).
+    #[serde(default)]
+    #[cfg_attr(feature = "openapi", schema(max_length = 128))]
+    pub app_id: String,
+    /// Web Push only: the subscription's keys, base64url.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(max_length = 128))]
+    pub p256dh: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(max_length = 128))]
+    pub auth: Option<String>,
+    /// What a notification may say (default `none`).
+    #[serde(default)]
+    pub preview: PreviewLevel,
+}
+
+impl PushRegisterReq {
+    /// The shape checks of the contract (bounds, the platform's fields).
+    pub fn check(&self) -> Result<(), String> {
+        if !platform::ALL.contains(&self.platform.as_str()) {
+            return Err(format!("platform must be one of {:?}", platform::ALL));
+        }
+        if self.token.is_empty() || self.token.len() > PUSH_TOKEN_BYTES_MAX {
+            return Err(format!("token must be 1 to {PUSH_TOKEN_BYTES_MAX} bytes"));
+        }
+        if self.token.chars().any(char::is_control) {
+            return Err("token holds a control character".into());
+        }
+        if self.app_id.len() > PUSH_APP_ID_BYTES_MAX || self.app_id.chars().any(char::is_control) {
+            return Err(format!("app_id must be at most {PUSH_APP_ID_BYTES_MAX} bytes, no control characters"));
+        }
+        let key_ok = |k: &Option<String>| {
+            k.as_deref().is_some_and(|k| {
+                !k.is_empty()
+                    && k.len() <= PUSH_KEY_BYTES_MAX
+                    && k.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'=')
+            })
+        };
+        if self.platform == platform::WEBPUSH {
+            if !(self.token.starts_with("https://") || self.token.starts_with("http://")) {
+                return Err("a webpush token is the subscription's endpoint URL".into());
+            }
+            if !key_ok(&self.p256dh) || !key_ok(&self.auth) {
+                return Err(format!("webpush needs p256dh and auth, base64url, at most {PUSH_KEY_BYTES_MAX} bytes"));
+            }
+        } else if self.p256dh.is_some() || self.auth.is_some() {
+            return Err("p256dh and auth belong to webpush only".into());
+        }
+        Ok(())
+    }
+}
+
+/// A device's push target as shown back: never the token, only a hash of
+/// it and its last four characters.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PushTargetInfo {
+    pub device_id: String,
+    pub platform: String,
+    /// A short SHA-256 of the token (hex), as logs show it.
+    pub token_hash: String,
+    pub token_last4: String,
+    pub app_id: String,
+    pub preview: PreviewLevel,
+    /// Milliseconds since the epoch.
+    pub created_at: i64,
+    pub updated_at: i64,
+    /// True for the device that asked.
+    pub current: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PushRegisterOk {
+    pub target: PushTargetInfo,
+    /// False when the device had a target, now replaced.
+    pub created: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PushListOk {
+    pub targets: Vec<PushTargetInfo>,
+}
+
+/// `push.remove`: the calling device's target, or another of the caller's
+/// devices'.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PushRemoveReq {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = crate::openapi::device_id))]
+    pub device_id: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PushRemoveOk {
+    pub device_id: String,
+    /// False when the device had no target.
+    pub removed: bool,
+}
+
+/// The text a preview shows of a stored message's content: its `text`
+/// field when it is a string, else nothing.
+pub fn preview_text(content: &str) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(content).ok()?;
+    v.get("text")?.as_str().map(str::to_owned)
 }
 
 /// The longest prefix of `s` of at most `max` bytes ending on a character.

@@ -25,6 +25,7 @@ use sha2::{Digest, Sha256};
 pub use tidemark_proto::push::{PreviewLevel, PushPayload, PushPreview};
 
 pub mod gateway;
+pub mod seal;
 pub mod webhook;
 pub mod webpush;
 
@@ -161,7 +162,7 @@ pub(crate) fn http_client() -> reqwest::Client {
         .timeout(PROVIDER_REQUEST_TIMEOUT)
         .redirect(reqwest::redirect::Policy::none())
         .build()
-        .expect("a client without TLS options builds")
+        .expect("a client with the default rustls configuration builds")
 }
 
 #[cfg(test)]

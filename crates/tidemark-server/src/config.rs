@@ -133,6 +133,8 @@ pub struct ServerConfig {
     pub group_policy: tidemark_core::large::GroupPolicy,
     /// Bounds of the ephemeral lane: typing and presence (issue 18).
     pub ephemeral: crate::ephemeral::EphemeralConfig,
+    /// Offline push (P4): providers, the token key and the rules' knobs.
+    pub push: crate::push::PushConfig,
 }
 
 impl Default for ServerConfig {
@@ -171,6 +173,7 @@ impl Default for ServerConfig {
             hint_bus: HintBusConfig::Local,
             group_policy: tidemark_core::large::GroupPolicy::default(),
             ephemeral: crate::ephemeral::EphemeralConfig::default(),
+            push: crate::push::PushConfig::default(),
         }
     }
 }

@@ -310,6 +310,13 @@ impl Hub {
         }
     }
 
+    /// Whether the device has a live WebSocket on this node (P4: such a
+    /// device gets hints, not pushes).
+    pub fn is_connected(&self, user: &str, device: &str) -> bool {
+        let users = self.users.lock().expect("hub lock");
+        users.get(user).is_some_and(|u| u.conns.iter().any(|c| c.device == device && c.kicked().is_none()))
+    }
+
     /// The devices connected here, each once.
     pub fn devices(&self) -> Vec<(String, String)> {
         let users = self.users.lock().expect("hub lock");

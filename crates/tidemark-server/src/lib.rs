@@ -51,6 +51,7 @@ pub mod limits;
 pub mod listener;
 pub mod metrics;
 pub mod ops;
+pub mod push;
 pub mod reconcile;
 pub mod relay;
 pub mod server;

@@ -68,14 +68,17 @@ impl OpClass {
             | op::CONV_LIST
             | op::CONV_RECEIPTS
             | op::DELIVERY_RECEIPTS
-            | op::DEVICE_LIST => OpClass::Read,
+            | op::DEVICE_LIST
+            | op::PUSH_LIST => OpClass::Read,
             op::CONV_CREATE
             | op::CONV_ADD
             | op::CONV_REMOVE
             | op::CONV_LEAVE
             | op::CONV_SETTINGS
             | op::PRIVACY_SET
-            | op::ACCOUNT_PASSWORD => OpClass::Change,
+            | op::ACCOUNT_PASSWORD
+            | op::PUSH_REGISTER
+            | op::PUSH_REMOVE => OpClass::Change,
             op::TYPING | op::PRESENCE_SET => OpClass::Ephemeral,
             op::PING | op::DEVICE_REVOKE => OpClass::Free,
             _ => OpClass::Read,

@@ -188,6 +188,19 @@ pub const RECOVERY_KINDS: &[&str] = &["replay", "snapshot"];
 /// Bucket bounds of the histograms counted in events (amplification, page size).
 pub const EVENTS_BUCKETS: &[f64] = &[1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0];
 
+/// Offline push (P4). "Accepted" is the provider's word: it took the
+/// notification; nothing here says a device received it.
+pub const PUSH_OWED: Metric = Metric::new("tidemark_push_notifications_owed_total", stage::PUSH);
+pub const PUSH_ATTEMPTS: Metric = Metric::new("tidemark_push_attempts_total", stage::PUSH);
+pub const PUSH_RESULTS: Metric = Metric::new("tidemark_push_results_total", stage::PUSH);
+pub const PUSH_COALESCED: Metric = Metric::new("tidemark_push_coalesced_events_total", stage::PUSH);
+pub const PUSH_EXPIRED: Metric = Metric::new("tidemark_push_expired_events_total", stage::PUSH);
+pub const PUSH_GIVEN_UP: Metric = Metric::new("tidemark_push_given_up_total", stage::PUSH);
+pub const PUSH_TARGETS_REMOVED: Metric = Metric::new("tidemark_push_targets_removed_total", stage::PUSH);
+pub const PUSH_LATENCY: Metric = Metric::new("tidemark_push_accept_latency_seconds", stage::PUSH);
+/// Values of the `result` label of [`PUSH_RESULTS`] (`tidemark_push::Outcome::label`).
+pub const PUSH_RESULT_LABELS: &[&str] = &["accepted", "token_rejected", "throttled", "failed_retryable", "failed"];
+
 /// Values of the `result` label of [`ACKS`]: every [`AckDecision`] (see
 /// [`ack_result`]) and the refusal of an ACK above its batch's watermark.
 pub const ACK_RESULTS: &[&str] = &[
@@ -384,6 +397,22 @@ pub const FAMILIES: &[Family] = &[
         store::CONFLICT_GIVE_UPS,
         Kind::CounterBy("writer", || store::WRITERS.to_vec()),
         "PostgreSQL write requests given up after repeated conflicts, by writer.",
+    ),
+    family(PUSH_OWED, Kind::Counter, "Offline push notifications due (one per coalesced range of a device)."),
+    family(PUSH_ATTEMPTS, Kind::Counter, "Requests made to push providers."),
+    family(
+        PUSH_RESULTS,
+        Kind::CounterBy("result", || PUSH_RESULT_LABELS.to_vec()),
+        "Push provider answers, by result (accepted means the provider took it, not that a device has it).",
+    ),
+    family(PUSH_COALESCED, Kind::Counter, "Events folded into a push notification beside its first."),
+    family(PUSH_EXPIRED, Kind::Counter, "Events not pushed because they were older than the push expiry."),
+    family(PUSH_GIVEN_UP, Kind::Counter, "Push notifications given up (refused, retries exhausted, or unsendable)."),
+    family(PUSH_TARGETS_REMOVED, Kind::Counter, "Push targets removed because their provider rejected the token."),
+    family(
+        PUSH_LATENCY,
+        Kind::Histogram,
+        "Time from the fan-out commit of a push's first event to the provider's accept, in seconds.",
     ),
 ];
 

@@ -86,6 +86,9 @@ async fn drain(state: &AppState, shutdown: &watch::Receiver<bool>) -> Result<Dra
         for (user, hw) in &report.users {
             state.hint_user(user, *hw);
         }
+        if !report.users.is_empty() {
+            state.push_wake.notify_one();
+        }
         crate::metrics::MARKERS_PUBLISHED.add(report.convs.len() as u64);
         for moved in &report.convs {
             state.hint_conv(moved).await;

@@ -44,6 +44,7 @@ impl Server {
         let groups = Arc::new(crate::groups::GroupHints::new(store.clone(), hub.clone()));
         let lane =
             Arc::new(crate::ephemeral::Lane::new(store.clone(), config.ephemeral.clone(), bus.ephemeral_sender()));
+        let push_sealer = crate::push::sealer(&config.push, &secret);
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
@@ -52,6 +53,8 @@ impl Server {
             groups,
             bus,
             relay_wake: Notify::new(),
+            push_wake: Notify::new(),
+            push_sealer,
             fences,
             metrics: crate::metrics::install(),
             shutdown: shutdown_rx.clone(),
@@ -73,7 +76,8 @@ impl Server {
         let typing = spawn_fatal("typing sweep", state.lane.clone().run_sweep(shutdown_rx.clone()));
         let audit = spawn_fatal("audit retention", crate::audit::run_retention(state.clone(), shutdown_rx.clone()));
         let reconcile = spawn_fatal("reconcile", crate::reconcile::run_scheduled(state.clone(), shutdown_rx.clone()));
-        let mut tasks = vec![http, relay, rehint, retention, sweep, typing, audit, reconcile];
+        let push = spawn_fatal("push", crate::push::run(state.clone(), shutdown_rx.clone()));
+        let mut tasks = vec![http, relay, rehint, retention, sweep, typing, audit, reconcile, push];
         if let Some(pending) = bus_pending {
             // Cluster mode: fences reach this node on the bus, and from the
             // store should the bus lose one (`fence`).

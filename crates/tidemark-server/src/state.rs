@@ -26,6 +26,10 @@ pub struct AppState {
     pub bus: HintBus,
     /// Wakes the outbox relay after a send commits (a hint: it also polls).
     pub relay_wake: Notify,
+    /// Wakes the push worker after a fan-out committed (a hint: it polls).
+    pub push_wake: Notify,
+    /// Seals and opens provider tokens at rest (P4).
+    pub push_sealer: tidemark_push::seal::TokenSealer,
     /// Revoked devices, fenced in memory so no request of theirs runs, and
     /// the cluster-wide fences (`fence`).
     pub fences: Arc<crate::fence::Fences>,

@@ -233,7 +233,13 @@ async fn real_replies_validate_against_the_document() {
     // A low large-group threshold, so the group below switches to shared
     // mode and conv.list, sync and dirty.clear show their marker fields.
     let policy = tidemark_core::large::GroupPolicy::new(2).unwrap();
-    let ts = TestServer::start_with(ServerConfig { group_policy: policy, ..ServerConfig::default() }).await;
+    // A webhook provider (nobody listens: only registration is checked).
+    let webhook = tidemark_push::webhook::Webhook::new("http://127.0.0.1:9/hook", b"k".to_vec());
+    let push = tidemark_server::push::PushConfig {
+        providers: vec![std::sync::Arc::new(webhook)],
+        ..tidemark_server::push::PushConfig::default()
+    };
+    let ts = TestServer::start_with(ServerConfig { group_policy: policy, push, ..ServerConfig::default() }).await;
     let base = ts.running().url();
     let doc = Doc::fetch(&base).await;
     let mut p = Probe { doc: &doc, base: base.clone(), http: reqwest::Client::new(), checked: Vec::new() };
@@ -384,6 +390,11 @@ async fn real_replies_validate_against_the_document() {
     let (status, v) = p.post("/v1/rpc/ping", Some(&ann), json!({"pad": "x".repeat(300 * 1024)})).await;
     assert_eq!((status, v["code"].as_str()), (413, Some("BAD_REQUEST")));
     p.rpc(&ann, op::DEVICE_LIST, json!({})).await;
+    let target = json!({"platform": "webhook", "token": "tok-1234", "app_id": "a", "preview": "full"});
+    p.rpc(&ann, op::PUSH_REGISTER, target).await;
+    p.rpc(&ann, op::PUSH_LIST, json!({})).await;
+    p.rpc(&ann, op::PUSH_REMOVE, json!({})).await;
+    p.refused(Some(&ann), op::PUSH_REGISTER, json!({"platform": "gateway", "token": "t"}), ErrorCode::BadRequest).await;
     p.rpc(&ann, op::ACCOUNT_PASSWORD, json!({"old_password": PASSWORD, "new_password": PASSWORD})).await;
     p.post("/v1/admin/logout", Some(ADMIN), json!({"user": "cat", "device_id": "cat-phone"})).await;
     p.post("/v1/admin/logout", Some(ADMIN), json!({"user": "cat"})).await;

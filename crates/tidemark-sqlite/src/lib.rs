@@ -17,6 +17,7 @@
 
 mod events;
 mod lifecycle;
+mod push;
 mod read;
 mod receipts;
 mod reconcile;
@@ -506,6 +507,8 @@ impl Store for SqliteStore {
                     return Err(StoreError::NotFound(format!("device {device}")));
                 };
                 c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1 AND device_id = ?2", params![user, device])
+                    .map_err(internal)?;
+                c.execute("DELETE FROM push_targets WHERE user_id = ?1 AND device_id = ?2", params![user, device])
                     .map_err(internal)?;
                 let Some(revoked) = cursor::revoked(rec.cursor) else { return Ok(false) };
                 write_cursor(c, &user, &device, revoked, now_ms)?;
@@ -1240,6 +1243,7 @@ impl Store for SqliteStore {
                     .map_err(internal)?;
                 let Some(deactivated) = deactivated else { return Err(StoreError::NotFound("no such user".into())) };
                 c.execute("DELETE FROM refresh_tokens WHERE user_id = ?1", params![user]).map_err(internal)?;
+                c.execute("DELETE FROM push_targets WHERE user_id = ?1", params![user]).map_err(internal)?;
                 if deactivated.is_some() {
                     return Ok(false);
                 }
@@ -1394,7 +1398,7 @@ impl Store for SqliteStore {
                 )
                 .map_err(internal)?;
                 for table in
-                    ["snapshots", "recovery_sessions", "refresh_tokens", "deliveries", "user_deleted", "devices"]
+                    ["snapshots", "recovery_sessions", "refresh_tokens", "deliveries", "user_deleted", "devices", "push_targets"]
                 {
                     c.execute(&format!("DELETE FROM {table} WHERE user_id = ?1"), params![user]).map_err(internal)?;
                 }
@@ -1404,6 +1408,42 @@ impl Store for SqliteStore {
                 Ok(true)
             })
             .await
+    }
+
+    async fn put_push_target(&self, target: PushTarget, now_ms: i64) -> StoreResult<bool> {
+        self.writer.write(move |c| push::put_target(c, &target, now_ms)).await
+    }
+
+    async fn push_targets(&self, user: &str) -> StoreResult<Vec<PushTarget>> {
+        let user = user.to_owned();
+        self.readers.read_store(move |c| push::targets(c, &user)).await
+    }
+
+    async fn remove_push_target(&self, user: &str, device: &str, token_hash: Option<&str>) -> StoreResult<bool> {
+        let (user, device, hash) = (user.to_owned(), device.to_owned(), token_hash.map(str::to_owned));
+        self.writer.write(move |c| push::remove_target(c, &user, &device, hash.as_deref())).await
+    }
+
+    async fn claim_pushes(
+        &self,
+        now_ms: i64,
+        lease_ms: i64,
+        limit: u32,
+        scan_max: u32,
+    ) -> StoreResult<Vec<OwedPushes>> {
+        self.writer.write(move |c| push::claim(c, now_ms, lease_ms, limit, scan_max)).await
+    }
+
+    async fn finish_push(
+        &self,
+        user: &str,
+        device: &str,
+        claim: i64,
+        step: PushStep,
+        now_ms: i64,
+    ) -> StoreResult<bool> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.writer.write(move |c| push::finish(c, &user, &device, claim, step, now_ms)).await
     }
 }
 

@@ -45,7 +45,41 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 6, name: "session ends and deactivation", sql: SESSION_ENDS },
     Migration { version: 7, name: "audit log", sql: AUDIT_LOG },
     Migration { version: 8, name: "deleted users", sql: DELETED_USERS },
+    Migration { version: 9, name: "offline push targets", sql: PUSH_TARGETS },
 ];
+
+/// Step 9 (P4, issue 20): one offline push target per device, keyed like
+/// `devices` (a user table). The token is sealed by the server (AES-GCM)
+/// and found again by its hash; `pushed_through` is the `sync_seq` up to
+/// which the device's log is settled for push (only grows), so what a
+/// device owes is its user's events above `max(acked, pushed_through)`,
+/// derived from the committed log, never queued. `next_at` holds a
+/// coalescing window or a backoff; `claim_seq`/`claim_until` are the lease
+/// of the node working on it. Deleted with the device's revocation and the
+/// user's deactivation or deletion.
+pub const PUSH_TARGETS: &str = r#"
+CREATE TABLE push_targets (
+    user_id         TEXT NOT NULL,
+    device_id       TEXT NOT NULL,
+    platform        TEXT NOT NULL,
+    token_sealed    BLOB NOT NULL,
+    token_hash      TEXT NOT NULL,
+    token_last4     TEXT NOT NULL,
+    app_id          TEXT NOT NULL,
+    p256dh          TEXT,
+    auth            TEXT,
+    preview         TEXT NOT NULL CHECK (preview IN ('none','conversation','full')),
+    pushed_through  INTEGER NOT NULL,
+    next_at         INTEGER NOT NULL DEFAULT 0,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    claim_seq       INTEGER NOT NULL DEFAULT 0,
+    claim_until     INTEGER NOT NULL DEFAULT 0,
+    created_at      INTEGER NOT NULL,
+    updated_at      INTEGER NOT NULL,
+    PRIMARY KEY (user_id, device_id)
+) WITHOUT ROWID;
+CREATE INDEX push_targets_due ON push_targets (next_at);
+"#;
 
 /// Step 2: each device's newest WebSocket connection (P2), moved by
 /// `Store::open_connection`; a frame of an older one is dropped.

@@ -57,6 +57,8 @@ where
     audit_log_is_queried_by_user_and_time_and_trimmed(&*fresh().await).await;
     deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tombstone(&*fresh().await).await;
     gauges_sample_what_the_store_holds(&*fresh().await).await;
+    push_targets_and_owed_claims(&*fresh().await).await;
+    push_claims_are_exclusive_under_concurrency(fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -1373,4 +1375,154 @@ where
     let rebuilt = crate::reconcile::rebuild_unread(store, 1).await.unwrap();
     assert_eq!(rebuilt, UnreadRebuild { rows_checked: 5, drifted: 1 });
     assert_eq!(crate::reconcile::rebuild_unread(store, 2).await.unwrap().drifted, 0);
+}
+
+fn push_target(user: &str, device: &str, token: &str, preview: &str) -> PushTarget {
+    PushTarget {
+        user: user.into(),
+        device: device.into(),
+        platform: "webhook".into(),
+        token_sealed: format!("sealed:{token}").into_bytes(),
+        token_hash: format!("h-{token}"),
+        token_last4: token[token.len().saturating_sub(4)..].into(),
+        app_id: "app".into(),
+        p256dh: None,
+        auth: None,
+        preview: preview.into(),
+        created_at_ms: T0,
+        updated_at_ms: T0,
+    }
+}
+
+const PUSH_LEASE_MS: i64 = 1_000;
+
+/// P4: push targets are one per device, registered only for a live device,
+/// removed by hash, by revocation and by deactivation; what a device owes
+/// is its log above `max(acked, pushed_through)`, a new target starting at
+/// the head; a claim is a lease with a number, a lost claim writes nothing,
+/// and `pushed_through` only grows.
+pub async fn push_targets_and_owed_claims(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    store.login_device("a", "d1", "A", T0).await.unwrap();
+    store.login_device("b", "phone", "Phone", T0).await.unwrap();
+    store.login_device("b", "tab", "Tab", T0).await.unwrap();
+    store.create_direct("a", "b", "c1", T0).await.unwrap();
+    store.accept_send(send("a", "c1", "before")).await.unwrap();
+    drain(store).await;
+    let head_before = store.user_high_watermark("b").await.unwrap();
+
+    assert_eq!(store.put_push_target(push_target("b", "phone", "tok-1111", "none"), T0).await, Ok(true));
+    assert_eq!(store.put_push_target(push_target("b", "phone", "tok-2222", "none"), T0 + 1).await, Ok(false));
+    assert!(matches!(
+        store.put_push_target(push_target("b", "nope", "tok-3333", "none"), T0).await,
+        Err(StoreError::NotFound(_))
+    ));
+    let listed = store.push_targets("b").await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (listed[0].token_hash.as_str(), listed[0].token_last4.as_str(), listed[0].updated_at_ms),
+        ("h-tok-2222", "2222", T0 + 1),
+        "a registration replaces the device's target"
+    );
+    assert_eq!(listed[0].token_sealed, b"sealed:tok-2222");
+    let claim = |at: i64| store.claim_pushes(at, PUSH_LEASE_MS, 10, 256);
+    assert!(claim(T0).await.unwrap().is_empty(), "P4: nothing committed before the registration is owed");
+
+    store.accept_send(send("a", "c1", "m1")).await.unwrap();
+    store.accept_send(send("a", "c1", "m2")).await.unwrap();
+    drain(store).await;
+    let claimed = claim(T0).await.unwrap();
+    assert_eq!(claimed.len(), 1, "{claimed:?}");
+    let owed = &claimed[0];
+    assert_eq!((owed.target.device.as_str(), owed.attempts), ("phone", 0));
+    let seen: Vec<(u64, &str, Option<&str>, bool)> =
+        owed.events.iter().map(|e| (e.sync_seq, e.kind.as_str(), e.sender.as_deref(), e.muted)).collect();
+    assert_eq!(
+        seen,
+        vec![(head_before + 1, EVENT_MESSAGE, Some("a"), false), (head_before + 2, EVENT_MESSAGE, Some("a"), false)],
+        "the owed range is the log above the position, with senders"
+    );
+    assert!(owed.contents.iter().all(Option::is_none), "no content without a full preview");
+    assert!(claim(T0).await.unwrap().is_empty(), "a claimed target is leased");
+    assert_eq!(store.finish_push("b", "phone", owed.claim + 1, PushStep::Advance { through: 99 }, T0).await, Ok(false));
+    let through = head_before + 2;
+    assert_eq!(store.finish_push("b", "phone", owed.claim, PushStep::Advance { through }, T0).await, Ok(true));
+    assert_eq!(
+        store.finish_push("b", "phone", owed.claim, PushStep::Advance { through }, T0).await,
+        Ok(false),
+        "a claim ends once"
+    );
+    assert!(claim(T0).await.unwrap().is_empty(), "nothing is owed twice");
+
+    // Muting writes a settings event; the next message carries the mute.
+    store.update_settings("b", "c1", Some(true), None, T0).await.unwrap();
+    store.accept_send(send("a", "c1", "m3")).await.unwrap();
+    drain(store).await;
+    let owed = claim(T0).await.unwrap().pop().expect("owed again");
+    let last = owed.events.last().unwrap();
+    assert_eq!((last.kind.as_str(), last.muted), (EVENT_MESSAGE, true), "{:?}", owed.events);
+    assert_eq!(owed.events[0].kind, EVENT_SETTINGS);
+    // A retry waits and keeps its failures; the range is the same.
+    let retry = PushStep::Retry { at_ms: T0 + 5_000, attempts: 2 };
+    assert_eq!(store.finish_push("b", "phone", owed.claim, retry, T0).await, Ok(true));
+    assert!(claim(T0 + 4_999).await.unwrap().is_empty(), "a retry is not due before its time");
+    let again = claim(T0 + 5_000).await.unwrap().pop().expect("due again");
+    assert_eq!((again.attempts, again.events.len()), (2, owed.events.len()));
+    assert!(again.claim > owed.claim, "each claim has a new number");
+    // A lease that ran out is claimed again; the old claim is lost.
+    let taken = claim(T0 + 5_000 + PUSH_LEASE_MS).await.unwrap().pop().expect("lease ran out");
+    let wait = PushStep::Wait { at_ms: T0 };
+    assert_eq!(store.finish_push("b", "phone", again.claim, wait, T0).await, Ok(false), "a lost claim writes nothing");
+    // An Advance never moves the position back.
+    assert_eq!(store.finish_push("b", "phone", taken.claim, PushStep::Advance { through: 1 }, T0).await, Ok(true));
+    assert_eq!(claim(T0 + 9_000).await.unwrap().len(), 1, "still owed: the position did not move forward");
+
+    // A full preview brings the stored content.
+    store.put_push_target(push_target("b", "tab", "tok-4444", "full"), T0).await.unwrap();
+    store.accept_send(send("a", "c1", "m4")).await.unwrap();
+    drain(store).await;
+    let mut claimed = claim(T0 + 20_000).await.unwrap();
+    claimed.sort_by(|x, y| x.target.device.cmp(&y.target.device));
+    let tab = claimed.iter().find(|o| o.target.device == "tab").expect("tab owes m4");
+    assert_eq!(tab.contents, vec![Some("{\"text\":\"m4\"}".to_string())]);
+
+    // Removal by hash only removes that token; revocation and deactivation
+    // remove the rest.
+    assert_eq!(store.remove_push_target("b", "phone", Some("h-old")).await, Ok(false));
+    assert_eq!(store.remove_push_target("b", "phone", Some("h-tok-2222")).await, Ok(true));
+    assert_eq!(store.remove_push_target("b", "phone", None).await, Ok(false));
+    store.put_push_target(push_target("b", "phone", "tok-5555", "none"), T0).await.unwrap();
+    store.revoke_device("b", "phone", T0).await.unwrap();
+    let left: Vec<String> = store.push_targets("b").await.unwrap().into_iter().map(|t| t.device).collect();
+    assert_eq!(left, vec!["tab".to_string()], "P5: a revoked device loses its target");
+    assert!(matches!(
+        store.put_push_target(push_target("b", "phone", "tok-6666", "none"), T0).await,
+        Err(StoreError::NotFound(_))
+    ));
+    store.deactivate_user("b", T0).await.unwrap();
+    assert!(store.push_targets("b").await.unwrap().is_empty(), "a deactivated user has no push target");
+}
+
+/// P4 in cluster mode: concurrent claims never hand one target out twice.
+pub async fn push_claims_are_exclusive_under_concurrency(store: Arc<dyn Store>) {
+    users(&*store, &["a", "b"]).await;
+    store.login_device("a", "d1", "A", T0).await.unwrap();
+    let devices: Vec<String> = (0..8).map(|i| format!("dev{i}")).collect();
+    for d in &devices {
+        store.login_device("b", d, "D", T0).await.unwrap();
+        store.put_push_target(push_target("b", d, &format!("tok-{d}"), "none"), T0).await.unwrap();
+    }
+    store.create_direct("a", "b", "c1", T0).await.unwrap();
+    store.accept_send(send("a", "c1", "m1")).await.unwrap();
+    drain(&*store).await;
+    let claims = (0..4).map(|_| {
+        let store = store.clone();
+        tokio::spawn(async move { store.claim_pushes(T0, PUSH_LEASE_MS, 3, 10).await.unwrap() })
+    });
+    let mut got = Vec::new();
+    for c in claims {
+        got.extend(c.await.unwrap().into_iter().map(|o| o.target.device));
+    }
+    got.sort();
+    assert_eq!(got, devices, "every target claimed exactly once");
 }

@@ -1185,6 +1185,101 @@ pub trait Store: Send + Sync + 'static {
     /// facts of their conversations. `Ok(false)` if it was deleted already;
     /// `NotFound` if no such user.
     async fn delete_user(&self, user: &str, now_ms: i64) -> StoreResult<bool>;
+
+    /// Sets the device's offline push target (P4), replacing any it had.
+    /// A new target's push position starts at the user's head, so nothing
+    /// committed before it is pushed; a replaced one keeps its position.
+    /// `Ok(true)` if the device had none. `NotFound` if the device is
+    /// unknown or revoked. Revoking the device, deactivating or deleting
+    /// the user removes the target in the same transaction.
+    async fn put_push_target(&self, target: PushTarget, now_ms: i64) -> StoreResult<bool>;
+
+    /// The push targets of the user's devices, by device id.
+    async fn push_targets(&self, user: &str) -> StoreResult<Vec<PushTarget>>;
+
+    /// Removes the device's push target; with `token_hash`, only while it
+    /// still holds that token (a provider's "token dead" never removes a
+    /// newer registration). `Ok(false)` if nothing was removed.
+    async fn remove_push_target(&self, user: &str, device: &str, token_hash: Option<&str>) -> StoreResult<bool>;
+
+    /// Claims up to `limit` push targets that owe a push at `now_ms`: not
+    /// revoked, not waiting (`next_at`), not claimed by a live lease, and
+    /// whose user's head is above `max(acked, pushed_through)`. Each claim
+    /// lasts `lease_ms` (another node claims the target after that) and
+    /// comes with the events above that position, at most `scan_max`, each
+    /// with the message's sender and the user's `muted` setting, and the
+    /// stored content when the target's preview is `full`. Two claimers
+    /// never hold one target at once.
+    async fn claim_pushes(&self, now_ms: i64, lease_ms: i64, limit: u32, scan_max: u32)
+        -> StoreResult<Vec<OwedPushes>>;
+
+    /// Ends claim `claim` of a device's target with `step`. `Ok(false)`
+    /// (nothing written) if the claim was lost (its lease ran out and
+    /// another claim was taken) or the target is gone. `pushed_through`
+    /// only grows.
+    async fn finish_push(&self, user: &str, device: &str, claim: i64, step: PushStep, now_ms: i64)
+        -> StoreResult<bool>;
+}
+
+/// A device's offline push target as stored (P4). The token is sealed by
+/// the server (`token_sealed`, encrypted); the store never sees it clear.
+#[derive(Clone, PartialEq, Eq)]
+pub struct PushTarget {
+    pub user: String,
+    pub device: String,
+    /// `tidemark_proto::push::platform`.
+    pub platform: String,
+    pub token_sealed: Vec<u8>,
+    pub token_hash: String,
+    pub token_last4: String,
+    pub app_id: String,
+    pub p256dh: Option<String>,
+    pub auth: Option<String>,
+    /// `none`, `conversation` or `full`.
+    pub preview: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+impl std::fmt::Debug for PushTarget {
+    // Even sealed, a token is not printed: only its hash.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PushTarget")
+            .field("user", &self.user)
+            .field("device", &self.device)
+            .field("platform", &self.platform)
+            .field("token_hash", &self.token_hash)
+            .field("preview", &self.preview)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One claimed target and the facts of its owed range.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OwedPushes {
+    pub target: PushTarget,
+    /// The claim's number, for [`Store::finish_push`].
+    pub claim: i64,
+    /// Retryable failures in a row so far.
+    pub attempts: u32,
+    /// The events above `max(acked, pushed_through)`, ascending.
+    pub events: Vec<tidemark_core::push::OwedEvent>,
+    /// The stored content of each event (same order) when the target's
+    /// preview is `full`, else `None`.
+    pub contents: Vec<Option<String>>,
+}
+
+/// How a claim ends ([`Store::finish_push`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushStep {
+    /// Settled through `through`: the position moves there, failures reset.
+    Advance { through: u64 },
+    /// Look again at `at_ms`, the position and failures unchanged.
+    Wait { at_ms: i64 },
+    /// Retry no sooner than `at_ms` with `attempts` failures on record.
+    Retry { at_ms: i64, attempts: u32 },
+    /// The token is dead: remove the target.
+    Remove,
 }
 
 /// A device's durable fences: its latest connection and whether it is

@@ -12,6 +12,7 @@ use std::borrow::Cow;
 use std::sync::OnceLock;
 
 use axum::Json;
+use tidemark_proto::push::{PushListOk, PushRegisterOk, PushRegisterReq, PushRemoveOk, PushRemoveReq};
 use tidemark_proto::*;
 use utoipa::openapi::path::{HttpMethod, OperationBuilder, ParameterBuilder, ParameterIn, PathItem, PathsBuilder};
 use utoipa::openapi::request_body::RequestBodyBuilder;
@@ -177,6 +178,24 @@ fn rpcs(s: &mut Schemas) -> Vec<Rpc> {
             s.of::<DeliveryReceiptsReq>(),
             s.of::<DeliveryReceiptsOk>(),
         ),
+        rpc(
+            op::PUSH_REGISTER,
+            "Set or replace the caller device's offline push target (P4)",
+            s.of::<PushRegisterReq>(),
+            s.of::<PushRegisterOk>(),
+        ),
+        no_fields(
+            op::PUSH_LIST,
+            "Push targets of the caller's devices, tokens as hash and last 4 (P4)",
+            s.of::<PushListOk>(),
+        ),
+        Rpc {
+            op: op::PUSH_REMOVE,
+            summary: "Remove a device's push target (the caller's by default, P4)",
+            request: s.of::<PushRemoveReq>(),
+            body_required: false,
+            reply: s.of::<PushRemoveOk>(),
+        },
     ]
 }
 

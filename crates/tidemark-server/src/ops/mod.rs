@@ -7,6 +7,7 @@ pub mod control;
 pub mod conv;
 pub mod device;
 pub mod ephemeral;
+pub mod push;
 pub mod receipts;
 pub mod render;
 pub mod send;
@@ -97,6 +98,9 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::PRIVACY_SET => to_value(&ephemeral::privacy_set(&state, &ctx, parse(body)?).await?),
         op::CONV_RECEIPTS => to_value(&receipts::conv_receipts(&state, &ctx, parse(body)?).await?),
         op::DELIVERY_RECEIPTS => to_value(&receipts::delivery_receipts(&state, &ctx, parse(body)?).await?),
+        op::PUSH_REGISTER => to_value(&push::register(&state, &ctx, parse(body)?).await?),
+        op::PUSH_LIST => to_value(&push::list(&state, &ctx).await?),
+        op::PUSH_REMOVE => to_value(&push::remove(&state, &ctx, parse(body)?).await?),
         other => Err(ApiError::bad_request(format!("unknown operation {other:?}"))),
     }
 }
