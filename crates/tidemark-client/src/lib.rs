@@ -65,7 +65,8 @@
 //!
 //! `examples/terminal.rs` is a small but complete terminal chat on this
 //! API alone (log in or register, list, open, send, live receive, typing
-//! on while offline), driven as a process by *tests/terminal.rs*.
+//! on while offline), driven as a process by *tests/terminal.rs*. Apps in
+//! other languages use the UniFFI bindings of `tidemark-ffi`.
 //!
 //! ## Send and receive
 //!
