@@ -16,7 +16,9 @@ use tidemark_client::{Client, ClientConfig, Http};
 use tidemark_server::{Server, ServerConfig};
 
 const ADMIN: &str = "ffi-admin";
-const WAIT: Duration = Duration::from_secs(60);
+/// Each wait of the script is bounded by 20 s; this bounds the whole
+/// script (and Bob's wait after it) on a loaded machine.
+const WAIT: Duration = Duration::from_secs(180);
 
 /// The cdylib cargo built beside this test binary (`target/<profile>/`
 /// and its `deps/`).
