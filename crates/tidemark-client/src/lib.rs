@@ -52,63 +52,68 @@
 //! - `http`, `ws`: the transport. It keeps no state and makes no sync
 //!   decision: it never ACKs, retries or resyncs by itself.
 //!
-//! # Example
+//! # Examples, one per area
 //!
-//! Two users on a real server (started in-process here), one device each:
+//! Each is a whole program in `examples/`, shown here as it is. The test
+//! *tests/examples.rs* runs every one against a real server on 127.0.0.1,
+//! with the checks each makes of what it shows; against your own server
+//! (whose admin token makes the examples' accounts):
 //!
+//! ```sh
+//! TIDEMARK_ADMIN_TOKEN=change-me cargo run -p tidemark-client --example send_and_receive -- http://127.0.0.1:8080
 //! ```
-//! # use std::time::Duration;
-//! # #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! # let dir = tempfile::tempdir()?;
-//! # let store = tidemark_sqlite::SqliteStore::open(&dir.path().join("server"))?;
-//! # let config = tidemark_server::ServerConfig { admin_token: Some("admin".into()), ..Default::default() };
-//! # let server = tidemark_server::Server::start("127.0.0.1:0", store, config).await?;
-//! # let url = server.url();
-//! # let admin = tidemark_client::Http::new(&url);
-//! # admin.create_user("admin", "alice", "pw-a").await?;
-//! # admin.create_user("admin", "bob", "pw-b").await?;
-//! use tidemark_client::{Client, ClientConfig, ConnState};
 //!
-//! // One client per device, each with its own local database.
-//! let alice = Client::open(
-//!     ClientConfig::new(&url, "alice", "alice-phone", dir.path().join("alice.db")).with_password("pw-a"),
-//! )?;
-//! let bob = Client::open(
-//!     ClientConfig::new(&url, "bob", "bob-laptop", dir.path().join("bob.db")).with_password("pw-b"),
-//! )?;
-//! alice.start().await?;
-//! bob.start().await?;
-//! alice.wait_state(ConnState::Ready, Duration::from_secs(10)).await?;
+//! `examples/terminal.rs` is a small but complete terminal chat on this
+//! API alone (log in or register, list, open, send, live receive, typing
+//! on while offline), driven as a process by *tests/terminal.rs*. Apps in
+//! other languages use the UniFFI bindings of `tidemark-ffi`.
 //!
-//! let conv = alice.create_direct("bob").await?;
-//! // Durable in Alice's outbox when this returns; sent in order.
-//! alice.send(&conv, serde_json::json!({"text": "hello bob"})).await?;
+//! ## Send and receive
 //!
-//! // Bob's device syncs on the hint, commits the page, then ACKs.
-//! let mut changes = bob.subscribe();
-//! bob.wait_for(Duration::from_secs(10), || async { Ok(bob.messages(&conv).await?.len() == 1) }).await?;
-//! let list = bob.conversations().await?;
-//! assert_eq!(list[0].unread, 1);
-//! assert_eq!(list[0].last_message.as_ref().unwrap().content["text"], "hello bob");
-//! while let Some(change) = changes.try_recv() {
-//!     println!("{change:?}"); // pages applied, cursors moved, ACKs…
-//! }
+//! One [`Client`] per device; [`Client::send`] is durable in the outbox when
+//! it returns; the receiving device commits each sync page locally before
+//! it ACKs, and the change stream ([`Client::subscribe`]) says what moved.
 //!
-//! // A recall leaves a placeholder in place on every device (E1); a read is
-//! // the user's, not the device's (R2). Both go through the outbox too.
-//! let sent = alice.messages(&conv).await?.remove(0);
-//! alice.recall(&conv, &sent.message_id).await?;
-//! bob.wait_for(Duration::from_secs(10), || async {
-//!     Ok(bob.messages(&conv).await?[0].state == "recalled")
-//! })
-//! .await?;
-//! bob.mark_read(&conv, 2).await?;
-//! # alice.stop().await;
-//! # bob.stop().await;
-//! # server.stop().await;
-//! # Ok(())
-//! # }
+//! ```no_run
+#![doc = include_str!("../examples/send_and_receive.rs")]
+//! ```
+//!
+//! ## Two devices of one user
+//!
+//! Each device has its own cursor and ACK in the user's sync log; a read is
+//! the user's, not the device's (R2).
+//!
+//! ```no_run
+#![doc = include_str!("../examples/two_devices.rs")]
+//! ```
+//!
+//! ## History paging
+//!
+//! [`Client::history`]: local first, then the server, stored locally;
+//! `history_to` below a snapshot's first message is history, never a gap.
+//!
+//! ```no_run
+#![doc = include_str!("../examples/history.rs")]
+//! ```
+//!
+//! ## Groups
+//!
+//! [`Client::create_group`], [`Client::add_member`],
+//! [`Client::remove_member`], [`Client::leave`]; a member reads from their
+//! join to their leave (G1).
+//!
+//! ```no_run
+#![doc = include_str!("../examples/groups.rs")]
+//! ```
+//!
+//! ## Offline and resume
+//!
+//! Sends, recalls and reads queue in the outbox with no connection and
+//! leave in order; a device reopened on its database resumes from its own
+//! position.
+//!
+//! ```no_run
+#![doc = include_str!("../examples/offline.rs")]
 //! ```
 
 mod calls;

@@ -49,7 +49,27 @@ pub const EVENTS_MAX: usize = 1024;
 /// Outgoing frames queued before `request` waits.
 pub const OUTGOING_MAX: usize = 256;
 
-type Pending = Arc<Mutex<HashMap<String, oneshot::Sender<Value>>>>;
+/// The requests waiting for their reply, and whether the connection has
+/// ended. Once it has, no request is admitted: its reply could only come
+/// through a reader that is gone, so it would wait forever (a request sent
+/// while the socket closes used to, when it was registered after the
+/// reader's last sweep).
+#[derive(Default)]
+struct Waiting {
+    replies: HashMap<String, oneshot::Sender<Value>>,
+    ended: bool,
+}
+
+impl Waiting {
+    /// Ends the table: every waiting request fails with `Closed` (its
+    /// sender drops), and so does every later one.
+    fn end(&mut self) {
+        self.ended = true;
+        self.replies.clear();
+    }
+}
+
+type Pending = Arc<Mutex<Waiting>>;
 
 #[derive(Clone)]
 pub struct WsConn {
@@ -118,7 +138,7 @@ impl WsConn {
                     continue;
                 };
                 if let Some(rid) = v.get("rid").and_then(Value::as_str) {
-                    if let Some(tx) = reader_pending.lock().expect("pending lock").remove(rid) {
+                    if let Some(tx) = reader_pending.lock().expect("pending lock").replies.remove(rid) {
                         let _ = tx.send(v);
                     }
                     continue;
@@ -141,8 +161,8 @@ impl WsConn {
                     Err(_) => {}
                 }
             }
-            // Fail every request still waiting: their senders drop here.
-            reader_pending.lock().expect("pending lock").clear();
+            // Fail every request still waiting, and every later one.
+            reader_pending.lock().expect("pending lock").end();
             let _ = ev_tx.send(ServerEvent::Closed).await;
         });
         let tasks = Arc::new([writer.abort_handle(), reader.abort_handle()]);
@@ -156,13 +176,13 @@ impl WsConn {
     }
 
     /// Drops the socket at once, without a Close frame, as a killed process
-    /// would; requests still waiting fail with `Closed`. The event stream
-    /// ends without a `Closed` event.
+    /// would; requests still waiting, and later ones, fail with `Closed`.
+    /// The event stream ends without a `Closed` event.
     pub fn abort(&self) {
         for task in self.tasks.iter() {
             task.abort();
         }
-        self.pending.lock().expect("pending lock").clear();
+        self.pending.lock().expect("pending lock").end();
     }
 
     /// Sends a raw text frame (for tests of malformed input).
@@ -170,7 +190,9 @@ impl WsConn {
         self.out.send(Message::Text(text.into())).await.map_err(|_| ClientError::Closed)
     }
 
-    /// Sends `{"t": op, "rid": .., ...body}` and waits for its reply.
+    /// Sends `{"t": op, "rid": .., ...body}` and waits for its reply;
+    /// `Closed` at once when the connection has ended, and as soon as it
+    /// ends while the request waits (the caller bounds a silent peer).
     pub async fn request_value(&self, op: &str, body: Value) -> ClientResult<Value> {
         let rid = format!("r{}", self.next_rid.fetch_add(1, Ordering::Relaxed));
         let mut map = match body {
@@ -181,9 +203,15 @@ impl WsConn {
         map.insert("t".into(), Value::String(op.into()));
         map.insert("rid".into(), Value::String(rid.clone()));
         let (tx, rx) = oneshot::channel();
-        self.pending.lock().expect("pending lock").insert(rid.clone(), tx);
+        {
+            let mut waiting = self.pending.lock().expect("pending lock");
+            if waiting.ended {
+                return Err(ClientError::Closed);
+            }
+            waiting.replies.insert(rid.clone(), tx);
+        }
         if self.out.send(Message::Text(Value::Object(map).to_string().into())).await.is_err() {
-            self.pending.lock().expect("pending lock").remove(&rid);
+            self.pending.lock().expect("pending lock").replies.remove(&rid);
             return Err(ClientError::Closed);
         }
         rx.await.map_err(|_| ClientError::Closed)
