@@ -1195,6 +1195,10 @@ pub struct BusConv {
     pub members_seq: u64,
 }
 
+fn is_zero(n: &i64) -> bool {
+    *n == 0
+}
+
 /// A fence carried by the hint bus (P2, P5).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
@@ -1212,8 +1216,9 @@ pub struct BusKick {
     /// The device's newest connection epoch (`superseded`); 0 otherwise.
     #[serde(default)]
     pub connection_epoch: u64,
-    /// When the sessions ended (`logged_out`), ms since the epoch; 0 otherwise.
-    #[serde(default)]
+    /// When the sessions ended (`logged_out`), ms since the epoch; 0 (and
+    /// left out of the payload, as older nodes send it) otherwise.
+    #[serde(default, skip_serializing_if = "is_zero")]
     pub ended_at_ms: i64,
 }
 

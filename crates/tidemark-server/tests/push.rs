@@ -300,21 +300,23 @@ async fn a_dead_token_is_removed_and_throttling_backs_off_while_sends_and_syncs_
 
     // The metrics say what happened, and never "delivered".
     let metrics = reqwest::get(format!("{}/metrics", ts.running().url())).await.unwrap().text().await.unwrap();
-    for family in [
-        "tidemark_push_results_total{result=\"token_rejected\"}",
-        "tidemark_push_results_total{result=\"throttled\"}",
-        "tidemark_push_results_total{result=\"accepted\"}",
-        "tidemark_push_targets_removed_total",
-        "tidemark_push_coalesced_events_total",
-        "tidemark_push_accept_latency_seconds_count",
+    // Each series carries its stage label too, so a label is looked for
+    // inside the braces, not as the whole label set.
+    for (family, label) in [
+        ("tidemark_push_results_total{", "result=\"token_rejected\""),
+        ("tidemark_push_results_total{", "result=\"throttled\""),
+        ("tidemark_push_results_total{", "result=\"accepted\""),
+        ("tidemark_push_targets_removed_total", ""),
+        ("tidemark_push_coalesced_events_total", ""),
+        ("tidemark_push_accept_latency_seconds_count", ""),
     ] {
         let value: f64 = metrics
             .lines()
-            .find(|l| l.starts_with(family))
+            .find(|l| l.starts_with(family) && l.contains(label))
             .and_then(|l| l.rsplit(' ').next())
             .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("{family} missing"));
-        assert!(value >= 1.0, "{family} = {value}");
+            .unwrap_or_else(|| panic!("{family}{label} missing"));
+        assert!(value >= 1.0, "{family}{label} = {value}");
     }
     assert!(!metrics.lines().any(|l| l.starts_with("tidemark_push") && l.contains("deliver")));
     ts.stop().await;
