@@ -17,19 +17,24 @@ const TARGET_COLUMNS: &str = "user_id, device_id, platform, token_sealed, token_
                               auth, preview, created_at, updated_at";
 
 fn target_row(r: &Row) -> R<PushTarget> {
+    target_row_at(r, 0)
+}
+
+/// A target read from [`TARGET_COLUMNS`] starting at column `first`.
+fn target_row_at(r: &Row, first: usize) -> R<PushTarget> {
     Ok(PushTarget {
-        user: col(r, 0)?,
-        device: col(r, 1)?,
-        platform: col(r, 2)?,
-        token_sealed: col(r, 3)?,
-        token_hash: col(r, 4)?,
-        token_last4: col(r, 5)?,
-        app_id: col(r, 6)?,
-        p256dh: col(r, 7)?,
-        auth: col(r, 8)?,
-        preview: col(r, 9)?,
-        created_at_ms: col(r, 10)?,
-        updated_at_ms: col(r, 11)?,
+        user: col(r, first)?,
+        device: col(r, first + 1)?,
+        platform: col(r, first + 2)?,
+        token_sealed: col(r, first + 3)?,
+        token_hash: col(r, first + 4)?,
+        token_last4: col(r, first + 5)?,
+        app_id: col(r, first + 6)?,
+        p256dh: col(r, first + 7)?,
+        auth: col(r, first + 8)?,
+        preview: col(r, first + 9)?,
+        created_at_ms: col(r, first + 10)?,
+        updated_at_ms: col(r, first + 11)?,
     })
 }
 
@@ -121,20 +126,7 @@ pub(crate) async fn claim(c: &Conn, now_ms: i64, lease_ms: i64, limit: u32, scan
         let row = query_opt(c, &sql, &[&user, &device, &(now_ms + lease_ms)]).await?;
         let row = row.ok_or_else(|| StoreError::Internal("claimed push target vanished".into()))?;
         let claim: i64 = col(&row, 0)?;
-        let target = PushTarget {
-            user: col(&row, 1)?,
-            device: col(&row, 2)?,
-            platform: col(&row, 3)?,
-            token_sealed: col(&row, 4)?,
-            token_hash: col(&row, 5)?,
-            token_last4: col(&row, 6)?,
-            app_id: col(&row, 7)?,
-            p256dh: col(&row, 8)?,
-            auth: col(&row, 9)?,
-            preview: col(&row, 10)?,
-            created_at_ms: col(&row, 11)?,
-            updated_at_ms: col(&row, 12)?,
-        };
+        let target = target_row_at(&row, 1)?;
         let rows = query(
             c,
             "SELECT e.sync_seq, e.kind, e.conv_id, m.sender, COALESCE(uc.muted, FALSE), e.created_at,

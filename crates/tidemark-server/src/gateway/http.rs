@@ -252,6 +252,28 @@ pub async fn admin_logout(
     }
 }
 
+/// Deactivates `user` around the store's `commit` (a deactivation or a
+/// deletion): the in-memory fence first, so a refresh racing it sees one or
+/// the other; taken back if the store refused; then the live sockets here
+/// are kicked and the other nodes told. Returns what `commit` answered.
+async fn fenced_deactivation(
+    state: &AppState,
+    user: &str,
+    commit: impl std::future::Future<Output = tidemark_store::StoreResult<bool>>,
+) -> Result<bool, ApiError> {
+    state.sessions.deactivate(user);
+    let done = match commit.await {
+        Ok(d) => d,
+        Err(e) => {
+            state.sessions.undo_deactivate(user);
+            return Err(e.into());
+        }
+    };
+    state.fences.deactivate(user);
+    state.bus.publish_session_end(user, None, tidemark_proto::reason::ACCOUNT_DEACTIVATED, 0);
+    Ok(done)
+}
+
 /// `POST /v1/admin/deactivate {user}`: the account's sessions end, its
 /// live sockets are kicked (`account_deactivated`), and nothing of it is
 /// accepted after: its tokens are refused and it no longer logs in.
@@ -270,17 +292,8 @@ pub async fn admin_deactivate(
     };
     let result = async {
         let user = crate::accounts::resolve_user(state.store.as_ref(), &req.user).await?;
-        // The fence first, then the store, as for a logout.
-        state.sessions.deactivate(&user);
-        let deactivated = match state.store.deactivate_user(&user, crate::util::now_ms()).await {
-            Ok(d) => d,
-            Err(e) => {
-                state.sessions.undo_deactivate(&user);
-                return Err(e.into());
-            }
-        };
-        state.fences.deactivate(&user);
-        state.bus.publish_session_end(&user, None, tidemark_proto::reason::ACCOUNT_DEACTIVATED, 0);
+        let deactivated =
+            fenced_deactivation(&state, &user, state.store.deactivate_user(&user, crate::util::now_ms())).await?;
         tracing::warn!(user_hash = %state.log_id(&user), deactivated, "admin deactivated user");
         if deactivated {
             audit::record(&state, event::DEACTIVATED, actor::ADMIN, &user, None, Some(peer.ip())).await;
@@ -312,16 +325,7 @@ pub async fn admin_delete(
     };
     let result = async {
         let user = crate::accounts::resolve_user(state.store.as_ref(), &req.user).await?;
-        state.sessions.deactivate(&user);
-        let deleted = match state.store.delete_user(&user, crate::util::now_ms()).await {
-            Ok(d) => d,
-            Err(e) => {
-                state.sessions.undo_deactivate(&user);
-                return Err(e.into());
-            }
-        };
-        state.fences.deactivate(&user);
-        state.bus.publish_session_end(&user, None, tidemark_proto::reason::ACCOUNT_DEACTIVATED, 0);
+        let deleted = fenced_deactivation(&state, &user, state.store.delete_user(&user, crate::util::now_ms())).await?;
         tracing::warn!(user_hash = %state.log_id(&user), deleted, "admin deleted user");
         if deleted {
             audit::record(&state, event::DELETED, actor::ADMIN, &user, None, Some(peer.ip())).await;
