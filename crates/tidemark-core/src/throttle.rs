@@ -40,6 +40,42 @@ impl LoginBackoff {
     }
 }
 
+/// The queue a password check waits in for a hash (issue 15, seed §9.4).
+///
+/// Hashes are the login path's scarce resource (a named few run at once),
+/// so an attacker with many addresses can fill their queue. Checks from an
+/// address with no recent failed logins wait in the `Clean` lane; checks
+/// from an address that failed `suspect_after` times or more within the
+/// failure window wait in the `Suspect` lane, which may hold at most one
+/// check in the hash queue at a time: an honest login waits behind the
+/// hashes running, at most one suspect check and the clean checks before
+/// it, however many addresses guess. A suspect check still runs when the
+/// clean lane leaves room, so a person behind a guesser's NAT is slowed,
+/// never locked out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HashLane {
+    Clean,
+    Suspect,
+}
+
+/// Failed logins from one address within the failure window before its
+/// password checks wait in the suspect lane. One: the lane costs nothing
+/// while hashes are free, and `bench flood` (64 guessing addresses) showed
+/// every free failure per address is a hash the guessers take ahead of
+/// honest logins (12 s under the flood: 47 honest logins of 49 quiet with
+/// one, 13 with three, 5 with no lane).
+pub const SUSPECT_AFTER_FAILURES: u32 = 1;
+
+/// The lane of a password check from an address with `recent_failures`
+/// failed logins within the failure window.
+pub fn hash_lane(recent_failures: u32, suspect_after: u32) -> HashLane {
+    if recent_failures >= suspect_after.max(1) {
+        HashLane::Suspect
+    } else {
+        HashLane::Clean
+    }
+}
+
 /// Whether a user with `user_live` live WebSocket connections, `device_live`
 /// of them by the connecting device, may open one more under the per-user
 /// cap `max`. A device that is already connected may always reconnect:
@@ -117,6 +153,22 @@ mod tests {
         check(4, 0, 3, false);
         check(3, 1, 3, true);
         check(0, 0, 0, false);
+    }
+
+    #[test]
+    fn an_address_that_keeps_failing_waits_in_the_suspect_lane() {
+        let cases: &[(u32, u32, HashLane)] = &[
+            // recent failures, suspect after, lane
+            (0, 3, HashLane::Clean),
+            (2, 3, HashLane::Clean),
+            (3, 3, HashLane::Suspect),
+            (1_000, 3, HashLane::Suspect),
+            (0, 0, HashLane::Clean),
+            (1, 0, HashLane::Suspect),
+        ];
+        for &(failures, after, lane) in cases {
+            assert_eq!(hash_lane(failures, after), lane, "{failures} failures, suspect after {after}");
+        }
     }
 
     const POLICY: LoginBackoff = LoginBackoff { free_failures: 5, first_delay_ms: 1_000, max_delay_ms: 30_000 };

@@ -8,7 +8,10 @@
 //! and a throttled send is not accepted. Logins are bounded twice: a named
 //! number of password hashes run at once (Argon2 costs ~19 MiB each), and
 //! failed logins grow a delay per account and address
-//! (`tidemark_core::throttle`). Limiter state is swept periodically, so its
+//! (`tidemark_core::throttle`). Checks from an address that keeps failing
+//! wait for a hash in a lane of their own that holds at most one place in
+//! the hash queue (`tidemark_core::throttle::HashLane`), so a guesser with
+//! many addresses delays an honest login by a bounded number of hashes. Limiter state is swept periodically, so its
 //! memory is bounded by the keys active within a sweep period.
 //!
 //! This module knows no operation's semantics and no storage.
@@ -23,7 +26,7 @@ use std::time::Duration;
 use governor::clock::{Clock, DefaultClock};
 use governor::state::keyed::DefaultKeyedStateStore;
 use governor::{Quota, RateLimiter};
-use tidemark_core::throttle::LoginBackoff;
+use tidemark_core::throttle::{hash_lane, HashLane, LoginBackoff, SUSPECT_AFTER_FAILURES};
 use tidemark_proto::{op, ErrorCode};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
@@ -148,6 +151,9 @@ pub struct LimitsConfig {
     pub login_failures_forget_after: Duration,
     /// Failure keys kept at most (the oldest are forgotten first).
     pub login_failure_keys_max: usize,
+    /// Failed logins from one address (any account) within the forget
+    /// window before its checks wait in the suspect lane.
+    pub login_suspect_after_failures: u32,
 }
 
 pub const SEND_PER_DEVICE_DEFAULT: Rate = Rate::new(50, 200);
@@ -200,6 +206,7 @@ impl Default for LimitsConfig {
             login_backoff_per_account: LOGIN_BACKOFF_PER_ACCOUNT,
             login_failures_forget_after: LOGIN_FAILURES_FORGET_AFTER,
             login_failure_keys_max: LOGIN_FAILURE_KEYS_MAX,
+            login_suspect_after_failures: SUSPECT_AFTER_FAILURES,
         }
     }
 }
@@ -225,6 +232,10 @@ pub struct Limits {
     login_address: Keyed<IpAddr>,
     connect_address: Keyed<IpAddr>,
     hashes: Semaphore,
+    /// Held by the one suspect check that may wait in `hashes`' queue.
+    suspect_gate: Semaphore,
+    /// Checks waiting for a hash now, by lane (clean, suspect).
+    waiting: [AtomicUsize; 2],
     /// Password hashes running now, and the most that ever ran at once.
     hashing: AtomicUsize,
     hashing_peak: AtomicUsize,
@@ -232,6 +243,8 @@ pub struct Limits {
     hash_jobs: std::sync::mpsc::Sender<HashJob>,
     failures_by_address: Mutex<HashMap<(String, IpAddr), Failures>>,
     failures_by_account: Mutex<HashMap<String, Failures>>,
+    /// Failed logins from one address, any account: its hash lane.
+    failures_by_ip: Mutex<HashMap<IpAddr, Failures>>,
 }
 
 /// IPv6 clients are limited by their /64 (one subscriber's block), so an
@@ -275,11 +288,14 @@ impl Limits {
             login_address: RateLimiter::keyed(config.login_per_address.quota()),
             connect_address: RateLimiter::keyed(config.connect_per_address.quota()),
             hashes: Semaphore::new(config.password_hashes_concurrent_max.max(1)),
+            suspect_gate: Semaphore::new(1),
+            waiting: [AtomicUsize::new(0), AtomicUsize::new(0)],
             hashing: AtomicUsize::new(0),
             hashing_peak: AtomicUsize::new(0),
             hash_jobs: spawn_hash_threads(config.password_hashes_concurrent_max.max(1)),
             failures_by_address: Mutex::new(HashMap::new()),
             failures_by_account: Mutex::new(HashMap::new()),
+            failures_by_ip: Mutex::new(HashMap::new()),
             config,
         }
     }
@@ -345,20 +361,62 @@ impl Limits {
         let ip = address_key(ip);
         let mut by_address = self.failures_by_address.lock().expect("limits lock");
         let mut by_account = self.failures_by_account.lock().expect("limits lock");
+        let forget_ms = self.config.login_failures_forget_after.as_millis() as i64;
+        let max = self.config.login_failure_keys_max.max(1);
+        if !succeeded {
+            // Not forgotten on a success: a guesser holding one account of
+            // its own must not clear its address's record with it.
+            bump(&mut self.failures_by_ip.lock().expect("limits lock"), ip, now_ms, forget_ms, max);
+        }
         if succeeded {
             by_address.remove(&(account.to_owned(), ip));
             by_account.remove(account);
             return;
         }
-        let forget_ms = self.config.login_failures_forget_after.as_millis() as i64;
-        let max = self.config.login_failure_keys_max.max(1);
         bump(&mut by_address, (account.to_owned(), ip), now_ms, forget_ms, max);
         bump(&mut by_account, account.to_owned(), now_ms, forget_ms, max);
     }
 
-    /// A permit to hash one password, waiting at most the configured time.
+    /// The hash lane of a login from `ip` at `now_ms`: suspect once the
+    /// address failed the configured number of times within the window.
+    pub fn login_lane(&self, ip: IpAddr, now_ms: i64) -> HashLane {
+        if !self.config.enabled {
+            return HashLane::Clean;
+        }
+        let forget_ms = self.config.login_failures_forget_after.as_millis() as i64;
+        let recent = self
+            .failures_by_ip
+            .lock()
+            .expect("limits lock")
+            .get(&address_key(ip))
+            .filter(|f| now_ms - f.last_ms < forget_ms)
+            .map_or(0, |f| f.count);
+        hash_lane(recent, self.config.login_suspect_after_failures)
+    }
+
+    /// A permit to hash one password in the clean lane (see
+    /// [`Limits::password_hash_permit_in`]).
     pub async fn password_hash_permit(&self) -> Result<HashPermit<'_>, ApiError> {
-        match tokio::time::timeout(self.config.password_hash_wait, self.hashes.acquire()).await {
+        self.password_hash_permit_in(HashLane::Clean).await
+    }
+
+    /// A permit to hash one password, waiting at most the configured time.
+    /// A suspect check first takes the suspect lane's one place in the hash
+    /// queue, so at most one suspect check is ever queued ahead of a clean
+    /// one; it gives the place back once it holds its hash permit.
+    pub async fn password_hash_permit_in(&self, lane: HashLane) -> Result<HashPermit<'_>, ApiError> {
+        let waiting = &self.waiting[lane as usize];
+        waiting.fetch_add(1, Ordering::SeqCst);
+        let acquire = async {
+            let _place = match lane {
+                HashLane::Clean => None,
+                HashLane::Suspect => Some(self.suspect_gate.acquire().await?),
+            };
+            self.hashes.acquire().await
+        };
+        let got = tokio::time::timeout(self.config.password_hash_wait, acquire).await;
+        waiting.fetch_sub(1, Ordering::SeqCst);
+        match got {
             Ok(Ok(permit)) => {
                 let now = self.hashing.fetch_add(1, Ordering::SeqCst) + 1;
                 self.hashing_peak.fetch_max(now, Ordering::SeqCst);
@@ -369,14 +427,30 @@ impl Limits {
         }
     }
 
-    /// Runs one password hash (or verification) on the hashing threads,
-    /// after waiting for a permit as [`Limits::password_hash_permit`] does.
-    /// The threads are as many as the permits and live as long as the
-    /// server, so each reuses its own ~19 MiB of Argon2 memory: the memory
-    /// hashing holds is bounded by the permits, and does not grow with the
-    /// blocking pool's threads (each of which would keep its own arena).
+    /// Password checks waiting for a hash now, in `lane`.
+    pub fn hashes_waiting(&self, lane: HashLane) -> usize {
+        self.waiting[lane as usize].load(Ordering::SeqCst)
+    }
+
+    /// Runs one password hash (or verification) in the clean lane (see
+    /// [`Limits::hash_in`]).
     pub async fn hash<T: Send + 'static>(&self, job: impl FnOnce() -> T + Send + 'static) -> Result<T, ApiError> {
-        let permit = self.password_hash_permit().await?;
+        self.hash_in(HashLane::Clean, job).await
+    }
+
+    /// Runs one password hash (or verification) on the hashing threads,
+    /// after waiting for a permit in `lane` as
+    /// [`Limits::password_hash_permit_in`] does. The threads are as many as
+    /// the permits and live as long as the server, so each reuses its own
+    /// ~19 MiB of Argon2 memory: the memory hashing holds is bounded by the
+    /// permits, and does not grow with the blocking pool's threads (each of
+    /// which would keep its own arena).
+    pub async fn hash_in<T: Send + 'static>(
+        &self,
+        lane: HashLane,
+        job: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, ApiError> {
+        let permit = self.password_hash_permit_in(lane).await?;
         let (tx, rx) = tokio::sync::oneshot::channel();
         let sent = self.hash_jobs.send(Box::new(move || {
             let _ = tx.send(job());
@@ -412,6 +486,7 @@ impl Limits {
         let forget_ms = self.config.login_failures_forget_after.as_millis() as i64;
         self.failures_by_address.lock().expect("limits lock").retain(|_, f| now_ms - f.last_ms < forget_ms);
         self.failures_by_account.lock().expect("limits lock").retain(|_, f| now_ms - f.last_ms < forget_ms);
+        self.failures_by_ip.lock().expect("limits lock").retain(|_, f| now_ms - f.last_ms < forget_ms);
     }
 
     /// Keys held across every limiter (for tests and a gauge).
@@ -426,6 +501,7 @@ impl Limits {
             + self.connect_address.len()
             + self.failures_by_address.lock().expect("limits lock").len()
             + self.failures_by_account.lock().expect("limits lock").len()
+            + self.failures_by_ip.lock().expect("limits lock").len()
     }
 }
 
@@ -514,6 +590,8 @@ fn bump<K: std::hash::Hash + Eq + Clone>(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use super::*;
 
     fn ip(s: &str) -> IpAddr {
@@ -619,6 +697,68 @@ mod tests {
         assert!(limits.failures_by_account.lock().unwrap().len() <= 10);
         limits.sweep(100 + LOGIN_FAILURES_FORGET_AFTER.as_millis() as i64);
         assert_eq!(limits.failures_by_address.lock().unwrap().len(), 0);
+    }
+
+    #[tokio::test]
+    async fn an_honest_login_waits_behind_at_most_one_suspect_check_however_many_guessers_queue() {
+        let limits = Arc::new(Limits::new(LimitsConfig {
+            password_hashes_concurrent_max: 1,
+            password_hash_wait: Duration::from_secs(600),
+            ..Default::default()
+        }));
+        // Five guessing addresses, each past its failures; one honest.
+        let guessers: Vec<IpAddr> = (1..=5).map(|i| ip(&format!("127.0.1.{i}"))).collect();
+        for g in &guessers {
+            for t in 0..SUSPECT_AFTER_FAILURES as i64 {
+                limits.login_outcome("ann", *g, false, 1_000 + t);
+            }
+            assert_eq!(limits.login_lane(*g, 2_000), HashLane::Suspect);
+        }
+        let honest = ip("127.0.0.2");
+        assert_eq!(limits.login_lane(honest, 2_000), HashLane::Clean);
+        // The window forgets a guesser; a success does not wash it.
+        limits.login_outcome("mine", guessers[1], true, 1_500);
+        assert_eq!(limits.login_lane(guessers[1], 2_000), HashLane::Suspect);
+        let forgotten = 2_000 + LOGIN_FAILURES_FORGET_AFTER.as_millis() as i64;
+        assert_eq!(limits.login_lane(guessers[0], forgotten), HashLane::Clean);
+
+        // The one hash is busy; every guesser queues, then the honest login.
+        let busy = limits.password_hash_permit().await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        let check = |who: String, lane: HashLane| {
+            let (limits, order) = (limits.clone(), order.clone());
+            tokio::spawn(async move {
+                let permit = limits.password_hash_permit_in(lane).await.unwrap();
+                order.lock().unwrap().push(who);
+                drop(permit);
+            })
+        };
+        for (i, g) in guessers.iter().enumerate() {
+            tasks.push(check(format!("guess{i}"), limits.login_lane(*g, 2_000)));
+        }
+        wait_until(|| limits.hashes_waiting(HashLane::Suspect) == guessers.len()).await;
+        tasks.push(check("honest".into(), limits.login_lane(honest, 2_000)));
+        wait_until(|| limits.hashes_waiting(HashLane::Clean) == 1).await;
+        drop(busy);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let order = order.lock().unwrap().clone();
+        let at = order.iter().position(|w| w == "honest").unwrap();
+        assert!(at <= 1, "the honest check ran after {at} suspect checks: {order:?}");
+        assert_eq!(order.len(), guessers.len() + 1, "every suspect check still ran: {order:?}");
+    }
+
+    /// Polls `cond`, yielding to the runtime, for at most ten thousand turns.
+    async fn wait_until(cond: impl Fn() -> bool) {
+        for _ in 0..10_000 {
+            if cond() {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+        panic!("condition not reached");
     }
 
     #[tokio::test]

@@ -159,6 +159,11 @@ pub const SLOW_CONSUMERS: Metric = Metric::new("tidemark_slow_consumer_disconnec
 /// WebSocket connections closed for sending on while told to wait.
 pub const WAITS_IGNORED_CLOSED: Metric = Metric::new("tidemark_waits_ignored_disconnects_total", stage::GATEWAY);
 pub const WS_CONNECTIONS: Metric = Metric::new("tidemark_ws_connections", stage::GATEWAY);
+/// Password checks waiting for a hash, by lane (clean, suspect: from an
+/// address that keeps failing), sampled at scrape.
+pub const PASSWORD_CHECKS_WAITING: Metric = Metric::new("tidemark_password_checks_waiting", stage::GATEWAY);
+/// Values of the `lane` label of [`PASSWORD_CHECKS_WAITING`].
+pub const HASH_LANES: &[&str] = &["clean", "suspect"];
 pub const REFUSALS: Metric = Metric::new("tidemark_refusals_total", stage::GATEWAY);
 // ---------------------------------------------------------------- storage
 pub const TRIMMED_EVENTS: Metric = Metric::new("tidemark_retention_trimmed_events_total", stage::STORAGE);
@@ -359,6 +364,11 @@ pub const FAMILIES: &[Family] = &[
         "WebSocket connections closed for sending on while told to wait (RATE_LIMITED).",
     ),
     family(WS_CONNECTIONS, Kind::Gauge, "Open authenticated WebSocket connections."),
+    family(
+        PASSWORD_CHECKS_WAITING,
+        Kind::GaugeBy("lane", || HASH_LANES.to_vec()),
+        "Password checks waiting for a hash, by lane (suspect: from an address that keeps failing).",
+    ),
     family(REFUSALS, Kind::CounterBy("code", codes), "Requests refused, by error code."),
     family(TRIMMED_EVENTS, Kind::Counter, "User-log events removed by retention."),
     family(
@@ -436,6 +446,13 @@ pub fn sample(store: Option<&tidemark_store::StoreGauges>, lag: &crate::hub::Lag
     RECOVERY_SESSIONS.set_by("kind", "snapshot", g.snapshot_sessions as f64);
     RECOVERY_OLDEST_AGE.set_by("kind", "replay", age(g.recovery_oldest_created_at_ms));
     RECOVERY_OLDEST_AGE.set_by("kind", "snapshot", age(g.snapshot_oldest_created_at_ms));
+}
+
+/// Refreshes the gauges of this node's limiter (memory only).
+pub fn sample_limits(limits: &crate::limits::Limits) {
+    use tidemark_core::throttle::HashLane;
+    PASSWORD_CHECKS_WAITING.set_by("lane", HASH_LANES[0], limits.hashes_waiting(HashLane::Clean) as f64);
+    PASSWORD_CHECKS_WAITING.set_by("lane", HASH_LANES[1], limits.hashes_waiting(HashLane::Suspect) as f64);
 }
 
 fn register_all() {

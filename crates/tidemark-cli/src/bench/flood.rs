@@ -9,8 +9,11 @@
 //!   address (127.0.1.x, so the per-address quota alone does not stop
 //!   them), post wrong passwords in a closed loop for a few real accounts
 //!   and for names that do not exist;
-//! - `send flood`: one attacking device sends in `--attackers` concurrent
-//!   closed loops over its WebSocket.
+//! - `send flood`: one attacking account sends in `--attackers` concurrent
+//!   closed loops, each on its own device's WebSocket, ignoring
+//!   `retry_after_ms`; a loop whose connection is closed (`kicked`
+//!   `waits_ignored`) reconnects at once and goes on (counted as
+//!   reconnects; refused upgrades count as refusals).
 //!
 //! Measured per phase: the honest login's latency (until it succeeds,
 //! waits told by `RATE_LIMITED` included) and send latency, p50 and p99;
@@ -52,6 +55,12 @@ pub struct FloodArgs {
     /// per-device send quota, so the honest user is never limited itself).
     #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u64).range(1..))]
     pub send_every_ms: u64,
+    /// Failed logins from an address before its password checks wait in
+    /// the suspect lane (the server's default; a huge value puts every
+    /// check in one lane, the behaviour before the lanes, for a same-run
+    /// comparison).
+    #[arg(long, default_value_t = tidemark_core::throttle::SUSPECT_AFTER_FAILURES)]
+    pub suspect_after_failures: u32,
     #[arg(long, default_value = "bench-results/flood.json")]
     pub out: PathBuf,
     /// Where the temporary store goes.
@@ -82,6 +91,8 @@ struct Phase {
     attack_accepted: u64,
     attack_refused: u64,
     attack_rate_limited: u64,
+    /// Connections the attacker opened again after the server closed one.
+    attack_reconnects: u64,
 }
 
 #[derive(Default)]
@@ -89,6 +100,7 @@ struct AttackCounts {
     accepted: AtomicU64,
     refused: AtomicU64,
     limited: AtomicU64,
+    reconnects: AtomicU64,
 }
 
 fn ms(us: u64) -> f64 {
@@ -107,9 +119,9 @@ pub async fn run(args: FloodArgs) -> Result<()> {
     let store = SqliteStore::open(&root.0.join("server")).context("open store")?;
     // Listening on 0.0.0.0 would do too; 127.0.0.1 accepts every loopback
     // source address.
-    let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, ServerConfig::default())
-        .await
-        .context("start server")?;
+    let mut config = ServerConfig::default();
+    config.limits.login_suspect_after_failures = args.suspect_after_failures;
+    let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await.context("start server")?;
     let result = phases(&args, &server, &*store).await;
     server.stop().await;
     let phases = result?;
@@ -123,6 +135,7 @@ pub async fn run(args: FloodArgs) -> Result<()> {
                 format!("{:.0}", p.peak_rss_mib),
                 format!("{:.0}", p.attack_requests_per_sec),
                 format!("{} / {} / {}", p.attack_accepted, p.attack_refused, p.attack_rate_limited),
+                p.attack_reconnects.to_string(),
             ]
         })
         .collect();
@@ -134,6 +147,7 @@ pub async fn run(args: FloodArgs) -> Result<()> {
             "peak RSS MiB",
             "attack req/s",
             "attack ok/refused/limited",
+            "attack reconnects",
         ],
         &rows,
     );
@@ -158,7 +172,7 @@ pub async fn run(args: FloodArgs) -> Result<()> {
         std::fs::create_dir_all(parent)?;
     }
     let report = json!({
-        "attackers": args.attackers, "login_every_ms": args.login_every_ms, "send_every_ms": args.send_every_ms,
+        "attackers": args.attackers, "suspect_after_failures": args.suspect_after_failures, "login_every_ms": args.login_every_ms, "send_every_ms": args.send_every_ms,
         "phases": phases,
         "login_flood_login_p99_ratio": ratio(login.login_p99_ms, quiet.login_p99_ms),
         "login_flood_send_p99_ratio": ratio(login.send_p99_ms, quiet.send_p99_ms),
@@ -209,9 +223,15 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
     let honest_login = http.login(HONEST, HONEST_PASSWORD, "laptop").await?;
     let (honest_ws, _honest_events) = WsConn::connect(&ws_url, &honest_login.access_token).await?;
     let direct = honest_ws.conv_create_direct("peer").await?.conv;
-    let attacker_login = http.login("attacker", HONEST_PASSWORD, "bot").await?;
-    let (attacker_ws, _attacker_events) = WsConn::connect(&ws_url, &attacker_login.access_token).await?;
-    let attacker_conv = attacker_ws.conv_create_direct("peer").await?.conv;
+    // The send flood's devices, one per loop, logged in before any phase.
+    let mut attacker_tokens = Vec::new();
+    for t in 0..args.attackers {
+        attacker_tokens.push(http.login("attacker", HONEST_PASSWORD, &format!("bot{t}")).await?.access_token);
+    }
+    let attacker_conv = {
+        let (ws, _events) = WsConn::connect(&ws_url, &attacker_tokens[0]).await?;
+        ws.conv_create_direct("peer").await?.conv
+    };
     let honest_client = client_from(HONEST_ADDRESS)?;
     let attack_clients: Vec<reqwest::Client> =
         (0..args.attackers).map(|i| client_from(Ipv4Addr::new(127, 0, 1, 1 + i as u8))).collect::<Result<_>>()?;
@@ -249,27 +269,48 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
                 }
             }
             "send flood" => {
-                for t in 0..args.attackers {
-                    let (ws, conv, stop) = (attacker_ws.clone(), attacker_conv.clone(), stop.clone());
+                for (t, token) in attacker_tokens.iter().enumerate() {
+                    let (token, ws_url, conv, stop) =
+                        (token.clone(), ws_url.clone(), attacker_conv.clone(), stop.clone());
                     let (counts, requests) = (counts.clone(), attack_requests.clone());
                     attack.push(tokio::spawn(async move {
                         let mut n = 0u64;
-                        while !stop.load(Ordering::Relaxed) {
-                            let req = SendReq {
-                                conv: conv.clone(),
-                                client_msg_id: format!("flood-{t}-{n}"),
-                                kind: "text".into(),
-                                content: json!({"text": "flood"}),
-                            };
-                            n += 1;
+                        let mut first = true;
+                        'connection: while !stop.load(Ordering::Relaxed) {
                             requests.fetch_add(1, Ordering::Relaxed);
-                            match ws.send(&req).await {
-                                Ok(_) => counts.accepted.fetch_add(1, Ordering::Relaxed),
+                            let ws = match WsConn::connect(&ws_url, &token).await {
+                                Ok((ws, _events)) => ws,
                                 Err(ClientError::Server(f)) if f.code == ErrorCode::RateLimited => {
-                                    counts.limited.fetch_add(1, Ordering::Relaxed)
+                                    counts.limited.fetch_add(1, Ordering::Relaxed);
+                                    continue;
                                 }
-                                Err(_) => counts.refused.fetch_add(1, Ordering::Relaxed),
+                                Err(_) => {
+                                    counts.refused.fetch_add(1, Ordering::Relaxed);
+                                    continue;
+                                }
                             };
+                            if !std::mem::take(&mut first) {
+                                counts.reconnects.fetch_add(1, Ordering::Relaxed);
+                            }
+                            while !stop.load(Ordering::Relaxed) {
+                                let req = SendReq {
+                                    conv: conv.clone(),
+                                    client_msg_id: format!("flood-{t}-{n}"),
+                                    kind: "text".into(),
+                                    content: json!({"text": "flood"}),
+                                };
+                                n += 1;
+                                requests.fetch_add(1, Ordering::Relaxed);
+                                match ws.send(&req).await {
+                                    Ok(_) => counts.accepted.fetch_add(1, Ordering::Relaxed),
+                                    Err(ClientError::Server(f)) if f.code == ErrorCode::RateLimited => {
+                                        counts.limited.fetch_add(1, Ordering::Relaxed)
+                                    }
+                                    Err(ClientError::Server(_)) => counts.refused.fetch_add(1, Ordering::Relaxed),
+                                    // Closed by the server: connect again.
+                                    Err(_) => continue 'connection,
+                                };
+                            }
                         }
                     }));
                 }
@@ -358,6 +399,7 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
             attack_accepted: counts.accepted.load(Ordering::Relaxed),
             attack_refused: counts.refused.load(Ordering::Relaxed),
             attack_rate_limited: counts.limited.load(Ordering::Relaxed),
+            attack_reconnects: counts.reconnects.load(Ordering::Relaxed),
         });
     }
     Ok(out)

@@ -81,7 +81,10 @@ pub async fn login(state: &AppState, peer: IpAddr, req: LoginReq) -> ApiResult<L
     state.limits.admit_login(&req.user, peer, now_ms())?;
     let hash = state.store.password_hash(&req.user).await?;
     let password = req.password.clone();
-    let ok = state.limits.hash(move || accounts::verify_login(&password, hash.as_deref())).await?;
+    // A check from an address that keeps failing waits in the suspect
+    // lane, so guessers on many addresses cannot queue ahead of everyone.
+    let lane = state.limits.login_lane(peer, now_ms());
+    let ok = state.limits.hash_in(lane, move || accounts::verify_login(&password, hash.as_deref())).await?;
     state.limits.login_outcome(&req.user, peer, ok, now_ms());
     if !ok {
         tracing::warn!(user_hash = %state.log_id(&req.user), %peer, "login failed");

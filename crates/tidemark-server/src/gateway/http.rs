@@ -427,6 +427,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     let now = crate::util::now_ms();
     let gauges = state.store.gauges(now).await.ok();
     m::sample(gauges.as_ref(), &state.hub.lag(now), now);
+    m::sample_limits(&state.limits);
     let st = state.store.stats();
     // The store keeps its own totals; the counters take them as they are.
     m::STORE_WRITE_REQUESTS.absolute(st.writes);
