@@ -104,6 +104,16 @@ enum Command {
         /// /v1/admin/reconcile or `tidemark admin reconcile`.
         #[arg(long, default_value_t = 0)]
         reconcile_every_secs: u64,
+        /// Fan-out lag (age of the oldest outbox item the relay claims) at
+        /// which the node counts as behind: hints are only merged,
+        /// retention and scheduled reconciliation wait, typing and presence
+        /// are refused with RATE_LIMITED (seed §9.4).
+        #[arg(long, default_value_t = tidemark_core::degrade::LOAD_BOUNDS_DEFAULT.behind_ms)]
+        load_behind_ms: u64,
+        /// Fan-out lag at which the node counts as overloaded: offline push
+        /// waits too.
+        #[arg(long, default_value_t = tidemark_core::degrade::LOAD_BOUNDS_DEFAULT.overloaded_ms)]
+        load_overloaded_ms: u64,
         /// Keep every user-log entry (no retention pass at all).
         #[arg(long, conflicts_with_all = ["log_keep_secs", "device_inactive_secs"])]
         keep_all_logs: bool,
@@ -538,6 +548,8 @@ async fn main() -> Result<()> {
             device_inactive_secs,
             retention_every_ms,
             reconcile_every_secs,
+            load_behind_ms,
+            load_overloaded_ms,
             keep_all_logs,
             snapshot_ttl_secs,
             snapshot_messages_per_conv,
@@ -574,6 +586,10 @@ async fn main() -> Result<()> {
                 retention_every: std::time::Duration::from_millis(retention_every_ms),
                 reconcile_every: (reconcile_every_secs > 0)
                     .then(|| std::time::Duration::from_secs(reconcile_every_secs)),
+                load_bounds: tidemark_core::degrade::LoadBounds {
+                    behind_ms: load_behind_ms,
+                    overloaded_ms: load_overloaded_ms,
+                },
                 snapshot_ttl: std::time::Duration::from_secs(snapshot_ttl_secs),
                 snapshot_messages_per_conv,
                 hold_fanout,

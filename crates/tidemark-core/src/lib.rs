@@ -14,6 +14,7 @@ pub mod audit;
 pub mod control;
 pub mod convsync;
 pub mod cursor;
+pub mod degrade;
 pub mod ephemeral;
 pub mod ids;
 pub mod kinds;

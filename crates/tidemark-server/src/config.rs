@@ -135,6 +135,9 @@ pub struct ServerConfig {
     pub ephemeral: crate::ephemeral::EphemeralConfig,
     /// Offline push (P4): providers, the token key and the rules' knobs.
     pub push: crate::push::PushConfig,
+    /// The fan-out lag at which the node counts as behind or overloaded,
+    /// and so degrades in the order of seed §9.4 (`tidemark_core::degrade`).
+    pub load_bounds: tidemark_core::degrade::LoadBounds,
 }
 
 impl Default for ServerConfig {
@@ -174,6 +177,7 @@ impl Default for ServerConfig {
             group_policy: tidemark_core::large::GroupPolicy::default(),
             ephemeral: crate::ephemeral::EphemeralConfig::default(),
             push: crate::push::PushConfig::default(),
+            load_bounds: tidemark_core::degrade::LOAD_BOUNDS_DEFAULT,
         }
     }
 }

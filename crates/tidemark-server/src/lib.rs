@@ -41,6 +41,7 @@ pub mod accounts;
 pub mod audit;
 pub mod bus;
 pub mod config;
+pub mod degrade;
 pub mod ephemeral;
 pub mod error;
 pub mod fence;

@@ -159,6 +159,17 @@ pub const SLOW_CONSUMERS: Metric = Metric::new("tidemark_slow_consumer_disconnec
 /// WebSocket connections closed for sending on while told to wait.
 pub const WAITS_IGNORED_CLOSED: Metric = Metric::new("tidemark_waits_ignored_disconnects_total", stage::GATEWAY);
 pub const WS_CONNECTIONS: Metric = Metric::new("tidemark_ws_connections", stage::GATEWAY);
+/// This node's load level (0 normal, 1 behind, 2 overloaded), from the
+/// fan-out lag of the relay's last claim (seed §9.4).
+pub const LOAD_LEVEL: Metric = Metric::new("tidemark_load_level", stage::FANOUT);
+/// Rounds of work the degradation order held back, by kind of work.
+pub const DEGRADED: Metric = Metric::new("tidemark_degraded_total", stage::FANOUT);
+/// Changes of the load level, by the level entered.
+pub const LOAD_CHANGES: Metric = Metric::new("tidemark_load_level_changes_total", stage::FANOUT);
+/// Values of the `level` label of [`LOAD_CHANGES`].
+pub const LOAD_LEVELS: &[&str] = &["normal", "behind", "overloaded"];
+/// Values of the `work` label of [`DEGRADED`].
+pub const DEGRADED_WORK: &[&str] = &["push", "derived", "ephemeral"];
 /// Password checks waiting for a hash, by lane (clean, suspect: from an
 /// address that keeps failing), sampled at scrape.
 pub const PASSWORD_CHECKS_WAITING: Metric = Metric::new("tidemark_password_checks_waiting", stage::GATEWAY);
@@ -364,6 +375,17 @@ pub const FAMILIES: &[Family] = &[
         "WebSocket connections closed for sending on while told to wait (RATE_LIMITED).",
     ),
     family(WS_CONNECTIONS, Kind::Gauge, "Open authenticated WebSocket connections."),
+    family(LOAD_LEVEL, Kind::Gauge, "Load level from the fan-out lag: 0 normal, 1 behind, 2 overloaded (seed 9.4)."),
+    family(
+        LOAD_CHANGES,
+        Kind::CounterBy("level", || LOAD_LEVELS.to_vec()),
+        "Changes of the load level, by the level entered (normal, behind, overloaded).",
+    ),
+    family(
+        DEGRADED,
+        Kind::CounterBy("work", || DEGRADED_WORK.to_vec()),
+        "Rounds of work held back by the degradation order, by work (push, derived, ephemeral).",
+    ),
     family(
         PASSWORD_CHECKS_WAITING,
         Kind::GaugeBy("lane", || HASH_LANES.to_vec()),

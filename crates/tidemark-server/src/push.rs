@@ -131,7 +131,10 @@ pub async fn run(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
         while work.try_join_next().is_some() {}
         let room = inflight.available_permits().min(config.claim_batch_max as usize) as u32;
         let mut full = false;
-        if room > 0 && state.store.health().write_failure.is_none() {
+        // Offline push waits while the node is overloaded (§9.4): what is
+        // owed is derived from committed facts and claimed again later.
+        let allowed = state.load.runs(tidemark_core::degrade::Work::Push);
+        if allowed && room > 0 && state.store.health().write_failure.is_none() {
             let lease_ms = config.lease.as_millis() as i64;
             match state.store.claim_pushes(now_ms(), lease_ms, room, rules::PUSH_EVENTS_SCAN_MAX).await {
                 Ok(claimed) => {

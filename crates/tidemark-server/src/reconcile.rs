@@ -110,6 +110,9 @@ pub async fn run_scheduled(state: Arc<AppState>, mut shutdown: watch::Receiver<b
             _ = tokio::time::sleep(every) => {}
             _ = crate::util::stopped(&mut shutdown) => return,
         }
+        if !state.load.runs(tidemark_core::degrade::Work::Derived) {
+            continue;
+        }
         // The run reads in chunks on read connections and repairs through
         // short writer requests; shutdown waits for the chunk in progress.
         tokio::select! {

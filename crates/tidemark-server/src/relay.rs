@@ -77,11 +77,16 @@ async fn drain(state: &AppState, shutdown: &watch::Receiver<bool>) -> Result<Dra
             return Ok(Drained::More);
         }
         let claimed = state.store.fan_out_next(state.config.relay_batch_max, now_ms()).await?;
+        let committed = now_ms();
+        // The load level (seed §9.4): the age of the oldest item of a full
+        // claim.
+        let oldest = claimed.items.iter().map(|i| i.created_at_ms).min();
+        let full = claimed.items.len() >= state.config.relay_batch_max as usize;
+        state.load.observe(oldest.map(|c| (committed - c).max(0) as u64), full);
         if claimed.items.is_empty() {
             return Ok(Drained::Empty);
         }
         let report = claimed.report;
-        let committed = now_ms();
         observe(state, &claimed.items, &report, committed);
         for (user, hw) in &report.users {
             state.hint_user(user, *hw);
@@ -137,7 +142,10 @@ pub async fn run_rehint(state: Arc<AppState>, mut shutdown: watch::Receiver<bool
             _ = tokio::time::sleep(every) => {}
             _ = crate::util::stopped(&mut shutdown) => return,
         }
-        state.hub.rehint_sweep(now_ms(), state.config.rehint_after.as_millis() as i64);
+        // Under load hints are only merged: repeating them waits (§9.4).
+        if state.load.action(tidemark_core::degrade::Work::Hints) == tidemark_core::degrade::Action::Run {
+            state.hub.rehint_sweep(now_ms(), state.config.rehint_after.as_millis() as i64);
+        }
     }
 }
 
@@ -150,6 +158,11 @@ pub async fn run_retention(state: Arc<AppState>, mut shutdown: watch::Receiver<b
         tokio::select! {
             _ = tokio::time::sleep(state.config.retention_every) => {}
             _ = crate::util::stopped(&mut shutdown) => return,
+        }
+        // Derived work waits while the fan-out is behind (§9.4); what it
+        // would trim is still there at the next pass.
+        if !state.load.runs(tidemark_core::degrade::Work::Derived) {
+            continue;
         }
         match state.store.trim_user_logs(policy, now_ms()).await {
             Ok(r) if r.events_deleted > 0 || r.snapshots_expired > 0 => {

@@ -40,6 +40,7 @@ impl Server {
         let ws_slots = ConnSlots::new(config.ws_connections_max);
         let ws_user_slots = UserConnSlots::new(config.ws_connections_per_user_max);
         let config_limits = config.limits.clone();
+        let load_bounds = config.load_bounds;
         store.set_group_policy(config.group_policy);
         let groups = Arc::new(crate::groups::GroupHints::new(store.clone(), hub.clone()));
         let lane =
@@ -63,6 +64,7 @@ impl Server {
             sessions,
             limits: crate::limits::Limits::new(config_limits),
             lane,
+            load: crate::degrade::LoadState::new(load_bounds),
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;

@@ -49,6 +49,9 @@ pub struct AppState {
     /// This node's WebSocket connections per user, at most
     /// [`ServerConfig::ws_connections_per_user_max`].
     pub ws_user_slots: Arc<UserConnSlots>,
+    /// The load level the relay last observed, and the degradation order
+    /// applied to it (seed §9.4).
+    pub load: crate::degrade::LoadState,
 }
 
 impl AppState {

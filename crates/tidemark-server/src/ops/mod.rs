@@ -67,6 +67,15 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
     }
     // Before anything is read or written: a limited request changes nothing.
     state.limits.admit_op(&op, &ctx.user, &ctx.device)?;
+    if crate::limits::OpClass::of(&op) == crate::limits::OpClass::Ephemeral
+        && !state.load.runs(tidemark_core::degrade::Work::Ephemeral)
+    {
+        // Typing and presence are the first shed (§9.4).
+        return Err(crate::limits::rate_limited(
+            crate::degrade::SHED_RETRY_AFTER_MS,
+            "typing and presence while the server is behind",
+        ));
+    }
     match op.as_str() {
         op::SEND => to_value(&send::run(&state, &ctx, parse(body)?).await?),
         op::SYNC => to_value(&sync::sync(&state, &ctx, parse(body)?).await?),
