@@ -504,6 +504,7 @@ impl Store for PgStore {
                         .await?;
                     let Some(revoked) = tidemark_core::cursor::revoked(rec.cursor) else { return Ok(false) };
                     write_cursor(c, &user, &device, revoked, now_ms).await?;
+                    bump_fences_version(c).await?;
                     Ok(true)
                 })
             })
@@ -1239,6 +1240,7 @@ impl Store for PgStore {
                         &[&user, &device],
                     )
                     .await?;
+                    bump_fences_version(c).await?;
                     Ok(true)
                 })
             })
@@ -1266,7 +1268,28 @@ impl Store for PgStore {
                         &[&user, &now_ms],
                     )
                     .await?;
+                    bump_fences_version(c).await?;
                     Ok(true)
+                })
+            })
+            .await
+    }
+
+    async fn fences_version(&self) -> StoreResult<u64> {
+        self.readers
+            .read(|c| {
+                Box::pin(async move {
+                    let row = query_opt(
+                        c,
+                        "SELECT convert_from(value, 'UTF8')::BIGINT FROM meta WHERE key = 'fences_version'",
+                        &[],
+                    )
+                    .await?;
+                    let v: i64 = match row {
+                        Some(r) => col(&r, 0)?,
+                        None => 0,
+                    };
+                    Ok(v.max(0) as u64)
                 })
             })
             .await
@@ -1415,6 +1438,7 @@ impl Store for PgStore {
                         &[&user, &now_ms],
                     )
                     .await?;
+                    bump_fences_version(c).await?;
                     exec(
                         c,
                         "DELETE FROM snapshot_items WHERE snapshot_id IN \
@@ -1510,6 +1534,21 @@ fn conv_partition(conv: &str, n: usize) -> usize {
         h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
     }
     (h % n as u64) as usize
+}
+
+/// Moves `meta.fences_version` (see `Store::fences_version`), inside the
+/// transaction that records a fence. Fences are rare operator and device
+/// actions, so the one row they share is not a hot spot.
+async fn bump_fences_version(c: &Conn) -> StoreResult<()> {
+    exec(
+        c,
+        "INSERT INTO meta (key, value) VALUES ('fences_version', convert_to('1', 'UTF8')) \
+         ON CONFLICT (key) DO UPDATE SET \
+         value = convert_to((convert_from(meta.value, 'UTF8')::BIGINT + 1)::TEXT, 'UTF8')",
+        &[],
+    )
+    .await?;
+    Ok(())
 }
 
 #[cfg(test)]

@@ -19,7 +19,8 @@
 //! superseded connection ends on, every node within the bus's latency, and
 //! never later than one refresh period plus the reload's own time after
 //! the fence committed, whatever the bus lost. The same holds for session
-//! ends: each reload reads the recorded ends and deactivations, and a
+//! ends: a reload reads the recorded ends and deactivations (only when the
+//! store's `fences_version`, moved by every fence write, changed), and a
 //! connection whose token was issued before an end it had not heard of is
 //! kicked then. Meanwhile a frame that
 //! arrives on a connection the hub already kicked is dropped unread
@@ -118,13 +119,20 @@ impl Fences {
 /// Reloads the fences from the store every [`FENCE_REFRESH_EVERY`] (cluster
 /// mode), the fallback of the bus: a fence lost on the bus holds here one
 /// period later. A failed reload is retried at the next period.
-pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
+/// Reloads the fences every [`FENCE_REFRESH_EVERY`]. `cluster`: also the
+/// connection epochs and ACKs of the devices connected here, which only
+/// another node can move. On one node the loop still runs, so an
+/// operator's `tidemark user …`/`tidemark device …` command, written
+/// straight to the store by another process, reaches the running server
+/// within the period too.
+pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>, cluster: bool) {
+    let mut seen = None;
     loop {
         tokio::select! {
             _ = tokio::time::sleep(FENCE_REFRESH_EVERY) => {}
             _ = crate::util::stopped(&mut shutdown) => return,
         }
-        if let Err(e) = refresh_once(&state).await {
+        if let Err(e) = refresh_once(&state, &mut seen, cluster).await {
             tracing::warn!(error = %e, "fence reload failed; retrying next period");
         }
     }
@@ -132,7 +140,22 @@ pub async fn run_refresh(state: Arc<AppState>, mut shutdown: watch::Receiver<boo
 
 /// One reload: the revoked devices and the session ends, then the epochs
 /// and committed ACKs of the devices connected here.
-pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
+/// One reload. The revoked devices and the recorded session ends are read
+/// only when [`tidemark_store::Store::fences_version`] moved since `seen`
+/// (a point read otherwise); `seen` is updated after they were applied.
+pub async fn refresh_once(state: &AppState, seen: &mut Option<u64>, cluster: bool) -> tidemark_store::StoreResult<()> {
+    let version = state.store.fences_version().await?;
+    if *seen != Some(version) {
+        reload_fences(state).await?;
+        *seen = Some(version);
+    }
+    if cluster {
+        refresh_connected(state).await?;
+    }
+    Ok(())
+}
+
+async fn reload_fences(state: &AppState) -> tidemark_store::StoreResult<()> {
     for (user, device) in state.store.revoked_devices().await? {
         if !state.fences.is_revoked(&user, &device) && state.fences.revoke(&user, &device) {
             tracing::info!(user_hash = %state.log_id(&user), device_hash = %state.log_id(&device), "revocation learnt from the store");
@@ -160,6 +183,11 @@ pub async fn refresh_once(state: &AppState) -> tidemark_store::StoreResult<()> {
             );
         }
     }
+    Ok(())
+}
+
+/// The connection epochs and committed ACKs of the devices connected here.
+async fn refresh_connected(state: &AppState) -> tidemark_store::StoreResult<()> {
     let connected = state.hub.devices();
     if connected.is_empty() {
         return Ok(());

@@ -80,11 +80,14 @@ impl Server {
         let reconcile = spawn_fatal("reconcile", crate::reconcile::run_scheduled(state.clone(), shutdown_rx.clone()));
         let push = spawn_fatal("push", crate::push::run(state.clone(), shutdown_rx.clone()));
         let mut tasks = vec![http, relay, rehint, retention, sweep, typing, audit, reconcile, push];
+        // Fences reach this node from the store (an operator's command run
+        // on the store by another process; in cluster mode also what the
+        // bus lost) and, in cluster mode, on the bus (`fence`).
+        let cluster = bus_pending.is_some();
+        let refresh =
+            spawn_fatal("fence refresh", crate::fence::run_refresh(state.clone(), shutdown_rx.clone(), cluster));
+        tasks.push(refresh);
         if let Some(pending) = bus_pending {
-            // Cluster mode: fences reach this node on the bus, and from the
-            // store should the bus lose one (`fence`).
-            let refresh = spawn_fatal("fence refresh", crate::fence::run_refresh(state.clone(), shutdown_rx.clone()));
-            tasks.push(refresh);
             let to = crate::bus::Receivers {
                 hub: state.hub.clone(),
                 fences: state.fences.clone(),

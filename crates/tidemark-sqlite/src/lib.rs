@@ -512,6 +512,7 @@ impl Store for SqliteStore {
                     .map_err(internal)?;
                 let Some(revoked) = cursor::revoked(rec.cursor) else { return Ok(false) };
                 write_cursor(c, &user, &device, revoked, now_ms)?;
+                bump_fences_version(c)?;
                 Ok(true)
             })
             .await
@@ -1228,6 +1229,7 @@ impl Store for SqliteStore {
                     params![user, device],
                 )
                 .map_err(internal)?;
+                bump_fences_version(c)?;
                 Ok(true)
             })
             .await
@@ -1252,7 +1254,20 @@ impl Store for SqliteStore {
                     params![user, now_ms],
                 )
                 .map_err(internal)?;
+                bump_fences_version(c)?;
                 Ok(true)
+            })
+            .await
+    }
+
+    async fn fences_version(&self) -> StoreResult<u64> {
+        self.readers
+            .read_store(|c| {
+                let v: Option<i64> = c
+                    .query_row("SELECT CAST(value AS INTEGER) FROM meta WHERE key = 'fences_version'", [], |r| r.get(0))
+                    .optional()
+                    .map_err(internal)?;
+                Ok(v.unwrap_or(0).max(0) as u64)
             })
             .await
     }
@@ -1392,6 +1407,7 @@ impl Store for SqliteStore {
                     params![user, now_ms],
                 )
                 .map_err(internal)?;
+                bump_fences_version(c)?;
                 c.execute(
                     "DELETE FROM snapshot_items WHERE snapshot_id IN (SELECT snapshot_id FROM snapshots WHERE user_id = ?1)",
                     params![user],
@@ -1453,4 +1469,16 @@ fn rand_secret() -> [u8; 32] {
     let conn = Connection::open_in_memory().expect("in-memory sqlite");
     let bytes: Vec<u8> = conn.query_row("SELECT randomblob(32)", [], |r| r.get(0)).expect("randomblob");
     bytes.try_into().expect("32 bytes")
+}
+
+/// Moves `meta.fences_version` (see `Store::fences_version`), inside the
+/// transaction that records a fence.
+fn bump_fences_version(c: &rusqlite::Connection) -> StoreResult<()> {
+    c.execute(
+        "INSERT INTO meta (key, value) VALUES ('fences_version', 1) \
+         ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + 1",
+        [],
+    )
+    .map_err(internal)?;
+    Ok(())
 }

@@ -54,6 +54,7 @@ where
     sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
     connection_epochs_are_per_device_and_durable(&*fresh().await).await;
     devices_list_and_sessions_end_durably(&*fresh().await).await;
+    fences_version_moves_with_every_fence(&*fresh().await).await;
     audit_log_is_queried_by_user_and_time_and_trimmed(&*fresh().await).await;
     deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tombstone(&*fresh().await).await;
     gauges_sample_what_the_store_holds(&*fresh().await).await;
@@ -77,6 +78,41 @@ where
     privacy_audience_and_receipts(&*fresh().await).await;
     large_group_rules(&*fresh().await).await;
     large_group_created_shared(&*fresh().await).await;
+}
+
+/// P2, P5 (`server::fence`): every write that records a fence moves
+/// `fences_version`, in its own transaction; other writes and refusals
+/// leave it where it was, so a node's periodic check reloads only on a
+/// change.
+pub async fn fences_version_moves_with_every_fence(store: &dyn Store) {
+    users(store, &["ann", "ben", "cat"]).await;
+    store.login_device("ann", "phone", "Phone", T0).await.unwrap();
+    store.login_device("ann", "laptop", "Laptop", T0).await.unwrap();
+    let v0 = store.fences_version().await.unwrap();
+    let (conv, _) = store.create_direct("ann", "ben", "d1", T0).await.unwrap();
+    store.accept_send(send("ann", &conv, "m1")).await.unwrap();
+    drain(store).await;
+    assert_eq!(store.fences_version().await.unwrap(), v0, "a send, a fan-out and a login are no fence");
+    let mut last = v0;
+    let mut moved = |what: &str, v: u64| {
+        assert!(v > last, "{what} moves fences_version: {v} after {last}");
+        last = v;
+    };
+    assert!(store.revoke_device("ann", "laptop", T0).await.unwrap());
+    moved("a revocation", store.fences_version().await.unwrap());
+    assert!(store.end_sessions("ann", Some("phone"), T0 + 1).await.unwrap());
+    moved("a device's end of sessions", store.fences_version().await.unwrap());
+    assert!(store.end_sessions("ben", None, T0 + 2).await.unwrap());
+    moved("a user's end of sessions", store.fences_version().await.unwrap());
+    assert!(store.deactivate_user("cat", T0 + 3).await.unwrap());
+    moved("a deactivation", store.fences_version().await.unwrap());
+    assert!(store.delete_user("ben", T0 + 4).await.unwrap());
+    moved("a deletion", store.fences_version().await.unwrap());
+    // Refusals and repeats that change nothing leave it.
+    assert!(store.revoke_device("zed", "x", T0).await.is_err());
+    assert!(!store.revoke_device("ann", "laptop", T0).await.unwrap());
+    assert!(!store.deactivate_user("cat", T0 + 5).await.unwrap());
+    assert_eq!(store.fences_version().await.unwrap(), last, "nothing recorded, nothing moved");
 }
 
 /// Drains the outbox through the fan-out claim, as the relay does.

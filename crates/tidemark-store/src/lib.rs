@@ -1157,6 +1157,13 @@ pub trait Store: Send + Sync + 'static {
     /// in-memory fence.
     async fn session_fences(&self) -> StoreResult<SessionFences>;
 
+    /// A counter that every write recording a fence (a revoked device, an
+    /// end of sessions, a deactivation, a deletion) moves in its own
+    /// transaction, whichever process wrote it: a node re-reads
+    /// [`Store::revoked_devices`] and [`Store::session_fences`] only when
+    /// it moved, so its periodic check is one point read (0: none yet).
+    async fn fences_version(&self) -> StoreResult<u64>;
+
     /// Appends one entry to the durable audit log.
     async fn append_audit(&self, entry: &AuditEntry) -> StoreResult<()>;
 
