@@ -99,8 +99,9 @@
 //! ## Groups
 //!
 //! [`Client::create_group`], [`Client::add_member`],
-//! [`Client::remove_member`], [`Client::leave`]; a member reads from their
-//! join to their leave (G1).
+//! [`Client::remove_member`], [`Client::leave`], and the member list
+//! [`Client::members`], paged; a member reads from their join to their
+//! leave (G1).
 //!
 //! ```no_run
 #![doc = include_str!("../examples/groups.rs")]
@@ -127,7 +128,7 @@ pub mod store;
 mod types;
 mod ws;
 
-pub use calls::HistoryPage;
+pub use calls::{HistoryPage, MembersPage};
 pub use client::{Changes, Client};
 pub use ephemeral::PresenceState;
 pub use http::Http;

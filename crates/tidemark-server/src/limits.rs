@@ -66,6 +66,7 @@ impl OpClass {
             op::HISTORY
             | op::CONV_SYNC
             | op::CONV_LIST
+            | op::CONV_MEMBERS
             | op::CONV_RECEIPTS
             | op::DELIVERY_RECEIPTS
             | op::DEVICE_LIST
@@ -530,6 +531,7 @@ mod tests {
             (op::DIRTY_CLEAR, OpClass::Sync),
             (op::HISTORY, OpClass::Read),
             (op::CONV_SYNC, OpClass::Read),
+            (op::CONV_MEMBERS, OpClass::Read),
             (op::CONV_CREATE, OpClass::Change),
             (op::CONV_LEAVE, OpClass::Change),
             (op::PING, OpClass::Free),

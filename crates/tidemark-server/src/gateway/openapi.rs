@@ -167,6 +167,12 @@ fn rpcs(s: &mut Schemas) -> Vec<Rpc> {
             reply: s.of::<PrivacyOk>(),
         },
         rpc(
+            op::CONV_MEMBERS,
+            "A conversation's current members with their join, paged by user id (G1)",
+            s.of::<ConvMembersReq>(),
+            s.of::<ConvMembersOk>(),
+        ),
+        rpc(
             op::CONV_RECEIPTS,
             "Read positions of a conversation's members (R2)",
             s.of::<ConvReceiptsReq>(),

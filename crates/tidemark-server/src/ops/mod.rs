@@ -77,6 +77,7 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::CONV_ADD => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Add).await?),
         op::CONV_REMOVE => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Remove).await?),
         op::CONV_LEAVE => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Leave).await?),
+        op::CONV_MEMBERS => to_value(&conv::members(&state, &ctx, parse(body)?).await?),
         op::CONV_SYNC => to_value(&conv::sync(&state, &ctx, parse(body)?).await?),
         op::HISTORY => to_value(&conv::history(&state, &ctx, parse(body)?).await?),
         op::CONV_SETTINGS => to_value(&conv::settings(&state, &ctx, parse(body)?).await?),
