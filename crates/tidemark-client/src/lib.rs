@@ -44,7 +44,8 @@
 //!   read the local store, subscribe to changes);
 //! - `types`: what the client and the engine share (configuration,
 //!   connection states, changes, errors);
-//! - `engine`: the state machine, sync rounds and the outbox pump;
+//! - `engine`: the state machine, sync rounds and the outbox pump, and the
+//!   report of the device's repair counts to the server (`client.stats`);
 //! - [`store`]: the local SQLite schema and its transactions (sync pages,
 //!   snapshot installs, the outbox);
 //! - [`cursor`]: the pure contiguous cursor with its pending buffer;

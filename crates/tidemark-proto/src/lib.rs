@@ -32,6 +32,8 @@ pub const CONTENT_BYTES_MAX: usize = 64 * 1024;
 pub const ID_BYTES_MAX: usize = 64;
 /// The identifier bounds the domain validates (`tidemark_core::ids`):
 /// user names, device ids, `client_msg_id`s and message kinds, in bytes.
+/// The bound of one `client.stats` report's counts (`tidemark_core::client_stats`).
+pub use tidemark_core::client_stats::CLIENT_STATS_COUNT_MAX;
 pub use tidemark_core::ids::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
 /// Longest reaction, in bytes.
 pub const REACTION_BYTES_MAX: usize = 32;
@@ -100,6 +102,8 @@ pub mod op {
     pub const PUSH_REMOVE: &str = "push.remove";
     /// Tidemark extension: a conversation's current members, paged (G1).
     pub const CONV_MEMBERS: &str = "conv.members";
+    /// Tidemark extension: a device reports the gaps only it sees (O1).
+    pub const CLIENT_STATS: &str = "client.stats";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -133,6 +137,7 @@ pub mod op {
         PRIVACY_SET,
         CONV_RECEIPTS,
         DELIVERY_RECEIPTS,
+        CLIENT_STATS,
         PUSH_REGISTER,
         PUSH_LIST,
         PUSH_REMOVE,
@@ -587,6 +592,32 @@ pub struct ConvMemberOk {
     pub conv: String,
     /// The membership event's position in the conversation.
     pub msg_seq: u64,
+}
+
+/// `client.stats`: the gaps a device saw that the server cannot (K5
+/// repairs): counts since the device's last accepted report, and the
+/// repairs waiting now. Each is clamped to `CLIENT_STATS_COUNT_MAX`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClientStatsReq {
+    /// Conversations queued for repair since the last report.
+    #[serde(default, deserialize_with = "whole::int")]
+    pub gaps_detected: u64,
+    /// Repairs completed since the last report.
+    #[serde(default, deserialize_with = "whole::int")]
+    pub gaps_repaired: u64,
+    /// Repairs waiting on the device now.
+    #[serde(default, deserialize_with = "whole::int")]
+    pub repairs_pending: u64,
+}
+
+/// The report as the server counted it (after clamping).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClientStatsOk {
+    pub gaps_detected: u64,
+    pub gaps_repaired: u64,
+    pub repairs_pending: u64,
 }
 
 /// `conv.members`: one page of a conversation's current members, by user

@@ -62,7 +62,8 @@ impl OpClass {
             | op::SNAPSHOT_BEGIN
             | op::SNAPSHOT_PAGE
             | op::SNAPSHOT_ACK
-            | op::DIRTY_CLEAR => OpClass::Sync,
+            | op::DIRTY_CLEAR
+            | op::CLIENT_STATS => OpClass::Sync,
             op::HISTORY
             | op::CONV_SYNC
             | op::CONV_LIST
@@ -529,6 +530,7 @@ mod tests {
             (op::SYNC, OpClass::Sync),
             (op::ACK, OpClass::Sync),
             (op::DIRTY_CLEAR, OpClass::Sync),
+            (op::CLIENT_STATS, OpClass::Sync),
             (op::HISTORY, OpClass::Read),
             (op::CONV_SYNC, OpClass::Read),
             (op::CONV_MEMBERS, OpClass::Read),
