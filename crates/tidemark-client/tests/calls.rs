@@ -11,13 +11,6 @@ use tidemark_client::proto::ErrorCode;
 use tidemark_client::{Client, ConnState, SdkError};
 use tidemark_server::ServerConfig;
 
-fn refused(r: Result<impl std::fmt::Debug, SdkError>) -> ErrorCode {
-    match r {
-        Err(SdkError::Refused(e)) => e.code().unwrap_or_else(|| panic!("not a server refusal: {e}")),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
-
 fn texts(msgs: &[tidemark_client::Message]) -> Vec<(u64, String)> {
     msgs.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap_or_default().to_owned())).collect()
 }

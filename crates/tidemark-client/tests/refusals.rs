@@ -15,13 +15,6 @@ use serde_json::json;
 use tidemark_client::proto::ErrorCode;
 use tidemark_client::{Client, OutboxEntry, OutboxState, SdkError};
 
-fn refused(r: Result<impl std::fmt::Debug, SdkError>) -> ErrorCode {
-    match r {
-        Err(SdkError::Refused(e)) => e.code().unwrap_or_else(|| panic!("not a server refusal: {e}")),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
-
 /// Waits until the outbox entry `entry` leaves `pending`; returns it.
 async fn settled(client: &Client, entry: &OutboxEntry) -> OutboxEntry {
     let id = entry.client_msg_id.clone();

@@ -430,10 +430,9 @@ mod tests {
 
     #[test]
     fn member_lists_are_read_by_current_members_in_pages() {
-        fn check(
-            input: (Option<(u64, Option<&str>)>, bool, &[(&str, u64)], usize),
-            expect: Result<MembersPage, Refusal>,
-        ) {
+        /// `(members_seq and owner, caller active, rows read, limit)`.
+        type Input<'a> = (Option<(u64, Option<&'a str>)>, bool, &'a [(&'a str, u64)], usize);
+        fn check(input: Input<'_>, expect: Result<MembersPage, Refusal>) {
             let (conv, caller_active, rows, limit) = input;
             let facts = MembersFacts {
                 conv: conv.map(|(seq, owner)| (seq, owner.map(str::to_owned))),
