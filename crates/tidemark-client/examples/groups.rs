@@ -1,4 +1,5 @@
-//! Groups: Ann creates a group with Ben, adds Cat later, removes Ben; Ben
+//! Groups: Ann creates a group with Ben, adds Cat later, removes Ben and
+//! lists who is left; Ben
 //! leaves with the history of his membership, Cat reads only from her
 //! join. Membership changes are events of the conversation, ordered with
 //! its messages.
@@ -60,6 +61,10 @@ pub async fn run(url: &str, admin_token: &str, dir: &Path) -> Result<(), Error> 
         other => return Err(format!("cat removed ben: {other:?}").into()),
     }
     ann.remove_member(&conv, "ben").await?;
+    // The member list (paged by user id; one page holds this group).
+    let page = ann.members(&conv, None, 100).await?;
+    let members: Vec<&str> = page.members.iter().map(|m| m.user.as_str()).collect();
+    assert_eq!((members, page.owner.as_deref(), page.next_after), (vec!["ann", "cat"], Some("ann"), None));
     ann.send(&conv, json!({ "text": "ben is gone" })).await?;
     wait_texts(&cat, &conv, &["welcome cat", "ben is gone"]).await?;
 

@@ -1,5 +1,6 @@
 //! The SDK's calls for what a user's device does beyond sending, recalling,
-//! reading and syncing: history paging (C3), groups (G1), edits and
+//! reading and syncing: history paging (C3), groups and their member
+//! lists (G1), edits and
 //! reactions (E2), conversation settings and delete-for-me (E3), delivery
 //! receipts (R1), the device list, device revocation (P5) and password
 //! changes (P1).
@@ -19,9 +20,10 @@ use serde::Serialize;
 use serde_json::Value;
 use tidemark_proto::push::{PushListOk, PushRegisterOk, PushRegisterReq, PushRemoveOk, PushRemoveReq, PushTargetInfo};
 use tidemark_proto::{
-    op, AccountPasswordOk, AccountPasswordReq, ConvCreateOk, ConvCreateReq, ConvMemberOk, ConvMemberReq,
-    ConvSettingsOk, ConvSettingsReq, DeliveryAckOk, DeliveryAckReq, DeviceInfo, DeviceListOk, DeviceRevokeOk,
-    DeviceRevokeReq, EditOk, EditReq, HistoryOk, HistoryReq, MessageDeleteReq, ReactOk, ReactReq, HISTORY_LIMIT_MAX,
+    op, AccountPasswordOk, AccountPasswordReq, ConvCreateOk, ConvCreateReq, ConvMember, ConvMemberOk, ConvMemberReq,
+    ConvMembersOk, ConvMembersReq, ConvSettingsOk, ConvSettingsReq, DeliveryAckOk, DeliveryAckReq, DeviceInfo,
+    DeviceListOk, DeviceRevokeOk, DeviceRevokeReq, EditOk, EditReq, HistoryOk, HistoryReq, MessageDeleteReq, ReactOk,
+    ReactReq, CONV_MEMBERS_LIMIT_MAX, HISTORY_LIMIT_MAX,
 };
 use tokio::sync::oneshot;
 
@@ -45,6 +47,22 @@ pub struct HistoryPage {
     /// Answered from the local store (which held the page whole); then
     /// `history_start` is 0 and `trimmed` false: the server was not asked.
     pub local: bool,
+}
+
+/// One page of a conversation's current members, by user id.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MembersPage {
+    /// `{user, joined_seq}`: the `msg_seq` each member's period opened at.
+    pub members: Vec<ConvMember>,
+    /// The group's owner (who removes members); `None` for a direct
+    /// conversation.
+    pub owner: Option<String>,
+    /// The `msg_seq` of the last membership change: two pages with a
+    /// different one were read across a change; page again from `None`
+    /// for an exact list.
+    pub members_seq: u64,
+    /// `after` of the next page; `None` at the end.
+    pub next_after: Option<String>,
 }
 
 fn new_key() -> String {
@@ -161,6 +179,22 @@ impl Client {
     /// Leaves the group; its history up to the leave stays readable.
     pub async fn leave(&self, conv: &str) -> Result<u64, SdkError> {
         self.membership(op::CONV_LEAVE, conv, None).await
+    }
+
+    /// One page of `conv`'s current members (`conv.members`), by user id
+    /// after `after` (`None` for the first page, then the previous page's
+    /// `next_after`), at most `limit` (1..=500); each with the `msg_seq`
+    /// they joined at. Asks the server (the local store holds membership
+    /// as events, not as a list). Refused `NOT_MEMBER` unless the user is a
+    /// current member, `NOT_FOUND` for an unknown conversation;
+    /// [`SdkError::Invalid`] for a `limit` out of range.
+    pub async fn members(&self, conv: &str, after: Option<&str>, limit: u32) -> Result<MembersPage, SdkError> {
+        if !(1..=CONV_MEMBERS_LIMIT_MAX).contains(&limit) {
+            return Err(SdkError::Invalid(format!("limit must be 1..={CONV_MEMBERS_LIMIT_MAX}")));
+        }
+        let req = ConvMembersReq { conv: conv.to_owned(), after: after.map(str::to_owned), limit: Some(limit) };
+        let ok: ConvMembersOk = self.request(op::CONV_MEMBERS, &req).await?;
+        Ok(MembersPage { members: ok.members, owner: ok.owner, members_seq: ok.members_seq, next_after: ok.next_after })
     }
 
     /// Replaces the content of one of the user's messages (E2): a CAS on

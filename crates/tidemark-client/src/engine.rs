@@ -13,7 +13,9 @@
 //! A sync round applies each page in one local transaction and ACKs only
 //! after the commit; a lost ACK is repaired by the next round, whose batch
 //! restarts at the server's ACK and is skipped locally. Every refusal goes
-//! through [`crate::policy::action_for`].
+//! through [`crate::policy::action_for`]. A round ends with the due K5
+//! repairs, then a `client.stats` report of the repair counts the server
+//! has not taken yet (O1), then the dirty markers of large groups (G2).
 //!
 //! This module knows the protocol's order of operations and nothing of the
 //! SQL (that is [`crate::store`]) or of how an app presents anything.
@@ -889,6 +891,9 @@ async fn sync_round(inner: Arc<Inner>, ws: WsConn) -> RoundEnd {
                 if let Err(e) = run_repairs(&inner, &ws).await {
                     return RoundEnd::End(End::store(e));
                 }
+                if let Err(e) = report_gaps(&inner, &ws).await {
+                    return RoundEnd::End(End::store(e));
+                }
                 if let Err(e) = run_markers(&inner, &ws, std::mem::take(&mut page.dirty)).await {
                     return RoundEnd::End(End::store(e));
                 }
@@ -981,6 +986,31 @@ async fn run_repairs(inner: &Arc<Inner>, ws: &WsConn) -> StoreResult<()> {
         }
     }
     Ok(())
+}
+
+/// Tells the server the gaps only this device sees (`client.stats`, O1):
+/// the conversations queued for repair and the repairs completed since the
+/// last report it took, and the repairs waiting; only when there is
+/// something to say. The counts are marked reported after the reply, so a
+/// lost report is repeated, never skipped. A refusal is left to the next
+/// round; only a local store failure ends the round.
+async fn report_gaps(inner: &Arc<Inner>, ws: &WsConn) -> StoreResult<()> {
+    let counts = inner.db(|s, _| s.unreported_gaps()).await?;
+    if !counts.worth_reporting() {
+        return Ok(());
+    }
+    let req = tidemark_proto::ClientStatsReq {
+        gaps_detected: counts.detected,
+        gaps_repaired: counts.repaired,
+        repairs_pending: counts.pending,
+    };
+    match inner.call(ws.request::<_, tidemark_proto::ClientStatsOk>(tidemark_proto::op::CLIENT_STATS, &req)).await {
+        Ok(_) => inner.db(move |s, _| s.gaps_reported(&counts)).await,
+        Err(e) => {
+            tracing::debug!(error = %e, "client.stats not taken; reported next round");
+            Ok(())
+        }
+    }
 }
 
 /// Rounds of pull-then-clear one dirty marker gets in one sync round; a

@@ -44,7 +44,8 @@
 //!   read the local store, subscribe to changes);
 //! - `types`: what the client and the engine share (configuration,
 //!   connection states, changes, errors);
-//! - `engine`: the state machine, sync rounds and the outbox pump;
+//! - `engine`: the state machine, sync rounds and the outbox pump, and the
+//!   report of the device's repair counts to the server (`client.stats`);
 //! - [`store`]: the local SQLite schema and its transactions (sync pages,
 //!   snapshot installs, the outbox);
 //! - [`cursor`]: the pure contiguous cursor with its pending buffer;
@@ -99,8 +100,9 @@
 //! ## Groups
 //!
 //! [`Client::create_group`], [`Client::add_member`],
-//! [`Client::remove_member`], [`Client::leave`]; a member reads from their
-//! join to their leave (G1).
+//! [`Client::remove_member`], [`Client::leave`], and the member list
+//! [`Client::members`], paged; a member reads from their join to their
+//! leave (G1).
 //!
 //! ```no_run
 #![doc = include_str!("../examples/groups.rs")]
@@ -127,7 +129,7 @@ pub mod store;
 mod types;
 mod ws;
 
-pub use calls::HistoryPage;
+pub use calls::{HistoryPage, MembersPage};
 pub use client::{Changes, Client};
 pub use ephemeral::PresenceState;
 pub use http::Http;

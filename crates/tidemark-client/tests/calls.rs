@@ -11,13 +11,6 @@ use tidemark_client::proto::ErrorCode;
 use tidemark_client::{Client, ConnState, SdkError};
 use tidemark_server::ServerConfig;
 
-fn refused(r: Result<impl std::fmt::Debug, SdkError>) -> ErrorCode {
-    match r {
-        Err(SdkError::Refused(e)) => e.code().unwrap_or_else(|| panic!("not a server refusal: {e}")),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
-
 fn texts(msgs: &[tidemark_client::Message]) -> Vec<(u64, String)> {
     msgs.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap_or_default().to_owned())).collect()
 }
@@ -141,6 +134,54 @@ async fn groups_are_created_changed_and_left_through_the_sdk() {
     let left = ben.leave(&conv).await.unwrap();
     assert!(left > removed);
     ben.wait_for(WAIT, || async { Ok(ben.conversation(&conv).await?.is_some_and(|c| !c.active)) }).await.unwrap();
+}
+
+/// `conv.members` through the SDK: a group's members paged by user id,
+/// each once with its join, the owner and `members_seq`; a stranger and a
+/// departed member are refused `NOT_MEMBER`, an unknown conversation
+/// `NOT_FOUND`, a bad limit never leaves the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn member_lists_page_through_the_sdk_and_refuse_non_members() {
+    let h = Harness::start().await;
+    for u in ["ann", "ben", "cat", "dan", "eve"] {
+        h.user(u).await;
+    }
+    let ann = h.ready("ann", "phone").await;
+    let dan = h.ready("dan", "phone").await;
+    let eve = h.ready("eve", "phone").await;
+    let group = ann.create_group(&["cat", "ben"]).await.unwrap();
+    let conv = group.conv;
+    let joined = ann.add_member(&conv, "dan").await.unwrap();
+
+    let mut seen = Vec::new();
+    let mut after: Option<String> = None;
+    let mut seqs = Vec::new();
+    loop {
+        let page = dan.members(&conv, after.as_deref(), 2).await.unwrap();
+        assert!(page.members.len() <= 2);
+        assert_eq!(page.owner.as_deref(), Some("ann"));
+        seqs.push(page.members_seq);
+        seen.extend(page.members.into_iter().map(|m| (m.user, m.joined_seq)));
+        match page.next_after {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+        assert!(seqs.len() < 10, "paging never ended");
+    }
+    let expected: Vec<(String, u64)> =
+        [("ann", 1), ("ben", 1), ("cat", 1), ("dan", joined)].iter().map(|(u, s)| (u.to_string(), *s)).collect();
+    assert_eq!(seen, expected, "every member once, by user id, with the join");
+    assert_eq!(seqs, vec![joined; 2], "two pages, no change between them");
+
+    assert_eq!(refused(eve.members(&conv, None, 10).await), ErrorCode::NotMember, "a stranger");
+    assert_eq!(refused(eve.members("no-such-conv", None, 10).await), ErrorCode::NotFound);
+    assert!(matches!(eve.members(&conv, None, 0).await, Err(SdkError::Invalid(_))));
+    assert!(matches!(eve.members(&conv, None, 501).await, Err(SdkError::Invalid(_))));
+    let left = dan.leave(&conv).await.unwrap();
+    assert_eq!(refused(dan.members(&conv, None, 10).await), ErrorCode::NotMember, "a departed member");
+    let now = ann.members(&conv, None, 500).await.unwrap();
+    assert_eq!(now.members.iter().map(|m| m.user.as_str()).collect::<Vec<_>>(), vec!["ann", "ben", "cat"]);
+    assert_eq!((now.members_seq, now.next_after), (left, None));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,14 +6,7 @@ mod common;
 
 use common::*;
 use tidemark_client::proto::ErrorCode;
-use tidemark_client::{Change, PresenceState, SdkError};
-
-fn refused(r: Result<impl std::fmt::Debug, SdkError>) -> ErrorCode {
-    match r {
-        Err(SdkError::Refused(e)) => e.code().unwrap_or_else(|| panic!("not a server refusal: {e}")),
-        other => panic!("expected a refusal, got {other:?}"),
-    }
-}
+use tidemark_client::{Change, PresenceState};
 
 fn presence_is(c: &Change, who: &str, what: &str) -> bool {
     matches!(c, Change::Presence { user, state, .. } if user == who && state == what)

@@ -2,7 +2,8 @@
 //! applied goes into the local repair queue in the page's own transaction,
 //! the rest of the account is stored and ACKed, the repair is retried with
 //! backoff through `conv.sync` until it succeeds, and at the end nothing is
-//! missing and nothing is twice.
+//! missing and nothing is twice. The device reports what it detected and
+//! repaired with `client.stats`, and the server's `gap` metrics show it.
 
 mod common;
 
@@ -11,6 +12,16 @@ use std::sync::Arc;
 
 use common::*;
 use tidemark_client::{Change, Client, ConnState, FaultAction, FaultPoint};
+
+/// The value of the one series of `family` (or of `family`'s histogram
+/// `_count`) in the server's exposition; 0 while absent.
+async fn metric(h: &Harness, series: &str) -> f64 {
+    let text = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(series) && l[series.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
+        .sum()
+}
 
 fn texts(msgs: &[tidemark_client::Message]) -> Vec<(u64, String)> {
     msgs.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap_or_default().to_owned())).collect()
@@ -115,11 +126,26 @@ async fn a_local_row_that_contradicts_the_server_is_repaired_from_the_conversati
     }
     send_ok(&alice, &conv, "two").await;
     send_ok(&alice, &conv, "three").await;
+    const DETECTED: &str = "tidemark_sdk_gaps_detected_total";
+    const REPAIRED: &str = "tidemark_sdk_gaps_repaired_total";
+    const REPORTS: &str = "tidemark_sdk_repairs_pending_conversations_count";
+    let before = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric(&h, REPORTS).await);
     let phone = Client::open(h.config("bob", "phone")).unwrap();
     let mut changes = phone.subscribe();
     phone.start().await.unwrap();
     let seen = collect_until(&mut changes, |c| matches!(c, Change::Repaired { .. })).await;
     assert!(seen.iter().any(|c| matches!(c, Change::RepairQueued { from_msg_seq: 2, .. })), "{seen:?}");
+    // The device told the server: one gap detected, one repaired (the
+    // server cannot see either), in a report of its own.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let now = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric(&h, REPORTS).await);
+        if now.0 >= before.0 + 1.0 && now.1 >= before.1 + 1.0 && now.2 > before.2 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the gap metrics never moved: {before:?} -> {now:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert_eq!(
         texts(&phone.messages(&conv).await.unwrap()),
         vec![(1, "one".into()), (2, "two".into()), (3, "three".into())]

@@ -11,6 +11,7 @@
 //! every backend.
 
 pub mod audit;
+pub mod client_stats;
 pub mod control;
 pub mod convsync;
 pub mod cursor;

@@ -230,6 +230,50 @@ pub fn decide_membership(
     }
 }
 
+/// The facts one `conv.members` page is decided on, read in one snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MembersFacts {
+    /// `(members_seq, owner)` of the conversation; `None` when it does not
+    /// exist.
+    pub conv: Option<(MsgSeq, Option<String>)>,
+    /// Whether the caller has an open period in it.
+    pub caller_active: bool,
+    /// The current members above the page's `after`, by user id, each with
+    /// the `join_seq` of their open period: up to `limit + 1` rows, the
+    /// extra one saying that more follow.
+    pub rows: Vec<(String, MsgSeq)>,
+}
+
+/// One page of a conversation's current members.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MembersPage {
+    /// The `msg_seq` of the conversation's last membership change: a
+    /// reader paging a moving list sees it change between pages.
+    pub members_seq: MsgSeq,
+    /// The group's owner; `None` for a direct conversation.
+    pub owner: Option<String>,
+    /// `(user, join_seq)`, by user id, at most `limit`.
+    pub members: Vec<(String, MsgSeq)>,
+    pub has_more: bool,
+}
+
+/// Who may read a conversation's member list (`conv.members`): a current
+/// member only; `NotFound` when the conversation does not exist, otherwise
+/// `NotMember` (a departed member included). `facts.rows` holds at most
+/// `limit + 1` rows; the page keeps `limit` of them.
+pub fn members_page(conv: &str, facts: MembersFacts, limit: usize) -> Result<MembersPage, Refusal> {
+    let Some((members_seq, owner)) = facts.conv else {
+        return Err(Refusal::NotFound(format!("conversation {conv}")));
+    };
+    if !facts.caller_active {
+        return Err(Refusal::NotMember);
+    }
+    let mut members = facts.rows;
+    let has_more = members.len() > limit;
+    members.truncate(limit);
+    Ok(MembersPage { members_seq, owner, members, has_more })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -382,5 +426,42 @@ mod tests {
         check((Some(group.clone()), "own", "x", Remove), Err(Refusal::NotFound("x is not a member".into())));
         check((Some(group), "x", "x", Leave), Err(Refusal::NotFound("x is not a member".into())));
         assert_eq!((Add.verb(), Remove.verb(), Leave.verb()), ("add", "remove", "leave"));
+    }
+
+    #[test]
+    fn member_lists_are_read_by_current_members_in_pages() {
+        /// `(members_seq and owner, caller active, rows read, limit)`.
+        type Input<'a> = (Option<(u64, Option<&'a str>)>, bool, &'a [(&'a str, u64)], usize);
+        fn check(input: Input<'_>, expect: Result<MembersPage, Refusal>) {
+            let (conv, caller_active, rows, limit) = input;
+            let facts = MembersFacts {
+                conv: conv.map(|(seq, owner)| (seq, owner.map(str::to_owned))),
+                caller_active,
+                rows: rows.iter().map(|(u, s)| (u.to_string(), *s)).collect(),
+            };
+            assert_eq!(members_page("g", facts, limit), expect, "{input:?}");
+        }
+        let page = |seq, owner: Option<&str>, members: &[(&str, u64)], has_more| {
+            Ok(MembersPage {
+                members_seq: seq,
+                owner: owner.map(str::to_owned),
+                members: members.iter().map(|(u, s)| (u.to_string(), *s)).collect(),
+                has_more,
+            })
+        };
+        check((None, false, &[], 10), Err(Refusal::NotFound("conversation g".into())));
+        check((None, true, &[], 10), Err(Refusal::NotFound("conversation g".into())));
+        check((Some((4, Some("a"))), false, &[("a", 1)], 10), Err(Refusal::NotMember));
+        check(
+            (Some((4, Some("a"))), true, &[("a", 1), ("b", 4)], 10),
+            page(4, Some("a"), &[("a", 1), ("b", 4)], false),
+        );
+        check((Some((4, Some("a"))), true, &[("a", 1), ("b", 4)], 2), page(4, Some("a"), &[("a", 1), ("b", 4)], false));
+        check(
+            (Some((4, Some("a"))), true, &[("a", 1), ("b", 4), ("c", 1)], 2),
+            page(4, Some("a"), &[("a", 1), ("b", 4)], true),
+        );
+        // A page past the last member is empty, not a refusal.
+        check((Some((1, None)), true, &[], 5), page(1, None, &[], false));
     }
 }

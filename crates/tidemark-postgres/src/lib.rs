@@ -1059,6 +1059,21 @@ impl Store for PgStore {
         self.readers.snapshot(move |c| Box::pin(async move { read::active_members(c, &conv).await })).await
     }
 
+    async fn conv_members(
+        &self,
+        user: &str,
+        conv: &str,
+        after: Option<String>,
+        limit: u32,
+    ) -> StoreResult<MembersPage> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers
+            .snapshot(move |c| {
+                Box::pin(async move { read::conv_members(c, &user, &conv, after.as_deref(), limit).await })
+            })
+            .await
+    }
+
     async fn privacy(&self, user: &str) -> StoreResult<Privacy> {
         let user = user.to_owned();
         self.readers.read(move |c| Box::pin(async move { receipts::privacy(c, &user).await })).await

@@ -209,6 +209,36 @@ pub(crate) async fn active_members(c: &Conn, conv: &str) -> R<(u64, Vec<String>)
     Ok((seq(&row, 0)?, users))
 }
 
+/// One `conv.members` page: the conversation, the caller's open period and
+/// up to `limit + 1` current members above `after` (the key `UNIQUE
+/// (conv_id, user_id, join_seq)` serves the range), decided by
+/// `core::membership::members_page`; the caller runs it in one snapshot.
+pub(crate) async fn conv_members(c: &Conn, user: &str, conv: &str, after: Option<&str>, limit: u32) -> R<MembersPage> {
+    let head = match query_opt(c, "SELECT members_seq, owner FROM conversations WHERE conv_id = $1", &[&conv]).await? {
+        Some(row) => Some((seq(&row, 0)?, col::<Option<String>>(&row, 1)?)),
+        None => None,
+    };
+    let caller_active = query_opt(
+        c,
+        "SELECT 1 FROM membership_periods WHERE conv_id = $1 AND user_id = $2 AND leave_seq IS NULL LIMIT 1",
+        &[&conv, &user],
+    )
+    .await?
+    .is_some();
+    let rows = query(
+        c,
+        "SELECT user_id, join_seq FROM membership_periods
+         WHERE conv_id = $1 AND leave_seq IS NULL AND user_id > $2 ORDER BY user_id LIMIT $3",
+        &[&conv, &after.unwrap_or(""), &(i64::from(limit) + 1)],
+    )
+    .await?
+    .iter()
+    .map(|r| Ok((col::<String>(r, 0)?, seq(r, 1)?)))
+    .collect::<R<Vec<_>>>()?;
+    let facts = tidemark_core::membership::MembersFacts { conv: head, caller_active, rows };
+    Ok(tidemark_core::membership::members_page(conv, facts, limit as usize)?)
+}
+
 pub(crate) async fn pending_outbox(c: &Conn, limit: u32) -> R<Vec<OutboxItem>> {
     let rows = query(
         c,

@@ -32,6 +32,8 @@ pub const CONTENT_BYTES_MAX: usize = 64 * 1024;
 pub const ID_BYTES_MAX: usize = 64;
 /// The identifier bounds the domain validates (`tidemark_core::ids`):
 /// user names, device ids, `client_msg_id`s and message kinds, in bytes.
+/// The bound of one `client.stats` report's counts (`tidemark_core::client_stats`).
+pub use tidemark_core::client_stats::CLIENT_STATS_COUNT_MAX;
 pub use tidemark_core::ids::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
 /// Longest reaction, in bytes.
 pub const REACTION_BYTES_MAX: usize = 32;
@@ -51,6 +53,10 @@ pub const CONV_SYNC_LIMIT_MAX: u32 = 200;
 /// Default and largest page of `history` (seed 003 caps pages at 50).
 pub const HISTORY_LIMIT_DEFAULT: u32 = 20;
 pub const HISTORY_LIMIT_MAX: u32 = 50;
+/// Default and largest page of `conv.members` (a group may have up to
+/// `tidemark_core::membership::GROUP_MEMBERS_MAX` members).
+pub const CONV_MEMBERS_LIMIT_DEFAULT: u32 = 100;
+pub const CONV_MEMBERS_LIMIT_MAX: u32 = 500;
 
 /// Operation names, exactly as the contract spells them.
 pub mod op {
@@ -94,6 +100,10 @@ pub mod op {
     pub const PUSH_REGISTER: &str = "push.register";
     pub const PUSH_LIST: &str = "push.list";
     pub const PUSH_REMOVE: &str = "push.remove";
+    /// Tidemark extension: a conversation's current members, paged (G1).
+    pub const CONV_MEMBERS: &str = "conv.members";
+    /// Tidemark extension: a device reports the gaps only it sees (O1).
+    pub const CLIENT_STATS: &str = "client.stats";
     /// Every operation this server implements, for docs and OpenAPI.
     pub const ALL: &[&str] = &[
         SEND,
@@ -104,6 +114,7 @@ pub mod op {
         CONV_ADD,
         CONV_REMOVE,
         CONV_LEAVE,
+        CONV_MEMBERS,
         CONV_SYNC,
         HISTORY,
         RECALL,
@@ -126,6 +137,7 @@ pub mod op {
         PRIVACY_SET,
         CONV_RECEIPTS,
         DELIVERY_RECEIPTS,
+        CLIENT_STATS,
         PUSH_REGISTER,
         PUSH_LIST,
         PUSH_REMOVE,
@@ -580,6 +592,75 @@ pub struct ConvMemberOk {
     pub conv: String,
     /// The membership event's position in the conversation.
     pub msg_seq: u64,
+}
+
+/// `client.stats`: the gaps a device saw that the server cannot (K5
+/// repairs): counts since the device's last accepted report, and the
+/// repairs waiting now. Each is clamped to `CLIENT_STATS_COUNT_MAX`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClientStatsReq {
+    /// Conversations queued for repair since the last report.
+    #[serde(default, deserialize_with = "whole::int")]
+    pub gaps_detected: u64,
+    /// Repairs completed since the last report.
+    #[serde(default, deserialize_with = "whole::int")]
+    pub gaps_repaired: u64,
+    /// Repairs waiting on the device now.
+    #[serde(default, deserialize_with = "whole::int")]
+    pub repairs_pending: u64,
+}
+
+/// The report as the server counted it (after clamping).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ClientStatsOk {
+    pub gaps_detected: u64,
+    pub gaps_repaired: u64,
+    pub repairs_pending: u64,
+}
+
+/// `conv.members`: one page of a conversation's current members, by user
+/// id; a current member only may ask.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ConvMembersReq {
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
+    pub conv: String,
+    /// The page starts after this user id (the previous page's
+    /// `next_after`); the first page omits it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::user))]
+    pub after: Option<String>,
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv_members_limit))]
+    pub limit: Option<u32>,
+}
+
+/// One current member and the `msg_seq` their membership period opened at
+/// (the group's creation for its first members, else their `member.join`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ConvMember {
+    pub user: String,
+    pub joined_seq: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ConvMembersOk {
+    pub conv: String,
+    /// The group's owner (who may remove members); null for a direct
+    /// conversation.
+    pub owner: Option<String>,
+    /// The `msg_seq` of the last membership change: a reader paging a list
+    /// that changed between two pages sees it move, and starts again.
+    pub members_seq: u64,
+    /// By user id, at most `limit`.
+    pub members: Vec<ConvMember>,
+    /// `after` of the next page; null when `has_more` is false.
+    pub next_after: Option<String>,
+    pub has_more: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

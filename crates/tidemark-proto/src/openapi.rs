@@ -131,6 +131,10 @@ pub fn conv_sync_limit() -> RefOr<Schema> {
     limit(CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX)
 }
 
+pub fn conv_members_limit() -> RefOr<Schema> {
+    limit(CONV_MEMBERS_LIMIT_DEFAULT, CONV_MEMBERS_LIMIT_MAX)
+}
+
 pub fn history_limit() -> RefOr<Schema> {
     limit(HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX)
 }

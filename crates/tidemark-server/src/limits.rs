@@ -65,10 +65,12 @@ impl OpClass {
             | op::SNAPSHOT_BEGIN
             | op::SNAPSHOT_PAGE
             | op::SNAPSHOT_ACK
-            | op::DIRTY_CLEAR => OpClass::Sync,
+            | op::DIRTY_CLEAR
+            | op::CLIENT_STATS => OpClass::Sync,
             op::HISTORY
             | op::CONV_SYNC
             | op::CONV_LIST
+            | op::CONV_MEMBERS
             | op::CONV_RECEIPTS
             | op::DELIVERY_RECEIPTS
             | op::DEVICE_LIST
@@ -606,8 +608,10 @@ mod tests {
             (op::SYNC, OpClass::Sync),
             (op::ACK, OpClass::Sync),
             (op::DIRTY_CLEAR, OpClass::Sync),
+            (op::CLIENT_STATS, OpClass::Sync),
             (op::HISTORY, OpClass::Read),
             (op::CONV_SYNC, OpClass::Read),
+            (op::CONV_MEMBERS, OpClass::Read),
             (op::CONV_CREATE, OpClass::Change),
             (op::CONV_LEAVE, OpClass::Change),
             (op::PING, OpClass::Free),

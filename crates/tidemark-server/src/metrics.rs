@@ -34,6 +34,12 @@ pub fn install() -> PrometheusHandle {
                     )
                 })
                 .and_then(|b| b.set_buckets_for_metric(Matcher::Suffix("_events".to_owned()), EVENTS_BUCKETS))
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(store::SDK_REPAIRS_PENDING.name.to_owned()),
+                        store::SDK_REPAIRS_PENDING_BUCKETS,
+                    )
+                })
                 .expect("static buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
@@ -405,6 +411,21 @@ pub const FAMILIES: &[Family] = &[
     ),
     family(EPHEMERAL_BUS_PUBLISHED, Kind::Counter, "Ephemeral signals published to the other nodes (NATS)."),
     family(EPHEMERAL_BUS_RECEIVED, Kind::Counter, "Ephemeral signals received from the other nodes (NATS)."),
+    family(
+        store::SDK_GAPS_DETECTED,
+        Kind::Counter,
+        "Conversations devices queued for repair (K5), as reported by the SDK (client.stats).",
+    ),
+    family(
+        store::SDK_GAPS_REPAIRED,
+        Kind::Counter,
+        "Repairs devices completed, as reported by the SDK (client.stats).",
+    ),
+    family(
+        store::SDK_REPAIRS_PENDING,
+        Kind::Histogram,
+        "Repairs waiting on a device at each of its client.stats reports, in conversations.",
+    ),
     family(store::COMMITS, Kind::Counter, "Store write transactions committed."),
     family(
         store::COMMIT_BATCH_REQUESTS,

@@ -324,8 +324,18 @@ async fn real_replies_validate_against_the_document() {
     let group = p.rpc(&ann, op::CONV_CREATE, json!({"kind": "group", "members": ["ben"], "client_msg_id": "g1"})).await;
     let gconv = group["conv"].as_str().unwrap().to_owned();
     p.rpc(&ann, op::CONV_ADD, json!({"conv": gconv, "user": "cat"})).await;
+    let members = p.rpc(&ben, op::CONV_MEMBERS, json!({"conv": gconv, "limit": 2})).await;
+    assert_eq!((members["has_more"].as_bool(), members["next_after"].as_str()), (Some(true), Some("ben")), "{members}");
+    p.rpc(&ben, op::CONV_MEMBERS, json!({"conv": gconv, "after": "ben"})).await;
+    p.rpc(&ann, op::CONV_MEMBERS, json!({"conv": conv})).await;
+    let stats = p.rpc(&ann, op::CLIENT_STATS, json!({"gaps_detected": 1, "repairs_pending": 99_999_999})).await;
+    assert_eq!(stats["repairs_pending"], tidemark_client::proto::CLIENT_STATS_COUNT_MAX, "clamped: {stats}");
+    p.refused(Some(&ann), op::CLIENT_STATS, json!({"gaps_detected": -1}), ErrorCode::BadRequest).await;
     p.rpc(&ann, op::CONV_REMOVE, json!({"conv": gconv, "user": "cat"})).await;
     p.rpc(&ben, op::CONV_LEAVE, json!({"conv": gconv})).await;
+    p.refused(Some(&ben), op::CONV_MEMBERS, json!({"conv": gconv}), ErrorCode::NotMember).await;
+    p.refused(Some(&ben), op::CONV_MEMBERS, json!({"conv": "nope"}), ErrorCode::NotFound).await;
+    p.refused(Some(&ann), op::CONV_MEMBERS, json!({"conv": gconv, "limit": 501}), ErrorCode::BadRequest).await;
     p.rpc(&ann, op::RECALL, json!({"conv": conv, "message_id": mid})).await;
 
     // ben's log now holds messages, membership, control and per-user events.

@@ -1010,6 +1010,17 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| read::active_members(c, &conv)).await
     }
 
+    async fn conv_members(
+        &self,
+        user: &str,
+        conv: &str,
+        after: Option<String>,
+        limit: u32,
+    ) -> StoreResult<MembersPage> {
+        let (user, conv) = (user.to_owned(), conv.to_owned());
+        self.readers.read_store(move |c| read::conv_members(c, &user, &conv, after.as_deref(), limit)).await
+    }
+
     async fn open_connection(&self, user: &str, device: &str) -> StoreResult<OpenedConnection> {
         let (user, device) = (user.to_owned(), device.to_owned());
         // One statement, without a savepoint: nothing to undo if it fails.

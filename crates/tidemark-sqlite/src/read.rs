@@ -426,6 +426,54 @@ pub(crate) fn active_members(c: &Connection, conv: &str) -> StoreResult<(u64, Ve
     result
 }
 
+/// One `conv.members` page: the conversation, the caller's open period and
+/// up to `limit + 1` current members above `after`, in one read
+/// transaction (the key `UNIQUE (conv_id, user_id, join_seq)` serves the
+/// range), decided by `core::membership::members_page`.
+pub(crate) fn conv_members(
+    c: &Connection,
+    user: &str,
+    conv: &str,
+    after: Option<&str>,
+    limit: u32,
+) -> StoreResult<MembersPage> {
+    c.execute_batch("BEGIN DEFERRED").map_err(internal)?;
+    let result = (|| {
+        let head = c
+            .prepare_cached("SELECT members_seq, owner FROM conversations WHERE conv_id = ?1")
+            .map_err(internal)?
+            .query_row(params![conv], |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, Option<String>>(1)?)))
+            .optional()
+            .map_err(internal)?;
+        let caller_active = c
+            .prepare_cached(
+                "SELECT 1 FROM membership_periods WHERE conv_id = ?1 AND user_id = ?2 AND leave_seq IS NULL LIMIT 1",
+            )
+            .map_err(internal)?
+            .query_row(params![conv, user], |_| Ok(()))
+            .optional()
+            .map_err(internal)?
+            .is_some();
+        let mut stmt = c
+            .prepare_cached(
+                "SELECT user_id, join_seq FROM membership_periods
+                 WHERE conv_id = ?1 AND leave_seq IS NULL AND user_id > ?2 ORDER BY user_id LIMIT ?3",
+            )
+            .map_err(internal)?;
+        let rows = stmt
+            .query_map(params![conv, after.unwrap_or(""), i64::from(limit) + 1], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)? as u64))
+            })
+            .map_err(internal)?
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(internal)?;
+        let facts = tidemark_core::membership::MembersFacts { conv: head, caller_active, rows };
+        Ok(tidemark_core::membership::members_page(conv, facts, limit as usize)?)
+    })();
+    let _ = c.execute_batch("COMMIT");
+    result
+}
+
 pub(crate) fn pending_outbox(c: &Connection, limit: u32) -> StoreResult<Vec<OutboxItem>> {
     let mut stmt = c
         .prepare_cached(

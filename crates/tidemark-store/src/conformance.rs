@@ -72,6 +72,7 @@ where
     Fut: std::future::Future<Output = Arc<dyn Store>>,
 {
     membership_rules(&*fresh().await).await;
+    member_lists_page_by_user_for_current_members(&*fresh().await).await;
     recall_edit_react_rules(&*fresh().await).await;
     snapshot_installability(&*fresh().await).await;
     group_commit_batches_concurrent_writes(fresh().await).await;
@@ -456,6 +457,59 @@ where
 /// G1 (`core::membership`): group creation and its retry, who may add,
 /// remove or let leave whom, and what a membership change answers, the
 /// same errors from every backend.
+/// `conv.members` (`core::membership::members_page`): the current members
+/// by user id with the `msg_seq` of their join, paged by `after` with the
+/// last page saying so; a member who left or was removed is not listed; a
+/// former member and a stranger are refused `NotMember`, an unknown
+/// conversation `NotFound`; `members_seq` moves with each change.
+pub async fn member_lists_page_by_user_for_current_members(store: &dyn Store) {
+    use MembershipChange::{Add, Leave, Remove};
+    users(store, &["own", "b", "c", "d", "e", "out"]).await;
+    store.create_group(ev("g", "own", "create"), vec!["c".into(), "b".into()]).await.unwrap(); // 1
+    store.accept_send(send("own", "g", "m1")).await.unwrap(); // 2
+    store.change_membership(ev("g", "own", "add-e"), "e", Add).await.unwrap(); // 3
+    store.change_membership(ev("g", "b", "add-d"), "d", Add).await.unwrap(); // 4
+    let page = |u: &'static str, after: Option<&'static str>, limit| async move {
+        store.conv_members(u, "g", after.map(str::to_owned), limit).await
+    };
+    let whole = page("c", None, 100).await.unwrap();
+    let listed = |p: &MembersPage| p.members.iter().map(|(u, s)| (u.clone(), *s)).collect::<Vec<_>>();
+    let all: Vec<(String, u64)> =
+        [("b", 1), ("c", 1), ("d", 4), ("e", 3), ("own", 1)].iter().map(|(u, s)| (u.to_string(), *s)).collect();
+    assert_eq!(listed(&whole), all, "by user id, each with its join");
+    assert_eq!((whole.members_seq, whole.owner.as_deref(), whole.has_more), (4, Some("own"), false));
+    // Paged two at a time: every member once, the last page says so.
+    let first = page("c", None, 2).await.unwrap();
+    assert_eq!((listed(&first), first.has_more), (all[..2].to_vec(), true));
+    let second = page("c", Some("c"), 2).await.unwrap();
+    assert_eq!((listed(&second), second.has_more), (all[2..4].to_vec(), true));
+    let last = page("c", Some("e"), 2).await.unwrap();
+    assert_eq!((listed(&last), last.has_more), (all[4..].to_vec(), false));
+    let past = page("c", Some("zz"), 2).await.unwrap();
+    assert!(past.members.is_empty() && !past.has_more, "past the last member: an empty last page");
+    // Who leaves or is removed is no longer listed, and may no longer ask.
+    store.change_membership(ev("g", "d", "leave-d"), "d", Leave).await.unwrap(); // 5
+    store.change_membership(ev("g", "own", "rm-b"), "b", Remove).await.unwrap(); // 6
+    let now = page("own", None, 100).await.unwrap();
+    assert_eq!(listed(&now), vec![("c".to_string(), 1), ("e".to_string(), 3), ("own".to_string(), 1)]);
+    assert_eq!(now.members_seq, 6, "members_seq follows the changes");
+    assert_eq!(page("d", None, 100).await, Err(StoreError::NotMember), "a departed member");
+    assert_eq!(page("b", None, 100).await, Err(StoreError::NotMember), "a removed member");
+    assert_eq!(page("out", None, 100).await, Err(StoreError::NotMember), "a stranger");
+    assert!(matches!(store.conv_members("own", "nope", None, 10).await, Err(StoreError::NotFound(_))));
+    // A rejoined member is listed once, with the join of the open period.
+    store.change_membership(ev("g", "c", "add-d2"), "d", Add).await.unwrap(); // 7
+    let again = page("d", None, 100).await.unwrap();
+    assert!(again.members.contains(&("d".to_string(), 7)), "{:?}", again.members);
+    assert_eq!(again.members.iter().filter(|(u, _)| u == "d").count(), 1);
+    // A direct conversation lists its pair, without an owner.
+    let (direct, _) = store.create_direct("b", "c", "dm", T0).await.unwrap();
+    let pair = store.conv_members("b", &direct, None, 10).await.unwrap();
+    assert_eq!(pair.members.iter().map(|(u, _)| u.as_str()).collect::<Vec<_>>(), vec!["b", "c"]);
+    assert_eq!(pair.owner, None);
+    assert_eq!(store.conv_members("e", &direct, None, 10).await, Err(StoreError::NotMember));
+}
+
 pub async fn membership_rules(store: &dyn Store) {
     use MembershipChange::{Add, Leave, Remove};
     users(store, &["own", "m", "x", "out"]).await;

@@ -26,7 +26,7 @@ use tidemark_core::cursor::{AckDecision, DeviceCursor};
 pub use tidemark_core::ephemeral::{MemberRead, Privacy, Receipts};
 pub use tidemark_core::kinds::*;
 pub use tidemark_core::large::{GroupPolicy, Marker};
-pub use tidemark_core::membership::MembershipChange;
+pub use tidemark_core::membership::{MembersPage, MembershipChange};
 use tidemark_core::{MsgSeq, Refusal, SyncSeq};
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -1062,6 +1062,14 @@ pub trait Store: Send + Sync + 'static {
     /// The active members of `conv` and the `msg_seq` of its last
     /// membership change, from one read (the hint path's member cache).
     async fn active_members(&self, conv: &str) -> StoreResult<(MsgSeq, Vec<String>)>;
+
+    /// One page of `conv`'s current members as `user` may read them
+    /// (`conv.members`): by user id above `after`, at most `limit`, each
+    /// with the `join_seq` of their open period; the conversation, the
+    /// caller's period and the page read in one snapshot and decided by
+    /// `tidemark_core::membership::members_page` (a current member only).
+    async fn conv_members(&self, user: &str, conv: &str, after: Option<String>, limit: u32)
+        -> StoreResult<MembersPage>;
 
     // -------------------------------------------------------- observability
 

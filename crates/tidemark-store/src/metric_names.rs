@@ -1,7 +1,8 @@
 //! Metric families: the [`Metric`] handle every family is recorded through
 //! (its name and its stage, so every series carries the `stage` label of
-//! seed §18.1 and no call site can forget it), and the families the storage
-//! backends record themselves (the server's `metrics` module describes and
+//! seed §18.1 and no call site can forget it), the families the storage
+//! backends record themselves, and those the SDK's devices report
+//! (`client.stats`: gaps only a device sees) (the server's `metrics` module describes and
 //! pre-registers them, so an operator sees a zero rather than a missing
 //! family). Prometheus conventions: counters end in `_total`, units come
 //! last in a name.
@@ -101,3 +102,16 @@ pub const CONFLICT_RETRIES: Metric = Metric::new("tidemark_store_conflict_retrie
 pub const CONFLICT_GIVE_UPS: Metric = Metric::new("tidemark_store_conflict_give_ups_total", stage::STORAGE);
 /// Values of the `writer` label of [`CONFLICT_RETRIES`] and [`CONFLICT_GIVE_UPS`].
 pub const WRITERS: &[&str] = &["conv", "user"];
+
+/// Conversations devices queued for repair (K5: an event their store could
+/// not apply), as the SDK reports them with `client.stats` (counter; each
+/// report clamped to `tidemark_core::client_stats::CLIENT_STATS_COUNT_MAX`).
+pub const SDK_GAPS_DETECTED: Metric = Metric::new("tidemark_sdk_gaps_detected_total", stage::GAP);
+/// Repairs devices completed (the conversation fetched and applied), as
+/// reported (counter).
+pub const SDK_GAPS_REPAIRED: Metric = Metric::new("tidemark_sdk_gaps_repaired_total", stage::GAP);
+/// Repairs waiting on a device at each report (histogram, in
+/// conversations; a report with none waiting records 0).
+pub const SDK_REPAIRS_PENDING: Metric = Metric::new("tidemark_sdk_repairs_pending_conversations", stage::GAP);
+/// Bucket bounds of [`SDK_REPAIRS_PENDING`], in conversations.
+pub const SDK_REPAIRS_PENDING_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 5.0, 10.0, 50.0, 100.0, 1000.0, 10000.0];

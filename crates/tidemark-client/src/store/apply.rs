@@ -433,6 +433,12 @@ fn apply_or_queue_repair(
 /// caller's transaction.
 fn queue_repair(tx: &Transaction<'_>, conv: &str, from_msg_seq: u64, sync_seq: u64, reason: &str) -> StoreResult<()> {
     ensure_conv(tx, conv)?;
+    // A conversation newly queued is one gap detected (`client.stats`); a
+    // widened record is the same gap.
+    tx.execute(
+        "UPDATE gap_stats SET detected = detected + 1 WHERE NOT EXISTS (SELECT 1 FROM repairs WHERE conv = ?1)",
+        params![conv],
+    )?;
     tx.execute(
         "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason) VALUES (?1, ?2, ?3, ?4)
          ON CONFLICT (conv) DO UPDATE SET from_msg_seq = MIN(from_msg_seq, excluded.from_msg_seq),

@@ -8,6 +8,9 @@
 //! (one `msg_seq`, two message ids) the server's fact wins, since the
 //! conversation log is the truth. A failed attempt waits a growing delay.
 //! Until the record is gone the app sees the conversation as needing repair.
+//! The queue also counts what it detected and repaired (`gap_stats`), which
+//! the engine reports to the server with `client.stats` (O1): the server
+//! cannot see these gaps itself.
 
 use rusqlite::params;
 use tidemark_proto::Envelope;
@@ -33,6 +36,24 @@ pub struct Repair {
     pub last_error: Option<String>,
 }
 
+/// The device's gap counts as `client.stats` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct GapCounts {
+    /// Conversations queued for repair (since the last report).
+    pub detected: u64,
+    /// Repairs completed (since the last report).
+    pub repaired: u64,
+    /// Repairs waiting now.
+    pub pending: u64,
+}
+
+impl GapCounts {
+    /// Whether there is anything to tell the server.
+    pub fn worth_reporting(&self) -> bool {
+        self.detected > 0 || self.repaired > 0 || self.pending > 0
+    }
+}
+
 fn repair_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Repair> {
     Ok(Repair {
         conv: r.get(0)?,
@@ -54,6 +75,33 @@ impl LocalStore {
         let mut stmt = self.conn.prepare_cached(&format!("{REPAIR_SELECT} ORDER BY conv"))?;
         let rows = stmt.query_map([], repair_row)?.collect::<Result<Vec<_>, _>>()?;
         Ok(rows)
+    }
+
+    /// What `client.stats` has to report: gaps detected and repaired since
+    /// the last report the server accepted, and the repairs waiting now.
+    pub fn unreported_gaps(&self) -> StoreResult<GapCounts> {
+        Ok(self.conn.query_row(
+            "SELECT detected - reported_detected, repaired - reported_repaired, (SELECT COUNT(*) FROM repairs)
+             FROM gap_stats WHERE id = 1",
+            [],
+            |r| {
+                Ok(GapCounts {
+                    detected: r.get::<_, i64>(0)? as u64,
+                    repaired: r.get::<_, i64>(1)? as u64,
+                    pending: r.get::<_, i64>(2)? as u64,
+                })
+            },
+        )?)
+    }
+
+    /// Records that the server took a report of `counts` (after its reply,
+    /// so a lost report is sent again, never skipped).
+    pub fn gaps_reported(&mut self, counts: &GapCounts) -> StoreResult<()> {
+        self.conn.execute(
+            "UPDATE gap_stats SET reported_detected = reported_detected + ?1, reported_repaired = reported_repaired + ?2",
+            params![counts.detected as i64, counts.repaired as i64],
+        )?;
+        Ok(())
     }
 
     /// At most `max` repairs whose wait is over at `now_ms`, oldest first.
@@ -143,7 +191,9 @@ impl LocalStore {
         }
         refresh_summary(&tx, &user, conv, applied as u64)?;
         if complete {
-            tx.execute("DELETE FROM repairs WHERE conv = ?1", params![conv]).map_err(StoreError::from)?;
+            let done = tx.execute("DELETE FROM repairs WHERE conv = ?1", params![conv]).map_err(StoreError::from)?;
+            tx.execute("UPDATE gap_stats SET repaired = repaired + ?1", params![done as i64])
+                .map_err(StoreError::from)?;
         } else {
             tx.execute(
                 "UPDATE repairs SET from_msg_seq = MAX(from_msg_seq, ?2) WHERE conv = ?1",

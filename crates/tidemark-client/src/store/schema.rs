@@ -87,6 +87,18 @@ CREATE TABLE IF NOT EXISTS repairs (
     next_attempt_at INTEGER NOT NULL DEFAULT 0,
     last_error TEXT
 );
+-- The device's gap counts (K5) for `client.stats`: conversations queued
+-- for repair and repairs completed, and how many of each the server has
+-- been told; one row, moved in the transactions that queue and complete
+-- a repair.
+CREATE TABLE IF NOT EXISTS gap_stats (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    detected INTEGER NOT NULL DEFAULT 0,
+    repaired INTEGER NOT NULL DEFAULT 0,
+    reported_detected INTEGER NOT NULL DEFAULT 0,
+    reported_repaired INTEGER NOT NULL DEFAULT 0
+);
+INSERT OR IGNORE INTO gap_stats (id) VALUES (1);
 CREATE TABLE IF NOT EXISTS snapshot_install (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     snapshot_id TEXT NOT NULL,

@@ -110,6 +110,14 @@ async fn boot(dir: &tempfile::TempDir, addr: &str, config: ServerConfig) -> Runn
     Server::start(addr, store, config).await.unwrap()
 }
 
+/// The contract code of a call's server refusal; panics on anything else.
+pub fn refused(r: Result<impl std::fmt::Debug, tidemark_client::SdkError>) -> tidemark_client::proto::ErrorCode {
+    match r {
+        Err(tidemark_client::SdkError::Refused(e)) => e.code().unwrap_or_else(|| panic!("not a server refusal: {e}")),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+}
+
 /// A hook that aborts the client the first time `when` matches.
 pub fn abort_once(when: impl Fn(&FaultPoint) -> bool + Send + Sync + 'static) -> FaultHook {
     let fired = AtomicBool::new(false);

@@ -166,6 +166,19 @@ fn rpcs(s: &mut Schemas) -> Vec<Rpc> {
             body_required: false,
             reply: s.of::<PrivacyOk>(),
         },
+        Rpc {
+            op: op::CLIENT_STATS,
+            summary: "Report the gaps only this device sees (K5 repairs) for the metrics (O1)",
+            request: s.of::<ClientStatsReq>(),
+            body_required: false,
+            reply: s.of::<ClientStatsOk>(),
+        },
+        rpc(
+            op::CONV_MEMBERS,
+            "A conversation's current members with their join, paged by user id (G1)",
+            s.of::<ConvMembersReq>(),
+            s.of::<ConvMembersOk>(),
+        ),
         rpc(
             op::CONV_RECEIPTS,
             "Read positions of a conversation's members (R2)",

@@ -1,11 +1,13 @@
 //! Conversations: `conv.create` (direct and group), membership changes
-//! (`conv.add`, `conv.remove`, `conv.leave`), `conv.list`, `conv.sync`,
+//! (`conv.add`, `conv.remove`, `conv.leave`), the member list
+//! (`conv.members`), `conv.list`, `conv.sync`,
 //! `history`, `conv.settings` and `read`.
 
 use tidemark_proto::{
-    ConvCreateOk, ConvCreateReq, ConvListOk, ConvMemberOk, ConvMemberReq, ConvSettingsOk, ConvSettingsReq, ConvSummary,
-    ConvSyncOk, ConvSyncReq, DirtyClearOk, DirtyClearReq, HistoryOk, HistoryReq, ReadOk, ReadReq,
-    CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX, HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
+    ConvCreateOk, ConvCreateReq, ConvListOk, ConvMember, ConvMemberOk, ConvMemberReq, ConvMembersOk, ConvMembersReq,
+    ConvSettingsOk, ConvSettingsReq, ConvSummary, ConvSyncOk, ConvSyncReq, DirtyClearOk, DirtyClearReq, HistoryOk,
+    HistoryReq, ReadOk, ReadReq, CONV_MEMBERS_LIMIT_DEFAULT, CONV_MEMBERS_LIMIT_MAX, CONV_SYNC_LIMIT_DEFAULT,
+    CONV_SYNC_LIMIT_MAX, HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
 };
 use tidemark_store::{ConvEventCmd, MembershipChange, CONV_DIRECT, CONV_GROUP};
 
@@ -176,6 +178,26 @@ pub async fn sync(state: &AppState, ctx: &AuthCtx, req: ConvSyncReq) -> ApiResul
         has_more: page.has_more,
         trimmed: page.trimmed,
         events: page.events.into_iter().map(envelope).collect::<ApiResult<_>>()?,
+    })
+}
+
+/// One page of a conversation's current members (a current member only;
+/// `tidemark_core::membership::members_page` decides in the store).
+pub async fn members(state: &AppState, ctx: &AuthCtx, req: ConvMembersReq) -> ApiResult<ConvMembersOk> {
+    check_conv(&req.conv)?;
+    if let Some(after) = &req.after {
+        tidemark_core::ids::check_user(after).map_err(ApiError::bad_request)?;
+    }
+    let limit = limit(req.limit, CONV_MEMBERS_LIMIT_DEFAULT, CONV_MEMBERS_LIMIT_MAX)?;
+    let page = state.store.conv_members(&ctx.user, &req.conv, req.after, limit).await?;
+    let next_after = page.members.last().map(|(user, _)| user.clone()).filter(|_| page.has_more);
+    Ok(ConvMembersOk {
+        conv: req.conv,
+        owner: page.owner,
+        members_seq: page.members_seq,
+        members: page.members.into_iter().map(|(user, joined_seq)| ConvMember { user, joined_seq }).collect(),
+        next_after,
+        has_more: page.has_more,
     })
 }
 

@@ -12,6 +12,7 @@ pub mod receipts;
 pub mod render;
 pub mod send;
 pub mod snapshot;
+pub mod stats;
 pub mod sync;
 
 use std::sync::Arc;
@@ -86,6 +87,7 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::CONV_ADD => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Add).await?),
         op::CONV_REMOVE => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Remove).await?),
         op::CONV_LEAVE => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Leave).await?),
+        op::CONV_MEMBERS => to_value(&conv::members(&state, &ctx, parse(body)?).await?),
         op::CONV_SYNC => to_value(&conv::sync(&state, &ctx, parse(body)?).await?),
         op::HISTORY => to_value(&conv::history(&state, &ctx, parse(body)?).await?),
         op::CONV_SETTINGS => to_value(&conv::settings(&state, &ctx, parse(body)?).await?),
@@ -107,6 +109,7 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::PRIVACY_SET => to_value(&ephemeral::privacy_set(&state, &ctx, parse(body)?).await?),
         op::CONV_RECEIPTS => to_value(&receipts::conv_receipts(&state, &ctx, parse(body)?).await?),
         op::DELIVERY_RECEIPTS => to_value(&receipts::delivery_receipts(&state, &ctx, parse(body)?).await?),
+        op::CLIENT_STATS => to_value(&stats::report(parse(body)?)?),
         op::PUSH_REGISTER => to_value(&push::register(&state, &ctx, parse(body)?).await?),
         op::PUSH_LIST => to_value(&push::list(&state, &ctx).await?),
         op::PUSH_REMOVE => to_value(&push::remove(&state, &ctx, parse(body)?).await?),

@@ -93,7 +93,9 @@ impl Exposition {
                     problems.push(format!("{name} and {base}: one family under two names"));
                 }
             }
-            if kind == "histogram" && !["_seconds", "_requests", "_events"].iter().any(|u| name.ends_with(u)) {
+            if kind == "histogram"
+                && !["_seconds", "_requests", "_events", "_conversations"].iter().any(|u| name.ends_with(u))
+            {
                 problems.push(format!("{name}: histogram without a unit suffix"));
             }
         }
