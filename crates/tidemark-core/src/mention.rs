@@ -94,7 +94,8 @@ mod tests {
     #[test]
     fn mention_all_permission() {
         fn check(input: (&str, Option<&str>, u64, &str), expect: bool) {
-            let facts = MentionAllFacts { kind: input.0.into(), owner: input.1.map(Into::into), active_members: input.2 };
+            let facts =
+                MentionAllFacts { kind: input.0.into(), owner: input.1.map(Into::into), active_members: input.2 };
             assert_eq!(may_mention_all(&facts, input.3), expect, "{input:?}");
             assert_eq!(check_mention_all(true, &facts, input.3).is_ok(), expect, "{input:?}");
             assert_eq!(check_mention_all(false, &facts, input.3), Ok(()), "{input:?}");

@@ -276,7 +276,14 @@ mod tests {
         check(
             &[mention],
             false,
-            PushDecision::Send { through: 4, count: 1, conv: "c4".into(), newest: 4, first_at_ms: NOW - w - 1, expired: 0 },
+            PushDecision::Send {
+                through: 4,
+                count: 1,
+                conv: "c4".into(),
+                newest: 4,
+                first_at_ms: NOW - w - 1,
+                expired: 0,
+            },
         );
         check(
             &[ev(4, kinds::EVENT_READ, "", false, w + 1), ev(5, kinds::EVENT_MEMBERSHIP, "ann", false, w + 1)],
