@@ -33,6 +33,7 @@ pub const ID_BYTES_MAX: usize = 64;
 /// The identifier bounds the domain validates (`tidemark_core::ids`):
 /// user names, device ids, `client_msg_id`s and message kinds, in bytes.
 pub use tidemark_core::ids::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
+pub use tidemark_core::mention::{MENTIONS_MAX, MENTION_ALL_MEMBERS_MAX};
 /// Longest reaction, in bytes.
 pub const REACTION_BYTES_MAX: usize = 32;
 /// Longest accepted password, in bytes (argon2 cost is bounded by input).

@@ -130,7 +130,14 @@ async fn register(ts: &TestServer, access: &str, token: &str, preview: &str) -> 
 }
 
 fn text(conv: &str, cmid: &str, text: &str) -> SendReq {
-    SendReq { conv: conv.into(), client_msg_id: cmid.into(), kind: "text".into(), content: json!({"text": text}) }
+    SendReq {
+        conv: conv.into(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: json!({"text": text}),
+        mentions: Vec::new(),
+        mention_all: false,
+    }
 }
 
 #[tokio::test]
