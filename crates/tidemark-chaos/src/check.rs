@@ -791,6 +791,8 @@ pub(crate) mod tests {
             version: 1,
             reactions: serde_json::json!({}),
             sync_seq: Some(seq),
+            mentions: Vec::new(),
+            mention_all: false,
         }
     }
 
@@ -822,6 +824,7 @@ pub(crate) mod tests {
             last_msg_seq: last,
             read_seq: 0,
             unread: 0,
+            mentions: 0,
             muted: false,
             pinned: false,
             active: true,

@@ -509,6 +509,8 @@ async fn drive(
                     client_msg_id: client_msg_id(round, i, n),
                     kind: "text".into(),
                     content: content(n),
+                    mentions: Vec::new(),
+                    mention_all: false,
                 };
                 let t = Instant::now();
                 let ok = conn.send(&req).await.with_context(|| format!("sender {i}: send {n}"))?;

@@ -63,14 +63,17 @@ const QUIT_DRAIN: Duration = Duration::from_secs(3);
 const CONV_SHOWN: usize = 9;
 
 const HELP: &[(&str, &str)] = &[
-    ("TEXT", "send TEXT to the current conversation (queued in the outbox when offline)"),
+    (
+        "TEXT",
+        "send TEXT to the current conversation (queued in the outbox when offline); @USER mentions USER, @all everyone",
+    ),
     ("/to USER", "open the direct conversation with USER (created if new)"),
     ("/group USER [USER...]", "create a group with these users and you, and open it"),
     ("/add USER", "add USER to the current group"),
     ("/remove USER", "remove USER from the current group (its owner only)"),
     ("/leave", "leave the current group"),
     ("/open ID", "open a conversation by (the start of) its id, as /list shows it"),
-    ("/list", "conversations with their last msg_seq and unread count (large groups marked)"),
+    ("/list", "conversations with their last msg_seq, unread count and mentions of you (large groups marked)"),
     ("/history", "the current conversation as held locally"),
     ("/recall N", "recall your message #N (it becomes a placeholder everywhere)"),
     ("/edit N TEXT", "replace the text of your message #N"),
@@ -360,8 +363,9 @@ impl Chat {
                     let here = if self.current.as_deref() == Some(c.conv.as_str()) { " (open)" } else { "" };
                     let gone = if c.active { "" } else { " (left)" };
                     let kind = if c.shared { "large group" } else { kind_of(&c.conv) };
+                    let mentions = if c.mentions > 0 { format!(" @{}", c.mentions) } else { String::new() };
                     println!(
-                        "[list] {} {} last #{} unread {}{here}{gone}",
+                        "[list] {} {} last #{} unread {}{mentions}{here}{gone}",
                         short(&c.conv),
                         kind,
                         c.last_msg_seq,
@@ -431,7 +435,10 @@ impl Chat {
                     return Ok(true);
                 }
                 let conv = self.current()?.to_owned();
-                self.client.send(&conv, json!({"text": line})).await.map_err(sdk)?;
+                self.client
+                    .send_mentioning(&conv, "text", json!({"text": line}), mentions_in(line))
+                    .await
+                    .map_err(sdk)?;
                 if self.client.state() == ConnState::Offline {
                     println!("[chat] queued in the outbox; it leaves once connected");
                 }
@@ -596,4 +603,22 @@ pub async fn run(args: ChatArgs) -> Result<()> {
 
 fn is_pending(e: &tidemark_client::OutboxEntry) -> bool {
     e.state == tidemark_client::OutboxState::Pending
+}
+
+/// The mentions a typed line makes (issue 18): each `@USER` word names a
+/// user, `@all` everyone.
+fn mentions_in(line: &str) -> tidemark_client::Mentions {
+    let mut m = tidemark_client::Mentions::default();
+    for word in line.split_whitespace().filter_map(|w| w.strip_prefix('@')) {
+        let word = word.trim_end_matches(|c: char| !(c.is_ascii_alphanumeric() || "_-.@".contains(c)));
+        match word {
+            "" => {}
+            "all" => m.all = true,
+            user if tidemark_core::ids::check_user(user).is_ok() && !m.users.iter().any(|u| u == user) => {
+                m.users.push(user.to_owned())
+            }
+            _ => {}
+        }
+    }
+    m
 }

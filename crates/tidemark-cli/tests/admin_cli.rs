@@ -125,6 +125,8 @@ async fn admin_reconcile_reports_then_repairs_once() {
                 content: "{\"text\":\"hi\"}".into(),
                 message_id: "m1".into(),
                 quote_id: None,
+                mentions: Vec::new(),
+                mention_all: false,
                 now_ms: 0,
             })
             .await

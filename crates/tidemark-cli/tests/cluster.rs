@@ -195,8 +195,14 @@ async fn create_group(http: &Http, token: &str, members: &[&str]) -> String {
 /// accepts it; the same `client_msg_id` makes a retry of an accepted send
 /// return the original (S1).
 async fn send_anywhere(nodes: &[Http], first: usize, token: &str, conv: &str, cmid: &str) -> SendOk {
-    let req =
-        SendReq { conv: conv.into(), client_msg_id: cmid.into(), kind: "text".into(), content: serde_json::json!({}) };
+    let req = SendReq {
+        conv: conv.into(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: serde_json::json!({}),
+        mentions: Vec::new(),
+        mention_all: false,
+    };
     for attempt in 0..SEND_ATTEMPTS_MAX {
         match nodes[(first + attempt) % nodes.len()].rpc::<_, SendOk>(token, "send", &req).await {
             Ok(ok) => return ok,
@@ -382,6 +388,8 @@ async fn device_on_node_b_is_hinted_for_a_send_through_node_a() {
             client_msg_id: format!("k{round}"),
             kind: "text".into(),
             content: serde_json::json!({"round": round}),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         let sent = Instant::now();
         let _: SendOk = http_a.rpc(&ann, "send", &req).await.unwrap();
@@ -428,6 +436,8 @@ async fn a_large_group_member_on_node_b_is_hinted_for_a_send_through_node_a() {
             client_msg_id: format!("big{round}"),
             kind: "text".into(),
             content: serde_json::json!({"round": round}),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         let sent: SendOk = http_a.rpc(&ann, "send", &req).await.unwrap();
         tokio::time::timeout(HINT_WITHIN, async {
@@ -489,6 +499,8 @@ async fn device_revoked_through_node_a_is_kicked_on_b_and_refused_on_c() {
         client_msg_id: k.into(),
         kind: "text".into(),
         content: serde_json::json!({"k": k}),
+        mentions: Vec::new(),
+        mention_all: false,
     };
     // Before: the phone sends through C, and holds a WebSocket on B.
     let _: SendOk = http_c.rpc(&phone, "send", &send("before")).await.unwrap();
@@ -613,6 +625,8 @@ async fn a_connection_on_node_b_supersedes_node_a_and_a_late_frame_on_a_has_no_e
         client_msg_id: "late".into(),
         kind: "text".into(),
         content: serde_json::json!({"late": true}),
+        mentions: Vec::new(),
+        mention_all: false,
     };
 
     let (old, mut old_events) = WsConn::connect(&a.ws, &phone).await.unwrap();

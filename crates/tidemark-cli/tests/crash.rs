@@ -46,6 +46,8 @@ async fn sigkill_after_accept_before_fanout_loses_nothing() {
             client_msg_id: format!("k{i}"),
             kind: "text".into(),
             content: serde_json::json!({"i": i}),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         let ok: SendOk = http.rpc(&ann.access_token, "send", &req).await.unwrap();
         accepted.push(ok.message_id);

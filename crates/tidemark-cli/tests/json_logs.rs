@@ -93,8 +93,14 @@ async fn json_logs_trace_a_message_through_every_stage_and_hold_no_secret() {
     // A round trip: ben's connection is registered, so the fan-out hints it.
     ben_ws.request_value("ping", json!({})).await.unwrap();
     let conv = ann_ws.conv_create_direct(BEN).await.unwrap().conv;
-    let req =
-        SendReq { conv: conv.clone(), client_msg_id: "c1".into(), kind: "text".into(), content: json!({"text": TEXT}) };
+    let req = SendReq {
+        conv: conv.clone(),
+        client_msg_id: "c1".into(),
+        kind: "text".into(),
+        content: json!({"text": TEXT}),
+        mentions: Vec::new(),
+        mention_all: false,
+    };
     let sent = ann_ws.send(&req).await.unwrap();
 
     // ben is hinted, pulls the batch and ACKs it.

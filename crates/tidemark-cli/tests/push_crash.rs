@@ -90,6 +90,8 @@ async fn send(http: &Http, token: &str, conv: &str, cmid: &str) {
         client_msg_id: cmid.into(),
         kind: "text".into(),
         content: serde_json::json!({"text": cmid}),
+        mentions: Vec::new(),
+        mention_all: false,
     };
     let _: SendOk = http.rpc(token, "send", &req).await.unwrap();
 }

@@ -25,6 +25,8 @@ async fn traffic(http: &Http, ann: &str, fast: (&str, &mut Position), conv: &str
             client_msg_id: format!("k{i}"),
             kind: "text".into(),
             content: serde_json::json!({"i": i}),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         let _: serde_json::Value = http.rpc(ann, "send", &req).await.unwrap();
     }

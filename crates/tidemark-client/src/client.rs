@@ -16,12 +16,12 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::engine::{self, Command, Inner, CHANGES_MAX, COMMANDS_MAX};
-use crate::store::{Conversation, LocalStore, Message, OutboxEntry, OutboxOp, SyncPosition};
+use crate::store::{Conversation, LocalStore, Mentions, Message, OutboxEntry, OutboxOp, SyncPosition};
 use crate::types::{Change, ClientConfig, ConnState, Exit, SdkError};
 use crate::Http;
 
 /// Bounds of `conv`, `message_id` and `kind` (docs/protocol.md §3.1, §3.12).
-use tidemark_proto::{ID_BYTES_MAX, KIND_BYTES_MAX};
+use tidemark_proto::{ID_BYTES_MAX, KIND_BYTES_MAX, MENTIONS_MAX, USER_BYTES_MAX};
 
 /// A subscription to a client's [`Change`]s.
 pub struct Changes {
@@ -170,8 +170,30 @@ impl Client {
     /// entries; otherwise on the next connection). The entry is durable when
     /// this returns; [`Change::OutboxAccepted`] follows the server's `send.ok`.
     pub async fn send_kind(&self, conv: &str, kind: &str, content: Value) -> Result<OutboxEntry, SdkError> {
+        self.send_mentioning(conv, kind, content, Mentions::default()).await
+    }
+
+    /// [`Client::send_kind`] of a message that mentions users or everyone
+    /// (issue 18): each mentioned member's [`Conversation::mentions`]
+    /// grows apart from unread, and a mention is pushed even where the
+    /// conversation is muted. At most `MENTIONS_MAX` users, refused here
+    /// (`Invalid`) before anything is queued; a mention of everyone the
+    /// server does not allow fails the entry with `FORBIDDEN`.
+    pub async fn send_mentioning(
+        &self,
+        conv: &str,
+        kind: &str,
+        content: Value,
+        mentions: Mentions,
+    ) -> Result<OutboxEntry, SdkError> {
         check_send(conv, kind, &content)?;
-        self.enqueue(OutboxOp::Send, conv, kind, content).await
+        if mentions.users.len() > MENTIONS_MAX {
+            return Err(SdkError::Invalid(format!("at most {MENTIONS_MAX} mentions")));
+        }
+        if let Some(bad) = mentions.users.iter().find(|u| u.is_empty() || u.len() > USER_BYTES_MAX) {
+            return Err(SdkError::Invalid(format!("mention {bad:?} must be 1..={USER_BYTES_MAX} bytes")));
+        }
+        self.enqueue_with(OutboxOp::Send, conv, kind, content, mentions).await
     }
 
     /// Recalls one of the user's messages (E1), through the outbox: after
@@ -195,6 +217,17 @@ impl Client {
     }
 
     async fn enqueue(&self, op: OutboxOp, conv: &str, kind: &str, content: Value) -> Result<OutboxEntry, SdkError> {
+        self.enqueue_with(op, conv, kind, content, Mentions::default()).await
+    }
+
+    async fn enqueue_with(
+        &self,
+        op: OutboxOp,
+        conv: &str,
+        kind: &str,
+        content: Value,
+        mentions: Mentions,
+    ) -> Result<OutboxEntry, SdkError> {
         let client_msg_id = format!("{:032x}", rand::random::<u128>());
         let (c, k) = (conv.to_owned(), kind.to_owned());
         // Announced under the store lock right after the commit, so no
@@ -203,7 +236,7 @@ impl Client {
         let entry = self
             .inner
             .db(move |s, inner| {
-                let entry = s.enqueue(&client_msg_id, op, &c, &k, &content)?;
+                let entry = s.enqueue_mentioning(&client_msg_id, op, &c, &k, &content, &mentions)?;
                 inner.emit(Change::OutboxQueued {
                     op,
                     client_msg_id: entry.client_msg_id.clone(),

@@ -1218,6 +1218,8 @@ async fn send_entry(inner: &Arc<Inner>, ws: &WsConn, entry: &OutboxEntry) -> Sen
         client_msg_id: entry.client_msg_id.clone(),
         kind: entry.kind.clone(),
         content: entry.content.clone(),
+        mentions: entry.mentions.clone(),
+        mention_all: entry.mention_all,
     };
     let ok = inner.call(ws.send(&req)).await?;
     if let Err(end) = after_reply(inner, entry, ok.msg_seq) {

@@ -134,7 +134,7 @@ pub use client::{Changes, Client};
 pub use ephemeral::PresenceState;
 pub use http::Http;
 pub use store::{
-    manifest_digest, Conversation, CursorMove, FaultAction, FaultPoint, Gap, Message, OutboxEntry, OutboxOp,
+    manifest_digest, Conversation, CursorMove, FaultAction, FaultPoint, Gap, Mentions, Message, OutboxEntry, OutboxOp,
     OutboxState, PageReport, PendingSnapshot, SnapshotReport, StoreError, SyncPosition,
 };
 pub use tidemark_proto as proto;

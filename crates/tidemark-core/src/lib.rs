@@ -21,6 +21,7 @@ pub mod ids;
 pub mod kinds;
 pub mod large;
 pub mod membership;
+pub mod mention;
 pub mod page;
 pub mod projection;
 pub mod push;

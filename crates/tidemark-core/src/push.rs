@@ -8,8 +8,9 @@
 //! above `max(acked, pushed_through)`: the log already holds only what the
 //! user may see (membership periods, F4), so nothing outside a period is
 //! ever pushed. An event counts when it is a message (`kinds::EVENT_MESSAGE`)
-//! from someone else in a conversation the user has not muted, and is not
-//! older than the expiry. The counting events of one device coalesce into
+//! from someone else in a conversation the user has not muted (a message
+//! that mentions the user, by name or everyone, overrides the mute, issue
+//! 18), and is not older than the expiry. The counting events of one device coalesce into
 //! one notification, sent once the oldest of them waited the window; a
 //! device with a live connection is not pushed (it has the hint and ACKs).
 
@@ -62,6 +63,9 @@ pub struct OwedEvent {
     pub sender: Option<String>,
     /// The user's `muted` setting of `conv` when read.
     pub muted: bool,
+    /// The message mentions the user (`mention::counts`): pushed even
+    /// when muted.
+    pub mentioned: bool,
     /// When the fan-out that wrote it committed.
     pub created_at_ms: i64,
 }
@@ -73,7 +77,7 @@ pub enum NotCounted {
     Kind,
     /// The user's own message (from any of their devices).
     Own,
-    /// The conversation is muted.
+    /// The conversation is muted and the message does not mention the user.
     Muted,
     /// Older than the expiry.
     Expired,
@@ -87,7 +91,7 @@ pub fn counts(user: &str, e: &OwedEvent, now_ms: i64, policy: &PushPolicy) -> Re
     if e.sender.as_deref() == Some(user) {
         return Err(NotCounted::Own);
     }
-    if e.muted {
+    if e.muted && !e.mentioned {
         return Err(NotCounted::Muted);
     }
     if now_ms - e.created_at_ms > policy.expiry_ms {
@@ -226,6 +230,7 @@ mod tests {
             conv: format!("c{seq}"),
             sender: (!sender.is_empty()).then(|| sender.into()),
             muted,
+            mentioned: false,
             created_at_ms: NOW - age_ms,
         }
     }
@@ -265,6 +270,21 @@ mod tests {
         check(&[ev(4, m, "bob", false, w + 1)], false, PushDecision::Skip { through: 4, expired: 0 });
         // Muted conversations never count; neither do non-messages.
         check(&[ev(4, m, "ann", true, w + 1)], false, PushDecision::Skip { through: 4, expired: 0 });
+        // A mention overrides the mute (issue 18).
+        let mention = OwedEvent { mentioned: true, ..ev(4, m, "ann", true, w + 1) };
+        assert_eq!(counts("bob", &mention, NOW, &PushPolicy::default()), Ok(()));
+        check(
+            &[mention],
+            false,
+            PushDecision::Send {
+                through: 4,
+                count: 1,
+                conv: "c4".into(),
+                newest: 4,
+                first_at_ms: NOW - w - 1,
+                expired: 0,
+            },
+        );
         check(
             &[ev(4, kinds::EVENT_READ, "", false, w + 1), ev(5, kinds::EVENT_MEMBERSHIP, "ann", false, w + 1)],
             false,

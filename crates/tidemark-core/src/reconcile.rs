@@ -64,6 +64,8 @@ pub mod reason {
     pub const ACK_ABOVE_HEAD: &str = "ack_above_head";
     pub const HEAD_MISMATCH: &str = "head_differs_from_messages";
     pub const UNREAD_DRIFT: &str = "unread_drift";
+    /// A mention count differs from its recount (issue 18); unread agrees.
+    pub const MENTIONS_DRIFT: &str = "mentions_drift";
 }
 
 /// A repair the job may apply; each is idempotent.
@@ -178,12 +180,15 @@ pub struct DeviceAck {
     pub acked: SyncSeq,
 }
 
-/// One conversation row's unread, stored and recounted.
+/// One conversation row's unread and mention count (issue 18), stored
+/// and recounted.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct UnreadFacts {
     pub conv: String,
     pub stored: u64,
     pub fact: u64,
+    pub mentions_stored: u64,
+    pub mentions_fact: u64,
 }
 
 /// A user event that names something that is not there.
@@ -230,13 +235,21 @@ pub fn check_user(f: &UserFacts) -> Vec<Finding> {
             ..base()
         });
     }
-    for u in f.unread.iter().filter(|u| u.stored != u.fact) {
+    for u in &f.unread {
+        // One recount repairs both counts of the row.
+        let drift = if u.stored != u.fact {
+            (reason::UNREAD_DRIFT, u.stored, u.fact)
+        } else if u.mentions_stored != u.mentions_fact {
+            (reason::MENTIONS_DRIFT, u.mentions_stored, u.mentions_fact)
+        } else {
+            continue;
+        };
         out.push(Finding {
             relation: relation::UNREAD,
-            reason: reason::UNREAD_DRIFT,
+            reason: drift.0,
             conv: Some(u.conv.clone()),
-            stored: Some(u.stored),
-            fact: Some(u.fact),
+            stored: Some(drift.1),
+            fact: Some(drift.2),
             repair: Some(Repair::Recount { user: f.user.clone(), conv: u.conv.clone() }),
             ..base()
         });
@@ -354,8 +367,9 @@ mod tests {
             high_watermark: 10,
             devices: vec![DeviceAck { device: "d1".into(), acked: 10 }, DeviceAck { device: "d2".into(), acked: 11 }],
             unread: vec![
-                UnreadFacts { conv: "c1".into(), stored: 3, fact: 3 },
-                UnreadFacts { conv: "c2".into(), stored: 9, fact: 2 },
+                UnreadFacts { conv: "c1".into(), stored: 3, fact: 3, mentions_stored: 1, mentions_fact: 1 },
+                UnreadFacts { conv: "c2".into(), stored: 9, fact: 2, mentions_stored: 0, mentions_fact: 0 },
+                UnreadFacts { conv: "c3".into(), stored: 2, fact: 2, mentions_stored: 2, mentions_fact: 1 },
             ],
             suspect_events: vec![
                 EventFacts {
@@ -393,6 +407,7 @@ mod tests {
             vec![
                 (relation::ACK_HEAD, reason::ACK_ABOVE_HEAD, false),
                 (relation::UNREAD, reason::UNREAD_DRIFT, true),
+                (relation::UNREAD, reason::MENTIONS_DRIFT, true),
                 (relation::EVENT_SOURCE, reason::MESSAGE_MISSING, false),
                 (relation::EVENT_SOURCE, reason::PERIOD_FOREIGN, false),
             ]

@@ -17,6 +17,7 @@ use tidemark_core::control::{self, ControlDecision, Target};
 use tidemark_core::kinds::CONTROL_KINDS;
 use tidemark_core::large::{self, ClearDecision, MarkerFacts};
 use tidemark_core::membership::{self, MembershipDecision, MembershipFacts};
+use tidemark_core::mention;
 use tidemark_core::projection::{self, Settings};
 use tidemark_proto::content::{self, Payload};
 use tidemark_store::*;
@@ -157,7 +158,8 @@ pub(crate) async fn append_conv_event(
 /// `msg_seq` with the message and its outbox record. One statement, so
 /// the writer pipelines the sends of a batch (`Writer::write_statement`).
 /// The parameters are [`send_params`]; [`decide_send`] reads the outcome.
-pub(crate) const SEND_SQL: &str = "SELECT * FROM tidemark_send($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)";
+pub(crate) const SEND_SQL: &str =
+    "SELECT * FROM tidemark_send($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
 
 /// A send whose kind `control::check_send_kind` refuses: the original on
 /// a retry of its key, else that refusal. Writes nothing.
@@ -187,6 +189,9 @@ pub(crate) fn send_params(cmd: &SendCmd) -> Vec<Param> {
         Box::new(cmd.now_ms),
         Box::new(event_kind_of(&cmd.kind)),
         Box::new(control_kinds),
+        Box::new((!cmd.mentions.is_empty()).then(|| cmd.mentions.clone())),
+        Box::new(cmd.mention_all),
+        Box::new(mention::MENTION_ALL_MEMBERS_MAX as i64),
     ]
 }
 
@@ -221,6 +226,12 @@ pub(crate) fn decide_send(cmd: &SendCmd, rows: &[tokio_postgres::Row]) -> Decide
             }
             "no_conv" => Decided::Answer(Err(control::not_member(&cmd.conv, false).into())),
             "not_member" => Decided::Answer(Err(StoreError::NotMember)),
+            "mention_all" => {
+                mention::check_mention_all(true, &mention_facts(r)?, &cmd.sender)?;
+                Decided::Answer(Err(StoreError::Internal(
+                    "tidemark_send refused a mention of everyone, which check_mention_all accepts".into(),
+                )))
+            }
             "quote" => {
                 let quoted = cmd.quote_id.as_deref().unwrap_or_default();
                 let facts = quote(r)?;
@@ -238,6 +249,13 @@ pub(crate) fn decide_send(cmd: &SendCmd, rows: &[tokio_postgres::Row]) -> Decide
                         ))));
                     }
                 }
+                if cmd.mention_all {
+                    if let Err(e) = mention::check_mention_all(true, &mention_facts(r)?, &cmd.sender) {
+                        return Ok(Decided::Undo(StoreError::Internal(format!(
+                            "tidemark_send accepted a mention of everyone, which check_mention_all refuses: {e}"
+                        ))));
+                    }
+                }
                 Decided::Answer(Ok(cmd.accepted(seq(r, 3)?)))
             }
             other => Decided::Answer(Err(StoreError::Internal(format!("tidemark_send status {other}")))),
@@ -248,6 +266,15 @@ pub(crate) fn decide_send(cmd: &SendCmd, rows: &[tokio_postgres::Row]) -> Decide
         // A refusal read from the facts: the statement wrote nothing.
         Err(e) => Decided::Answer(Err(e)),
     }
+}
+
+/// The facts of the "everyone" permission `tidemark_send` read.
+fn mention_facts(r: &tokio_postgres::Row) -> R<mention::MentionAllFacts> {
+    Ok(mention::MentionAllFacts {
+        kind: col(r, 8)?,
+        owner: col(r, 9)?,
+        active_members: col::<Option<i64>>(r, 10)?.unwrap_or(0) as u64,
+    })
 }
 
 /// The users among `users` that have an account.
@@ -725,28 +752,49 @@ pub(crate) const COUNT_UNREAD: &str = "SELECT COUNT(*) FROM messages m JOIN user
                    AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
        AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = m.message_id)";
 
+/// A message mentions user `$1` (issue 18): by name or everyone. Who it
+/// counts for beyond that is [`COUNT_UNREAD`]'s, as `mention::counts` says.
+pub(crate) const MENTIONED: &str = "(m.mention_all OR $1 = ANY (m.mentions))";
+
+/// Mentions from the facts (issue 18): the unread messages of
+/// [`COUNT_UNREAD`] that mention the user.
+pub(crate) static COUNT_MENTIONS: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("{COUNT_UNREAD} AND {MENTIONED}"));
+
 pub(crate) async fn count_unread(c: &Conn, user: &str, conv: &str, read_seq: u64) -> R<u64> {
     let n: i64 = scalar(c, COUNT_UNREAD, &[&user, &conv, &big(read_seq)]).await?.unwrap_or(0);
     Ok(n as u64)
 }
 
-/// Recounts the user's unread in `conv` from the facts and stores it.
-pub(crate) async fn recount_unread(c: &Conn, user: &str, conv: &str) -> R<u64> {
+pub(crate) async fn count_mentions(c: &Conn, user: &str, conv: &str, read_seq: u64) -> R<u64> {
+    let n: i64 = scalar(c, &COUNT_MENTIONS, &[&user, &conv, &big(read_seq)]).await?.unwrap_or(0);
+    Ok(n as u64)
+}
+
+/// Recounts the user's unread and mentions in `conv` from the facts and
+/// stores them; `(unread, mentions)`.
+pub(crate) async fn recount_unread(c: &Conn, user: &str, conv: &str) -> R<(u64, u64)> {
     let read_seq: i64 =
         scalar(c, "SELECT read_seq FROM user_convs WHERE user_id = $1 AND conv_id = $2", &[&user, &conv])
             .await?
             .unwrap_or(0);
     let unread = count_unread(c, user, conv, read_seq as u64).await?;
-    exec(c, "UPDATE user_convs SET unread = $3 WHERE user_id = $1 AND conv_id = $2", &[&user, &conv, &big(unread)])
-        .await?;
-    Ok(unread)
+    let mentions = count_mentions(c, user, conv, read_seq as u64).await?;
+    exec(
+        c,
+        "UPDATE user_convs SET unread = $3, mentions = $4 WHERE user_id = $1 AND conv_id = $2",
+        &[&user, &conv, &big(unread), &big(mentions)],
+    )
+    .await?;
+    Ok((unread, mentions))
 }
 
 pub(crate) async fn mark_read(c: &Conn, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> R<ReadOutcome> {
     lock_user(c, user).await?;
     let row = query_opt(
         c,
-        "SELECT uc.read_seq, c.head, uc.unread FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
+        "SELECT uc.read_seq, c.head, uc.unread, uc.mentions FROM user_convs uc
+         JOIN conversations c ON c.conv_id = uc.conv_id
          WHERE uc.user_id = $1 AND uc.conv_id = $2",
         &[&user, &conv],
     )
@@ -754,22 +802,25 @@ pub(crate) async fn mark_read(c: &Conn, user: &str, conv: &str, read_to_seq: u64
     let Some(row) = row else { return Err(not_found_or_not_member(c, conv).await?) };
     let (read_seq, head) = (seq(&row, 0)?, seq(&row, 1)?);
     let Some(target) = projection::read_target(read_to_seq, head, read_seq) else {
-        let unread = conv_state(c, user, conv).await?.map_or(seq(&row, 2)?, |s| s.unread);
-        return Ok(ReadOutcome { read_seq, unread, written: None });
+        let (unread, mentions) =
+            conv_state(c, user, conv).await?.map_or((seq(&row, 2)?, seq(&row, 3)?), |s| (s.unread, s.mentions));
+        return Ok(ReadOutcome { read_seq, unread, mentions, written: None });
     };
     exec(c, "UPDATE user_convs SET read_seq = $3 WHERE user_id = $1 AND conv_id = $2", &[&user, &conv, &big(target)])
         .await?;
-    let mut unread = recount_unread(c, user, conv).await?;
+    // Mentions clear with unread, only up to the new read cursor: the
+    // recount keeps those above it (issue 18).
+    let (mut unread, mut mentions) = recount_unread(c, user, conv).await?;
     // A shared group's unread above the switch is counted from the log.
     if let Some(state) = conv_state(c, user, conv).await? {
         if state.mode == large::MODE_SHARED {
-            unread = state.unread;
+            (unread, mentions) = (state.unread, state.mentions);
         }
     }
     let data = content::ReadData { read_seq: target, unread }.to_json();
     let source = projection::read_event_id(conv, target);
     let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms).await?;
-    Ok(ReadOutcome { read_seq: target, unread, written })
+    Ok(ReadOutcome { read_seq: target, unread, mentions, written })
 }
 
 /// The user's row of `conv` in the conversation list, as `list_conversations`

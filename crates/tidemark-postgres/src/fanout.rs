@@ -23,8 +23,8 @@ use std::collections::BTreeMap;
 
 use tidemark_core::large::{self, Route};
 use tidemark_core::membership::{control_recipients, recipients_at, Period, Recipients};
-use tidemark_core::projection;
 use tidemark_core::SyncSeq;
+use tidemark_core::{mention, projection};
 use tidemark_store::*;
 
 use crate::db::{big, col, exec, query, query_one, seq, seq_opt, Conn};
@@ -51,10 +51,10 @@ async fn periods_covering(c: &Conn, conv: &str, at: u64) -> R<Vec<Period>> {
 /// `msg_seq` and, for a control event, those covering its target's, as
 /// `control_recipients` combines them; in a shared group, as
 /// `large::route` decides (nobody, or the subject of a membership change).
-pub(crate) async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route, FannedOut)> {
+pub(crate) async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route, FannedOut, Mentions)> {
     let source = query_one(
         c,
-        "SELECT s.kind, t.msg_seq, cv.mode, cv.shared_from, cv.kind FROM messages s
+        "SELECT s.kind, t.msg_seq, cv.mode, cv.shared_from, cv.kind, s.mentions, s.mention_all FROM messages s
          JOIN conversations cv ON cv.conv_id = s.conv_id
          LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
          WHERE s.conv_id = $1 AND s.message_id = $2",
@@ -66,13 +66,15 @@ pub(crate) async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route
     let mode: String = col(&source, 2)?;
     let route = large::route(&mode, seq_opt(&source, 3)?, item.msg_seq, &kind);
     let conv_kind: String = col(&source, 4)?;
+    let mentions =
+        Mentions { named: col::<Option<Vec<String>>>(&source, 5)?.unwrap_or_default(), all: col(&source, 6)? };
     let mut seen = FannedOut {
         source_event_id: item.source_event_id.clone(),
         class: large::fanout_class(&conv_kind, route),
         ..Default::default()
     };
     let periods = match route {
-        Route::Shared => return Ok((Recipients::default(), route, seen)),
+        Route::Shared => return Ok((Recipients::default(), route, seen, mentions)),
         Route::PerMember => periods_covering(c, &item.conv, item.msg_seq).await?,
         // The period the change opened or closed at this msg_seq.
         Route::Subject => periods_covering(c, &item.conv, item.msg_seq)
@@ -87,7 +89,14 @@ pub(crate) async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route
         Some(t) => Some(recipients_at(&periods_covering(c, &item.conv, t).await?, t)),
         None => None,
     };
-    Ok((control_recipients(at_event, holders, &kind), route, seen))
+    Ok((control_recipients(at_event, holders, &kind), route, seen, mentions))
+}
+
+/// What a fanned-out message mentions (issue 18), as stored with it.
+#[derive(Debug, Default)]
+pub(crate) struct Mentions {
+    named: Vec<String>,
+    all: bool,
 }
 
 /// Publishes the marker of a shared group this batch moved up to
@@ -136,7 +145,8 @@ async fn lock_heads(c: &Conn, users: &[String]) -> R<()> {
 /// `last_msg_seq` (what the row counts already: a late delivery, such as a
 /// fan-out re-enqueued by reconciliation, was counted when the row moved
 /// past it) that the user did not delete for themselves; the user's own
-/// event moves the read cursor (R3).
+/// event moves the read cursor (R3). Mentions move with unread, under the
+/// same conditions, where `mention::counts` said so (`$10`, issue 18).
 const DELIVER: &str = "WITH h AS (
          INSERT INTO user_heads AS h (user_id, high_watermark) VALUES ($1, 1)
          ON CONFLICT (user_id) DO UPDATE SET high_watermark = h.high_watermark + 1
@@ -147,12 +157,16 @@ const DELIVER: &str = "WITH h AS (
          SELECT $1, h.high_watermark, $2, $3, $4, $5, $5, $6, $7 FROM h
          RETURNING sync_seq),
      p AS (
-         INSERT INTO user_convs AS uc (user_id, conv_id, last_msg_seq, read_seq, unread)
-         VALUES ($1, $3, $4, CASE WHEN $8 THEN $4 ELSE 0 END, CASE WHEN $9 THEN 1 ELSE 0 END)
+         INSERT INTO user_convs AS uc (user_id, conv_id, last_msg_seq, read_seq, unread, mentions)
+         VALUES ($1, $3, $4, CASE WHEN $8 THEN $4 ELSE 0 END, CASE WHEN $9 THEN 1 ELSE 0 END,
+                 CASE WHEN $10 THEN 1 ELSE 0 END)
          ON CONFLICT (user_id, conv_id) DO UPDATE SET
              last_msg_seq = GREATEST(uc.last_msg_seq, $4),
              read_seq = CASE WHEN $8 THEN GREATEST(uc.read_seq, $4) ELSE uc.read_seq END,
              unread = uc.unread + CASE WHEN $9 AND $4 > uc.read_seq AND $4 > uc.last_msg_seq
+                 AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = $5)
+                 THEN 1 ELSE 0 END,
+             mentions = uc.mentions + CASE WHEN $10 AND $4 > uc.read_seq AND $4 > uc.last_msg_seq
                  AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $1 AND d.message_id = $5)
                  THEN 1 ELSE 0 END)
      SELECT sync_seq FROM e";
@@ -193,22 +207,22 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
     // marker publication each, whatever the number of items (G2).
     let mut moved: BTreeMap<String, u64> = BTreeMap::new();
     for item in items {
-        let (recipients, route, mut seen) = resolve(c, item).await?;
+        let (recipients, route, mut seen, mentions) = resolve(c, item).await?;
         if route != Route::PerMember {
             let seq = moved.entry(item.conv.clone()).or_default();
             *seq = (*seq).max(item.msg_seq);
         }
         seen.recipients = recipients.deliver.len() as u64;
-        plans.push((recipients, seen));
+        plans.push((recipients, seen, mentions));
     }
-    let mut users: Vec<String> = plans.iter().flat_map(|(r, _)| r.deliver.iter().map(|(u, _)| u.clone())).collect();
+    let mut users: Vec<String> = plans.iter().flat_map(|(r, _, _)| r.deliver.iter().map(|(u, _)| u.clone())).collect();
     users.sort();
     users.dedup();
     lock_heads(c, &users).await?;
 
     let mut report = FanoutReport::default();
     let mut touched: BTreeMap<String, SyncSeq> = BTreeMap::new();
-    for (item, (recipients, mut seen)) in items.iter().zip(plans) {
+    for (item, (recipients, mut seen, mentions)) in items.iter().zip(plans) {
         for user in &recipients.quarantined {
             exec(
                 c,
@@ -241,6 +255,7 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
             }
             // Projections commit with the event: once per (user, event).
             let d = projection::delivery(&item.kind, user, &item.actor);
+            let mentioned = d.counts_unread && mention::counts(user, &item.actor, &mentions.named, mentions.all);
             let row = query_one(
                 c,
                 DELIVER,
@@ -254,6 +269,7 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
                     &now_ms,
                     &d.own,
                     &d.counts_unread,
+                    &mentioned,
                 ],
             )
             .await?;

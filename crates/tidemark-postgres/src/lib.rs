@@ -705,7 +705,7 @@ impl Store for PgStore {
             .await
     }
 
-    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<(u64, u64)>> {
+    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<Recounted>> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
         self.user_writer.write(move |c| Box::pin(async move { reconcile::recount_unread(c, &user, &conv).await })).await
     }

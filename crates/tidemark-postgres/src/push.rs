@@ -130,7 +130,8 @@ pub(crate) async fn claim(c: &Conn, now_ms: i64, lease_ms: i64, limit: u32, scan
         let rows = query(
             c,
             "SELECT e.sync_seq, e.kind, e.conv_id, m.sender, COALESCE(uc.muted, FALSE), e.created_at,
-                    CASE WHEN $4 THEN m.content END
+                    CASE WHEN $4 THEN m.content END,
+                    m.message_id IS NOT NULL AND (m.mention_all OR $1 = ANY (m.mentions))
              FROM user_events e
              LEFT JOIN messages m ON m.message_id = e.message_id
              LEFT JOIN user_convs uc ON uc.user_id = e.user_id AND uc.conv_id = e.conv_id
@@ -147,6 +148,7 @@ pub(crate) async fn claim(c: &Conn, now_ms: i64, lease_ms: i64, limit: u32, scan
                 conv: col(r, 2)?,
                 sender: col(r, 3)?,
                 muted: col(r, 4)?,
+                mentioned: col::<Option<bool>>(r, 7)?.unwrap_or(false),
                 created_at_ms: col(r, 5)?,
             });
             contents.push(col(r, 6)?);

@@ -101,7 +101,7 @@ const LIST_COLS: &str = "uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.un
         CASE WHEN uc.active THEN NULL ELSE (SELECT MAX(p.leave_seq) FROM membership_periods p
              WHERE p.conv_id = uc.conv_id AND p.user_id = uc.user_id) END,
         COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = uc.user_id
-             AND dm.device_id = $2 AND dm.conv_id = uc.conv_id), 0)";
+             AND dm.device_id = $2 AND dm.conv_id = uc.conv_id), 0), uc.mentions";
 
 /// Which rows of a user's list [`conv_rows`] reads.
 pub(crate) enum Rows<'a> {
@@ -131,6 +131,7 @@ pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which:
             last_msg_seq: seq(r, 2)?,
             read_seq: seq(r, 3)?,
             unread: seq(r, 4)?,
+            mentions: seq(r, 14)?,
             muted: col(r, 5)?,
             pinned: col(r, 6)?,
             active: col(r, 7)?,
@@ -150,26 +151,41 @@ pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which:
         });
         // Unread above the switch is counted from the log on read (exact
         // up to the cap, so it cannot drift); the marker alone needs none.
-        let counted = match (count_unread, tidemark_core::large::unread_window(state.read_seq, from, marker.target)) {
-            (true, Some((above, upto))) => shared_unread_above(c, user, &state.conv, above, upto).await?,
-            _ => 0,
-        };
-        out.push(state.shared(marker, counted));
+        // Mentions above the switch likewise (issue 18): rows are written
+        // for nobody, "everyone" is the message's one flag.
+        let (counted, mentioned) =
+            match (count_unread, tidemark_core::large::unread_window(state.read_seq, from, marker.target)) {
+                (true, Some((above, upto))) => (
+                    shared_unread_above(c, user, &state.conv, above, upto, false).await?,
+                    shared_unread_above(c, user, &state.conv, above, upto, true).await?,
+                ),
+                _ => (0, 0),
+            };
+        out.push(state.shared(marker, counted, mentioned));
     }
     Ok(out)
 }
 
 /// Messages from others in `conv` in `(above, upto]` the user may see and
 /// has not read, recalled or deleted for themselves, counted up to
-/// `large::UNREAD_COUNT_MAX + 1`.
-pub(crate) async fn shared_unread_above(c: &Conn, user: &str, conv: &str, above: u64, upto: u64) -> R<u64> {
+/// `large::UNREAD_COUNT_MAX + 1`; with `mentioned`, only those that mention
+/// the user (issue 18).
+pub(crate) async fn shared_unread_above(
+    c: &Conn,
+    user: &str,
+    conv: &str,
+    above: u64,
+    upto: u64,
+    mentioned: bool,
+) -> R<u64> {
     let control = tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
+    let mention = if mentioned { crate::events::MENTIONED.replace("$1", "$2") } else { "TRUE".into() };
     let sql = format!(
         "SELECT COUNT(*) FROM (SELECT 1 FROM messages m
          WHERE m.conv_id = $1 AND m.msg_seq > $3 AND m.msg_seq <= $4 AND m.sender <> $2
            AND m.kind NOT IN ({control}) AND m.state <> '{STATE_RECALLED}'
            AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = $2 AND d.message_id = m.message_id)
-           AND {VISIBLE} LIMIT $5) AS unread"
+           AND {VISIBLE} AND {mention} LIMIT $5) AS unread"
     );
     let row = db::query_one(
         c,
@@ -311,8 +327,10 @@ pub(crate) async fn user_high_watermark(c: &Conn, user: &str) -> R<u64> {
 }
 
 /// Columns of a message row, in the order [`message_at`] reads them.
-pub(crate) const MSG_COLS: &str =
-    "m.message_id, m.conv_id, m.msg_seq, m.kind, m.state, m.sender, m.content, m.created_at, m.version, m.quote_id";
+pub(crate) const MSG_COLS: &str = "m.message_id, m.conv_id, m.msg_seq, m.kind, m.state, m.sender, m.content,
+     m.created_at, m.version, m.quote_id, m.mentions, m.mention_all";
+/// How many columns [`MSG_COLS`] has.
+const MSG_COLS_N: usize = 12;
 
 /// Reads a message from `MSG_COLS` starting at column `at`; the quote id
 /// comes back beside it for [`decorate`].
@@ -330,6 +348,8 @@ pub(crate) fn message_at(r: &Row, at: usize) -> R<(StoredMessage, Option<String>
             version: seq(r, at + 8)?,
             quote: None,
             reactions: Vec::new(),
+            mentions: col::<Option<Vec<String>>>(r, at + 10)?.unwrap_or_default(),
+            mention_all: col(r, at + 11)?,
         },
         col(r, at + 9)?,
     ))
@@ -467,13 +487,14 @@ pub(crate) async fn user_events(c: &Conn, user: &str, after: u64, upto: u64, lim
         };
         if col::<Option<String>>(r, 5)?.is_some() {
             let m = message_at(r, 5)?;
-            if col::<bool>(r, 15)? {
+            let at = 5 + MSG_COLS_N;
+            if col::<bool>(r, at)? {
                 d.deleted.insert(m.0.message_id.clone());
             }
-            if let (Some(q), Some(state)) = (&m.1, col::<Option<String>>(r, 16)?) {
+            if let (Some(q), Some(state)) = (&m.1, col::<Option<String>>(r, at + 1)?) {
                 d.quote_states.insert(q.clone(), state);
             }
-            if col::<bool>(r, 17)? {
+            if col::<bool>(r, at + 2)? {
                 reacted_convs.push(m.0.conv.clone());
                 reacted.push(m.0.message_id.clone());
             }

@@ -149,13 +149,23 @@ pub(crate) async fn users(c: &Conn, after: Option<String>, limit: u32) -> R<User
         .map(|r| Ok(DeviceAck { device: col(r, 0)?, acked: seq(r, 1)? }))
         .collect::<R<Vec<_>>>()?;
         let mut unread = Vec::new();
-        for row in
-            query(c, "SELECT conv_id, read_seq, unread FROM user_convs WHERE user_id = $1 ORDER BY conv_id", &[&user])
-                .await?
+        for row in query(
+            c,
+            "SELECT conv_id, read_seq, unread, mentions FROM user_convs WHERE user_id = $1 ORDER BY conv_id",
+            &[&user],
+        )
+        .await?
         {
             let conv: String = col(&row, 0)?;
             let fact = events::count_unread(c, &user, &conv, seq(&row, 1)?).await?;
-            unread.push(UnreadFacts { conv, stored: seq(&row, 2)?, fact });
+            let mentions_fact = events::count_mentions(c, &user, &conv, seq(&row, 1)?).await?;
+            unread.push(UnreadFacts {
+                conv,
+                stored: seq(&row, 2)?,
+                fact,
+                mentions_stored: seq(&row, 3)?,
+                mentions_fact,
+            });
         }
         let suspect_events = query(
             c,
@@ -223,16 +233,19 @@ pub(crate) async fn requeue_fanout(c: &Conn, conv: &str, message_id: &str, now_m
 }
 
 /// The writer side of `Store::recount_unread` (on the user-side writer).
-pub(crate) async fn recount_unread(c: &Conn, user: &str, conv: &str) -> R<Option<(u64, u64)>> {
-    let Some(row) =
-        query_opt(c, "SELECT unread FROM user_convs WHERE user_id = $1 AND conv_id = $2 FOR UPDATE", &[&user, &conv])
-            .await?
+pub(crate) async fn recount_unread(c: &Conn, user: &str, conv: &str) -> R<Option<Recounted>> {
+    let Some(row) = query_opt(
+        c,
+        "SELECT unread, mentions FROM user_convs WHERE user_id = $1 AND conv_id = $2 FOR UPDATE",
+        &[&user, &conv],
+    )
+    .await?
     else {
         return Ok(None);
     };
-    let stored = seq(&row, 0)?;
-    let now = events::recount_unread(c, user, conv).await?;
-    Ok(Some((stored, now)))
+    let before = (seq(&row, 0)?, seq(&row, 1)?);
+    let after = events::recount_unread(c, user, conv).await?;
+    Ok(Some(Recounted { before, after }))
 }
 
 pub(crate) async fn quarantine(c: &Conn, after: Option<(String, String)>, limit: u32) -> R<Vec<QuarantineRecord>> {

@@ -68,6 +68,7 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 8, name: "audit log", sql: AUDIT_LOG },
     Migration { version: 9, name: "deleted users", sql: DELETED_USERS },
     Migration { version: 10, name: "offline push targets", sql: PUSH_TARGETS },
+    Migration { version: 11, name: "mentions", sql: MENTIONS },
 ];
 
 /// Step 10 (P4, issue 20): one offline push target per device, keyed like
@@ -102,6 +103,85 @@ CREATE TABLE IF NOT EXISTS push_targets (
     PRIMARY KEY (user_id, device_id)
 );
 CREATE INDEX IF NOT EXISTS push_targets_due ON push_targets (next_at);
+"#;
+
+/// Step 11 (issue 18): a message's mentions are facts of the message
+/// (`mentions`, the user ids it names, NULL when none; `mention_all`,
+/// everyone), so every count is rebuilt from them; each `user_convs` row
+/// keeps `mentions`, the unread messages that mention its user, moved with
+/// `unread` by the fan-out and the recounts (`events::COUNT_MENTIONS`).
+/// `tidemark_send` (step 2) is replaced by one that also stores them and
+/// reads, for a mention of everyone, the facts `mention::check_mention_all`
+/// judges (`mention_all`: refused when that rule would refuse them; the
+/// facts come back so the caller lets core decide and cross-checks, as for
+/// a quote). The function's result changes, so it is dropped and created.
+pub const MENTIONS: &str = r#"
+ALTER TABLE messages ADD COLUMN mentions TEXT[];
+ALTER TABLE messages ADD COLUMN mention_all BOOLEAN NOT NULL DEFAULT FALSE;
+ALTER TABLE user_convs ADD COLUMN mentions BIGINT NOT NULL DEFAULT 0;
+DROP FUNCTION tidemark_send(TEXT, TEXT, TEXT, TEXT, TEXT, TEXT, TEXT, TEXT, TEXT, BIGINT, TEXT, TEXT[]);
+CREATE FUNCTION tidemark_send(
+    p_conv TEXT, p_message_id TEXT, p_sender TEXT, p_sender_device TEXT, p_client_msg_id TEXT,
+    p_kind TEXT, p_content TEXT, p_state TEXT, p_quote_id TEXT, p_now BIGINT, p_outbox_kind TEXT,
+    p_control_kinds TEXT[], p_mentions TEXT[], p_mention_all BOOLEAN, p_mention_all_members_max BIGINT,
+    OUT o_status TEXT, OUT o_message_id TEXT, OUT o_conv_id TEXT, OUT o_msg_seq BIGINT, OUT o_created_at BIGINT,
+    OUT o_kind TEXT, OUT o_quote_kind TEXT, OUT o_quote_sees BOOLEAN,
+    OUT o_conv_kind TEXT, OUT o_owner TEXT, OUT o_members BIGINT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    SELECT m.message_id, m.conv_id, m.msg_seq, m.created_at, m.kind
+      INTO o_message_id, o_conv_id, o_msg_seq, o_created_at, o_kind
+      FROM messages m WHERE m.sender = p_sender AND m.client_msg_id = p_client_msg_id;
+    IF FOUND THEN
+        o_status := 'dup';
+        RETURN;
+    END IF;
+    SELECT c.kind, c.owner INTO o_conv_kind, o_owner FROM conversations c WHERE c.conv_id = p_conv FOR UPDATE;
+    IF NOT FOUND THEN
+        o_status := 'no_conv';
+        RETURN;
+    END IF;
+    PERFORM 1 FROM membership_periods p WHERE p.conv_id = p_conv AND p.user_id = p_sender AND p.leave_seq IS NULL;
+    IF NOT FOUND THEN
+        o_status := 'not_member';
+        RETURN;
+    END IF;
+    IF p_quote_id IS NOT NULL THEN
+        SELECT q.kind, EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = q.conv_id AND p.user_id = p_sender
+                                 AND p.join_seq <= q.msg_seq AND (p.leave_seq IS NULL OR p.leave_seq >= q.msg_seq))
+          INTO o_quote_kind, o_quote_sees
+          FROM messages q WHERE q.conv_id = p_conv AND q.message_id = p_quote_id;
+        IF NOT FOUND OR o_quote_kind = ANY (p_control_kinds) OR NOT o_quote_sees THEN
+            o_status := 'quote';
+            RETURN;
+        END IF;
+    END IF;
+    IF p_mention_all THEN
+        SELECT COUNT(*) INTO o_members FROM membership_periods p WHERE p.conv_id = p_conv AND p.leave_seq IS NULL;
+        IF o_conv_kind = 'group' AND o_owner IS DISTINCT FROM p_sender AND o_members > p_mention_all_members_max THEN
+            o_status := 'mention_all';
+            RETURN;
+        END IF;
+    END IF;
+    UPDATE conversations c SET head = c.head + 1 WHERE c.conv_id = p_conv RETURNING c.head INTO o_msg_seq;
+    INSERT INTO messages (conv_id, msg_seq, message_id, sender, sender_device, client_msg_id, kind, content,
+                          state, version, target_id, quote_id, created_at, mentions, mention_all)
+    VALUES (p_conv, o_msg_seq, p_message_id, p_sender, p_sender_device, p_client_msg_id, p_kind, p_content,
+            p_state, 1, NULL, p_quote_id, p_now, p_mentions, p_mention_all)
+    ON CONFLICT (sender, client_msg_id) DO NOTHING;
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'client_msg_id % was committed concurrently', p_client_msg_id
+            USING ERRCODE = 'serialization_failure';
+    END IF;
+    INSERT INTO outbox (conv_id, kind, source_event_id, msg_seq, actor, created_at)
+    VALUES (p_conv, p_outbox_kind, p_message_id, o_msg_seq, p_sender, p_now);
+    o_status := 'ok';
+    o_message_id := p_message_id;
+    o_conv_id := p_conv;
+    o_created_at := p_now;
+    o_kind := p_kind;
+END
+$fn$;
 "#;
 
 /// Step 3: each device's newest WebSocket connection (P2), moved by

@@ -119,6 +119,8 @@ fn send_cmd(sender: &str, conv: &str, cmid: &str) -> SendCmd {
         content: format!("{{\"text\":\"{cmid}\"}}"),
         message_id: format!("m-{sender}-{cmid}"),
         quote_id: None,
+        mentions: Vec::new(),
+        mention_all: false,
         now_ms: 0,
     }
 }
@@ -833,6 +835,21 @@ async fn reconciliation_repairs_once_and_reports_the_rest() {
         },
         move |sql| async move { raw.query_one(sql, &[]).await.unwrap().get(0) },
     )
+    .await;
+}
+
+/// Issue 18 (the shared check): the mention drift is planted through a
+/// plain connection on the store's schema.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mentions_count_once_clear_to_read_and_rebuild() {
+    let Some(url) = pg_url("mentions_count_once_clear_to_read_and_rebuild") else { return };
+    let schemas = Schemas::new(url);
+    let store = schemas.fresh().await;
+    let raw = schemas.raw(store.schema().unwrap()).await;
+    let raw = &raw;
+    conformance::mentions_count_once_clear_to_read_and_rebuild(&*store, move |sql| async move {
+        raw.batch_execute(sql).await.unwrap();
+    })
     .await;
 }
 

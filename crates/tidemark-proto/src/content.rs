@@ -164,6 +164,19 @@ impl Payload for Recalled<'_> {}
 impl Payload for Edited<'_> {}
 impl Payload for Reacted<'_> {}
 impl Payload for EditRecalled {}
+/// `messages.mentions` (issue 18): the users a message names, a JSON
+/// array of user ids (`["bob","cy"]`); NULL is stored when it names nobody.
+#[derive(Debug, Serialize)]
+#[serde(transparent)]
+pub struct Mentions<'a>(pub &'a [String]);
+
+impl Payload for Mentions<'_> {}
+
+/// Reads a stored `messages.mentions` back.
+pub fn parse_mentions(stored: &str) -> Result<Vec<String>, String> {
+    serde_json::from_str(stored).map_err(|e| format!("stored mentions {stored}: {e}"))
+}
+
 impl Payload for ReadData {}
 impl Payload for SettingsData {}
 impl Payload for DeletedData<'_> {}

@@ -35,6 +35,7 @@ pub const ID_BYTES_MAX: usize = 64;
 /// The bound of one `client.stats` report's counts (`tidemark_core::client_stats`).
 pub use tidemark_core::client_stats::CLIENT_STATS_COUNT_MAX;
 pub use tidemark_core::ids::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
+pub use tidemark_core::mention::{MENTIONS_MAX, MENTION_ALL_MEMBERS_MAX};
 /// Longest reaction, in bytes.
 pub const REACTION_BYTES_MAX: usize = 32;
 /// Longest accepted password, in bytes (argon2 cost is bounded by input).
@@ -479,6 +480,11 @@ pub struct ConvSummary {
     pub last_msg_seq: u64,
     pub read_seq: u64,
     pub unread: u64,
+    /// Unread messages that mention the caller (by name or everyone),
+    /// apart from `unread` (issue 18); `read` clears them up to its
+    /// `read_to_seq`. Shared mode: counted up to the same cap as unread.
+    #[serde(default)]
+    pub mentions: u64,
     pub muted: bool,
     pub pinned: bool,
     /// False once the caller left or was removed (history stays readable).
@@ -516,6 +522,7 @@ impl Default for ConvSummary {
             last_msg_seq: 0,
             read_seq: 0,
             unread: 0,
+            mentions: 0,
             muted: false,
             pinned: false,
             active: true,
@@ -823,6 +830,9 @@ pub struct ReadOk {
     pub conv: String,
     pub read_seq: u64,
     pub unread: u64,
+    /// Mentions left above `read_seq` (issue 18).
+    #[serde(default)]
+    pub mentions: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -1063,6 +1073,18 @@ pub struct SendReq {
     pub kind: String,
     #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
     pub content: Value,
+    /// Users this message mentions (issue 18), at most
+    /// `tidemark_core::mention::MENTIONS_MAX`; each mentioned member's
+    /// `mentions` count grows apart from unread. The sender is left out.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::mentions))]
+    pub mentions: Vec<String>,
+    /// Mentions every member: allowed in a direct conversation, for the
+    /// group's owner, or in a group of at most
+    /// `tidemark_core::mention::MENTION_ALL_MEMBERS_MAX` members
+    /// (`FORBIDDEN` otherwise).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub mention_all: bool,
 }
 
 fn default_kind() -> String {
@@ -1167,6 +1189,12 @@ pub struct Envelope<C = Value> {
     /// Reactions by kind, with the users who reacted.
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub reactions: std::collections::BTreeMap<String, Vec<String>>,
+    /// The users the message mentions, as stored (issue 18).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mentions: Vec<String>,
+    /// The message mentions every member.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub mention_all: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -1396,7 +1424,7 @@ mod tests {
         let item = serde_json::to_value(SnapshotItem::Conv(conv)).unwrap();
         assert_eq!(
             canonical_item(&item),
-            r#"{"active":true,"conv":"c1","kind":"direct","last_msg_seq":3,"muted":false,"pinned":true,"read_seq":1,"type":"conv","unread":2}"#
+            r#"{"active":true,"conv":"c1","kind":"direct","last_msg_seq":3,"mentions":0,"muted":false,"pinned":true,"read_seq":1,"type":"conv","unread":2}"#
         );
         let message = serde_json::json!({"message_id": "m1", "conv": "c1", "msg_seq": 1, "kind": "text",
             "state": "normal", "sender": "ann", "content": {"text": "hi"}, "created_at": 5, "version": 1});
@@ -1485,6 +1513,8 @@ mod tests {
                 created_at: 5,
                 version: 2,
                 reactions: [("+1".to_owned(), vec!["ben".to_owned()])].into(),
+                mentions: vec!["ben".into()],
+                mention_all: false,
             }
         }
         fn ev<C>(message: Option<Envelope<C>>, data: Option<C>) -> UserEvent<C> {

@@ -55,6 +55,11 @@ pub fn users() -> RefOr<Schema> {
     ArrayBuilder::new().items(user()).into()
 }
 
+/// The users a send mentions: at most `MENTIONS_MAX`.
+pub fn mentions() -> RefOr<Schema> {
+    ArrayBuilder::new().items(user()).max_items(Some(tidemark_core::mention::MENTIONS_MAX)).into()
+}
+
 /// A device id: 1..=[`DEVICE_ID_BYTES_MAX`] bytes of letters, digits, `_ - . @`.
 pub fn device_id() -> RefOr<Schema> {
     id(DEVICE_ID_BYTES_MAX, "stable id of a device").into()

@@ -302,6 +302,8 @@ async fn history_validation_table() {
                     client_msg_id: format!("b{i}"),
                     kind: "text".into(),
                     content: json!({"text": format!("b{i}")}),
+                    mentions: Vec::new(),
+                    mention_all: false,
                 })
                 .await
                 .unwrap()

@@ -52,6 +52,8 @@ async fn typing_is_shed_while_replies_wait_and_replies_and_hints_all_arrive() {
             client_msg_id: format!("big-{i}"),
             kind: "text".into(),
             content: json!({"p": payload}),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         ann.ws.send(&req).await.unwrap();
     }

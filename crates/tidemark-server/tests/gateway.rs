@@ -218,6 +218,8 @@ async fn frames_larger_than_the_socket_buffers_arrive_whole() {
             client_msg_id: format!("big-{i}"),
             kind: "text".into(),
             content: json!({ "b": body }),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         let ok: SendOk = ann.ws.send(&req).await.unwrap();
         assert!(!ok.duplicate);
@@ -251,6 +253,8 @@ async fn slow_consumer_is_disconnected_not_skipped() {
             client_msg_id: format!("big-{i}"),
             kind: "text".into(),
             content: json!({"p": payload}),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         ann.ws.send(&req).await.unwrap();
     }

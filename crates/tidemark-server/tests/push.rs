@@ -130,7 +130,14 @@ async fn register(ts: &TestServer, access: &str, token: &str, preview: &str) -> 
 }
 
 fn text(conv: &str, cmid: &str, text: &str) -> SendReq {
-    SendReq { conv: conv.into(), client_msg_id: cmid.into(), kind: "text".into(), content: json!({"text": text}) }
+    SendReq {
+        conv: conv.into(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: json!({"text": text}),
+        mentions: Vec::new(),
+        mention_all: false,
+    }
 }
 
 #[tokio::test]
@@ -319,5 +326,51 @@ async fn a_dead_token_is_removed_and_throttling_backs_off_while_sends_and_syncs_
         assert!(value >= 1.0, "{family}{label} = {value}");
     }
     assert!(!metrics.lines().any(|l| l.starts_with("tidemark_push") && l.contains("deliver")));
+    ts.stop().await;
+}
+
+/// Issue 18, P4: a mention overrides mute. Bob muted the group; cy's plain
+/// message there is not pushed, cy's messages that mention bob (by name,
+/// then everyone) are, each counted alone; `conv.list` counts them apart
+/// from unread.
+#[tokio::test]
+async fn a_muted_conversations_mention_is_pushed() {
+    let receiver = Receiver::default();
+    let ts = server(&receiver).await;
+    for u in ["ann", "bob", "cy"] {
+        ts.user(u).await;
+    }
+    let ann = ts.device("ann", "laptop").await;
+    let cy = ts.device("cy", "phone").await;
+    offline(&ts, "bob", "phone", "tok-bob-phone", "none").await;
+    let desk = ts.device("bob", "desk").await;
+    let g: Value =
+        ann.ws.request_value("conv.create", json!({"kind": "group", "members": ["bob", "cy"]})).await.unwrap();
+    let g = g["conv"].as_str().unwrap().to_owned();
+    let _: Value = desk.ws.request_value("conv.settings", json!({"conv": g, "muted": true})).await.unwrap();
+
+    let _: tidemark_client::proto::SendOk = cy.ws.request("send", &text(&g, "c0", "plain")).await.unwrap();
+    let named = SendReq { mentions: vec!["Bob".into()], ..text(&g, "c1", "@bob look") };
+    let _: tidemark_client::proto::SendOk = cy.ws.request("send", &named).await.unwrap();
+    let [first] = receiver.wait_for("tok-bob-phone", 1).await.try_into().unwrap();
+    assert_eq!(first.payload.count, 1, "only the mention counts in the muted group: {first:?}");
+
+    let everyone = SendReq { mention_all: true, ..text(&g, "c2", "@all") };
+    let _: tidemark_client::proto::SendOk = cy.ws.request("send", &everyone).await.unwrap();
+    let pushes = receiver.wait_for("tok-bob-phone", 2).await;
+    assert_eq!(pushes[1].payload.count, 1, "everyone mentions bob too: {pushes:?}");
+
+    let list: Value = desk.ws.request_value("conv.list", json!({})).await.unwrap();
+    let row = list["conversations"].as_array().unwrap().iter().find(|c| c["conv"] == g.as_str()).unwrap().clone();
+    assert_eq!(
+        (row["unread"].as_u64(), row["mentions"].as_u64(), row["muted"].as_bool()),
+        (Some(3), Some(2), Some(true))
+    );
+    // Past MENTIONS_MAX: a typed refusal.
+    let many = (0..=tidemark_client::proto::MENTIONS_MAX).map(|i| format!("u{i}")).collect();
+    let too_many = SendReq { mentions: many, ..text(&g, "c3", "x") };
+    let refused = cy.ws.request::<_, tidemark_client::proto::SendOk>("send", &too_many).await;
+    assert!(format!("{refused:?}").contains("code: BadRequest"), "{refused:?}");
+    assert_eq!(receiver.to("tok-bob-phone").len(), 2);
     ts.stop().await;
 }

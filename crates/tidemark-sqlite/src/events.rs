@@ -496,24 +496,43 @@ pub(crate) const COUNT_UNREAD: &str = "SELECT COUNT(*) FROM messages m JOIN user
                    AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
        AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = m.message_id)";
 
+/// A message mentions user `?1` (issue 18): by name or everyone. Who it
+/// counts for beyond that (never the sender, only inside a period, only
+/// while unread) is [`COUNT_UNREAD`]'s, as `mention::counts` says.
+pub(crate) const MENTIONED: &str =
+    "(m.mention_all = 1 OR EXISTS (SELECT 1 FROM json_each(m.mentions) j WHERE j.value = ?1))";
+
+/// Mentions from the facts (issue 18): the unread messages of
+/// [`COUNT_UNREAD`] that mention the user.
+pub(crate) static COUNT_MENTIONS: std::sync::LazyLock<String> =
+    std::sync::LazyLock::new(|| format!("{COUNT_UNREAD} AND {MENTIONED}"));
+
 pub(crate) fn count_unread(c: &Connection, user: &str, conv: &str, read_seq: u64) -> R<u64> {
     let n: i64 = q(c, COUNT_UNREAD, params![user, conv, read_seq as i64])?.unwrap_or(0);
     Ok(n as u64)
 }
 
-fn recount(c: &Connection, user: &str, conv: &str) -> R<u64> {
+pub(crate) fn count_mentions(c: &Connection, user: &str, conv: &str, read_seq: u64) -> R<u64> {
+    let n: i64 = q(c, &COUNT_MENTIONS, params![user, conv, read_seq as i64])?.unwrap_or(0);
+    Ok(n as u64)
+}
+
+/// Recounts a row's unread and mentions from the facts (R3); `(unread,
+/// mentions)` after it.
+fn recount(c: &Connection, user: &str, conv: &str) -> R<(u64, u64)> {
     let read_seq: i64 =
         q(c, "SELECT read_seq FROM user_convs WHERE user_id = ?1 AND conv_id = ?2", params![user, conv])?.unwrap_or(0);
     let unread = count_unread(c, user, conv, read_seq as u64)?;
+    let mentions = count_mentions(c, user, conv, read_seq as u64)?;
     exec(
         c,
-        "UPDATE user_convs SET unread = ?3 WHERE user_id = ?1 AND conv_id = ?2",
-        params![user, conv, unread as i64],
+        "UPDATE user_convs SET unread = ?3, mentions = ?4 WHERE user_id = ?1 AND conv_id = ?2",
+        params![user, conv, unread as i64, mentions as i64],
     )?;
-    Ok(unread)
+    Ok((unread, mentions))
 }
 
-pub(crate) fn recount_unread(c: &Connection, user: &str, conv: &str) -> R<u64> {
+pub(crate) fn recount_unread(c: &Connection, user: &str, conv: &str) -> R<(u64, u64)> {
     recount(c, user, conv)
 }
 
@@ -529,25 +548,29 @@ pub(crate) fn mark_read(c: &Connection, user: &str, conv: &str, read_to_seq: u64
         .map_err(internal)?;
     let Some((read_seq, head)) = row else { return Err(not_found_or_not_member(c, conv)?) };
     let Some(target) = projection::read_target(read_to_seq, head as u64, read_seq as u64) else {
-        let unread = crate::read::conv_rows(c, user, None, crate::read::Rows::One(conv))?.pop().map_or(0, |s| s.unread);
-        return Ok(ReadOutcome { read_seq: read_seq as u64, unread, written: None });
+        let (unread, mentions) = crate::read::conv_rows(c, user, None, crate::read::Rows::One(conv))?
+            .pop()
+            .map_or((0, 0), |s| (s.unread, s.mentions));
+        return Ok(ReadOutcome { read_seq: read_seq as u64, unread, mentions, written: None });
     };
     exec(
         c,
         "UPDATE user_convs SET read_seq = ?3 WHERE user_id = ?1 AND conv_id = ?2",
         params![user, conv, target as i64],
     )?;
-    let mut unread = recount(c, user, conv)?;
+    // Mentions clear with unread, only up to the new read cursor: the
+    // recount keeps those above it (issue 18).
+    let (mut unread, mut mentions) = recount(c, user, conv)?;
     // A shared group's unread above the switch is counted from the log.
     if let Some(state) = crate::read::conv_rows(c, user, None, crate::read::Rows::One(conv))?.pop() {
         if state.mode == large::MODE_SHARED {
-            unread = state.unread;
+            (unread, mentions) = (state.unread, state.mentions);
         }
     }
     let data = content::ReadData { read_seq: target, unread }.to_json();
     let source = projection::read_event_id(conv, target);
     let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms)?;
-    Ok(ReadOutcome { read_seq: target, unread, written })
+    Ok(ReadOutcome { read_seq: target, unread, mentions, written })
 }
 
 pub(crate) fn update_settings(

@@ -36,8 +36,9 @@ use tidemark_core::cursor::{self, CasDecision, DeviceCursor, DeviceState};
 use tidemark_core::large::{self, Route};
 use tidemark_core::membership::{control_recipients, recipients_at, Period};
 use tidemark_core::page::{PageQuery, SyncFacts};
-use tidemark_core::projection;
+use tidemark_core::{mention, projection};
 use tidemark_core::{MsgSeq, SyncSeq};
+use tidemark_proto::content::{self, Payload};
 use tidemark_store::*;
 
 use read::ReadPool;
@@ -233,6 +234,24 @@ fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
             .map_err(internal)?;
         control::check_quote(quoted, row.as_ref().map(|(kind, sees)| (kind.as_str(), *sees)))?;
     }
+    if cmd.mention_all {
+        let facts = conn
+            .prepare_cached(
+                "SELECT c.kind, c.owner, (SELECT COUNT(*) FROM membership_periods p
+                        WHERE p.conv_id = c.conv_id AND p.leave_seq IS NULL)
+                 FROM conversations c WHERE c.conv_id = ?1",
+            )
+            .map_err(internal)?
+            .query_row(params![cmd.conv], |r| {
+                Ok(mention::MentionAllFacts {
+                    kind: r.get(0)?,
+                    owner: r.get(1)?,
+                    active_members: r.get::<_, i64>(2)? as u64,
+                })
+            })
+            .map_err(internal)?;
+        mention::check_mention_all(true, &facts, &cmd.sender)?;
+    }
     let msg_seq = events::append_conv_event(
         conn,
         &cmd.as_event(),
@@ -242,6 +261,13 @@ fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
         cmd.quote_id.as_deref(),
         STATE_NORMAL,
     )?;
+    if cmd.mention_all || !cmd.mentions.is_empty() {
+        let mentions = (!cmd.mentions.is_empty()).then(|| content::Mentions(&cmd.mentions).to_json());
+        conn.prepare_cached("UPDATE messages SET mentions = ?2, mention_all = ?3 WHERE message_id = ?1")
+            .map_err(internal)?
+            .execute(params![cmd.message_id, mentions, cmd.mention_all])
+            .map_err(internal)?;
+    }
     Ok(cmd.accepted(msg_seq))
 }
 
@@ -275,17 +301,28 @@ fn periods_covering(conn: &Connection, conv: &str, seq: u64) -> StoreResult<Vec<
 fn resolve(
     conn: &Connection,
     item: &OutboxItem,
-) -> StoreResult<(tidemark_core::membership::Recipients, Route, FannedOut)> {
-    let (kind, target_seq, mode, shared_from, conv_kind): (String, Option<i64>, String, Option<i64>, String) = conn
+) -> StoreResult<(tidemark_core::membership::Recipients, Route, FannedOut, Mentions)> {
+    let (kind, target_seq, mode, shared_from, conv_kind, mentions, mention_all): (
+        String,
+        Option<i64>,
+        String,
+        Option<i64>,
+        String,
+        Option<String>,
+        bool,
+    ) = conn
         .prepare_cached(
-            "SELECT s.kind, t.msg_seq, c.mode, c.shared_from, c.kind FROM messages s
+            "SELECT s.kind, t.msg_seq, c.mode, c.shared_from, c.kind, s.mentions, s.mention_all FROM messages s
              JOIN conversations c ON c.conv_id = s.conv_id
              LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
              WHERE s.message_id = ?1",
         )
         .map_err(internal)?
-        .query_row(params![item.source_event_id], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+        .query_row(params![item.source_event_id], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?, r.get(5)?, r.get(6)?))
+        })
         .map_err(internal)?;
+    let mentions = Mentions { named: parse_mentions(mentions.as_deref())?, all: mention_all };
     let route = large::route(&mode, shared_from.map(|v| v as u64), item.msg_seq, &kind);
     let mut seen = FannedOut {
         source_event_id: item.source_event_id.clone(),
@@ -293,7 +330,7 @@ fn resolve(
         ..Default::default()
     };
     let periods = match route {
-        Route::Shared => return Ok((Default::default(), route, seen)),
+        Route::Shared => return Ok((Default::default(), route, seen, mentions)),
         Route::PerMember => periods_covering(conn, &item.conv, item.msg_seq)?,
         // The period the change opened or closed at this msg_seq.
         Route::Subject => periods_covering(conn, &item.conv, item.msg_seq)?
@@ -307,7 +344,19 @@ fn resolve(
         Some(t) => Some(recipients_at(&periods_covering(conn, &item.conv, t)?, t)),
         None => None,
     };
-    Ok((control_recipients(at_event, holders, &kind), route, seen))
+    Ok((control_recipients(at_event, holders, &kind), route, seen, mentions))
+}
+
+/// What a fanned-out message mentions (issue 18), as stored with it.
+#[derive(Debug, Default)]
+struct Mentions {
+    named: Vec<String>,
+    all: bool,
+}
+
+/// The stored `messages.mentions` (a JSON array, or NULL).
+pub(crate) fn parse_mentions(stored: Option<&str>) -> StoreResult<Vec<String>> {
+    stored.map_or(Ok(Vec::new()), |s| content::parse_mentions(s).map_err(StoreError::Internal))
 }
 
 fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResult<FanoutReport> {
@@ -317,7 +366,7 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
     // marker publication each, whatever the number of items (G2).
     let mut moved: std::collections::BTreeMap<String, u64> = Default::default();
     for item in items {
-        let (recipients, route, mut fanned) = resolve(conn, item)?;
+        let (recipients, route, mut fanned, mentions) = resolve(conn, item)?;
         fanned.recipients = recipients.deliver.len() as u64;
         if route != Route::PerMember {
             let seq = moved.entry(item.conv.clone()).or_default();
@@ -370,19 +419,34 @@ fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResu
             // `last_msg_seq` (old values on the right of SET): the row
             // counted it when it moved past it, so a late delivery (a
             // fan-out re-enqueued by reconciliation) counts no second time.
+            // A mention moves with unread, under the same conditions, when
+            // `mention::counts` says it counts for this recipient (issue 18).
             let d = projection::delivery(&item.kind, user, &item.actor);
+            let mentioned = d.counts_unread && mention::counts(user, &item.actor, &mentions.named, mentions.all);
             conn.prepare_cached(
-                "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
-                 VALUES (?1, ?2, ?3, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END)
+                "INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread, mentions)
+                 VALUES (?1, ?2, ?3, CASE WHEN ?4 THEN ?3 ELSE 0 END, CASE WHEN ?5 THEN 1 ELSE 0 END,
+                         CASE WHEN ?7 THEN 1 ELSE 0 END)
                  ON CONFLICT(user_id, conv_id) DO UPDATE SET
                     last_msg_seq = MAX(last_msg_seq, ?3),
                     read_seq = CASE WHEN ?4 THEN MAX(read_seq, ?3) ELSE read_seq END,
                     unread = unread + CASE WHEN ?5 AND ?3 > read_seq AND ?3 > last_msg_seq
                         AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = ?6)
+                        THEN 1 ELSE 0 END,
+                    mentions = mentions + CASE WHEN ?7 AND ?3 > read_seq AND ?3 > last_msg_seq
+                        AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?1 AND d.message_id = ?6)
                         THEN 1 ELSE 0 END",
             )
             .map_err(internal)?
-            .execute(params![user, item.conv, item.msg_seq as i64, d.own, d.counts_unread, item.source_event_id])
+            .execute(params![
+                user,
+                item.conv,
+                item.msg_seq as i64,
+                d.own,
+                d.counts_unread,
+                item.source_event_id,
+                mentioned
+            ])
             .map_err(internal)?;
             if d.recount {
                 events::recount_unread(conn, user, &item.conv)?;
@@ -717,7 +781,7 @@ impl Store for SqliteStore {
         self.writer.write(move |c| reconcile::requeue_fanout(c, &conv, &id, now_ms)).await
     }
 
-    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<(u64, u64)>> {
+    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<Recounted>> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
         self.writer.write(move |c| reconcile::recount_unread(c, &user, &conv)).await
     }

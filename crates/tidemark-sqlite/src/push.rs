@@ -135,7 +135,9 @@ pub(crate) fn claim(c: &Connection, now_ms: i64, lease_ms: i64, limit: u32, scan
         let mut stmt = c
             .prepare_cached(
                 "SELECT e.sync_seq, e.kind, e.conv_id, m.sender, COALESCE(uc.muted, 0), e.created_at,
-                        CASE WHEN ?4 THEN m.content END
+                        CASE WHEN ?4 THEN m.content END,
+                        m.message_id IS NOT NULL AND (m.mention_all = 1
+                            OR EXISTS (SELECT 1 FROM json_each(m.mentions) j WHERE j.value = ?1))
                  FROM user_events e
                  LEFT JOIN messages m ON m.message_id = e.message_id
                  LEFT JOIN user_convs uc ON uc.user_id = e.user_id AND uc.conv_id = e.conv_id
@@ -150,6 +152,7 @@ pub(crate) fn claim(c: &Connection, now_ms: i64, lease_ms: i64, limit: u32, scan
                     conv: r.get(2)?,
                     sender: r.get(3)?,
                     muted: r.get(4)?,
+                    mentioned: r.get(7)?,
                     created_at_ms: r.get(5)?,
                 };
                 Ok((event, r.get::<_, Option<String>>(6)?))

@@ -286,7 +286,7 @@ const LIST_COLS: &str = "uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.un
         CASE WHEN uc.active THEN NULL ELSE (SELECT MAX(p.leave_seq) FROM membership_periods p
              WHERE p.conv_id = uc.conv_id AND p.user_id = uc.user_id) END,
         COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = uc.user_id
-             AND dm.device_id = ?2 AND dm.conv_id = uc.conv_id), 0)";
+             AND dm.device_id = ?2 AND dm.conv_id = uc.conv_id), 0), uc.mentions";
 
 /// Which rows of a user's list [`conv_rows`] reads.
 pub(crate) enum Rows<'a> {
@@ -322,6 +322,7 @@ pub(crate) fn conv_rows(
             last_msg_seq: r.get::<_, i64>(2)? as u64,
             read_seq: r.get::<_, i64>(3)? as u64,
             unread: r.get::<_, i64>(4)? as u64,
+            mentions: r.get::<_, i64>(14)? as u64,
             muted: r.get(5)?,
             pinned: r.get(6)?,
             active: r.get(7)?,
@@ -354,26 +355,41 @@ pub(crate) fn conv_rows(
         let marker = tidemark_core::large::marker(&facts);
         // Unread above the switch is counted from the log on read (exact
         // up to the cap, so it cannot drift); the marker alone needs none.
-        let counted = match (count_unread, tidemark_core::large::unread_window(state.read_seq, from, marker.target)) {
-            (true, Some((above, upto))) => shared_unread_above(c, user, &state.conv, above, upto)?,
-            _ => 0,
-        };
-        out.push(state.shared(marker, counted));
+        // Mentions above the switch likewise (issue 18): rows are written
+        // for nobody, "everyone" is the message's one flag.
+        let (counted, mentioned) =
+            match (count_unread, tidemark_core::large::unread_window(state.read_seq, from, marker.target)) {
+                (true, Some((above, upto))) => (
+                    shared_unread_above(c, user, &state.conv, above, upto, false)?,
+                    shared_unread_above(c, user, &state.conv, above, upto, true)?,
+                ),
+                _ => (0, 0),
+            };
+        out.push(state.shared(marker, counted, mentioned));
     }
     Ok(out)
 }
 
 /// Messages from others in `conv` in `(above, upto]` the user may see and
 /// has not read, recalled or deleted for themselves, counted up to
-/// `large::UNREAD_COUNT_MAX + 1`.
-pub(crate) fn shared_unread_above(c: &Connection, user: &str, conv: &str, above: u64, upto: u64) -> StoreResult<u64> {
+/// `large::UNREAD_COUNT_MAX + 1`; with `mentioned`, only those that mention
+/// the user (issue 18).
+pub(crate) fn shared_unread_above(
+    c: &Connection,
+    user: &str,
+    conv: &str,
+    above: u64,
+    upto: u64,
+    mentioned: bool,
+) -> StoreResult<u64> {
     let control = tidemark_core::kinds::CONTROL_KINDS.iter().map(|k| format!("'{k}'")).collect::<Vec<_>>().join(", ");
+    let mention = if mentioned { crate::events::MENTIONED.replace("?1", "?2") } else { "1".into() };
     let sql = format!(
         "SELECT COUNT(*) FROM (SELECT 1 FROM messages m
          WHERE m.conv_id = ?1 AND m.msg_seq > ?3 AND m.msg_seq <= ?4 AND m.sender <> ?2
            AND m.kind NOT IN ({control}) AND m.state <> '{STATE_RECALLED}'
            AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = ?2 AND d.message_id = m.message_id)
-           AND {VISIBLE} LIMIT ?5 + 0)"
+           AND {VISIBLE} AND {mention} LIMIT ?5 + 0)"
     );
     let n: i64 = c
         .prepare_cached(&sql)
@@ -498,8 +514,10 @@ pub(crate) fn pending_outbox(c: &Connection, limit: u32) -> StoreResult<Vec<Outb
 }
 
 /// Columns of a message row, in the order [`message_at`] reads them.
-pub(crate) const MSG_COLS: &str =
-    "m.message_id, m.conv_id, m.msg_seq, m.kind, m.state, m.sender, m.content, m.created_at, m.version, m.quote_id";
+pub(crate) const MSG_COLS: &str = "m.message_id, m.conv_id, m.msg_seq, m.kind, m.state, m.sender, m.content,
+     m.created_at, m.version, m.quote_id, m.mentions, m.mention_all";
+/// How many columns [`MSG_COLS`] has.
+const MSG_COLS_N: usize = 12;
 
 /// Reads a message from `MSG_COLS` starting at column `at`; the quote id
 /// comes back beside it for [`decorate`].
@@ -517,6 +535,13 @@ pub(crate) fn message_at(r: &rusqlite::Row, at: usize) -> rusqlite::Result<(Stor
             version: r.get::<_, i64>(at + 8)? as u64,
             quote: None,
             reactions: Vec::new(),
+            mentions: match r.get::<_, Option<String>>(at + 10)? {
+                None => Vec::new(),
+                Some(s) => tidemark_proto::content::parse_mentions(&s).map_err(|e| {
+                    rusqlite::Error::FromSqlConversionFailure(at + 10, rusqlite::types::Type::Text, e.into())
+                })?,
+            },
+            mention_all: r.get(at + 11)?,
         },
         r.get(at + 9)?,
     ))
@@ -597,7 +622,10 @@ type EventRow = (StoredEvent, Option<((StoredMessage, Option<String>), bool, Opt
 fn event_at(r: &rusqlite::Row, at: usize) -> rusqlite::Result<EventRow> {
     let message = match r.get::<_, Option<String>>(at + 5)? {
         None => None,
-        Some(_) => Some((message_at(r, at + 5)?, r.get(at + 15)?, r.get(at + 16)?, r.get(at + 17)?)),
+        Some(_) => {
+            let d = at + 5 + MSG_COLS_N;
+            Some((message_at(r, at + 5)?, r.get(d)?, r.get(d + 1)?, r.get(d + 2)?))
+        }
     };
     let event = StoredEvent {
         sync_seq: r.get::<_, i64>(at)? as u64,

@@ -168,17 +168,28 @@ fn users_in(c: &Connection, after: Option<String>, limit: u32) -> R<UserChunk> {
                 .map_err(internal)?;
             it.collect::<Result<Vec<_>, _>>().map_err(internal)?
         };
-        let rows: Vec<(String, i64, i64)> = {
+        let rows: Vec<(String, i64, i64, i64)> = {
             let mut stmt = c
-                .prepare_cached("SELECT conv_id, read_seq, unread FROM user_convs WHERE user_id = ?1 ORDER BY conv_id")
+                .prepare_cached(
+                    "SELECT conv_id, read_seq, unread, mentions FROM user_convs WHERE user_id = ?1 ORDER BY conv_id",
+                )
                 .map_err(internal)?;
-            let it = stmt.query_map(params![user], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?))).map_err(internal)?;
+            let it = stmt
+                .query_map(params![user], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+                .map_err(internal)?;
             it.collect::<Result<_, _>>().map_err(internal)?
         };
         let mut unread = Vec::with_capacity(rows.len());
-        for (conv, read_seq, stored) in rows {
+        for (conv, read_seq, stored, mentions_stored) in rows {
             let fact = events::count_unread(c, &user, &conv, read_seq as u64)?;
-            unread.push(UnreadFacts { conv, stored: stored as u64, fact });
+            let mentions_fact = events::count_mentions(c, &user, &conv, read_seq as u64)?;
+            unread.push(UnreadFacts {
+                conv,
+                stored: stored as u64,
+                fact,
+                mentions_stored: mentions_stored as u64,
+                mentions_fact,
+            });
         }
         let suspect_events = {
             let mut stmt = c
@@ -242,16 +253,16 @@ pub(crate) fn requeue_fanout(c: &Connection, conv: &str, message_id: &str, now_m
 }
 
 /// The writer side of `Store::recount_unread`.
-pub(crate) fn recount_unread(c: &Connection, user: &str, conv: &str) -> R<Option<(u64, u64)>> {
-    let stored: Option<i64> = c
-        .prepare_cached("SELECT unread FROM user_convs WHERE user_id = ?1 AND conv_id = ?2")
+pub(crate) fn recount_unread(c: &Connection, user: &str, conv: &str) -> R<Option<Recounted>> {
+    let stored: Option<(i64, i64)> = c
+        .prepare_cached("SELECT unread, mentions FROM user_convs WHERE user_id = ?1 AND conv_id = ?2")
         .map_err(internal)?
-        .query_row(params![user, conv], |r| r.get(0))
+        .query_row(params![user, conv], |r| Ok((r.get(0)?, r.get(1)?)))
         .optional()
         .map_err(internal)?;
-    let Some(stored) = stored else { return Ok(None) };
-    let now = events::recount_unread(c, user, conv)?;
-    Ok(Some((stored as u64, now)))
+    let Some((unread, mentions)) = stored else { return Ok(None) };
+    let after = events::recount_unread(c, user, conv)?;
+    Ok(Some(Recounted { before: (unread as u64, mentions as u64), after }))
 }
 
 pub(crate) fn quarantine(c: &Connection, after: Option<(String, String)>, limit: u32) -> R<Vec<QuarantineRecord>> {

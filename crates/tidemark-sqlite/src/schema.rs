@@ -46,7 +46,20 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 7, name: "audit log", sql: AUDIT_LOG },
     Migration { version: 8, name: "deleted users", sql: DELETED_USERS },
     Migration { version: 9, name: "offline push targets", sql: PUSH_TARGETS },
+    Migration { version: 10, name: "mentions", sql: MENTIONS },
 ];
+
+/// Step 10 (issue 18): a message's mentions are facts of the message
+/// (`mentions`, a JSON array of user ids, NULL when it names nobody;
+/// `mention_all`, everyone), so every count is rebuilt from them; each
+/// conversation row of `user_convs` keeps `mentions`, the unread messages
+/// that mention its user, moved with `unread` by the fan-out and the
+/// recounts (`events::COUNT_MENTIONS`).
+pub const MENTIONS: &str = r#"
+ALTER TABLE messages ADD COLUMN mentions TEXT;
+ALTER TABLE messages ADD COLUMN mention_all INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE user_convs ADD COLUMN mentions INTEGER NOT NULL DEFAULT 0;
+"#;
 
 /// Step 9 (P4, issue 20): one offline push target per device, keyed like
 /// `devices` (a user table). The token is sealed by the server (AES-GCM)

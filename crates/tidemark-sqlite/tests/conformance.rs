@@ -149,3 +149,18 @@ async fn reconciliation_repairs_once_and_reports_the_rest() {
     )
     .await;
 }
+
+/// Issue 18 (the shared check): the mention drift is planted through a
+/// second connection to the database file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mentions_count_once_clear_to_read_and_rebuild() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let raw = rusqlite::Connection::open(dir.path().join(tidemark_sqlite::DB_FILE)).unwrap();
+    raw.busy_timeout(std::time::Duration::from_secs(5)).unwrap();
+    let raw = &raw;
+    conformance::mentions_count_once_clear_to_read_and_rebuild(&*store, move |sql| async move {
+        raw.execute(sql, []).unwrap();
+    })
+    .await;
+}

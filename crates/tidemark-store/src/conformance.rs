@@ -27,8 +27,15 @@ fn send(sender: &str, conv: &str, cmid: &str) -> SendCmd {
         content: format!("{{\"text\":\"{cmid}\"}}"),
         message_id: format!("m-{sender}-{cmid}"),
         quote_id: None,
+        mentions: Vec::new(),
+        mention_all: false,
         now_ms: T0,
     }
+}
+
+/// A send mentioning `mentions` (and everyone with `all`).
+fn mention(sender: &str, conv: &str, cmid: &str, mentions: &[&str], all: bool) -> SendCmd {
+    SendCmd { mentions: mentions.iter().map(|m| m.to_string()).collect(), mention_all: all, ..send(sender, conv, cmid) }
 }
 
 /// Runs every check, each on its own fresh store from `fresh`.
@@ -79,6 +86,7 @@ where
     privacy_audience_and_receipts(&*fresh().await).await;
     large_group_rules(&*fresh().await).await;
     large_group_created_shared(&*fresh().await).await;
+    mentions_in_shared_groups_are_counted_from_the_log(&*fresh().await).await;
 }
 
 /// P2, P5 (`server::fence`): every write that records a fence moves
@@ -258,6 +266,96 @@ pub async fn large_group_created_shared(store: &dyn Store) {
     assert_eq!(store.user_high_watermark("c").await.unwrap(), 2);
     let c = state_of(store.list_conversations("c", None).await.unwrap(), "big");
     assert_eq!((c.mode.as_str(), c.unread, c.last_msg_seq), ("shared", 1, 3));
+}
+
+/// Issue 18 (`core::mention`), R3: a mention count moves once per event
+/// in the fan-out (a retried send, a redelivery and an edit move nothing),
+/// never for the sender; "everyone" is the owner's in a group above
+/// `MENTION_ALL_MEMBERS_MAX`; `read` clears mentions only up to
+/// `read_to_seq`; the unread rebuild recounts them from the facts. `raw`
+/// runs SQL on the store's database to plant the drift.
+pub async fn mentions_count_once_clear_to_read_and_rebuild<X, XF>(store: &dyn Store, raw: X)
+where
+    X: Fn(&'static str) -> XF,
+    XF: std::future::Future<Output = ()>,
+{
+    use tidemark_core::mention::MENTION_ALL_MEMBERS_MAX;
+    users(store, &["a", "b", "c"]).await;
+    store.create_group(ev("g", "a", "create"), vec!["b".into(), "c".into()]).await.unwrap(); // 1
+    let first = store.accept_send(mention("a", "g", "m1", &["b"], false)).await.unwrap(); // 2
+    let retry = store.accept_send(mention("a", "g", "m1", &["b"], false)).await.unwrap();
+    assert!(retry.duplicate && retry.msg_seq == first.msg_seq, "S1: a retried send is the same message");
+    store.accept_send(mention("b", "g", "m2", &[], true)).await.unwrap(); // 3
+    store.accept_send(send("a", "g", "m3")).await.unwrap(); // 4
+    store.accept_send(mention("a", "g", "m4", &["b", "c", "nobody"], false)).await.unwrap(); // 5
+    let items = store.pending_outbox(100).await.unwrap();
+    store.fan_out(items.clone(), T0).await.unwrap();
+    let again = store.fan_out(items, T0).await.unwrap();
+    assert_eq!(again.events_written, 0, "F3: a redelivery writes nothing");
+    let counts = |list: Vec<ConvState>| {
+        let s = state_of(list, "g");
+        (s.unread, s.mentions)
+    };
+    // b's own m2 moved b's read cursor past m1: only m4 is left.
+    assert_eq!(counts(store.list_conversations("b", None).await.unwrap()), (2, 1), "b: m4 mentions b");
+    assert_eq!(counts(store.list_conversations("c", None).await.unwrap()), (4, 2), "c: everyone (m2) and m4");
+    assert_eq!(counts(store.list_conversations("a", None).await.unwrap()), (0, 0), "a read past m2 by sending");
+    let events = store.read_user_events("b", 0, 10, 10).await.unwrap();
+    let m1 = events.iter().find_map(|e| e.message.as_ref().filter(|m| m.msg_seq == 2)).expect("m1 delivered");
+    assert_eq!((m1.mentions.clone(), m1.mention_all), (vec!["b".to_string()], false), "stored as facts");
+    // An edit is a new event, but not a new mention.
+    store.edit(ev("g", "a", "edit1"), &first.message_id, "{\"text\":\"m1'\"}", 1).await.unwrap(); // 6
+    drain(store).await;
+    assert_eq!(counts(store.list_conversations("c", None).await.unwrap()), (4, 2), "an edit does not recount");
+
+    // `read` clears only what it covers.
+    let read = store.mark_read("c", "g", 3, T0).await.unwrap();
+    assert_eq!((read.read_seq, read.unread, read.mentions), (3, 2, 1), "m4 stays a mention above read_to_seq");
+    assert_eq!(counts(store.list_conversations("c", None).await.unwrap()), (2, 1));
+    let read = store.mark_read("b", "g", 4, T0).await.unwrap();
+    assert_eq!((read.unread, read.mentions), (1, 1), "m3 read, m4 not");
+
+    // The rebuild recounts mentions from the facts.
+    raw("UPDATE user_convs SET mentions = 9 WHERE user_id = 'c' AND conv_id = 'g'").await;
+    let rebuilt = crate::reconcile::rebuild_unread(store, 1).await.unwrap();
+    assert_eq!(rebuilt.drifted, 1, "{rebuilt:?}");
+    assert_eq!(counts(store.list_conversations("c", None).await.unwrap()), (2, 1), "rebuilt from facts");
+    assert_eq!(crate::reconcile::rebuild_unread(store, 1).await.unwrap().drifted, 0, "repaired once");
+
+    // Everyone in a group above MENTION_ALL_MEMBERS_MAX: the owner's only.
+    let many: Vec<String> = (0..=MENTION_ALL_MEMBERS_MAX).map(|i| format!("u{i:02}")).collect();
+    for u in &many {
+        store.create_user(u, "phc-not-checked-here", T0).await.unwrap();
+    }
+    let mut members = many.clone();
+    members.push("b".into());
+    store.create_group(ev("big", "a", "create-big"), members).await.unwrap(); // 1
+    let refused = store.accept_send(mention("b", "big", "all-b", &[], true)).await;
+    assert!(matches!(refused, Err(StoreError::Forbidden(_))), "{refused:?}");
+    let ok = store.accept_send(mention("a", "big", "all-a", &[], true)).await.unwrap();
+    assert_eq!(ok.msg_seq, 2, "S2: the refusal left no hole");
+    drain(store).await;
+    assert_eq!(state_of(store.list_conversations("u00", None).await.unwrap(), "big").mentions, 1);
+}
+
+/// Issue 18, G2: a shared group writes no row per member for a mention;
+/// its mentions above the switch are counted from the log on read, as its
+/// unread is, and `read` clears them up to `read_to_seq`.
+pub async fn mentions_in_shared_groups_are_counted_from_the_log(store: &dyn Store) {
+    store.set_group_policy(GroupPolicy::new(2).unwrap());
+    users(store, &["a", "b", "c"]).await;
+    store.create_group(ev("big", "a", "create"), vec!["b".into(), "c".into()]).await.unwrap(); // 1, switch 2
+    store.accept_send(mention("a", "big", "x", &["b"], false)).await.unwrap(); // 3
+    store.accept_send(mention("a", "big", "y", &[], true)).await.unwrap(); // 4
+    store.accept_send(send("a", "big", "z")).await.unwrap(); // 5
+    drain(store).await;
+    let row = |u: &'static str| async move { state_of(store.list_conversations(u, None).await.unwrap(), "big") };
+    let b = row("b").await;
+    assert_eq!((b.mode.as_str(), b.unread, b.mentions), ("shared", 3, 2));
+    assert_eq!((row("c").await.unread, row("c").await.mentions), (3, 1), "everyone, without a row each");
+    assert_eq!(row("a").await.mentions, 0, "never the sender");
+    let read = store.mark_read("b", "big", 3, T0).await.unwrap();
+    assert_eq!((read.unread, read.mentions), (2, 1));
 }
 
 /// G1: one conversation per direct pair, whatever the order.

@@ -138,6 +138,12 @@ pub struct SendCmd {
     pub message_id: String,
     /// A quoted message of the same conversation (`content.quote`).
     pub quote_id: Option<String>,
+    /// The users it mentions, as `tidemark_core::mention::normalize` left
+    /// them (issue 18), stored with the message.
+    pub mentions: Vec<String>,
+    /// It mentions everyone: checked by `mention::check_mention_all` at
+    /// the conversation's linearisation point, stored with the message.
+    pub mention_all: bool,
     pub now_ms: i64,
 }
 
@@ -297,6 +303,9 @@ pub struct StoredMessage {
     pub quote: Option<(String, bool)>,
     /// Reactions: `(reaction, users)`, sorted.
     pub reactions: Vec<(String, Vec<String>)>,
+    /// The users it mentions and whether it mentions everyone (issue 18).
+    pub mentions: Vec<String>,
+    pub mention_all: bool,
 }
 
 /// One entry of a user's sync log.
@@ -324,6 +333,8 @@ pub struct ConvState {
     pub last_msg_seq: MsgSeq,
     pub read_seq: MsgSeq,
     pub unread: u64,
+    /// Unread messages mentioning the user (issue 18), kept like `unread`.
+    pub mentions: u64,
     pub muted: bool,
     pub pinned: bool,
     /// False once the user left or was removed.
@@ -343,11 +354,13 @@ impl ConvState {
     /// The row of a shared group (G2, R3): its marker, `last_msg_seq` at
     /// the marker's target, `unread` the projection's count up to the
     /// switch plus `counted` from the log above it
-    /// (`large::unread_window`), capped by `large::shared_unread`.
-    pub fn shared(mut self, marker: Marker, counted: u64) -> ConvState {
+    /// (`large::unread_window`), capped by `large::shared_unread`; the
+    /// mentions likewise, `mentioned` of them counted in the same window.
+    pub fn shared(mut self, marker: Marker, counted: u64, mentioned: u64) -> ConvState {
         let (unread, capped) = tidemark_core::large::shared_unread(self.unread + counted);
         self.last_msg_seq = self.last_msg_seq.max(marker.target);
         self.unread = unread;
+        self.mentions = tidemark_core::large::shared_unread(self.mentions + mentioned).0;
         self.unread_capped = capped;
         self.marker = Some(marker);
         self
@@ -395,6 +408,8 @@ pub struct UserEventOutcome {
 pub struct ReadOutcome {
     pub read_seq: MsgSeq,
     pub unread: u64,
+    /// Mentions left above `read_seq` (issue 18).
+    pub mentions: u64,
     pub written: Option<SyncSeq>,
 }
 
@@ -421,6 +436,21 @@ pub struct HistoryPage {
     /// The page ends at the retention boundary, not at the start of the
     /// reader's view: older history existed and was removed (L3).
     pub trimmed: bool,
+}
+
+/// What one row's recount found: `(unread, mentions)` stored before it
+/// and after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Recounted {
+    pub before: (u64, u64),
+    pub after: (u64, u64),
+}
+
+impl Recounted {
+    /// The recount changed a count.
+    pub fn changed(&self) -> bool {
+        self.before != self.after
+    }
 }
 
 /// What an unread rebuild found (R3).
@@ -815,10 +845,10 @@ pub trait Store: Send + Sync + 'static {
     /// fan-out then writes only what the logs lack (F3).
     async fn requeue_fanout(&self, conv: &str, message_id: &str, now_ms: i64) -> StoreResult<bool>;
 
-    /// Repair: recounts one row's unread from the facts (R3) in one writer
-    /// request; `(stored before, now)`, equal when nothing changed, `None`
-    /// without the row.
-    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<(u64, u64)>>;
+    /// Repair: recounts one row's unread and mention count from the facts
+    /// (R3, issue 18) in one writer request; what was stored before and
+    /// what is now, `None` without the row.
+    async fn recount_unread(&self, user: &str, conv: &str) -> StoreResult<Option<Recounted>>;
 
     /// Up to `limit` quarantine records after `(source_event_id, user)`,
     /// in that order: the report for a person (F4).

@@ -122,9 +122,7 @@ impl ReconcileReport {
 async fn apply(store: &dyn Store, repair: &Repair, now_ms: i64) -> StoreResult<bool> {
     match repair {
         Repair::Requeue { conv, message_id } => store.requeue_fanout(conv, message_id, now_ms).await,
-        Repair::Recount { user, conv } => {
-            Ok(store.recount_unread(user, conv).await?.is_some_and(|(before, after)| before != after))
-        }
+        Repair::Recount { user, conv } => Ok(store.recount_unread(user, conv).await?.is_some_and(|r| r.changed())),
     }
 }
 

@@ -154,6 +154,8 @@ pub(super) fn message_of(e: Envelope) -> Message {
         version: e.version,
         reactions: serde_json::to_value(&e.reactions).unwrap_or_default(),
         sync_seq: None,
+        mentions: e.mentions,
+        mention_all: e.mention_all,
     }
 }
 

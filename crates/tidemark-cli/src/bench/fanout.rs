@@ -330,6 +330,8 @@ async fn tidemark_measure(
                 client_msg_id: format!("fan-{members}-{n}"),
                 kind: KIND.into(),
                 content: payload(n, t0),
+                mentions: Vec::new(),
+                mention_all: false,
             };
             sender.send(&req).await.with_context(|| format!("send {n}"))?;
         }

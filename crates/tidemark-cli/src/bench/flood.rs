@@ -298,6 +298,8 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
                                     client_msg_id: format!("flood-{t}-{n}"),
                                     kind: "text".into(),
                                     content: json!({"text": "flood"}),
+                                    mentions: Vec::new(),
+                                    mention_all: false,
                                 };
                                 n += 1;
                                 requests.fetch_add(1, Ordering::Relaxed);
@@ -370,6 +372,8 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
                 client_msg_id: format!("honest-{phase}-{n}"),
                 kind: "text".into(),
                 content: json!({"text": "hello"}),
+                mentions: Vec::new(),
+                mention_all: false,
             };
             let t = Instant::now();
             honest_ws.send(&req).await.context("the honest send")?;

@@ -224,6 +224,8 @@ async fn measure(
         client_msg_id: tag,
         kind: KIND.into(),
         content: payload(n, t0),
+        mentions: Vec::new(),
+        mention_all: false,
     };
 
     // 1. The write probe: nobody online but the sender.

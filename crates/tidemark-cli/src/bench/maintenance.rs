@@ -306,6 +306,8 @@ async fn phase(
                     content: "{\"text\":\"probe\"}".into(),
                     message_id: id,
                     quote_id: None,
+                    mentions: Vec::new(),
+                    mention_all: false,
                     now_ms: unix_ms(),
                 };
                 let t = Instant::now();

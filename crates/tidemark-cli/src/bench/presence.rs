@@ -184,6 +184,8 @@ async fn storm(args: &PresenceArgs, server: &tidemark_server::RunningServer, sto
                 client_msg_id: format!("probe-{storm}-{n}"),
                 kind: "text".into(),
                 content: json!({"text": "probe"}),
+                mentions: Vec::new(),
+                mention_all: false,
             };
             let t = Instant::now();
             probe.send(&req).await?;

@@ -147,6 +147,8 @@ async fn send_while_away(addr: SocketAddr, convs: &[String], k: u64, round: u32)
                     client_msg_id: format!("rc-{round}-{g}-{m}"),
                     kind: "text".into(),
                     content: serde_json::json!({ "text": "while you were away", "m": m }),
+                    mentions: Vec::new(),
+                    mention_all: false,
                 };
                 sender.send(&req).await?;
             }

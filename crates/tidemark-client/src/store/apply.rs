@@ -40,6 +40,8 @@ pub struct AppliedMessage {
     pub msg_seq: u64,
     pub kind: String,
     pub sender: String,
+    /// It mentions this device's user (issue 18), by name or everyone.
+    pub mentioned: bool,
 }
 
 /// What applying one sync page did.
@@ -233,8 +235,8 @@ pub(super) fn held(
 pub(super) fn insert_message(tx: &Transaction<'_>, msg: &Message) -> StoreResult<()> {
     tx.execute(
         "INSERT INTO messages (conv, msg_seq, message_id, kind, state, sender, content, created_at, version,
-                               reactions, sync_seq)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)",
+                               reactions, sync_seq, mentions, mention_all)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
         params![
             msg.conv,
             msg.msg_seq as i64,
@@ -246,10 +248,17 @@ pub(super) fn insert_message(tx: &Transaction<'_>, msg: &Message) -> StoreResult
             msg.created_at,
             msg.version as i64,
             msg.reactions.to_string(),
-            msg.sync_seq.map(|s| s as i64)
+            msg.sync_seq.map(|s| s as i64),
+            mentions_json(&msg.mentions),
+            msg.mention_all
         ],
     )?;
     Ok(())
+}
+
+/// A message's `mentions` column: a JSON array, NULL when it names nobody.
+pub(super) fn mentions_json(mentions: &[String]) -> Option<String> {
+    (!mentions.is_empty()).then(|| serde_json::to_string(mentions).unwrap_or_default())
 }
 
 /// The local row of a server envelope; `sync_seq` is the user-log position
@@ -267,6 +276,8 @@ pub(super) fn message_of(env: &Envelope, sync_seq: Option<u64>) -> Message {
         version: env.version.max(1),
         reactions: serde_json::to_value(&env.reactions).unwrap_or_else(|_| json!({})),
         sync_seq,
+        mentions: env.mentions.clone(),
+        mention_all: env.mention_all,
     }
 }
 
@@ -288,7 +299,7 @@ pub(super) fn store_envelope(tx: &Transaction<'_>, msg: &Message) -> StoreResult
     }
     tx.execute(
         "UPDATE messages SET state = ?2, content = ?3, version = ?4, reactions = ?5,
-                             sync_seq = COALESCE(sync_seq, ?6)
+                             sync_seq = COALESCE(sync_seq, ?6), mentions = ?7, mention_all = ?8
          WHERE message_id = ?1",
         params![
             msg.message_id,
@@ -296,7 +307,9 @@ pub(super) fn store_envelope(tx: &Transaction<'_>, msg: &Message) -> StoreResult
             msg.content.to_string(),
             msg.version as i64,
             msg.reactions.to_string(),
-            msg.sync_seq.map(|s| s as i64)
+            msg.sync_seq.map(|s| s as i64),
+            mentions_json(&msg.mentions),
+            msg.mention_all
         ],
     )?;
     Ok(())
@@ -550,6 +563,7 @@ pub(super) fn apply_envelope(
         msg_seq: env.msg_seq,
         kind: env.kind.clone(),
         sender: env.sender.clone(),
+        mentioned: mentions_user(&env.mentions, env.mention_all, &env.sender, user),
     });
     Ok(())
 }
@@ -659,10 +673,23 @@ pub(super) fn refresh_summary(tx: &Transaction<'_>, user: &str, conv: &str, sync
                  SELECT COUNT(*) FROM messages m
                  WHERE m.conv = ?1 AND m.sender <> ?2 AND m.msg_seq > conversations.read_seq
                    AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted'))
-                 + CASE WHEN read_seq < history_to THEN unread_below ELSE 0 END
+                 + CASE WHEN read_seq < history_to THEN unread_below ELSE 0 END,
+                 mentions = (
+                 SELECT COUNT(*) FROM messages m
+                 WHERE m.conv = ?1 AND m.sender <> ?2 AND m.msg_seq > conversations.read_seq
+                   AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted')
+                   AND (m.mention_all = 1 OR EXISTS (SELECT 1 FROM json_each(m.mentions) j WHERE j.value = ?2)))
+                 + CASE WHEN read_seq < history_to THEN mentions_below ELSE 0 END
              WHERE conv = ?1"
         ),
         params![conv, user],
     )?;
     Ok(())
+}
+
+/// Issue 18, as `tidemark_core::mention::counts` decides it on the server:
+/// a message mentions `user` when it names them or everyone, never its
+/// sender.
+pub(super) fn mentions_user(mentions: &[String], all: bool, sender: &str, user: &str) -> bool {
+    sender != user && (all || mentions.iter().any(|m| m == user))
 }

@@ -72,7 +72,7 @@ mod snapshot;
 
 pub use apply::{AppliedMessage, ApplyError, CursorMove, Gap, PageReport};
 pub use history::LocalHistory;
-pub use outbox::{OutboxEntry, OutboxOp, OutboxRecord, OutboxState, OUTBOX_DONE_KEEP, OUTBOX_PENDING_MAX};
+pub use outbox::{Mentions, OutboxEntry, OutboxOp, OutboxRecord, OutboxState, OUTBOX_DONE_KEEP, OUTBOX_PENDING_MAX};
 pub use repair::{Repair, REPAIR_BACKOFF_FIRST_MS, REPAIR_BACKOFF_MAX_MS};
 pub use schema::{CONTROL_KINDS, SCHEMA, STATE_DELETED, STATE_EDITED, STATE_NORMAL, STATE_RECALLED};
 pub use snapshot::{manifest_digest, PendingSnapshot, SnapshotReport};
@@ -197,6 +197,9 @@ pub struct Message {
     pub version: u64,
     /// Reaction → users, as the server last described it.
     pub reactions: Value,
+    /// The users it mentions and whether it mentions everyone (issue 18).
+    pub mentions: Vec<String>,
+    pub mention_all: bool,
     /// The user-log position that delivered it; `None` while it is known
     /// only from this device's own `send.ok`.
     pub sync_seq: Option<u64>,
@@ -235,6 +238,8 @@ pub struct Conversation {
     pub read_seq: u64,
     /// Messages from others above `read_seq`, not recalled, not deleted.
     pub unread: u64,
+    /// Those of them that mention the user, by name or everyone (issue 18).
+    pub mentions: u64,
     pub muted: bool,
     pub pinned: bool,
     /// The user is a member now (false once they left or were removed).

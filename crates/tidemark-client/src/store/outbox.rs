@@ -83,6 +83,10 @@ pub struct OutboxEntry {
     pub conv: String,
     pub kind: String,
     pub content: Value,
+    /// Sends: who the message mentions (issue 18), sent as they are on
+    /// every attempt.
+    pub mentions: Vec<String>,
+    pub mention_all: bool,
     pub state: OutboxState,
     pub created_at: i64,
     /// Sends: the accepted message.
@@ -108,6 +112,16 @@ pub struct OutboxRecord {
     pub read: Option<(u64, u64)>,
 }
 
+/// Who a send mentions (issue 18): users by id, and everyone with `all`
+/// (the server refuses `all` with `FORBIDDEN` in a group of more than
+/// `tidemark_core::mention::MENTION_ALL_MEMBERS_MAX` members unless the
+/// sender owns it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Mentions {
+    pub users: Vec<String>,
+    pub all: bool,
+}
+
 impl LocalStore {
     /// Persists an operation with its `client_msg_id` before its first
     /// attempt.
@@ -119,15 +133,37 @@ impl LocalStore {
         kind: &str,
         content: &Value,
     ) -> StoreResult<OutboxEntry> {
+        self.enqueue_mentioning(client_msg_id, op, conv, kind, content, &Mentions::default())
+    }
+
+    /// [`LocalStore::enqueue`] of a send that mentions `mentions`.
+    pub fn enqueue_mentioning(
+        &mut self,
+        client_msg_id: &str,
+        op: OutboxOp,
+        conv: &str,
+        kind: &str,
+        content: &Value,
+        mentions: &Mentions,
+    ) -> StoreResult<OutboxEntry> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let pending: i64 = tx.query_row("SELECT COUNT(*) FROM outbox WHERE state = 'pending'", [], |r| r.get(0))?;
         if pending as u64 >= OUTBOX_PENDING_MAX {
             return Err(StoreError::OutboxFull);
         }
         tx.execute(
-            "INSERT INTO outbox (client_msg_id, op, conv, kind, content, state, created_at)
-             VALUES (?1, ?2, ?3, ?4, ?5, 'pending', ?6)",
-            params![client_msg_id, op.as_str(), conv, kind, content.to_string(), now_ms()],
+            "INSERT INTO outbox (client_msg_id, op, conv, kind, content, state, created_at, mentions, mention_all)
+             VALUES (?1, ?2, ?3, ?4, ?5, 'pending', ?6, ?7, ?8)",
+            params![
+                client_msg_id,
+                op.as_str(),
+                conv,
+                kind,
+                content.to_string(),
+                now_ms(),
+                super::apply::mentions_json(&mentions.users),
+                mentions.all
+            ],
         )?;
         let id = tx.last_insert_rowid();
         tx.commit()?;
@@ -174,6 +210,8 @@ impl LocalStore {
             version: 1,
             reactions: json!({}),
             sync_seq: None,
+            mentions: entry.mentions.clone(),
+            mention_all: entry.mention_all,
         };
         // A duplicate reply describes the original message, which may
         // already be here from the sync log: keep what is stored.
@@ -266,7 +304,7 @@ impl LocalStore {
 }
 
 const OUTBOX_SELECT: &str = "SELECT id, client_msg_id, op, conv, kind, content, state, created_at, message_id,
-                                    msg_seq, duplicate, error FROM outbox";
+                                    msg_seq, duplicate, error, mentions, mention_all FROM outbox";
 
 fn outbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoreResult<OutboxEntry>> {
     let op: String = r.get(2)?;
@@ -282,6 +320,8 @@ fn outbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoreResult<OutboxEntry
         conv: r.get(3)?,
         kind: r.get(4)?,
         content: serde_json::from_str(&content).unwrap_or(Value::Null),
+        mentions: r.get::<_, Option<String>>(12)?.and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default(),
+        mention_all: r.get(13)?,
         state: OutboxState::parse(&state),
         created_at: r.get(7)?,
         message_id: r.get(8)?,

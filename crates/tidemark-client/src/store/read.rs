@@ -13,7 +13,8 @@ impl LocalStore {
     pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
         let mut stmt = self.conn.prepare(&format!(
             "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
-                    c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv), c.mode
+                    c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv), c.mode,
+                    c.mentions
              FROM conversations c
              ORDER BY c.pinned DESC,
                       COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
@@ -29,6 +30,7 @@ impl LocalStore {
                     last_msg_seq: r.get::<_, i64>(3)? as u64,
                     read_seq: r.get::<_, i64>(4)? as u64,
                     unread: r.get::<_, i64>(5)? as u64,
+                    mentions: r.get::<_, i64>(12)? as u64,
                     muted: r.get(6)?,
                     pinned: r.get(7)?,
                     history_to: r.get::<_, i64>(8)? as u64,
@@ -104,7 +106,7 @@ impl LocalStore {
 
 pub(super) const MESSAGE_SELECT: &str =
     "SELECT conv, msg_seq, message_id, kind, state, sender, content, created_at, version,
-                                     reactions, sync_seq FROM messages";
+                                     reactions, sync_seq, mentions, mention_all FROM messages";
 
 pub(super) fn message_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
     let content: String = r.get(6)?;
@@ -121,5 +123,7 @@ pub(super) fn message_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Message> {
         version: r.get::<_, i64>(8)? as u64,
         reactions: serde_json::from_str(&reactions).unwrap_or_else(|_| json!({})),
         sync_seq: r.get::<_, Option<i64>>(10)?.map(|s| s as u64),
+        mentions: r.get::<_, Option<String>>(11)?.and_then(|s| serde_json::from_str(&s).ok()).unwrap_or_default(),
+        mention_all: r.get(12)?,
     })
 }

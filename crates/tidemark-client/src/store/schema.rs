@@ -121,13 +121,33 @@ const CONVERSATION_COLUMNS: &[(&str, &str)] = &[
     ("mode", "TEXT NOT NULL DEFAULT 'per_member'"),
 ];
 
-/// Adds the columns of [`CONVERSATION_COLUMNS`] that an older database lacks.
+/// Mention columns (issue 18), added to every table they live in: a
+/// message's `mentions` (a JSON array of user ids, NULL when none) and
+/// `mention_all`, kept on the message and on a queued send; a
+/// conversation's `mentions` (unread messages mentioning the user) and
+/// `mentions_below` (those below `history_to`, from a snapshot).
+const MENTION_COLUMNS: &[(&str, &str, &str)] = &[
+    ("messages", "mentions", "TEXT"),
+    ("messages", "mention_all", "INTEGER NOT NULL DEFAULT 0"),
+    ("outbox", "mentions", "TEXT"),
+    ("outbox", "mention_all", "INTEGER NOT NULL DEFAULT 0"),
+    ("conversations", "mentions", "INTEGER NOT NULL DEFAULT 0"),
+    ("conversations", "mentions_below", "INTEGER NOT NULL DEFAULT 0"),
+];
+
+/// Adds the columns of [`CONVERSATION_COLUMNS`] and [`MENTION_COLUMNS`]
+/// that an older database lacks.
 pub(super) fn migrate(conn: &Connection) -> StoreResult<()> {
-    let mut stmt = conn.prepare("SELECT name FROM pragma_table_info('conversations')")?;
-    let have = stmt.query_map([], |r| r.get::<_, String>(0))?.collect::<Result<Vec<_>, _>>()?;
-    for (name, decl) in CONVERSATION_COLUMNS {
-        if !have.iter().any(|h| h == name) {
-            conn.execute_batch(&format!("ALTER TABLE conversations ADD COLUMN {name} {decl}"))?;
+    let added =
+        CONVERSATION_COLUMNS.iter().map(|(n, d)| ("conversations", *n, *d)).chain(MENTION_COLUMNS.iter().copied());
+    for (table, name, decl) in added {
+        let have: bool = conn.query_row(
+            "SELECT EXISTS (SELECT 1 FROM pragma_table_info(?1) WHERE name = ?2)",
+            rusqlite::params![table, name],
+            |r| r.get(0),
+        )?;
+        if !have {
+            conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {name} {decl}"))?;
         }
     }
     Ok(())

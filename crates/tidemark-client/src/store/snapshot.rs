@@ -159,12 +159,23 @@ impl LocalStore {
                         && m.state != STATE_DELETED
                 })
                 .count() as u64;
+            let held_mentions = c
+                .messages
+                .iter()
+                .filter(|m| {
+                    m.msg_seq > c.read_seq
+                        && !CONTROL_KINDS.contains(&m.kind.as_str())
+                        && m.state != STATE_RECALLED
+                        && m.state != STATE_DELETED
+                        && super::apply::mentions_user(&m.mentions, m.mention_all, &m.sender, &user)
+                })
+                .count() as u64;
             tx.execute(
                 "INSERT INTO conversations (conv, kind, contiguous_msg_seq, last_msg_seq, read_seq, unread, muted,
                                             pinned, settings_version, updated_sync_seq, history_to, unread_below,
-                                            active, mode)
+                                            active, mode, mentions, mentions_below)
                  VALUES (?1, ?2, ?3, ?3, ?4, ?5, ?6, ?7, 0, ?8, ?9, ?10, ?11,
-                         CASE WHEN ?12 THEN 'shared' ELSE 'per_member' END)",
+                         CASE WHEN ?12 THEN 'shared' ELSE 'per_member' END, ?13, ?14)",
                 params![
                     c.conv,
                     c.kind,
@@ -177,7 +188,9 @@ impl LocalStore {
                     history_to as i64,
                     c.unread.saturating_sub(held_unread) as i64,
                     c.active,
-                    c.shared
+                    c.shared,
+                    c.mentions as i64,
+                    c.mentions.saturating_sub(held_mentions) as i64
                 ],
             )
             .map_err(StoreError::from)?;
@@ -226,6 +239,7 @@ struct SnapshotConv {
     last_msg_seq: u64,
     read_seq: u64,
     unread: u64,
+    mentions: u64,
     muted: bool,
     pinned: bool,
     active: bool,
@@ -252,6 +266,8 @@ fn parse_snapshot(items: &[Value]) -> Result<Vec<SnapshotConv>, ApplyError> {
                     last_msg_seq: num("last_msg_seq")?,
                     read_seq: num("read_seq")?,
                     unread: num("unread")?,
+                    // Absent from servers before mentions (issue 18).
+                    mentions: item["mentions"].as_u64().unwrap_or(0),
                     muted: flag("muted")?,
                     pinned: flag("pinned")?,
                     active: item["active"].as_bool().unwrap_or(true),

@@ -139,6 +139,7 @@ pub fn summary(r: tidemark_store::ConvState) -> ConvSummary {
         last_msg_seq: r.last_msg_seq,
         read_seq: r.read_seq,
         unread: r.unread,
+        mentions: r.mentions,
         muted: r.muted,
         pinned: r.pinned,
         active: r.active,
@@ -235,5 +236,5 @@ pub async fn read(state: &AppState, ctx: &AuthCtx, req: ReadReq) -> ApiResult<Re
         // The read cursor reaches the user's other devices as a user event (R2).
         state.hint_user(&ctx.user, hw);
     }
-    Ok(ReadOk { conv: req.conv, read_seq: r.read_seq, unread: r.unread })
+    Ok(ReadOk { conv: req.conv, read_seq: r.read_seq, unread: r.unread, mentions: r.mentions })
 }

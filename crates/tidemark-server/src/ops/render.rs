@@ -10,6 +10,7 @@
 
 use serde_json::value::RawValue;
 use serde_json::Value;
+use tidemark_core::kinds::{STATE_DELETED, STATE_RECALLED};
 use tidemark_proto::{Envelope, ErrorCode, RawJson, UserEvent};
 use tidemark_store::{StoredEvent, StoredMessage};
 
@@ -39,6 +40,9 @@ fn rendered_content(m: &StoredMessage) -> ApiResult<Option<Value>> {
 }
 
 fn envelope_with<C>(m: StoredMessage, content: C) -> Envelope<C> {
+    // A wiped message (recalled, or deleted for this reader) shows its
+    // mentions no more than its content.
+    let wiped = m.state == STATE_RECALLED || m.state == STATE_DELETED;
     Envelope {
         message_id: m.message_id,
         conv: m.conv,
@@ -50,6 +54,8 @@ fn envelope_with<C>(m: StoredMessage, content: C) -> Envelope<C> {
         created_at: m.created_at_ms,
         version: m.version,
         reactions: m.reactions.into_iter().collect(),
+        mentions: if wiped { Vec::new() } else { m.mentions },
+        mention_all: m.mention_all && !wiped,
     }
 }
 
@@ -99,6 +105,8 @@ mod tests {
             version: 3,
             quote: quote.map(|(q, r)| (q.to_owned(), r)),
             reactions: vec![("+1".into(), vec!["ben".into(), "cat".into()])],
+            mentions: vec!["ben".into()],
+            mention_all: false,
         }
     }
 

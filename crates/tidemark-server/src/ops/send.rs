@@ -48,6 +48,9 @@ async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Send
             _ => return Err(ApiError::bad_request("content.quote needs a message_id")),
         },
     };
+    // Bounds and one form per user (issue 18); a refusal is BAD_REQUEST.
+    let mentions = tidemark_core::mention::normalize(&req.mentions, &ctx.user)
+        .map_err(|e| ApiError::from(tidemark_store::StoreError::from(e)))?;
     let cmd = SendCmd {
         sender: ctx.user.clone(),
         sender_device: ctx.device.clone(),
@@ -57,6 +60,8 @@ async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Send
         content,
         message_id: new_id("m"),
         quote_id,
+        mentions,
+        mention_all: req.mention_all,
         now_ms: now_ms(),
     };
     let accepted = state.store.accept_send(cmd).await?;

@@ -260,7 +260,14 @@ impl Device {
 }
 
 pub fn send_req(conv: &str, cmid: &str) -> SendReq {
-    SendReq { conv: conv.into(), client_msg_id: cmid.into(), kind: "text".into(), content: json!({"cmid": cmid}) }
+    SendReq {
+        conv: conv.into(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: json!({"cmid": cmid}),
+        mentions: Vec::new(),
+        mention_all: false,
+    }
 }
 
 pub fn code(r: Result<impl std::fmt::Debug, ClientError>) -> ErrorCode {
