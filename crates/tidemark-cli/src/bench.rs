@@ -39,6 +39,7 @@ mod maintenance;
 mod pg;
 mod presence;
 mod proc;
+mod push;
 mod reconnect;
 
 #[derive(clap::Subcommand)]
@@ -74,6 +75,12 @@ pub enum BenchCommand {
     /// their bounded chunks on a large population, beside a quiet phase of
     /// the same run.
     Maintenance(maintenance::MaintenanceArgs),
+    /// Offline push under load (issue 20): N offline devices with webhook
+    /// targets on a receiver in this process, a burst into their groups;
+    /// notifications/s, send.ok-to-accept p50/p99, coalescing, and an honest
+    /// sender's send p99 beside the same without push, with a throttling
+    /// drill.
+    Push(push::PushArgs),
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -133,6 +140,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Presence(args) => presence::run(args).await,
         BenchCommand::Flood(args) => flood::run(args).await,
         BenchCommand::Maintenance(args) => maintenance::run(args).await,
+        BenchCommand::Push(args) => push::run(args).await,
     }
 }
 

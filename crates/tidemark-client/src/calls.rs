@@ -18,7 +18,9 @@
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::Value;
-use tidemark_proto::push::{PushListOk, PushRegisterOk, PushRegisterReq, PushRemoveOk, PushRemoveReq, PushTargetInfo};
+use tidemark_proto::push::{
+    PreviewLevel, PushListOk, PushRegisterOk, PushRegisterReq, PushRemoveOk, PushRemoveReq, PushTargetInfo,
+};
 use tidemark_proto::{
     op, AccountPasswordOk, AccountPasswordReq, ConvCreateOk, ConvCreateReq, ConvMember, ConvMemberOk, ConvMemberReq,
     ConvMembersOk, ConvMembersReq, ConvSettingsOk, ConvSettingsReq, DeliveryAckOk, DeliveryAckReq, DeviceInfo,
@@ -238,7 +240,19 @@ impl Client {
         muted: Option<bool>,
         pinned: Option<bool>,
     ) -> Result<ConvSettingsOk, SdkError> {
-        let req = ConvSettingsReq { conv: conv.to_owned(), muted, pinned };
+        let req = ConvSettingsReq { conv: conv.to_owned(), muted, pinned, push_preview: None };
+        self.request(op::CONV_SETTINGS, &req).await
+    }
+
+    /// Sets what an offline push of `conv` may say (P4): the most private
+    /// of this, the user's preference ([`Client::set_push_preview`]) and
+    /// the device's registered level wins; `Full` narrows nothing.
+    pub async fn set_conversation_push_preview(
+        &self,
+        conv: &str,
+        preview: PreviewLevel,
+    ) -> Result<ConvSettingsOk, SdkError> {
+        let req = ConvSettingsReq { conv: conv.to_owned(), muted: None, pinned: None, push_preview: Some(preview) };
         self.request(op::CONV_SETTINGS, &req).await
     }
 

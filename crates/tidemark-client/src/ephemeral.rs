@@ -5,6 +5,7 @@
 //! typing and presence are never stored, and receipts are answered by the
 //! server on request.
 
+use tidemark_proto::push::PreviewLevel;
 use tidemark_proto::{
     op, ConvReceiptsOk, ConvReceiptsReq, DeliveryReceiptsOk, DeliveryReceiptsReq, PresenceFrame, PresenceSetOk,
     PresenceSetReq, PrivacyOk, PrivacySetReq, TypingFrame, TypingOk, TypingReq,
@@ -60,7 +61,14 @@ impl Client {
         hide_presence: Option<bool>,
         private_receipts: Option<bool>,
     ) -> Result<PrivacyOk, SdkError> {
-        self.request(op::PRIVACY_SET, &PrivacySetReq { hide_presence, private_receipts }).await
+        self.request(op::PRIVACY_SET, &PrivacySetReq { hide_presence, private_receipts, push_preview: None }).await
+    }
+
+    /// Sets the user's own offline push preview preference (P4): it narrows
+    /// what every device and conversation allows; `Full` narrows nothing.
+    pub async fn set_push_preview(&self, preview: PreviewLevel) -> Result<PrivacyOk, SdkError> {
+        let req = PrivacySetReq { push_preview: Some(preview), ..PrivacySetReq::default() };
+        self.request(op::PRIVACY_SET, &req).await
     }
 
     /// The read positions of `conv`'s current members, minus private ones

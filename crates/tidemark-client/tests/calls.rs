@@ -298,4 +298,17 @@ async fn push_targets_are_registered_listed_and_removed_through_the_sdk() {
     assert!(desk.remove_push(Some("phone")).await.unwrap());
     assert!(!phone.remove_push(None).await.unwrap(), "already removed");
     assert_eq!(desk.push_targets().await.unwrap().len(), 1);
+
+    // The user's and a conversation's preview preferences (the most
+    // private of them and the device's level is what a push says).
+    assert_eq!(
+        desk.set_push_preview(PreviewLevel::Conversation).await.unwrap().push_preview,
+        PreviewLevel::Conversation
+    );
+    h.user("ann").await;
+    let conv = desk.create_direct("ann").await.unwrap();
+    let set = desk.set_conversation_push_preview(&conv, PreviewLevel::None).await.unwrap();
+    assert_eq!((set.push_preview, set.muted), (PreviewLevel::None, false));
+    let kept = desk.set_conversation_settings(&conv, Some(true), None).await.unwrap();
+    assert_eq!((kept.push_preview, kept.muted), (PreviewLevel::None, true), "a mute keeps the preference");
 }

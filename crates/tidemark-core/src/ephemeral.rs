@@ -12,6 +12,7 @@
 //! are shown to the sender of a message in a direct conversation only.
 
 use crate::kinds::CONV_DIRECT;
+use crate::push::Preview;
 use crate::{MsgSeq, Refusal};
 
 /// `typing.timeout_ms` when the request names none.
@@ -136,7 +137,7 @@ pub fn presence_changed(announced: Option<Presence>, now: Presence) -> bool {
 }
 
 /// A user's privacy switches (durable, per user).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Privacy {
     /// Others see this user as offline, and no presence frame of theirs
     /// goes out.
@@ -144,14 +145,34 @@ pub struct Privacy {
     /// Others do not see this user's read position (`conv.receipts`); the
     /// user's own devices still sync it (R2).
     pub private_receipts: bool,
+    /// The user's own offline push preview preference (P4): it narrows
+    /// what every device and conversation allows (`push::effective_preview`).
+    pub push_preview: Preview,
 }
 
-/// The switches after an update (`None` keeps one as it is); `None` when
-/// nothing changes (nothing is written).
-pub fn privacy_after(now: Privacy, hide_presence: Option<bool>, private_receipts: Option<bool>) -> Option<Privacy> {
+impl Default for Privacy {
+    /// A user who never set a switch: everything shown, and the push
+    /// preview left to the devices and conversations.
+    fn default() -> Privacy {
+        Privacy { hide_presence: false, private_receipts: false, push_preview: Preview::PREFERENCE_DEFAULT }
+    }
+}
+
+/// One update of the switches: `None` keeps one as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PrivacyUpdate {
+    pub hide_presence: Option<bool>,
+    pub private_receipts: Option<bool>,
+    pub push_preview: Option<Preview>,
+}
+
+/// The switches after an update; `None` when nothing changes (nothing is
+/// written).
+pub fn privacy_after(now: Privacy, u: PrivacyUpdate) -> Option<Privacy> {
     let next = Privacy {
-        hide_presence: hide_presence.unwrap_or(now.hide_presence),
-        private_receipts: private_receipts.unwrap_or(now.private_receipts),
+        hide_presence: u.hide_presence.unwrap_or(now.hide_presence),
+        private_receipts: u.private_receipts.unwrap_or(now.private_receipts),
+        push_preview: u.push_preview.unwrap_or(now.push_preview),
     };
     (next != now).then_some(next)
 }
@@ -313,13 +334,22 @@ mod tests {
     fn privacy_updates_write_only_changes() {
         let off = Privacy::default();
         let hidden = Privacy { hide_presence: true, ..off };
-        assert_eq!(privacy_after(off, Some(true), None), Some(hidden));
-        assert_eq!(privacy_after(hidden, Some(true), Some(false)), None);
+        let u = |hide_presence, private_receipts, push_preview| PrivacyUpdate {
+            hide_presence,
+            private_receipts,
+            push_preview,
+        };
+        assert_eq!(privacy_after(off, u(Some(true), None, None)), Some(hidden));
+        assert_eq!(privacy_after(hidden, u(Some(true), Some(false), Some(Preview::Full))), None);
         assert_eq!(
-            privacy_after(hidden, None, Some(true)),
-            Some(Privacy { hide_presence: true, private_receipts: true })
+            privacy_after(hidden, u(None, Some(true), None)),
+            Some(Privacy { hide_presence: true, private_receipts: true, push_preview: Preview::Full })
         );
-        assert_eq!(privacy_after(off, None, None), None);
+        assert_eq!(
+            privacy_after(off, u(None, None, Some(Preview::None))),
+            Some(Privacy { push_preview: Preview::None, ..off })
+        );
+        assert_eq!(privacy_after(off, u(None, None, None)), None);
     }
 
     #[test]

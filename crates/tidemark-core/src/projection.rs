@@ -5,6 +5,7 @@
 //! in the transaction that writes the event.
 
 use crate::kinds::{EVENT_MESSAGE, EVENT_RECALL};
+use crate::push::Preview;
 use crate::{MsgSeq, Refusal};
 
 /// Most message ids in one `delivery.ack`.
@@ -49,15 +50,30 @@ pub fn read_target(read_to: MsgSeq, head: MsgSeq, read_seq: MsgSeq) -> Option<Ms
 pub struct Settings {
     pub muted: bool,
     pub pinned: bool,
+    /// What an offline push of this conversation may say (P4; see
+    /// `push::effective_preview`).
+    pub push_preview: Preview,
     pub version: u64,
 }
 
-/// E3: the settings after an update (`None` keeps a setting as it is); a
-/// change bumps the version, no change returns `None` (nothing written).
-pub fn settings_after(now: Settings, muted: Option<bool>, pinned: Option<bool>) -> Option<Settings> {
-    let next =
-        Settings { muted: muted.unwrap_or(now.muted), pinned: pinned.unwrap_or(now.pinned), version: now.version };
-    ((next.muted, next.pinned) != (now.muted, now.pinned)).then_some(Settings { version: now.version + 1, ..next })
+/// One update of the settings: `None` keeps a setting as it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SettingsUpdate {
+    pub muted: Option<bool>,
+    pub pinned: Option<bool>,
+    pub push_preview: Option<Preview>,
+}
+
+/// E3: the settings after an update; a change bumps the version, no change
+/// returns `None` (nothing written).
+pub fn settings_after(now: Settings, u: SettingsUpdate) -> Option<Settings> {
+    let next = Settings {
+        muted: u.muted.unwrap_or(now.muted),
+        pinned: u.pinned.unwrap_or(now.pinned),
+        push_preview: u.push_preview.unwrap_or(now.push_preview),
+        version: now.version,
+    };
+    (Settings { version: now.version, ..next } != now).then_some(Settings { version: now.version + 1, ..next })
 }
 
 /// The idempotency key (`source_event_id`) of a `read` user event.
@@ -130,16 +146,20 @@ mod tests {
 
     #[test]
     fn settings_rules() {
-        fn check(input: (Option<bool>, Option<bool>), expect: Option<(bool, bool, u64)>) {
-            let now = Settings { muted: false, pinned: true, version: 2 };
-            let got = settings_after(now, input.0, input.1).map(|s| (s.muted, s.pinned, s.version));
+        type Row = (bool, bool, Preview, u64);
+        fn check(input: (Option<bool>, Option<bool>, Option<Preview>), expect: Option<Row>) {
+            let now = Settings { muted: false, pinned: true, push_preview: Preview::Full, version: 2 };
+            let u = SettingsUpdate { muted: input.0, pinned: input.1, push_preview: input.2 };
+            let got = settings_after(now, u).map(|s| (s.muted, s.pinned, s.push_preview, s.version));
             assert_eq!(got, expect, "{input:?}");
         }
-        check((None, None), None);
-        check((Some(false), Some(true)), None);
-        check((Some(true), None), Some((true, true, 3)));
-        check((None, Some(false)), Some((false, false, 3)));
-        check((Some(true), Some(false)), Some((true, false, 3)));
+        check((None, None, None), None);
+        check((Some(false), Some(true), Some(Preview::Full)), None);
+        check((Some(true), None, None), Some((true, true, Preview::Full, 3)));
+        check((None, Some(false), None), Some((false, false, Preview::Full, 3)));
+        check((Some(true), Some(false), None), Some((true, false, Preview::Full, 3)));
+        check((None, None, Some(Preview::None)), Some((false, true, Preview::None, 3)));
+        check((None, None, Some(Preview::Conversation)), Some((false, true, Preview::Conversation, 3)));
     }
 
     #[test]

@@ -13,6 +13,13 @@
 //! 18), and is not older than the expiry. The counting events of one device coalesce into
 //! one notification, sent once the oldest of them waited the window; a
 //! device with a live connection is not pushed (it has the hint and ACKs).
+//!
+//! What a notification may say ([`Preview`]) is set in three places: the
+//! device's level (registered with its target), the user's own preference
+//! and the user's preference for the conversation. The most private of the
+//! three wins ([`effective_preview`]): a preference can only narrow what the
+//! others allow. The user's and the conversation's preferences default to
+//! [`Preview::Full`], which narrows nothing.
 
 use crate::kinds;
 
@@ -29,6 +36,46 @@ pub const PUSH_BACKOFF_BASE_MS: i64 = 1_000;
 pub const PUSH_BACKOFF_MAX_MS: i64 = 5 * 60 * 1000;
 /// Retryable failures in a row after which a notification is given up.
 pub const PUSH_ATTEMPTS_MAX: u32 = 6;
+
+/// How much a notification may say, from least to most (the wire's
+/// `tidemark_proto::push::PreviewLevel`, whose names these are).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Preview {
+    /// A count and nothing else.
+    None,
+    /// Also which conversation.
+    Conversation,
+    /// Also who sent the newest message and the start of its text.
+    Full,
+}
+
+impl Preview {
+    pub const ALL: [Preview; 3] = [Preview::None, Preview::Conversation, Preview::Full];
+    /// A device's level when it registers none: the most private.
+    pub const DEVICE_DEFAULT: Preview = Preview::None;
+    /// A user's and a conversation's preference when never set: it narrows
+    /// nothing, so the device's level alone decides.
+    pub const PREFERENCE_DEFAULT: Preview = Preview::Full;
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Preview::None => "none",
+            Preview::Conversation => "conversation",
+            Preview::Full => "full",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Preview> {
+        Preview::ALL.into_iter().find(|l| l.as_str() == s)
+    }
+}
+
+/// What one notification may say: the most private of the device's level,
+/// the user's preference and the user's preference for the conversation
+/// the notification names (its newest counting message's).
+pub fn effective_preview(device: Preview, user: Preview, conv: Preview) -> Preview {
+    device.min(user).min(conv)
+}
 
 /// The knobs of the rules, from the server's flags.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,6 +113,8 @@ pub struct OwedEvent {
     /// The message mentions the user (`mention::counts`): pushed even
     /// when muted.
     pub mentioned: bool,
+    /// The user's preview preference for `conv` when read.
+    pub preview: Preview,
     /// When the fan-out that wrote it committed.
     pub created_at_ms: i64,
 }
@@ -109,6 +158,9 @@ pub struct PushFacts<'a> {
     pub events: &'a [OwedEvent],
     /// The device has a live connection (it gets hints and ACKs).
     pub connected: bool,
+    /// The device's registered level and the user's own preference.
+    pub device_preview: Preview,
+    pub user_preview: Preview,
     pub now_ms: i64,
 }
 
@@ -123,8 +175,9 @@ pub enum PushDecision {
     Wait { at_ms: i64 },
     /// One notification for `count` events through `through`; `conv` and
     /// `newest` are the newest counting event's conversation and position
-    /// (the preview's source); `first_at_ms` when the oldest was committed.
-    Send { through: u64, count: u32, conv: String, newest: u64, first_at_ms: i64, expired: u32 },
+    /// (the preview's source); `first_at_ms` when the oldest was committed;
+    /// `preview` what the notification may say ([`effective_preview`]).
+    Send { through: u64, count: u32, conv: String, newest: u64, first_at_ms: i64, expired: u32, preview: Preview },
 }
 
 /// Decides one device's owed range (P4).
@@ -163,6 +216,7 @@ pub fn decide(facts: PushFacts<'_>, policy: &PushPolicy) -> PushDecision {
         newest: newest.sync_seq,
         first_at_ms: first.created_at_ms,
         expired,
+        preview: effective_preview(facts.device_preview, facts.user_preview, newest.preview),
     }
 }
 
@@ -231,13 +285,25 @@ mod tests {
             sender: (!sender.is_empty()).then(|| sender.into()),
             muted,
             mentioned: false,
+            preview: Preview::PREFERENCE_DEFAULT,
             created_at_ms: NOW - age_ms,
+        }
+    }
+
+    fn facts(events: &[OwedEvent], connected: bool) -> PushFacts<'_> {
+        PushFacts {
+            user: "bob",
+            events,
+            connected,
+            device_preview: Preview::Full,
+            user_preview: Preview::PREFERENCE_DEFAULT,
+            now_ms: NOW,
         }
     }
 
     fn check(events: &[OwedEvent], connected: bool, expect: PushDecision) {
         let p = PushPolicy::default();
-        let got = decide(PushFacts { user: "bob", events, connected, now_ms: NOW }, &p);
+        let got = decide(facts(events, connected), &p);
         assert_eq!(got, expect, "{events:?} connected={connected}");
     }
 
@@ -256,6 +322,7 @@ mod tests {
             newest: 6,
             first_at_ms: NOW - w - 50,
             expired: 0,
+            preview: Preview::Full,
         };
         check(&burst, false, send);
         // A connected device is not pushed: it has the hint.
@@ -299,14 +366,78 @@ mod tests {
             newest: 5,
             first_at_ms: NOW - w - 5,
             expired: 0,
+            preview: Preview::Full,
         };
         check(&mixed, false, send);
         // Expired events are not pushed and are counted as expired.
         let old = PUSH_EXPIRY_MS_DEFAULT + 1;
         check(&[ev(4, m, "ann", false, old)], false, PushDecision::Skip { through: 4, expired: 1 });
-        let send =
-            PushDecision::Send { through: 5, count: 1, conv: "c5".into(), newest: 5, first_at_ms: NOW - w, expired: 1 };
+        let send = PushDecision::Send {
+            through: 5,
+            count: 1,
+            conv: "c5".into(),
+            newest: 5,
+            first_at_ms: NOW - w,
+            expired: 1,
+            preview: Preview::Full,
+        };
         check(&[ev(4, m, "ann", false, old), ev(5, m, "ann", false, w)], false, send);
+    }
+
+    #[test]
+    fn the_most_private_preview_wins() {
+        use Preview::*;
+        // (device, user, conversation) → what the notification may say.
+        let table = [
+            ((Full, Full, Full), Full),
+            ((Full, Full, Conversation), Conversation),
+            ((Full, Full, None), None),
+            ((Full, Conversation, Full), Conversation),
+            ((Full, None, Full), None),
+            ((Conversation, Full, Full), Conversation),
+            ((None, Full, Full), None),
+            ((Conversation, Full, None), None),
+            ((Full, Conversation, None), None),
+            ((None, None, None), None),
+        ];
+        for ((device, user, conv), expect) in table {
+            assert_eq!(effective_preview(device, user, conv), expect, "{device:?} {user:?} {conv:?}");
+        }
+        // Never set, the preferences leave the device's level alone.
+        for device in Preview::ALL {
+            let got = effective_preview(device, Preview::PREFERENCE_DEFAULT, Preview::PREFERENCE_DEFAULT);
+            assert_eq!(got, device);
+        }
+        for l in Preview::ALL {
+            assert_eq!(Preview::parse(l.as_str()), Some(l));
+        }
+        assert_eq!(Preview::parse("FULL"), Option::None);
+    }
+
+    #[test]
+    fn a_notification_says_what_its_newest_conversation_allows() {
+        let m = kinds::EVENT_MESSAGE;
+        let w = PUSH_WINDOW_MS_DEFAULT;
+        let p = PushPolicy::default();
+        let mut quiet = ev(5, m, "ann", false, w);
+        quiet.preview = Preview::None;
+        let open = ev(4, m, "ann", false, w + 1);
+        let preview_of = |events: &[OwedEvent], device: Preview, user: Preview| {
+            let f = PushFacts { device_preview: device, user_preview: user, ..facts(events, false) };
+            match decide(f, &p) {
+                PushDecision::Send { preview, .. } => preview,
+                other => panic!("expected a send, got {other:?}"),
+            }
+        };
+        // The newest counting message is in the quiet conversation.
+        assert_eq!(preview_of(&[open.clone(), quiet.clone()], Preview::Full, Preview::Full), Preview::None);
+        // The newest is in an open one: the device and the user decide.
+        assert_eq!(preview_of(&[quiet.clone(), open.clone()], Preview::Full, Preview::Full), Preview::Full);
+        assert_eq!(
+            preview_of(&[quiet.clone(), open.clone()], Preview::Full, Preview::Conversation),
+            Preview::Conversation
+        );
+        assert_eq!(preview_of(&[quiet, open], Preview::Conversation, Preview::Full), Preview::Conversation);
     }
 
     fn after(answer: ProviderAnswer, attempts: u32, expect: AfterAnswer) {

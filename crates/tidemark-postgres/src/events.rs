@@ -833,30 +833,39 @@ pub(crate) async fn update_settings(
     c: &Conn,
     user: &str,
     conv: &str,
-    muted: Option<bool>,
-    pinned: Option<bool>,
+    update: projection::SettingsUpdate,
     now_ms: i64,
 ) -> R<(ConvState, UserEventOutcome)> {
     lock_user(c, user).await?;
     let row = query_opt(
         c,
-        "SELECT muted, pinned, settings_version FROM user_convs WHERE user_id = $1 AND conv_id = $2",
+        "SELECT muted, pinned, settings_version, push_preview FROM user_convs WHERE user_id = $1 AND conv_id = $2",
         &[&user, &conv],
     )
     .await?;
     let Some(row) = row else { return Err(not_found_or_not_member(c, conv).await?) };
-    let now = Settings { muted: col(&row, 0)?, pinned: col(&row, 1)?, version: seq(&row, 2)? };
-    let written = match projection::settings_after(now, muted, pinned) {
+    let now = Settings {
+        muted: col(&row, 0)?,
+        pinned: col(&row, 1)?,
+        push_preview: crate::push::preview_col(&row, 3)?,
+        version: seq(&row, 2)?,
+    };
+    let written = match projection::settings_after(now, update) {
         None => None,
         Some(next) => {
             exec(
                 c,
-                "UPDATE user_convs SET muted = $3, pinned = $4, settings_version = $5
+                "UPDATE user_convs SET muted = $3, pinned = $4, push_preview = $5, settings_version = $6
                  WHERE user_id = $1 AND conv_id = $2",
-                &[&user, &conv, &next.muted, &next.pinned, &big(next.version)],
+                &[&user, &conv, &next.muted, &next.pinned, &next.push_preview.as_str(), &big(next.version)],
             )
             .await?;
-            let data = content::SettingsData { muted: next.muted, pinned: next.pinned, version: next.version };
+            let data = content::SettingsData {
+                muted: next.muted,
+                pinned: next.pinned,
+                push_preview: next.push_preview.into(),
+                version: next.version,
+            };
             let source = projection::settings_event_id(conv, next.version);
             append_user_event(c, user, EVENT_SETTINGS, conv, None, &source, &data.to_json(), now_ms).await?
         }

@@ -648,15 +648,12 @@ impl Store for PgStore {
         &self,
         user: &str,
         conv: &str,
-        muted: Option<bool>,
-        pinned: Option<bool>,
+        update: SettingsUpdate,
         now_ms: i64,
     ) -> StoreResult<(ConvState, UserEventOutcome)> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
         self.user_writer
-            .write(move |c| {
-                Box::pin(async move { events::update_settings(c, &user, &conv, muted, pinned, now_ms).await })
-            })
+            .write(move |c| Box::pin(async move { events::update_settings(c, &user, &conv, update, now_ms).await }))
             .await
     }
 
@@ -1079,18 +1076,10 @@ impl Store for PgStore {
         self.readers.read(move |c| Box::pin(async move { receipts::privacy(c, &user).await })).await
     }
 
-    async fn set_privacy(
-        &self,
-        user: &str,
-        hide_presence: Option<bool>,
-        private_receipts: Option<bool>,
-        now_ms: i64,
-    ) -> StoreResult<Privacy> {
+    async fn set_privacy(&self, user: &str, update: PrivacyUpdate, now_ms: i64) -> StoreResult<Privacy> {
         let user = user.to_owned();
         self.writer()
-            .write(move |c| {
-                Box::pin(async move { receipts::set_privacy(c, &user, hide_presence, private_receipts, now_ms).await })
-            })
+            .write(move |c| Box::pin(async move { receipts::set_privacy(c, &user, update, now_ms).await }))
             .await
     }
 

@@ -5,7 +5,7 @@
 //! each target row with `FOR UPDATE SKIP LOCKED`, so nodes claiming at
 //! once split the due targets and never take one twice.
 
-use tidemark_core::push::OwedEvent;
+use tidemark_core::push::{OwedEvent, Preview};
 use tidemark_store::*;
 use tokio_postgres::Row;
 
@@ -15,6 +15,12 @@ type R<T> = StoreResult<T>;
 
 const TARGET_COLUMNS: &str = "user_id, device_id, platform, token_sealed, token_hash, token_last4, app_id, p256dh, \
                               auth, preview, created_at, updated_at";
+
+/// A stored preview level (a `CHECK`ed column) as the rules name it.
+pub(crate) fn preview_col(r: &Row, i: usize) -> R<Preview> {
+    let s: String = col(r, i)?;
+    Preview::parse(&s).ok_or_else(|| StoreError::Internal(format!("an unknown push preview {s:?}")))
+}
 
 fn target_row(r: &Row) -> R<PushTarget> {
     target_row_at(r, 0)
@@ -102,10 +108,12 @@ pub(crate) async fn remove_target(c: &Conn, user: &str, device: &str, token_hash
 pub(crate) async fn claim(c: &Conn, now_ms: i64, lease_ms: i64, limit: u32, scan_max: u32) -> R<Vec<OwedPushes>> {
     let candidates = query(
         c,
-        "SELECT t.user_id, t.device_id, GREATEST(t.pushed_through, d.acked_sync_seq), t.attempts, t.preview = 'full'
+        "SELECT t.user_id, t.device_id, GREATEST(t.pushed_through, d.acked_sync_seq), t.attempts,
+                COALESCE(p.push_preview, 'full'), t.preview = 'full' AND COALESCE(p.push_preview, 'full') = 'full'
          FROM push_targets t
          JOIN devices d ON d.user_id = t.user_id AND d.device_id = t.device_id
          JOIN user_heads h ON h.user_id = t.user_id
+         LEFT JOIN user_privacy p ON p.user_id = t.user_id
          WHERE t.next_at <= $1 AND t.claim_until <= $1 AND d.state <> 'REVOKED'
            AND h.high_watermark > GREATEST(t.pushed_through, d.acked_sync_seq)
          ORDER BY t.next_at LIMIT $2
@@ -118,7 +126,8 @@ pub(crate) async fn claim(c: &Conn, now_ms: i64, lease_ms: i64, limit: u32, scan
         let (user, device): (String, String) = (col(&cand, 0)?, col(&cand, 1)?);
         let from: i64 = col(&cand, 2)?;
         let attempts: i32 = col(&cand, 3)?;
-        let full: bool = col(&cand, 4)?;
+        let user_preview = preview_col(&cand, 4)?;
+        let full: bool = col(&cand, 5)?;
         let sql = format!(
             "UPDATE push_targets SET claim_seq = claim_seq + 1, claim_until = $3
              WHERE user_id = $1 AND device_id = $2 RETURNING claim_seq, {TARGET_COLUMNS}"
@@ -130,7 +139,8 @@ pub(crate) async fn claim(c: &Conn, now_ms: i64, lease_ms: i64, limit: u32, scan
         let rows = query(
             c,
             "SELECT e.sync_seq, e.kind, e.conv_id, m.sender, COALESCE(uc.muted, FALSE), e.created_at,
-                    CASE WHEN $4 THEN m.content END,
+                    CASE WHEN $4 AND COALESCE(uc.push_preview, 'full') = 'full' THEN m.content END,
+                    COALESCE(uc.push_preview, 'full'),
                     m.message_id IS NOT NULL AND (m.mention_all OR $1 = ANY (m.mentions))
              FROM user_events e
              LEFT JOIN messages m ON m.message_id = e.message_id
@@ -148,12 +158,13 @@ pub(crate) async fn claim(c: &Conn, now_ms: i64, lease_ms: i64, limit: u32, scan
                 conv: col(r, 2)?,
                 sender: col(r, 3)?,
                 muted: col(r, 4)?,
-                mentioned: col::<Option<bool>>(r, 7)?.unwrap_or(false),
+                mentioned: col::<Option<bool>>(r, 8)?.unwrap_or(false),
+                preview: preview_col(r, 7)?,
                 created_at_ms: col(r, 5)?,
             });
             contents.push(col(r, 6)?);
         }
-        out.push(OwedPushes { target, claim, attempts: attempts.max(0) as u32, events, contents });
+        out.push(OwedPushes { target, claim, attempts: attempts.max(0) as u32, user_preview, events, contents });
     }
     Ok(out)
 }

@@ -101,7 +101,7 @@ const LIST_COLS: &str = "uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.un
         CASE WHEN uc.active THEN NULL ELSE (SELECT MAX(p.leave_seq) FROM membership_periods p
              WHERE p.conv_id = uc.conv_id AND p.user_id = uc.user_id) END,
         COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = uc.user_id
-             AND dm.device_id = $2 AND dm.conv_id = uc.conv_id), 0), uc.mentions";
+             AND dm.device_id = $2 AND dm.conv_id = uc.conv_id), 0), uc.mentions, uc.push_preview";
 
 /// Which rows of a user's list [`conv_rows`] reads.
 pub(crate) enum Rows<'a> {
@@ -138,6 +138,7 @@ pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which:
             mode: col(r, 8)?,
             marker: None,
             unread_capped: false,
+            push_preview: crate::push::preview_col(r, 15)?,
         };
         let (tidemark_core::large::MODE_SHARED, Some(from)) = (state.mode.as_str(), seq_opt(r, 9)?) else {
             out.push(state);
@@ -301,7 +302,11 @@ pub(crate) async fn gauges(c: &Conn, now_ms: i64) -> R<StoreGauges> {
      (SELECT COUNT(*) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > $1),
      (SELECT MIN(created_at) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > $1),
      (SELECT COUNT(*) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > $1),
-     (SELECT MIN(created_at) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > $1)",
+     (SELECT MIN(created_at) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > $1),
+     (SELECT COUNT(*) FROM push_targets t
+        JOIN devices d ON d.user_id = t.user_id AND d.device_id = t.device_id
+        JOIN user_heads h ON h.user_id = t.user_id
+        WHERE d.state <> 'REVOKED' AND h.high_watermark > GREATEST(t.pushed_through, d.acked_sync_seq))",
         &[&now_ms],
     )
     .await?;
@@ -318,6 +323,7 @@ pub(crate) async fn gauges(c: &Conn, now_ms: i64) -> R<StoreGauges> {
         recovery_oldest_created_at_ms: col(&r, 7)?,
         snapshot_sessions: n(8)?,
         snapshot_oldest_created_at_ms: col(&r, 9)?,
+        push_targets_owing: n(10)?,
     })
 }
 

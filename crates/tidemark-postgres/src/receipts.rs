@@ -12,21 +12,24 @@ use crate::db::{col, exec, query, query_opt, scalar, seq, Conn};
 type R<T> = StoreResult<T>;
 
 pub(crate) async fn privacy(c: &Conn, user: &str) -> R<Privacy> {
-    let row =
-        query_opt(c, "SELECT hide_presence, private_receipts FROM user_privacy WHERE user_id = $1", &[&user]).await?;
-    match row {
-        None => Ok(Privacy::default()),
-        Some(r) => Ok(Privacy { hide_presence: col(&r, 0)?, private_receipts: col(&r, 1)? }),
-    }
+    let row = query_opt(
+        c,
+        "SELECT hide_presence, private_receipts, push_preview FROM user_privacy WHERE user_id = $1",
+        &[&user],
+    )
+    .await?;
+    row.as_ref().map_or(Ok(Privacy::default()), privacy_row)
 }
 
-pub(crate) async fn set_privacy(
-    c: &Conn,
-    user: &str,
-    hide_presence: Option<bool>,
-    private_receipts: Option<bool>,
-    now_ms: i64,
-) -> R<Privacy> {
+fn privacy_row(r: &tokio_postgres::Row) -> R<Privacy> {
+    Ok(Privacy {
+        hide_presence: col(r, 0)?,
+        private_receipts: col(r, 1)?,
+        push_preview: crate::push::preview_col(r, 2)?,
+    })
+}
+
+pub(crate) async fn set_privacy(c: &Conn, user: &str, update: ephemeral::PrivacyUpdate, now_ms: i64) -> R<Privacy> {
     let known: Option<i32> = scalar(c, "SELECT 1 FROM users WHERE user_id = $1", &[&user]).await?;
     if known.is_none() {
         return Err(StoreError::NotFound(format!("user {user}")));
@@ -34,23 +37,22 @@ pub(crate) async fn set_privacy(
     // The row lock orders concurrent updates of one user's switches.
     let row = query_opt(
         c,
-        "SELECT hide_presence, private_receipts FROM user_privacy WHERE user_id = $1 FOR UPDATE",
+        "SELECT hide_presence, private_receipts, push_preview FROM user_privacy WHERE user_id = $1 FOR UPDATE",
         &[&user],
     )
     .await?;
-    let now = match row {
-        None => Privacy::default(),
-        Some(r) => Privacy { hide_presence: col(&r, 0)?, private_receipts: col(&r, 1)? },
-    };
-    let Some(next) = ephemeral::privacy_after(now, hide_presence, private_receipts) else {
+    let now = row.as_ref().map_or(Ok(Privacy::default()), privacy_row)?;
+    let Some(next) = ephemeral::privacy_after(now, update) else {
         return Ok(now);
     };
     exec(
         c,
-        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, updated_at) VALUES ($1, $2, $3, $4)
+        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, push_preview, updated_at)
+         VALUES ($1, $2, $3, $4, $5)
          ON CONFLICT (user_id) DO UPDATE SET hide_presence = excluded.hide_presence,
-             private_receipts = excluded.private_receipts, updated_at = excluded.updated_at",
-        &[&user, &next.hide_presence, &next.private_receipts, &now_ms],
+             private_receipts = excluded.private_receipts, push_preview = excluded.push_preview,
+             updated_at = excluded.updated_at",
+        &[&user, &next.hide_presence, &next.private_receipts, &next.push_preview.as_str(), &now_ms],
     )
     .await?;
     Ok(next)
@@ -76,10 +78,10 @@ pub(crate) async fn presence_facts(c: &Conn, user: &str, limit: u32) -> R<(Priva
     let limit = i64::from(limit);
     let rows = query(
         c,
-        "SELECT 0, p.hide_presence, p.private_receipts, NULL::text
+        "SELECT 0, p.hide_presence, p.private_receipts, NULL::text, p.push_preview
          FROM (SELECT 1) x LEFT JOIN user_privacy p ON p.user_id = $1
          UNION ALL
-         SELECT 1, NULL, NULL, a.user_id FROM (
+         SELECT 1, NULL, NULL, a.user_id, NULL FROM (
              SELECT DISTINCT o.user_id FROM membership_periods m
              JOIN membership_periods o ON o.conv_id = m.conv_id AND o.leave_seq IS NULL AND o.user_id <> $1
              WHERE m.user_id = $1 AND m.leave_seq IS NULL
@@ -94,6 +96,12 @@ pub(crate) async fn presence_facts(c: &Conn, user: &str, limit: u32) -> R<(Priva
             privacy = Privacy {
                 hide_presence: col::<Option<bool>>(r, 1)?.unwrap_or(false),
                 private_receipts: col::<Option<bool>>(r, 2)?.unwrap_or(false),
+                push_preview: match col::<Option<String>>(r, 4)? {
+                    None => Preview::PREFERENCE_DEFAULT,
+                    Some(s) => {
+                        Preview::parse(&s).ok_or_else(|| StoreError::Internal("an unknown push preview".into()))?
+                    }
+                },
             };
         } else {
             audience.push(col::<String>(r, 3)?);

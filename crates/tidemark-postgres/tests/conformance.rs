@@ -474,11 +474,36 @@ async fn postgres_matches_sqlite_operation_by_operation() {
     check!(sq, pg, "mark_read past head", |s| s.mark_read("d", "g1", 1000, 40));
     check!(sq, pg, "mark_read unknown conv", |s| s.mark_read("b", "nope", 1, 40));
     check!(sq, pg, "mark_read not member", |s| s.mark_read("e", "g1", 1, 40));
-    check!(sq, pg, "settings", |s| s.update_settings("b", "g1", Some(true), None, 41));
-    check!(sq, pg, "settings same", |s| s.update_settings("b", "g1", Some(true), Some(false), 41));
-    check!(sq, pg, "settings pin", |s| s.update_settings("b", "dab", None, Some(true), 41));
-    check!(sq, pg, "settings unknown", |s| s.update_settings("b", "nope", None, Some(true), 41));
-    check!(sq, pg, "settings not member", |s| s.update_settings("e", "g1", None, Some(true), 41));
+    check!(sq, pg, "settings", |s| s.update_settings(
+        "b",
+        "g1",
+        SettingsUpdate { muted: Some(true), ..SettingsUpdate::default() },
+        41
+    ));
+    check!(sq, pg, "settings same", |s| s.update_settings(
+        "b",
+        "g1",
+        SettingsUpdate { muted: Some(true), pinned: Some(false), ..SettingsUpdate::default() },
+        41
+    ));
+    check!(sq, pg, "settings pin", |s| s.update_settings(
+        "b",
+        "dab",
+        SettingsUpdate { pinned: Some(true), ..SettingsUpdate::default() },
+        41
+    ));
+    check!(sq, pg, "settings unknown", |s| s.update_settings(
+        "b",
+        "nope",
+        SettingsUpdate { pinned: Some(true), ..SettingsUpdate::default() },
+        41
+    ));
+    check!(sq, pg, "settings not member", |s| s.update_settings(
+        "e",
+        "g1",
+        SettingsUpdate { pinned: Some(true), ..SettingsUpdate::default() },
+        41
+    ));
     check!(sq, pg, "delete_for_me", |s| s.delete_for_me("b", "g1", "m-a-a2", 42));
     check!(sq, pg, "delete_for_me again", |s| s.delete_for_me("b", "g1", "m-a-a2", 42));
     check!(sq, pg, "delete_for_me unseen", |s| s.delete_for_me("d", "g1", "m-a-a0", 42));

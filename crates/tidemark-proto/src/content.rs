@@ -142,11 +142,13 @@ pub struct ReadData {
     pub unread: u64,
 }
 
-/// The `data` of a `settings` user event: `{"muted":…,"pinned":…,"version":…}`.
+/// The `data` of a `settings` user event:
+/// `{"muted":…,"pinned":…,"push_preview":…,"version":…}`.
 #[derive(Debug, Serialize)]
 pub struct SettingsData {
     pub muted: bool,
     pub pinned: bool,
+    pub push_preview: crate::push::PreviewLevel,
     pub version: u64,
 }
 
@@ -220,8 +222,11 @@ mod tests {
         );
         check(&|| ReadData { read_seq: 4, unread: 0 }.to_json(), r#"{"read_seq":4,"unread":0}"#);
         check(
-            &|| SettingsData { muted: true, pinned: false, version: 1 }.to_json(),
-            r#"{"muted":true,"pinned":false,"version":1}"#,
+            &|| {
+                SettingsData { muted: true, pinned: false, push_preview: crate::push::PreviewLevel::Full, version: 1 }
+                    .to_json()
+            },
+            r#"{"muted":true,"pinned":false,"push_preview":"full","version":1}"#,
         );
         check(
             &|| Reacted::new("m1", 3, "+1", true, "b", 4).to_json(),

@@ -101,6 +101,11 @@ pub struct PrivacySetReq {
     pub hide_presence: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub private_receipts: Option<bool>,
+    /// The user's offline push preview preference (P4): it narrows what
+    /// every device and conversation allows. Default `full`, which narrows
+    /// nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push_preview: Option<crate::push::PreviewLevel>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -108,6 +113,7 @@ pub struct PrivacySetReq {
 pub struct PrivacyOk {
     pub hide_presence: bool,
     pub private_receipts: bool,
+    pub push_preview: crate::push::PreviewLevel,
 }
 
 /// `conv.receipts`: the read positions of a conversation's members.

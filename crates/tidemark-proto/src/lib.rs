@@ -805,6 +805,11 @@ pub struct ConvSettingsReq {
     pub muted: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pinned: Option<bool>,
+    /// What an offline push of this conversation may say (P4): the most
+    /// private of this, the user's preference (`privacy.set`) and the
+    /// device's level wins. Default `full`, which narrows nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub push_preview: Option<push::PreviewLevel>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -813,6 +818,7 @@ pub struct ConvSettingsOk {
     pub conv: String,
     pub muted: bool,
     pub pinned: bool,
+    pub push_preview: push::PreviewLevel,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

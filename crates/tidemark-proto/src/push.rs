@@ -87,6 +87,29 @@ impl PreviewLevel {
     }
 }
 
+/// The domain's name of the same level (`tidemark_core::push::Preview`).
+impl From<PreviewLevel> for tidemark_core::push::Preview {
+    fn from(l: PreviewLevel) -> tidemark_core::push::Preview {
+        use tidemark_core::push::Preview;
+        match l {
+            PreviewLevel::None => Preview::None,
+            PreviewLevel::Conversation => Preview::Conversation,
+            PreviewLevel::Full => Preview::Full,
+        }
+    }
+}
+
+impl From<tidemark_core::push::Preview> for PreviewLevel {
+    fn from(p: tidemark_core::push::Preview) -> PreviewLevel {
+        use tidemark_core::push::Preview;
+        match p {
+            Preview::None => PreviewLevel::None,
+            Preview::Conversation => PreviewLevel::Conversation,
+            Preview::Full => PreviewLevel::Full,
+        }
+    }
+}
+
 /// The providers a push target names (`push.register`'s `platform`).
 pub mod platform {
     /// The operator's signed HTTPS webhook.

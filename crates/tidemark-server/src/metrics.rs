@@ -220,6 +220,7 @@ pub const PUSH_EXPIRED: Metric = Metric::new("tidemark_push_expired_events_total
 pub const PUSH_GIVEN_UP: Metric = Metric::new("tidemark_push_given_up_total", stage::PUSH);
 pub const PUSH_TARGETS_REMOVED: Metric = Metric::new("tidemark_push_targets_removed_total", stage::PUSH);
 pub const PUSH_LATENCY: Metric = Metric::new("tidemark_push_accept_latency_seconds", stage::PUSH);
+pub const PUSH_TARGETS_OWING: Metric = Metric::new("tidemark_push_targets_owing", stage::PUSH);
 /// Values of the `result` label of [`PUSH_RESULTS`] (`tidemark_push::Outcome::label`).
 pub const PUSH_RESULT_LABELS: &[&str] = &["accepted", "token_rejected", "throttled", "failed_retryable", "failed"];
 
@@ -463,6 +464,11 @@ pub const FAMILIES: &[Family] = &[
     family(PUSH_GIVEN_UP, Kind::Counter, "Push notifications given up (refused, retries exhausted, or unsendable)."),
     family(PUSH_TARGETS_REMOVED, Kind::Counter, "Push targets removed because their provider rejected the token."),
     family(
+        PUSH_TARGETS_OWING,
+        Kind::Gauge,
+        "Push targets whose device's log holds events above its push position and ACK (devices, not notifications).",
+    ),
+    family(
         PUSH_LATENCY,
         Kind::Histogram,
         "Time from the fan-out commit of a push's first event to the provider's accept, in seconds.",
@@ -489,6 +495,7 @@ pub fn sample(store: Option<&tidemark_store::StoreGauges>, lag: &crate::hub::Lag
     RECOVERY_SESSIONS.set_by("kind", "snapshot", g.snapshot_sessions as f64);
     RECOVERY_OLDEST_AGE.set_by("kind", "replay", age(g.recovery_oldest_created_at_ms));
     RECOVERY_OLDEST_AGE.set_by("kind", "snapshot", age(g.snapshot_oldest_created_at_ms));
+    PUSH_TARGETS_OWING.set(g.push_targets_owing as f64);
 }
 
 /// Refreshes the gauges of this node's limiter (memory only).

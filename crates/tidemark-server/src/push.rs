@@ -172,18 +172,26 @@ async fn handle(state: &AppState, owed: OwedPushes) {
     let t = &owed.target;
     let now = now_ms();
     let connected = state.hub.is_connected(&t.user, &t.device);
-    let facts = PushFacts { user: &t.user, events: &owed.events, connected, now_ms: now };
+    let facts = PushFacts {
+        user: &t.user,
+        events: &owed.events,
+        connected,
+        device_preview: PreviewLevel::parse(&t.preview).unwrap_or_default().into(),
+        user_preview: owed.user_preview,
+        now_ms: now,
+    };
     let step = match rules::decide(facts, policy) {
         PushDecision::Skip { through, expired } => {
             m::PUSH_EXPIRED.add(u64::from(expired));
             PushStep::Advance { through }
         }
         PushDecision::Wait { at_ms } => PushStep::Wait { at_ms },
-        PushDecision::Send { through, count, conv, newest, first_at_ms, expired } => {
+        PushDecision::Send { through, count, conv, newest, first_at_ms, expired, preview } => {
             m::PUSH_EXPIRED.add(u64::from(expired));
             m::PUSH_OWED.inc();
             m::PUSH_COALESCED.add(u64::from(count.saturating_sub(1)));
-            match send(state, &owed, through, count, &conv, newest).await {
+            match send(state, &owed, Notification { through, count, conv: &conv, newest, level: preview.into() }).await
+            {
                 Sent::Answer(answer) => {
                     if answer == Outcome::Accepted {
                         let latency = (now_ms() - first_at_ms).max(0) as f64 / 1000.0;
@@ -221,7 +229,19 @@ enum Sent {
     Unsendable,
 }
 
-async fn send(state: &AppState, owed: &OwedPushes, through: u64, count: u32, conv: &str, newest: u64) -> Sent {
+/// What one notification says, as `tidemark_core::push::decide` settled it.
+struct Notification<'a> {
+    through: u64,
+    count: u32,
+    conv: &'a str,
+    newest: u64,
+    /// The effective level: the most private of the device's, the user's
+    /// and the conversation's.
+    level: PreviewLevel,
+}
+
+async fn send(state: &AppState, owed: &OwedPushes, n: Notification<'_>) -> Sent {
+    let Notification { through, count, conv, newest, level } = n;
     let t = &owed.target;
     let Some(provider) = state.config.push.provider(&t.platform) else {
         tracing::warn!(platform = %t.platform, token = %t.token_hash, "no provider for a push target's platform");
@@ -231,7 +251,6 @@ async fn send(state: &AppState, owed: &OwedPushes, through: u64, count: u32, con
         tracing::warn!(token = %t.token_hash, "a push token does not open with this server's key");
         return Sent::Unsendable;
     };
-    let level = PreviewLevel::parse(&t.preview).unwrap_or_default();
     let preview = if level >= PreviewLevel::Full {
         owed.events.iter().zip(&owed.contents).find(|(e, _)| e.sync_seq == newest).and_then(|(e, content)| {
             let text = preview_text(content.as_deref()?)?;

@@ -298,6 +298,10 @@ async fn real_replies_validate_against_the_document() {
     )
     .await;
     p.rpc(&ben, op::CONV_SETTINGS, json!({"conv": conv, "muted": true})).await;
+    let set = p.rpc(&ben, op::CONV_SETTINGS, json!({"conv": conv, "push_preview": "conversation"})).await;
+    assert_eq!(set["push_preview"], "conversation");
+    let wrong = json!({"conv": conv, "push_preview": "everything"});
+    p.refused(Some(&ben), op::CONV_SETTINGS, wrong, ErrorCode::BadRequest).await;
     p.rpc(&ben, op::DELIVERY_ACK, json!({"message_ids": [mid]})).await;
     let receipts = p.rpc(&ann, op::DELIVERY_RECEIPTS, json!({"conv": conv, "message_ids": [mid]})).await;
     assert!(receipts["receipts"][0]["delivered_at"].is_i64(), "{receipts}");
@@ -316,6 +320,9 @@ async fn real_replies_validate_against_the_document() {
     doc.check_at("/components/schemas/ServerFrame", &typing).unwrap();
     p.rpc(&ben, op::PRIVACY_SET, json!({})).await;
     p.rpc(&ben, op::PRIVACY_SET, json!({"private_receipts": true})).await;
+    let mine = p.rpc(&ben, op::PRIVACY_SET, json!({"push_preview": "none"})).await;
+    assert_eq!(mine["push_preview"], "none");
+    p.refused(Some(&ben), op::PRIVACY_SET, json!({"push_preview": 3}), ErrorCode::BadRequest).await;
     // Presence belongs to a WebSocket connection: ben's device has one, so
     // the call applies to it; ann's has none and is refused.
     p.rpc(&ben, op::PRESENCE_SET, json!({"state": "idle"})).await;

@@ -140,6 +140,59 @@ fn text(conv: &str, cmid: &str, text: &str) -> SendReq {
     }
 }
 
+/// P4, seed §17.3: what a notification says is the most private of the
+/// device's level, the user's preference (`privacy.set`) and the user's
+/// preference for the conversation (`conv.settings`).
+#[tokio::test]
+async fn the_conversation_and_user_preferences_narrow_what_a_push_says() {
+    let receiver = Receiver::default();
+    let ts = server(&receiver).await;
+    for u in ["ann", "bob"] {
+        ts.user(u).await;
+    }
+    let ann = ts.device("ann", "laptop").await;
+    let bob = offline(&ts, "bob", "tablet", "tok-bob-full", "full").await;
+    let ab = ann.ws.conv_create_direct("bob").await.unwrap().conv;
+    let (http, bob_token) = (&ts.http, bob.as_str());
+    let settings = |v: Value| async move { http.rpc::<_, Value>(bob_token, "conv.settings", &v).await };
+    let next = |cmid: &'static str, n: usize| push_after(&ann, &receiver, &ab, cmid, n);
+    let p = next("everything", 1).await;
+    assert_eq!(p.conv.as_deref(), Some(ab.as_str()));
+    assert_eq!(p.preview.as_ref().map(|p| p.text.as_str()), Some("everything"), "the device allows full: {p:?}");
+
+    let reply = settings(json!({"conv": ab, "push_preview": "conversation"})).await.unwrap();
+    assert_eq!((reply["push_preview"].as_str(), reply["muted"].as_bool()), (Some("conversation"), Some(false)));
+    let p = next("named", 2).await;
+    assert_eq!((p.conv.as_deref(), p.preview.as_ref()), (Some(ab.as_str()), None), "the conversation narrows: {p:?}");
+
+    settings(json!({"conv": ab, "push_preview": "none"})).await.unwrap();
+    let p = next("quiet", 3).await;
+    assert_eq!((p.conv.as_ref(), p.preview.as_ref(), p.count), (None, None, 1), "nothing but a count: {p:?}");
+
+    // The conversation opens up again; the user's own preference narrows.
+    settings(json!({"conv": ab, "push_preview": "full"})).await.unwrap();
+    let mine: Value = ts.http.rpc(&bob, "privacy.set", &json!({"push_preview": "conversation"})).await.unwrap();
+    assert_eq!(mine["push_preview"], "conversation");
+    let p = next("user-narrowed", 4).await;
+    assert_eq!((p.conv.as_deref(), p.preview.as_ref()), (Some(ab.as_str()), None), "the user narrows: {p:?}");
+
+    let _: Value = ts.http.rpc(&bob, "privacy.set", &json!({"push_preview": "full"})).await.unwrap();
+    let p = next("open-again", 5).await;
+    assert_eq!(p.preview.map(|p| p.text), Some("open-again".to_string()));
+    // A setting is not a message: the four settings events pushed nothing.
+    assert_eq!(receiver.to("tok-bob-full").len(), 5);
+    ts.stop().await;
+}
+
+/// Ann sends `cmid` to `conv`; returns the `n`-th push bob's full-preview
+/// device got.
+async fn push_after(ann: &common::Device, receiver: &Receiver, conv: &str, cmid: &str, n: usize) -> PushPayload {
+    let _: tidemark_client::proto::SendOk = ann.ws.request("send", &text(conv, cmid, cmid)).await.unwrap();
+    let got = receiver.wait_for("tok-bob-full", n).await;
+    assert_eq!(got.len(), n, "one push per message: {got:?}");
+    got[n - 1].payload.clone()
+}
+
 #[tokio::test]
 async fn an_offline_device_is_pushed_once_per_burst_and_online_own_and_muted_are_not() {
     let receiver = Receiver::default();
@@ -326,6 +379,64 @@ async fn a_dead_token_is_removed_and_throttling_backs_off_while_sends_and_syncs_
         assert!(value >= 1.0, "{family}{label} = {value}");
     }
     assert!(!metrics.lines().any(|l| l.starts_with("tidemark_push") && l.contains("deliver")));
+    ts.stop().await;
+}
+
+/// The value of an unlabelled-but-for-stage gauge on `/metrics`.
+async fn gauge(ts: &TestServer, family: &str) -> f64 {
+    let metrics = reqwest::get(format!("{}/metrics", ts.running().url())).await.unwrap().text().await.unwrap();
+    metrics
+        .lines()
+        .find(|l| l.starts_with(&format!("{family}{{")) || l.starts_with(&format!("{family} ")))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("{family} missing"))
+}
+
+/// Waits until the gauge reads `want`.
+async fn gauge_reaches(ts: &TestServer, family: &str, want: f64) {
+    let start = Instant::now();
+    loop {
+        let got = gauge(ts, family).await;
+        if got == want {
+            return;
+        }
+        assert!(start.elapsed() < WAIT, "{family} = {got}, not {want}, after {WAIT:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The owing gauge (seed §18.1, push stage) after known traffic: a target
+/// the provider holds off owes its range until its device ACKs it; a
+/// target with nothing above its position owes nothing.
+#[tokio::test]
+async fn the_owing_gauge_counts_targets_until_their_range_is_settled() {
+    let receiver = Receiver::default();
+    let ts = server(&receiver).await;
+    for u in ["ann", "bob", "cy"] {
+        ts.user(u).await;
+    }
+    let ann = ts.device("ann", "laptop").await;
+    // The provider throttles bob's phone for longer than the test runs
+    // (the wait is capped at the backoff maximum, minutes).
+    receiver.script("tok-held", &[(429, Some("3600"))]);
+    offline(&ts, "bob", "phone", "tok-held", "none").await;
+    offline(&ts, "cy", "phone", "tok-cy", "none").await;
+    assert_eq!(gauge(&ts, "tidemark_push_targets_owing").await, 0.0, "nothing sent yet");
+    let ab = ann.ws.conv_create_direct("bob").await.unwrap().conv;
+    for i in 0..3 {
+        let _: tidemark_client::proto::SendOk =
+            ann.ws.request("send", &text(&ab, &format!("h{i}"), "held")).await.unwrap();
+    }
+    receiver.wait_for("tok-held", 1).await;
+    // Bob's phone owes its three messages (cy owes nothing: no traffic).
+    gauge_reaches(&ts, "tidemark_push_targets_owing", 1.0).await;
+    // The phone comes online and ACKs: nothing is owed any more.
+    let mut phone = ts.device("bob", "phone").await;
+    phone.sync_until(3, 100).await;
+    gauge_reaches(&ts, "tidemark_push_targets_owing", 0.0).await;
+    assert_eq!(receiver.to("tok-held").len(), 1, "the throttled target was not pushed again");
+    assert!(receiver.to("tok-cy").is_empty());
     ts.stop().await;
 }
 

@@ -577,30 +577,43 @@ pub(crate) fn update_settings(
     c: &Connection,
     user: &str,
     conv: &str,
-    muted: Option<bool>,
-    pinned: Option<bool>,
+    update: projection::SettingsUpdate,
     now_ms: i64,
-) -> R<(bool, bool, u64, Option<u64>)> {
-    let row: Option<(bool, bool, i64)> = c
-        .prepare_cached("SELECT muted, pinned, settings_version FROM user_convs WHERE user_id = ?1 AND conv_id = ?2")
+) -> R<Option<u64>> {
+    let row: Option<Settings> = c
+        .prepare_cached(
+            "SELECT muted, pinned, push_preview, settings_version FROM user_convs WHERE user_id = ?1 AND conv_id = ?2",
+        )
         .map_err(internal)?
-        .query_row(params![user, conv], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .query_row(params![user, conv], |r| {
+            Ok(Settings {
+                muted: r.get(0)?,
+                pinned: r.get(1)?,
+                push_preview: crate::push::preview_col(r, 2)?,
+                version: r.get::<_, i64>(3)? as u64,
+            })
+        })
         .optional()
         .map_err(internal)?;
-    let Some((m0, p0, v0)) = row else { return Err(not_found_or_not_member(c, conv)?) };
-    let now = Settings { muted: m0, pinned: p0, version: v0 as u64 };
-    let Some(next) = projection::settings_after(now, muted, pinned) else {
-        return Ok((m0, p0, v0 as u64, None));
+    let Some(now) = row else { return Err(not_found_or_not_member(c, conv)?) };
+    let Some(next) = projection::settings_after(now, update) else {
+        return Ok(None);
     };
     exec(
         c,
-        "UPDATE user_convs SET muted = ?3, pinned = ?4, settings_version = ?5 WHERE user_id = ?1 AND conv_id = ?2",
-        params![user, conv, next.muted, next.pinned, next.version as i64],
+        "UPDATE user_convs SET muted = ?3, pinned = ?4, push_preview = ?5, settings_version = ?6
+         WHERE user_id = ?1 AND conv_id = ?2",
+        params![user, conv, next.muted, next.pinned, next.push_preview.as_str(), next.version as i64],
     )?;
-    let data = content::SettingsData { muted: next.muted, pinned: next.pinned, version: next.version }.to_json();
+    let data = content::SettingsData {
+        muted: next.muted,
+        pinned: next.pinned,
+        push_preview: next.push_preview.into(),
+        version: next.version,
+    }
+    .to_json();
     let source = projection::settings_event_id(conv, next.version);
-    let written = append_user_event(c, user, EVENT_SETTINGS, conv, None, &source, &data, now_ms)?;
-    Ok((next.muted, next.pinned, next.version, written))
+    append_user_event(c, user, EVENT_SETTINGS, conv, None, &source, &data, now_ms)
 }
 
 pub(crate) fn delete_for_me(c: &Connection, user: &str, conv: &str, message_id: &str, now_ms: i64) -> R<Option<u64>> {

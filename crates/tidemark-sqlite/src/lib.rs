@@ -724,16 +724,15 @@ impl Store for SqliteStore {
         &self,
         user: &str,
         conv: &str,
-        muted: Option<bool>,
-        pinned: Option<bool>,
+        update: SettingsUpdate,
         now_ms: i64,
     ) -> StoreResult<(ConvState, UserEventOutcome)> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
-        let (_, _, _, written) = self
+        let written = self
             .writer
             .write({
                 let (user, conv) = (user.clone(), conv.clone());
-                move |c| events::update_settings(c, &user, &conv, muted, pinned, now_ms)
+                move |c| events::update_settings(c, &user, &conv, update, now_ms)
             })
             .await?;
         let state = self
@@ -904,7 +903,11 @@ impl Store for SqliteStore {
      (SELECT COUNT(*) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > ?1),
      (SELECT MIN(created_at) FROM recovery_sessions WHERE state = 'ACTIVE' AND expires_at > ?1),
      (SELECT COUNT(*) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > ?1),
-     (SELECT MIN(created_at) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > ?1)",
+     (SELECT MIN(created_at) FROM snapshots WHERE state IN ('BUILDING', 'READY') AND expires_at > ?1),
+     (SELECT COUNT(*) FROM push_targets t
+        JOIN devices d ON d.user_id = t.user_id AND d.device_id = t.device_id
+        JOIN user_heads h ON h.user_id = t.user_id
+        WHERE d.state <> 'REVOKED' AND h.high_watermark > MAX(t.pushed_through, d.acked_sync_seq))",
                     params![now_ms],
                     |r| {
                         let n = |i: usize| r.get::<_, i64>(i).map(|v| v.max(0) as u64);
@@ -918,6 +921,7 @@ impl Store for SqliteStore {
                             recovery_oldest_created_at_ms: r.get(7)?,
                             snapshot_sessions: n(8)?,
                             snapshot_oldest_created_at_ms: r.get(9)?,
+                            push_targets_owing: n(10)?,
                         })
                     },
                 )
@@ -1155,15 +1159,9 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| receipts::privacy(c, &user)).await
     }
 
-    async fn set_privacy(
-        &self,
-        user: &str,
-        hide_presence: Option<bool>,
-        private_receipts: Option<bool>,
-        now_ms: i64,
-    ) -> StoreResult<Privacy> {
+    async fn set_privacy(&self, user: &str, update: PrivacyUpdate, now_ms: i64) -> StoreResult<Privacy> {
         let user = user.to_owned();
-        self.writer.write(move |c| receipts::set_privacy(c, &user, hide_presence, private_receipts, now_ms)).await
+        self.writer.write(move |c| receipts::set_privacy(c, &user, update, now_ms)).await
     }
 
     async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {

@@ -4,7 +4,7 @@
 //! runs on the writer thread (group-committed with the rest).
 
 use rusqlite::{params, Connection, OptionalExtension, Row};
-use tidemark_core::push::OwedEvent;
+use tidemark_core::push::{OwedEvent, Preview};
 use tidemark_store::*;
 
 use crate::internal;
@@ -28,6 +28,14 @@ fn target_row(r: &Row<'_>) -> rusqlite::Result<PushTarget> {
         preview: r.get(9)?,
         created_at_ms: r.get(10)?,
         updated_at_ms: r.get(11)?,
+    })
+}
+
+/// A stored preview level (a `CHECK`ed column) as the rules name it.
+pub(crate) fn preview_col(r: &Row<'_>, i: usize) -> rusqlite::Result<Preview> {
+    let s: String = r.get(i)?;
+    Preview::parse(&s).ok_or_else(|| {
+        rusqlite::Error::FromSqlConversionFailure(i, rusqlite::types::Type::Text, format!("preview {s:?}").into())
     })
 }
 
@@ -105,22 +113,27 @@ pub(crate) fn claim(c: &Connection, now_ms: i64, lease_ms: i64, limit: u32, scan
     // taking their lease in one transaction is the claim.
     let mut due = c
         .prepare_cached(
-            "SELECT t.user_id, t.device_id, MAX(t.pushed_through, d.acked_sync_seq), t.attempts, t.preview = 'full'
+            "SELECT t.user_id, t.device_id, MAX(t.pushed_through, d.acked_sync_seq), t.attempts,
+                    COALESCE(p.push_preview, 'full'), t.preview = 'full' AND COALESCE(p.push_preview, 'full') = 'full'
              FROM push_targets t
              JOIN devices d ON d.user_id = t.user_id AND d.device_id = t.device_id
              JOIN user_heads h ON h.user_id = t.user_id
+             LEFT JOIN user_privacy p ON p.user_id = t.user_id
              WHERE t.next_at <= ?1 AND t.claim_until <= ?1 AND d.state <> 'REVOKED'
                AND h.high_watermark > MAX(t.pushed_through, d.acked_sync_seq)
              ORDER BY t.next_at LIMIT ?2",
         )
         .map_err(internal)?;
-    let candidates: Vec<(String, String, i64, i64, bool)> = due
-        .query_map(params![now_ms, limit], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)))
+    type Candidate = (String, String, i64, i64, Preview, bool);
+    let candidates: Vec<Candidate> = due
+        .query_map(params![now_ms, limit], |r| {
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, preview_col(r, 4)?, r.get(5)?))
+        })
         .map_err(internal)?
         .collect::<rusqlite::Result<_>>()
         .map_err(internal)?;
     let mut out = Vec::with_capacity(candidates.len());
-    for (user, device, from, attempts, full) in candidates {
+    for (user, device, from, attempts, user_preview, full) in candidates {
         let claim: i64 = c
             .prepare_cached(
                 "UPDATE push_targets SET claim_seq = claim_seq + 1, claim_until = ?3
@@ -135,7 +148,8 @@ pub(crate) fn claim(c: &Connection, now_ms: i64, lease_ms: i64, limit: u32, scan
         let mut stmt = c
             .prepare_cached(
                 "SELECT e.sync_seq, e.kind, e.conv_id, m.sender, COALESCE(uc.muted, 0), e.created_at,
-                        CASE WHEN ?4 THEN m.content END,
+                        COALESCE(uc.push_preview, 'full'),
+                        CASE WHEN ?4 AND COALESCE(uc.push_preview, 'full') = 'full' THEN m.content END,
                         m.message_id IS NOT NULL AND (m.mention_all = 1
                             OR EXISTS (SELECT 1 FROM json_each(m.mentions) j WHERE j.value = ?1))
                  FROM user_events e
@@ -152,16 +166,17 @@ pub(crate) fn claim(c: &Connection, now_ms: i64, lease_ms: i64, limit: u32, scan
                     conv: r.get(2)?,
                     sender: r.get(3)?,
                     muted: r.get(4)?,
-                    mentioned: r.get(7)?,
+                    mentioned: r.get(8)?,
+                    preview: preview_col(r, 6)?,
                     created_at_ms: r.get(5)?,
                 };
-                Ok((event, r.get::<_, Option<String>>(6)?))
+                Ok((event, r.get::<_, Option<String>>(7)?))
             })
             .map_err(internal)?
             .collect::<rusqlite::Result<Vec<_>>>()
             .map_err(internal)?;
         let (events, contents) = rows.into_iter().unzip();
-        out.push(OwedPushes { target, claim, attempts: attempts.max(0) as u32, events, contents });
+        out.push(OwedPushes { target, claim, attempts: attempts.max(0) as u32, user_preview, events, contents });
     }
     Ok(out)
 }

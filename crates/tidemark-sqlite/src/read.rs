@@ -286,7 +286,7 @@ const LIST_COLS: &str = "uc.conv_id, c.kind, uc.last_msg_seq, uc.read_seq, uc.un
         CASE WHEN uc.active THEN NULL ELSE (SELECT MAX(p.leave_seq) FROM membership_periods p
              WHERE p.conv_id = uc.conv_id AND p.user_id = uc.user_id) END,
         COALESCE((SELECT dm.cleared_seq FROM device_markers dm WHERE dm.user_id = uc.user_id
-             AND dm.device_id = ?2 AND dm.conv_id = uc.conv_id), 0), uc.mentions";
+             AND dm.device_id = ?2 AND dm.conv_id = uc.conv_id), 0), uc.mentions, uc.push_preview";
 
 /// Which rows of a user's list [`conv_rows`] reads.
 pub(crate) enum Rows<'a> {
@@ -329,6 +329,7 @@ pub(crate) fn conv_rows(
             mode: r.get(8)?,
             marker: None,
             unread_capped: false,
+            push_preview: crate::push::preview_col(r, 15)?,
         };
         let shared_from = r.get::<_, Option<i64>>(9)?.map(|v| v as u64);
         let facts = tidemark_core::large::MarkerFacts {

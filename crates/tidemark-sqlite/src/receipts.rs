@@ -15,21 +15,21 @@ use crate::internal;
 type R<T> = StoreResult<T>;
 
 pub(crate) fn privacy(c: &Connection, user: &str) -> R<Privacy> {
-    c.prepare_cached("SELECT hide_presence, private_receipts FROM user_privacy WHERE user_id = ?1")
+    c.prepare_cached("SELECT hide_presence, private_receipts, push_preview FROM user_privacy WHERE user_id = ?1")
         .map_err(internal)?
-        .query_row(params![user], |r| Ok(Privacy { hide_presence: r.get(0)?, private_receipts: r.get(1)? }))
+        .query_row(params![user], |r| {
+            Ok(Privacy {
+                hide_presence: r.get(0)?,
+                private_receipts: r.get(1)?,
+                push_preview: crate::push::preview_col(r, 2)?,
+            })
+        })
         .optional()
         .map_err(internal)
         .map(Option::unwrap_or_default)
 }
 
-pub(crate) fn set_privacy(
-    c: &Connection,
-    user: &str,
-    hide_presence: Option<bool>,
-    private_receipts: Option<bool>,
-    now_ms: i64,
-) -> R<Privacy> {
+pub(crate) fn set_privacy(c: &Connection, user: &str, update: ephemeral::PrivacyUpdate, now_ms: i64) -> R<Privacy> {
     let known: Option<i64> = c
         .prepare_cached("SELECT 1 FROM users WHERE user_id = ?1")
         .map_err(internal)?
@@ -40,16 +40,18 @@ pub(crate) fn set_privacy(
         return Err(StoreError::NotFound(format!("user {user}")));
     }
     let now = privacy(c, user)?;
-    let Some(next) = ephemeral::privacy_after(now, hide_presence, private_receipts) else {
+    let Some(next) = ephemeral::privacy_after(now, update) else {
         return Ok(now);
     };
     c.prepare_cached(
-        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, updated_at) VALUES (?1, ?2, ?3, ?4)
+        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, push_preview, updated_at)
+         VALUES (?1, ?2, ?3, ?4, ?5)
          ON CONFLICT(user_id) DO UPDATE SET hide_presence = excluded.hide_presence,
-             private_receipts = excluded.private_receipts, updated_at = excluded.updated_at",
+             private_receipts = excluded.private_receipts, push_preview = excluded.push_preview,
+             updated_at = excluded.updated_at",
     )
     .map_err(internal)?
-    .execute(params![user, next.hide_presence, next.private_receipts, now_ms])
+    .execute(params![user, next.hide_presence, next.private_receipts, next.push_preview.as_str(), now_ms])
     .map_err(internal)?;
     Ok(next)
 }
@@ -72,7 +74,7 @@ pub(crate) fn presence_audience(c: &Connection, user: &str, limit: u32) -> R<Vec
 pub(crate) fn presence_facts(c: &Connection, user: &str, limit: u32) -> R<(Privacy, Vec<String>)> {
     let mut stmt = c
         .prepare_cached(
-            "SELECT 0, p.hide_presence, p.private_receipts, NULL
+            "SELECT 0, p.hide_presence, p.private_receipts, p.push_preview
              FROM (SELECT 1) LEFT JOIN user_privacy p ON p.user_id = ?1
              UNION ALL
              SELECT 1, NULL, NULL, a.user_id FROM (
@@ -91,8 +93,15 @@ pub(crate) fn presence_facts(c: &Connection, user: &str, limit: u32) -> R<(Priva
     let mut audience = Vec::new();
     for row in rows {
         match row.map_err(internal)? {
-            (0, hide, private, _) => {
-                privacy = Privacy { hide_presence: hide.unwrap_or(false), private_receipts: private.unwrap_or(false) }
+            (0, hide, private, preview) => {
+                privacy = Privacy {
+                    hide_presence: hide.unwrap_or(false),
+                    private_receipts: private.unwrap_or(false),
+                    push_preview: preview
+                        .as_deref()
+                        .map_or(Some(Preview::PREFERENCE_DEFAULT), Preview::parse)
+                        .ok_or_else(|| StoreError::Internal("an unknown push preview".into()))?,
+                }
             }
             (_, _, _, Some(u)) => audience.push(u),
             (_, _, _, None) => return Err(StoreError::Internal("an audience row without a user".into())),

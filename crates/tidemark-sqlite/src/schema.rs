@@ -47,7 +47,20 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 8, name: "deleted users", sql: DELETED_USERS },
     Migration { version: 9, name: "offline push targets", sql: PUSH_TARGETS },
     Migration { version: 10, name: "mentions", sql: MENTIONS },
+    Migration { version: 11, name: "push preview preferences", sql: PUSH_PREVIEW_PREFERENCES },
 ];
+
+/// Step 11 (P4, issue 20): the user's push preview preference and the
+/// user's preference per conversation, beside `hide_presence` and `muted`.
+/// `full` (the default) narrows nothing; the most private of the device's
+/// level and these two is what a notification says
+/// (`tidemark_core::push::effective_preview`).
+pub const PUSH_PREVIEW_PREFERENCES: &str = r#"
+ALTER TABLE user_privacy ADD COLUMN push_preview TEXT NOT NULL DEFAULT 'full'
+    CHECK (push_preview IN ('none','conversation','full'));
+ALTER TABLE user_convs ADD COLUMN push_preview TEXT NOT NULL DEFAULT 'full'
+    CHECK (push_preview IN ('none','conversation','full'));
+"#;
 
 /// Step 10 (issue 18): a message's mentions are facts of the message
 /// (`mentions`, a JSON array of user ids, NULL when it names nobody;

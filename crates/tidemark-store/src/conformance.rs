@@ -67,6 +67,7 @@ where
     gauges_sample_what_the_store_holds(&*fresh().await).await;
     push_targets_and_owed_claims(&*fresh().await).await;
     push_claims_are_exclusive_under_concurrency(fresh().await).await;
+    push_preview_preferences_are_stored_and_claimed(&*fresh().await).await;
 }
 
 /// Runs the checks of the rules `tidemark-core` decides for every backend
@@ -1051,7 +1052,10 @@ pub async fn deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tom
     store.login_device("c", "phone", "Phone", T0).await.unwrap();
     let (conv, _) = store.create_direct("b", "c", "dbc", T0).await.unwrap();
     for user in ["b", "c"] {
-        store.update_settings(user, &conv, Some(true), None, T0).await.unwrap();
+        store
+            .update_settings(user, &conv, SettingsUpdate { muted: Some(true), ..SettingsUpdate::default() }, T0)
+            .await
+            .unwrap();
     }
     let rec = RefreshRecord { user: "b".into(), device: "phone".into(), expires_at_ms: T0 + 1_000, family: "f".into() };
     store.put_refresh_token("hb", &rec, T0).await.unwrap();
@@ -1074,7 +1078,10 @@ pub async fn deleting_a_user_removes_its_devices_log_and_cursors_and_keeps_a_tom
     assert_eq!(store.session_fences().await.unwrap().deactivated, vec!["b".to_string()]);
     // An event that still reaches the deleted user's log (its membership
     // stays) is trimmed by the next retention pass, however young.
-    store.update_settings("b", &conv, None, Some(true), T0 + 8).await.unwrap();
+    store
+        .update_settings("b", &conv, SettingsUpdate { pinned: Some(true), ..SettingsUpdate::default() }, T0 + 8)
+        .await
+        .unwrap();
     let grown = store.user_log("b").await.unwrap().high_watermark;
     assert_eq!(grown, head + 1);
     let keep_all_young = RetentionPolicy {
@@ -1271,12 +1278,18 @@ pub async fn connection_epochs_are_per_device_and_durable(store: &dyn Store) {
 pub async fn privacy_audience_and_receipts(store: &dyn Store) {
     users(store, &["a", "b", "c", "d", "e"]).await;
     assert_eq!(store.privacy("a").await.unwrap(), Privacy::default(), "switches start off");
-    let hidden = store.set_privacy("a", Some(true), None, T0).await.unwrap();
-    assert_eq!(hidden, Privacy { hide_presence: true, private_receipts: false });
-    assert_eq!(store.set_privacy("a", None, None, T0).await.unwrap(), hidden, "no change keeps them");
+    let hidden = store
+        .set_privacy("a", PrivacyUpdate { hide_presence: Some(true), ..PrivacyUpdate::default() }, T0)
+        .await
+        .unwrap();
+    assert_eq!(hidden, Privacy { hide_presence: true, ..Privacy::default() });
+    assert_eq!(store.set_privacy("a", PrivacyUpdate::default(), T0).await.unwrap(), hidden, "no change keeps them");
     assert_eq!(store.privacy("a").await.unwrap(), hidden, "switches are durable");
-    store.set_privacy("a", Some(false), None, T0).await.unwrap();
-    assert!(matches!(store.set_privacy("nobody", Some(true), None, T0).await, Err(StoreError::NotFound(_))));
+    store.set_privacy("a", PrivacyUpdate { hide_presence: Some(false), ..PrivacyUpdate::default() }, T0).await.unwrap();
+    assert!(matches!(
+        store.set_privacy("nobody", PrivacyUpdate { hide_presence: Some(true), ..PrivacyUpdate::default() }, T0).await,
+        Err(StoreError::NotFound(_))
+    ));
 
     let (direct, _) = store.create_direct("a", "b", "c1", T0).await.unwrap();
     store.create_group(ev("g1", "a", "e1"), vec!["c".into(), "d".into()]).await.unwrap();
@@ -1286,13 +1299,27 @@ pub async fn privacy_audience_and_receipts(store: &dyn Store) {
     assert_eq!(audience("e").await, Vec::<String>::new());
     assert_eq!(store.presence_audience("a", 2).await.unwrap(), vec!["b", "c"], "bounded by the limit");
     // The connect path's one read: the same switches and audience.
-    store.set_privacy("c", Some(true), Some(true), T0).await.unwrap();
+    store
+        .set_privacy(
+            "c",
+            PrivacyUpdate { hide_presence: Some(true), private_receipts: Some(true), ..PrivacyUpdate::default() },
+            T0,
+        )
+        .await
+        .unwrap();
     for (u, limit) in [("a", 100), ("a", 2), ("c", 100), ("e", 100), ("nobody", 100)] {
         let facts = store.presence_facts(u, limit).await.unwrap();
         let apart = (store.privacy(u).await.unwrap(), store.presence_audience(u, limit).await.unwrap());
         assert_eq!(facts, apart, "presence_facts({u}, {limit})");
     }
-    store.set_privacy("c", Some(false), Some(false), T0).await.unwrap();
+    store
+        .set_privacy(
+            "c",
+            PrivacyUpdate { hide_presence: Some(false), private_receipts: Some(false), ..PrivacyUpdate::default() },
+            T0,
+        )
+        .await
+        .unwrap();
 
     for i in 0..3 {
         store.accept_send(send("a", "g1", &format!("g{i}"))).await.unwrap();
@@ -1306,7 +1333,10 @@ pub async fn privacy_audience_and_receipts(store: &dyn Store) {
     let a_read = seen.members.iter().find(|(u, _)| u == "a").map(|(_, s)| *s).unwrap();
     assert_eq!(seen.members, vec![("a".into(), a_read), ("c".into(), 3), ("d".into(), 2)], "R2 to others");
     assert_eq!((seen.hidden, seen.read_count, seen.truncated), (0, Some(1), false));
-    store.set_privacy("d", None, Some(true), T0).await.unwrap();
+    store
+        .set_privacy("d", PrivacyUpdate { private_receipts: Some(true), ..PrivacyUpdate::default() }, T0)
+        .await
+        .unwrap();
     let seen = store.conv_receipts("c", "g1", None).await.unwrap();
     assert_eq!(seen.members.iter().map(|(u, _)| u.as_str()).collect::<Vec<_>>(), vec!["a", "c"], "d is private");
     assert_eq!(seen.hidden, 1);
@@ -1615,10 +1645,13 @@ pub async fn push_targets_and_owed_claims(store: &dyn Store) {
     assert_eq!(listed[0].token_sealed, b"sealed:tok-2222");
     let claim = |at: i64| store.claim_pushes(at, PUSH_LEASE_MS, 10, 256);
     assert!(claim(T0).await.unwrap().is_empty(), "P4: nothing committed before the registration is owed");
+    let owing = || async { store.gauges(T0).await.unwrap().push_targets_owing };
+    assert_eq!(owing().await, 0, "the gauge agrees: no target owes");
 
     store.accept_send(send("a", "c1", "m1")).await.unwrap();
     store.accept_send(send("a", "c1", "m2")).await.unwrap();
     drain(store).await;
+    assert_eq!(owing().await, 1, "one target owes two events");
     let claimed = claim(T0).await.unwrap();
     assert_eq!(claimed.len(), 1, "{claimed:?}");
     let owed = &claimed[0];
@@ -1641,9 +1674,13 @@ pub async fn push_targets_and_owed_claims(store: &dyn Store) {
         "a claim ends once"
     );
     assert!(claim(T0).await.unwrap().is_empty(), "nothing is owed twice");
+    assert_eq!(owing().await, 0, "settled: the gauge goes back");
 
     // Muting writes a settings event; the next message carries the mute.
-    store.update_settings("b", "c1", Some(true), None, T0).await.unwrap();
+    store
+        .update_settings("b", "c1", SettingsUpdate { muted: Some(true), ..SettingsUpdate::default() }, T0)
+        .await
+        .unwrap();
     store.accept_send(send("a", "c1", "m3")).await.unwrap();
     drain(store).await;
     let owed = claim(T0).await.unwrap().pop().expect("owed again");
@@ -1689,6 +1726,61 @@ pub async fn push_targets_and_owed_claims(store: &dyn Store) {
     ));
     store.deactivate_user("b", T0).await.unwrap();
     assert!(store.push_targets("b").await.unwrap().is_empty(), "a deactivated user has no push target");
+}
+
+/// P4: the user's and the conversation's push preview preferences default
+/// to `full` (narrowing nothing), are stored by `privacy.set` and
+/// `conv.settings` (a settings event carrying the conversation's), come
+/// back with every owed claim, and keep the content out of a claim unless
+/// the device, the user and the conversation all allow `full`.
+pub async fn push_preview_preferences_are_stored_and_claimed(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    store.login_device("b", "tab", "Tab", T0).await.unwrap();
+    store.create_direct("a", "b", "c1", T0).await.unwrap();
+    drain(store).await;
+    assert_eq!(store.privacy("b").await.unwrap().push_preview, Preview::Full, "never set: narrows nothing");
+    let row = state_of(store.list_conversations("b", None).await.unwrap(), "c1");
+    assert_eq!(row.push_preview, Preview::Full);
+
+    let set = |p| PrivacyUpdate { push_preview: Some(p), ..PrivacyUpdate::default() };
+    let got = store.set_privacy("b", set(Preview::Conversation), T0).await.unwrap();
+    assert_eq!((got.push_preview, got.hide_presence), (Preview::Conversation, false));
+    assert_eq!(store.privacy("b").await.unwrap(), got, "stored");
+    assert_eq!(store.presence_facts("b", 10).await.unwrap().0, got, "the one-statement read agrees");
+
+    let quiet = SettingsUpdate { push_preview: Some(Preview::None), ..SettingsUpdate::default() };
+    let (row, outcome) = store.update_settings("b", "c1", quiet, T0).await.unwrap();
+    assert_eq!((row.push_preview, row.muted), (Preview::None, false));
+    assert!(outcome.written.is_some(), "E3: a preference change is a settings event");
+    let (_, again) = store.update_settings("b", "c1", quiet, T0).await.unwrap();
+    assert_eq!(again.written, None, "no change writes nothing");
+    let head = store.user_high_watermark("b").await.unwrap();
+    let events = store.read_user_events("b", head - 1, head, 1).await.unwrap();
+    let data = events.last().and_then(|e| e.data.clone()).unwrap_or_default();
+    assert!(data.contains("\"push_preview\":\"none\""), "the settings event carries it: {data}");
+
+    store.put_push_target(push_target("b", "tab", "tok-7777", "full"), T0).await.unwrap();
+    store.accept_send(send("a", "c1", "quiet")).await.unwrap();
+    drain(store).await;
+    let owed = store.claim_pushes(T0, PUSH_LEASE_MS, 10, 256).await.unwrap().pop().expect("owed");
+    assert_eq!(owed.user_preview, Preview::Conversation);
+    let seen: Vec<(&str, Preview)> = owed.events.iter().map(|e| (e.conv.as_str(), e.preview)).collect();
+    assert_eq!(seen, vec![("c1", Preview::None)]);
+    assert_eq!(owed.contents, vec![None], "no content: the user allows only the conversation");
+    let through = owed.events.last().unwrap().sync_seq;
+    store.finish_push("b", "tab", owed.claim, PushStep::Advance { through }, T0).await.unwrap();
+
+    // Everyone allows full in c1 again: the content comes with the claim.
+    store.set_privacy("b", set(Preview::Full), T0).await.unwrap();
+    let open = SettingsUpdate { push_preview: Some(Preview::Full), ..SettingsUpdate::default() };
+    store.update_settings("b", "c1", open, T0).await.unwrap();
+    store.accept_send(send("a", "c1", "open")).await.unwrap();
+    drain(store).await;
+    let owed = store.claim_pushes(T0, PUSH_LEASE_MS, 10, 256).await.unwrap().pop().expect("owed");
+    assert_eq!(owed.user_preview, Preview::Full);
+    let last = owed.events.last().unwrap();
+    assert_eq!((last.kind.as_str(), last.preview), (EVENT_MESSAGE, Preview::Full));
+    assert_eq!(owed.contents.last().cloned().flatten().as_deref(), Some("{\"text\":\"open\"}"));
 }
 
 /// P4 in cluster mode: concurrent claims never hand one target out twice.

@@ -23,10 +23,12 @@ pub mod reconcile;
 use async_trait::async_trait;
 pub use tidemark_core::control::ControlOutcome;
 use tidemark_core::cursor::{AckDecision, DeviceCursor};
-pub use tidemark_core::ephemeral::{MemberRead, Privacy, Receipts};
+pub use tidemark_core::ephemeral::{MemberRead, Privacy, PrivacyUpdate, Receipts};
 pub use tidemark_core::kinds::*;
 pub use tidemark_core::large::{GroupPolicy, Marker};
 pub use tidemark_core::membership::{MembersPage, MembershipChange};
+pub use tidemark_core::projection::SettingsUpdate;
+pub use tidemark_core::push::Preview;
 use tidemark_core::{MsgSeq, Refusal, SyncSeq};
 
 pub type StoreResult<T> = Result<T, StoreError>;
@@ -337,6 +339,8 @@ pub struct ConvState {
     pub mentions: u64,
     pub muted: bool,
     pub pinned: bool,
+    /// The user's push preview preference of the conversation (P4).
+    pub push_preview: Preview,
     /// False once the user left or was removed.
     pub active: bool,
     /// `per_member` or `shared` (G2); a direct conversation is per member.
@@ -663,6 +667,11 @@ pub struct StoreGauges {
     /// `now_ms`: devices rebuilding; and when the oldest was started.
     pub snapshot_sessions: u64,
     pub snapshot_oldest_created_at_ms: Option<i64>,
+    /// Push targets (P4) of devices not revoked whose user's log holds
+    /// events above `max(acked, pushed_through)`: devices the push worker
+    /// still owes a look (a notification, a wait, or settling events that
+    /// do not count), not notifications.
+    pub push_targets_owing: u64,
 }
 
 /// Counters a backend keeps about its own durability work.
@@ -793,13 +802,13 @@ pub trait Store: Send + Sync + 'static {
     /// unread from the user's own log, and writes a `read` user event (R1–R3).
     async fn mark_read(&self, user: &str, conv: &str, read_to_seq: MsgSeq, now_ms: i64) -> StoreResult<ReadOutcome>;
 
-    /// Per-user conversation settings (E3).
+    /// Per-user conversation settings (E3): mute, pin and the push preview
+    /// preference (`tidemark_core::projection::settings_after` decides).
     async fn update_settings(
         &self,
         user: &str,
         conv: &str,
-        muted: Option<bool>,
-        pinned: Option<bool>,
+        update: SettingsUpdate,
         now_ms: i64,
     ) -> StoreResult<(ConvState, UserEventOutcome)>;
 
@@ -1110,19 +1119,15 @@ pub trait Store: Send + Sync + 'static {
 
     // ------------------------------ ephemeral lane and receipts (issue 18)
 
-    /// The user's privacy switches (both off for a user who never set one).
+    /// The user's privacy switches (`Privacy::default()` for a user who
+    /// never set one).
     async fn privacy(&self, user: &str) -> StoreResult<Privacy>;
 
-    /// Updates the user's privacy switches (`None` keeps one as it is;
-    /// `tidemark_core::ephemeral::privacy_after` decides, nothing is written
-    /// when nothing changes) and returns them. `NotFound` for an unknown user.
-    async fn set_privacy(
-        &self,
-        user: &str,
-        hide_presence: Option<bool>,
-        private_receipts: Option<bool>,
-        now_ms: i64,
-    ) -> StoreResult<Privacy>;
+    /// Updates the user's privacy switches and push preview preference
+    /// (`None` keeps one as it is; `tidemark_core::ephemeral::privacy_after`
+    /// decides, nothing is written when nothing changes) and returns them.
+    /// `NotFound` for an unknown user.
+    async fn set_privacy(&self, user: &str, update: PrivacyUpdate, now_ms: i64) -> StoreResult<Privacy>;
 
     /// The users sharing a conversation with `user` in which both have an
     /// open period, `user` excluded, sorted, at most `limit`: who may see
@@ -1307,10 +1312,13 @@ pub struct OwedPushes {
     pub claim: i64,
     /// Retryable failures in a row so far.
     pub attempts: u32,
-    /// The events above `max(acked, pushed_through)`, ascending.
+    /// The user's own push preview preference (`Privacy::push_preview`).
+    pub user_preview: Preview,
+    /// The events above `max(acked, pushed_through)`, ascending, each with
+    /// the user's preview preference of its conversation.
     pub events: Vec<tidemark_core::push::OwedEvent>,
-    /// The stored content of each event (same order) when the target's
-    /// preview is `full`, else `None`.
+    /// The stored content of each event (same order) when the target's,
+    /// the user's and the conversation's preview all are `full`, else `None`.
     pub contents: Vec<Option<String>>,
 }
 

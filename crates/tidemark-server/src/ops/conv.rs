@@ -222,11 +222,16 @@ pub async fn history(state: &AppState, ctx: &AuthCtx, req: HistoryReq) -> ApiRes
 
 pub async fn settings(state: &AppState, ctx: &AuthCtx, req: ConvSettingsReq) -> ApiResult<ConvSettingsOk> {
     check_conv(&req.conv)?;
-    let (row, outcome) = state.store.update_settings(&ctx.user, &req.conv, req.muted, req.pinned, now_ms()).await?;
+    let update = tidemark_store::SettingsUpdate {
+        muted: req.muted,
+        pinned: req.pinned,
+        push_preview: req.push_preview.map(Into::into),
+    };
+    let (row, outcome) = state.store.update_settings(&ctx.user, &req.conv, update, now_ms()).await?;
     if let Some(hw) = outcome.written {
         state.hint_user(&ctx.user, hw);
     }
-    Ok(ConvSettingsOk { conv: req.conv, muted: row.muted, pinned: row.pinned })
+    Ok(ConvSettingsOk { conv: req.conv, muted: row.muted, pinned: row.pinned, push_preview: row.push_preview.into() })
 }
 
 pub async fn read(state: &AppState, ctx: &AuthCtx, req: ReadReq) -> ApiResult<ReadOk> {

@@ -31,10 +31,18 @@ pub async fn presence_set(state: &AppState, ctx: &AuthCtx, req: PresenceSetReq) 
 
 pub async fn privacy_set(state: &AppState, ctx: &AuthCtx, req: PrivacySetReq) -> ApiResult<PrivacyOk> {
     let before = state.store.privacy(&ctx.user).await?;
-    let after =
-        state.store.set_privacy(&ctx.user, req.hide_presence, req.private_receipts, crate::util::now_ms()).await?;
+    let update = tidemark_store::PrivacyUpdate {
+        hide_presence: req.hide_presence,
+        private_receipts: req.private_receipts,
+        push_preview: req.push_preview.map(Into::into),
+    };
+    let after = state.store.set_privacy(&ctx.user, update, crate::util::now_ms()).await?;
     if after.hide_presence != before.hide_presence {
         state.lane.privacy_changed(&ctx.user, after).await;
     }
-    Ok(PrivacyOk { hide_presence: after.hide_presence, private_receipts: after.private_receipts })
+    Ok(PrivacyOk {
+        hide_presence: after.hide_presence,
+        private_receipts: after.private_receipts,
+        push_preview: after.push_preview.into(),
+    })
 }
