@@ -40,11 +40,18 @@
 //!   the user's presence again, so a user connected to two nodes does not
 //!   stay shown offline when one of them closes; between nodes otherwise the
 //!   last announcement wins.
+//! - **Serialised once.** A signal's frame is serialised once into an
+//!   [`Outgoing`] (the frame and its JSON text, shared bytes) that every
+//!   receiving connection's slot holds by reference; a user's own presence
+//!   frame, which each new connection of its audience is answered with, is
+//!   kept until what it says changes. The connection's writer drains what
+//!   waits and flushes once (`gateway::ws`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use axum::extract::ws::Utf8Bytes;
 use tidemark_core::ephemeral::{self as rules, Presence, Typing};
 use tidemark_proto::{BusEphemeral, BusHint, PresenceFrame, ServerFrame, TypingFrame};
 use tidemark_store::Store;
@@ -93,10 +100,35 @@ impl Default for EphemeralConfig {
     }
 }
 
+/// An ephemeral frame serialised once for every connection it reaches:
+/// the frame (its slot key, the bus payload) and its JSON text, whose bytes
+/// every receiver's writer sends without copying.
+#[derive(Debug, PartialEq)]
+pub struct Outgoing {
+    pub frame: ServerFrame,
+    pub text: Utf8Bytes,
+}
+
+impl Outgoing {
+    pub fn new(frame: ServerFrame) -> Arc<Outgoing> {
+        let text = serde_json::to_string(&frame).expect("server frames serialize").into();
+        Arc::new(Outgoing { frame, text })
+    }
+
+    /// The metric label of the frame's kind.
+    pub fn kind(&self) -> &'static str {
+        if matches!(self.frame, ServerFrame::Typing(_)) {
+            "typing"
+        } else {
+            "presence"
+        }
+    }
+}
+
 /// A frame waiting in a connection's slot.
 #[derive(Debug, Clone)]
 struct Waiting {
-    frame: ServerFrame,
+    frame: Arc<Outgoing>,
     /// A typing start stops mattering at this time (`None`: never).
     stale_at_ms: Option<i64>,
 }
@@ -122,10 +154,10 @@ pub struct EphConn {
 impl EphConn {
     /// Puts `frame` in its slot (replacing what waits there); `false` when
     /// it was dropped because the slots are full.
-    fn offer(&self, frame: ServerFrame, stale_at_ms: Option<i64>, config: &EphemeralConfig) -> bool {
+    fn offer(&self, frame: Arc<Outgoing>, stale_at_ms: Option<i64>, config: &EphemeralConfig) -> bool {
         let mut slots = self.slots.lock().expect("slots lock");
         let waiting = Waiting { frame, stale_at_ms };
-        let stored = match &waiting.frame {
+        let stored = match &waiting.frame.frame {
             ServerFrame::Typing(t) => {
                 let key = (t.conv.clone(), t.user.clone());
                 if slots.typing.len() >= config.typing_slots_max && !slots.typing.contains_key(&key) {
@@ -162,9 +194,9 @@ impl EphConn {
 
     /// Empties the slots: the frames to send now, presence first; typing
     /// starts gone stale while waiting are dropped.
-    pub fn take(&self, now_ms: i64) -> Vec<ServerFrame> {
+    pub fn take(&self, now_ms: i64) -> Vec<Arc<Outgoing>> {
         let mut slots = self.slots.lock().expect("slots lock");
-        let mut out: Vec<ServerFrame> = slots.presence.drain().map(|(_, w)| w.frame).collect();
+        let mut out: Vec<Arc<Outgoing>> = slots.presence.drain().map(|(_, w)| w.frame).collect();
         for (_, w) in slots.typing.drain() {
             if w.stale_at_ms.is_some_and(|at| at <= now_ms) {
                 m::EPHEMERAL_DROPPED.add_by("reason", "expired", 1);
@@ -185,6 +217,9 @@ struct UserLocal {
     announced: Option<Presence>,
     /// Last time a connection of the user was opened or set `online`.
     last_active_ms: i64,
+    /// The last presence frame built for the user, reused while it says
+    /// the same (each new connection of the audience is answered with it).
+    shown: Option<Arc<Outgoing>>,
 }
 
 impl UserLocal {
@@ -193,9 +228,17 @@ impl UserLocal {
         rules::effective_presence(devices, self.hidden)
     }
 
-    fn frame(&self, user: &str, state: Presence) -> ServerFrame {
+    fn frame(&mut self, user: &str, state: Presence) -> Arc<Outgoing> {
         let last_seen = (state != Presence::Online && !self.hidden).then_some(self.last_active_ms);
-        ServerFrame::Presence(PresenceFrame { user: user.into(), state: state.as_str().into(), last_seen })
+        let frame = PresenceFrame { user: user.into(), state: state.as_str().into(), last_seen };
+        match &self.shown {
+            Some(o) if matches!(&o.frame, ServerFrame::Presence(p) if *p == frame) => o.clone(),
+            _ => {
+                let o = Outgoing::new(ServerFrame::Presence(frame));
+                self.shown = Some(o.clone());
+                o
+            }
+        }
     }
 }
 
@@ -205,7 +248,7 @@ impl UserLocal {
 struct Signal {
     from: String,
     to: Vec<String>,
-    frame: Option<ServerFrame>,
+    frame: Option<Arc<Outgoing>>,
     answer: bool,
 }
 
@@ -302,7 +345,7 @@ impl Lane {
                     let last_seen = (!u.hidden).then(crate::util::now_ms);
                     let frame =
                         PresenceFrame { user: conn.user.clone(), state: Presence::Offline.as_str().into(), last_seen };
-                    ServerFrame::Presence(frame)
+                    Outgoing::new(ServerFrame::Presence(frame))
                 }))
             }
         };
@@ -423,12 +466,12 @@ impl Lane {
             step.forward
         };
         if forward {
-            let frame = ServerFrame::Typing(TypingFrame {
+            let frame = Outgoing::new(ServerFrame::Typing(TypingFrame {
                 conv: conv.into(),
                 user: user.into(),
                 typing: start,
                 timeout_ms: timeout,
-            });
+            }));
             self.deliver(Signal { from: user.into(), to, frame: Some(frame), answer: false });
         }
         Ok(timeout)
@@ -444,7 +487,12 @@ impl Lane {
         };
         let n = expired.len();
         for ((conv, user), h) in expired {
-            let frame = ServerFrame::Typing(TypingFrame { conv, user: user.clone(), typing: false, timeout_ms: 0 });
+            let frame = Outgoing::new(ServerFrame::Typing(TypingFrame {
+                conv,
+                user: user.clone(),
+                typing: false,
+                timeout_ms: 0,
+            }));
             self.deliver(Signal { from: user, to: h.to, frame: Some(frame), answer: false });
         }
         n
@@ -473,17 +521,19 @@ impl Lane {
     }
 
     /// Offers the frame to the local connections of the recipients; with
-    /// `answer`, each recipient visible here answers with its presence.
+    /// `answer`, each recipient visible here answers with its presence,
+    /// offered to the sender's local connections under the same lock and
+    /// published for the other nodes.
     fn deliver_local(&self, signal: &Signal) {
-        let stale_at = match &signal.frame {
+        let stale_at = match signal.frame.as_deref().map(|o| &o.frame) {
             Some(ServerFrame::Typing(t)) if t.typing => Some(crate::util::now_ms() + t.timeout_ms as i64),
             _ => None,
         };
         let mut answers = Vec::new();
         {
-            let users = self.users.lock().expect("lane lock");
+            let mut users = self.users.lock().expect("lane lock");
             for r in &signal.to {
-                let Some(u) = users.get(r) else { continue };
+                let Some(u) = users.get_mut(r) else { continue };
                 if let Some(frame) = &signal.frame {
                     for c in &u.conns {
                         c.offer(frame.clone(), stale_at, &self.config);
@@ -501,9 +551,17 @@ impl Lane {
                     }
                 }
             }
+            if let Some(asker) = users.get(&signal.from).filter(|_| !answers.is_empty()) {
+                for a in &answers {
+                    let frame = a.frame.as_ref().expect("answers carry a frame");
+                    for c in &asker.conns {
+                        c.offer(frame.clone(), None, &self.config);
+                    }
+                }
+            }
         }
-        for a in answers {
-            self.deliver(a);
+        for a in &answers {
+            self.publish(a);
         }
     }
 
@@ -515,7 +573,11 @@ impl Lane {
                 high_watermark: 0,
                 conv: None,
                 kick: None,
-                ephemeral: Some(BusEphemeral { to: to.to_vec(), frame: signal.frame.clone(), answer: signal.answer }),
+                ephemeral: Some(BusEphemeral {
+                    to: to.to_vec(),
+                    frame: signal.frame.as_ref().map(|o| o.frame.clone()),
+                    answer: signal.answer,
+                }),
             };
             if bus.try_send(hint).is_err() {
                 m::EPHEMERAL_DROPPED.add_by("reason", "bus_queue_full", 1);
@@ -533,7 +595,8 @@ impl Lane {
         };
         // Only this node's connections: the other nodes heard it too
         // (answers are delivered everywhere).
-        self.deliver_local(&Signal { from: from.clone(), to: eph.to, frame: eph.frame, answer: eph.answer });
+        let frame = eph.frame.map(Outgoing::new);
+        self.deliver_local(&Signal { from: from.clone(), to: eph.to, frame, answer: eph.answer });
         // Another node announced `from`, who is connected here too: its
         // privacy switch may have changed there, so it is read again. If it
         // said offline, this node says again what it sees, so a user still
@@ -566,12 +629,17 @@ mod tests {
         }
     }
 
-    fn typing(conv: &str, user: &str, on: bool) -> ServerFrame {
-        ServerFrame::Typing(TypingFrame { conv: conv.into(), user: user.into(), typing: on, timeout_ms: 10 })
+    fn typing(conv: &str, user: &str, on: bool) -> Arc<Outgoing> {
+        Outgoing::new(ServerFrame::Typing(TypingFrame {
+            conv: conv.into(),
+            user: user.into(),
+            typing: on,
+            timeout_ms: 10,
+        }))
     }
 
-    fn presence(user: &str, state: &str) -> ServerFrame {
-        ServerFrame::Presence(PresenceFrame { user: user.into(), state: state.into(), last_seen: None })
+    fn presence(user: &str, state: &str) -> Arc<Outgoing> {
+        Outgoing::new(ServerFrame::Presence(PresenceFrame { user: user.into(), state: state.into(), last_seen: None }))
     }
 
     /// Slots coalesce to the latest frame per key, drop new keys past the
@@ -596,10 +664,38 @@ mod tests {
         assert!(!c.pending() && c.take(60).is_empty());
     }
 
+    /// A signal's frame is one serialisation shared by every slot it waits
+    /// in; a user's presence frame is built again only when what it says
+    /// changes.
+    #[test]
+    fn frames_are_serialised_once_and_a_users_frame_is_reused_until_it_changes() {
+        let config = EphemeralConfig::default();
+        let (a, b) = (conn(), conn());
+        let frame = typing("g1", "ann", true);
+        assert_eq!(frame.text.as_str(), serde_json::to_string(&frame.frame).unwrap());
+        assert!(a.offer(frame.clone(), None, &config) && b.offer(frame.clone(), None, &config));
+        let (ta, tb) = (a.take(0), b.take(0));
+        assert!(Arc::ptr_eq(&ta[0], &frame) && Arc::ptr_eq(&tb[0], &frame), "no copy per connection");
+
+        let mut u = UserLocal { last_active_ms: 7, ..UserLocal::default() };
+        let online = u.frame("ann", Presence::Online);
+        assert!(Arc::ptr_eq(&online, &u.frame("ann", Presence::Online)), "the same frame again");
+        let idle = u.frame("ann", Presence::Idle);
+        assert!(!Arc::ptr_eq(&online, &idle));
+        let ServerFrame::Presence(p) = &idle.frame else { panic!("a presence frame") };
+        assert_eq!((p.state.as_str(), p.last_seen), ("idle", Some(7)));
+        u.last_active_ms = 9;
+        let ServerFrame::Presence(p) = &u.frame("ann", Presence::Idle).frame else { panic!("a presence frame") };
+        assert_eq!(p.last_seen, Some(9), "a new last_seen is a new frame");
+        u.hidden = true;
+        let ServerFrame::Presence(p) = &u.frame("ann", Presence::Idle).frame else { panic!("a presence frame") };
+        assert_eq!(p.last_seen, None, "hidden users show no last_seen");
+    }
+
     #[test]
     fn hints_and_kicks_never_take_a_slot() {
         let c = conn();
-        let hint = ServerFrame::Hint(tidemark_proto::Hint::user(1, "new_event"));
+        let hint = Outgoing::new(ServerFrame::Hint(tidemark_proto::Hint::user(1, "new_event")));
         assert!(!c.offer(hint, None, &EphemeralConfig::default()));
         assert!(!c.pending());
     }

@@ -5,6 +5,8 @@
 //! frames delivered per second, and the p99 of the probe's `send` and sync
 //! page, in a quiet phase and in a storm phase of the same run on the same
 //! server (the quiet phase is the baseline; goal: storm p99 within 1.2x).
+//! Each round is a quiet phase then a storm phase; the summary is each
+//! figure's median over the rounds, the ratios the medians of each round's.
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -41,6 +43,9 @@ pub struct PresenceArgs {
     /// Each user sends a typing start in its group this often.
     #[arg(long, default_value_t = 2_000)]
     pub typing_every_ms: u64,
+    /// Rounds (a quiet phase, then a storm phase); the summary is the median.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub rounds: u32,
     #[arg(long, default_value = "bench-results/presence.json")]
     pub out: PathBuf,
     /// Where the temporary store goes.
@@ -48,8 +53,14 @@ pub struct PresenceArgs {
     pub dir: Option<PathBuf>,
 }
 
-#[derive(Debug, Serialize)]
+/// The ephemeral frames have settled when none arrived for this long.
+const SETTLED_AFTER: Duration = Duration::from_millis(300);
+/// The longest wait for them to settle between phases.
+const SETTLE_TIMEOUT: Duration = Duration::from_secs(20);
+
+#[derive(Debug, Clone, Serialize)]
 struct Phase {
+    round: u32,
     storm: bool,
     seconds: f64,
     ephemeral_frames_per_sec: f64,
@@ -74,32 +85,66 @@ pub async fn run(args: PresenceArgs) -> Result<()> {
     let result = storm(&args, &server, &*store).await;
     server.stop().await;
     let phases = result?;
-    let rows: Vec<Vec<String>> = phases
-        .iter()
-        .map(|p| {
-            vec![
-                if p.storm { "storm" } else { "quiet" }.to_string(),
-                format!("{:.0}", p.ephemeral_frames_per_sec),
-                format!("{:.0}", p.storm_requests_per_sec),
-                p.sends.to_string(),
-                format!("{:.2}", p.send_p99_ms),
-                format!("{:.2}", p.sync_p99_ms),
-            ]
-        })
-        .collect();
-    print_table(&["phase", "eph frames/s", "storm req/s", "sends", "send p99 ms", "sync p99 ms"], &rows);
-    let (quiet, loud) = (&phases[0], &phases[1]);
-    let send_ratio = loud.send_p99_ms / quiet.send_p99_ms.max(0.001);
-    let sync_ratio = loud.sync_p99_ms / quiet.sync_p99_ms.max(0.001);
-    println!("storm/quiet p99: send {send_ratio:.2}x, sync page {sync_ratio:.2}x (goal: within 1.2x)");
+    let row = |label: String, p: &Phase| {
+        vec![
+            label,
+            format!("{:.0}", p.ephemeral_frames_per_sec),
+            format!("{:.0}", p.storm_requests_per_sec),
+            p.sends.to_string(),
+            format!("{:.2}", p.send_p50_ms),
+            format!("{:.2}", p.send_p99_ms),
+            format!("{:.2}", p.sync_p50_ms),
+            format!("{:.2}", p.sync_p99_ms),
+        ]
+    };
+    let header =
+        ["phase", "eph frames/s", "storm req/s", "sends", "send p50 ms", "send p99 ms", "sync p50 ms", "sync p99 ms"];
+    let (quiet, loud) = (median_phase(&phases, false), median_phase(&phases, true));
+    println!(
+        "tidemark bench presence: {} users in groups of {}, presence every {} ms, typing every {} ms; \
+         phases of {} s; median of {} rounds\n",
+        args.users, args.group, args.presence_every_ms, args.typing_every_ms, args.seconds, args.rounds
+    );
+    print_table(&header, &[row("quiet".into(), &quiet), row("storm".into(), &loud)]);
+    let ratios = |f: fn(&Phase) -> f64| {
+        let per_round: Vec<f64> = phases.chunks(2).map(|pair| f(&pair[1]) / f(&pair[0]).max(0.001)).collect();
+        super::median(per_round)
+    };
+    let send_ratio = ratios(|p| p.send_p99_ms);
+    let sync_ratio = ratios(|p| p.sync_p99_ms);
+    println!("storm/quiet p99 (median of the rounds' ratios): send {send_ratio:.2}x, sync page {sync_ratio:.2}x (goal: within 1.2x)");
+    println!("\nper round:");
+    let rows: Vec<Vec<String>> =
+        phases.iter().map(|p| row(format!("{} {}", p.round, if p.storm { "storm" } else { "quiet" }), p)).collect();
+    print_table(&header, &rows);
     if let Some(parent) = args.out.parent() {
         std::fs::create_dir_all(parent)?;
     }
     let report = json!({"users": args.users, "group": args.group, "presence_every_ms": args.presence_every_ms,
-        "typing_every_ms": args.typing_every_ms, "phases": phases,
+        "typing_every_ms": args.typing_every_ms, "seconds": args.seconds, "rounds": args.rounds,
+        "summary": {"quiet": quiet, "storm": loud}, "phases": phases,
         "send_p99_ratio": send_ratio, "sync_p99_ratio": sync_ratio});
     std::fs::write(&args.out, serde_json::to_string_pretty(&report)?)?;
+    println!("wrote {}", args.out.display());
     Ok(())
+}
+
+/// The median quiet (or storm) phase: each figure the median of the rounds'.
+fn median_phase(phases: &[Phase], storm: bool) -> Phase {
+    let of: Vec<&Phase> = phases.iter().filter(|p| p.storm == storm).collect();
+    let med = |f: fn(&Phase) -> f64| super::median(of.iter().map(|p| f(p)).collect());
+    Phase {
+        round: 0,
+        storm,
+        seconds: med(|p| p.seconds),
+        ephemeral_frames_per_sec: med(|p| p.ephemeral_frames_per_sec),
+        storm_requests_per_sec: med(|p| p.storm_requests_per_sec),
+        sends: med(|p| p.sends as f64) as u64,
+        send_p50_ms: med(|p| p.send_p50_ms),
+        send_p99_ms: med(|p| p.send_p99_ms),
+        sync_p50_ms: med(|p| p.sync_p50_ms),
+        sync_p99_ms: med(|p| p.sync_p99_ms),
+    }
 }
 
 async fn storm(args: &PresenceArgs, server: &tidemark_server::RunningServer, store: &dyn Store) -> Result<Vec<Phase>> {
@@ -139,7 +184,7 @@ async fn storm(args: &PresenceArgs, server: &tidemark_server::RunningServer, sto
     let mut device = Device::new(probe.clone());
     device.catch_up(100, |_| {}).await?;
     let mut phases = Vec::new();
-    for storm in [false, true] {
+    for (round, storm) in (1..=args.rounds).flat_map(|r| [(r, false), (r, true)]) {
         let stop = Arc::new(AtomicBool::new(false));
         let requests = Arc::new(AtomicU64::new(0));
         let mut tasks = Vec::new();
@@ -181,7 +226,7 @@ async fn storm(args: &PresenceArgs, server: &tidemark_server::RunningServer, sto
         while started.elapsed() < Duration::from_secs(args.seconds) {
             let req = SendReq {
                 conv: direct.clone(),
-                client_msg_id: format!("probe-{storm}-{n}"),
+                client_msg_id: format!("probe-{round}-{storm}-{n}"),
                 kind: "text".into(),
                 content: json!({"text": "probe"}),
                 mentions: Vec::new(),
@@ -202,7 +247,17 @@ async fn storm(args: &PresenceArgs, server: &tidemark_server::RunningServer, sto
         }
         let delivered = frames.load(Ordering::Relaxed) - frames_before;
         ensure!(n > 0, "the probe sent nothing");
+        if storm {
+            // The next quiet phase stays quiet: every typing is stopped now
+            // (not by the server's expiry sweep during it), and the stops
+            // have arrived.
+            for (i, ws) in users.iter().enumerate() {
+                ws.request_value("typing", json!({"conv": groups[i], "typing": false})).await?;
+            }
+            settle(&frames).await;
+        }
         phases.push(Phase {
+            round,
             storm,
             seconds,
             ephemeral_frames_per_sec: delivered as f64 / seconds,
@@ -215,4 +270,18 @@ async fn storm(args: &PresenceArgs, server: &tidemark_server::RunningServer, sto
         });
     }
     Ok(phases)
+}
+
+/// Bounded wait until no ephemeral frame arrived for [`SETTLED_AFTER`].
+async fn settle(frames: &AtomicU64) {
+    let deadline = Instant::now() + SETTLE_TIMEOUT;
+    let mut last = frames.load(Ordering::Relaxed);
+    while Instant::now() < deadline {
+        tokio::time::sleep(SETTLED_AFTER).await;
+        let now = frames.load(Ordering::Relaxed);
+        if now == last {
+            return;
+        }
+        last = now;
+    }
 }

@@ -111,6 +111,59 @@ pub(super) async fn create_users(dir: &std::path::Path, users: &[String], pb: &i
     Ok(())
 }
 
+/// Devices registered at once through the store during setup: enough for
+/// the writer to commit them in large batches.
+const SETUP_STORE_CONCURRENCY: usize = 512;
+
+/// Access-token signing for devices set up through the store: the keys
+/// derived from the store's server secret, as `tidemark serve` derives them.
+pub(super) struct TokenMint(tidemark_core::token::TokenKeys);
+
+impl TokenMint {
+    /// An access token for `device` of `user`, living as long as a login's.
+    pub fn access(&self, user: &str, device: &str) -> String {
+        let ttl = tidemark_server::ServerConfig::default().access_token_ttl;
+        let expires_at_ms = super::unix_ms() + ttl.as_millis() as i64;
+        let claims = tidemark_core::token::AccessClaims { user: user.into(), device: device.into(), expires_at_ms };
+        self.0.sign_access(&claims)
+    }
+}
+
+/// Writes `users` (cheap password hash) and, for each, `device` as a login
+/// registers it, into the SQLite store in `dir` before any server starts,
+/// many at once so the writer batches them, then closes the store. Returns
+/// the signer of their access tokens: setting up thousands of devices
+/// costs no login (a password hash, a refresh token and two audit entries
+/// each, one after the other), and nothing measured logs in.
+pub(super) async fn create_devices(
+    dir: &std::path::Path,
+    users: &[String],
+    device: &str,
+    pb: &indicatif::ProgressBar,
+) -> Result<TokenMint> {
+    use futures_util::{StreamExt, TryStreamExt};
+    use tidemark_store::Store;
+    let store = tidemark_sqlite::SqliteStore::open(dir)?;
+    let hash = super::device::cheap_hash()?;
+    futures_util::stream::iter(users.iter().map(|u| {
+        let (store, hash, pb) = (store.clone(), hash.clone(), pb.clone());
+        async move {
+            store.create_user(u, &hash, 0).await?;
+            store.login_device(u, device, device, super::unix_ms()).await?;
+            pb.inc(1);
+            anyhow::Ok(())
+        }
+    }))
+    .buffer_unordered(SETUP_STORE_CONCURRENCY)
+    .try_collect::<Vec<_>>()
+    .await?;
+    let mint = TokenMint(tidemark_core::token::TokenKeys::from_secret(&store.server_secret().await?));
+    let weak = std::sync::Arc::downgrade(&store);
+    drop(store);
+    super::wait_store_closed(weak, dir).await;
+    Ok(mint)
+}
+
 /// The value at quantile `q` of an ascending slice (0 if empty).
 pub(super) fn pct(sorted: &[f64], q: f64) -> f64 {
     if sorted.is_empty() {

@@ -35,7 +35,9 @@ use tidemark_client::{Http, WsConn};
 use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, Device, PASSWORD};
-use super::proc::{create_users, open_files_soft_limit, pct, scrape, scrape_all, spawn_tidemark, ChildGuard};
+use super::proc::{
+    create_devices, create_users, open_files_soft_limit, pct, scrape, scrape_all, spawn_tidemark, ChildGuard, TokenMint,
+};
 use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -67,7 +69,9 @@ pub struct ReconnectArgs {
 const SETUP_CONCURRENCY: usize = 64;
 const RUN_TIMEOUT: Duration = Duration::from_secs(600);
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(600);
-/// Access tokens live 15 minutes; log in again when older than this.
+/// The device every bench user connects with.
+const DEVICE: &str = "phone";
+/// Access tokens live 15 minutes; sign new ones when older than this.
 const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
 const STATEMENTS: &str = "tidemark_store_statements_total";
 const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
@@ -201,8 +205,18 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = TempDir::create(&parent)?;
 
-    let Setup { mut server, mut addr, users, convs, mut tokens, mut logged_in, mut positions, setup_secs } =
-        setup(&args, n, &dir).await?;
+    let Setup {
+        mut server,
+        mut addr,
+        users,
+        convs,
+        mint,
+        mut tokens,
+        mut logged_in,
+        mut positions,
+        setup_secs,
+        phases,
+    } = setup(&args, n, &dir).await?;
     let mut rounds = Vec::new();
     for round in 1..=args.rounds {
         let pb = bar(n as u64 * 2, "devices");
@@ -210,8 +224,8 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
         pb.set_message(format!("round {round}: {k} messages per group while the devices are away"));
         send_while_away(addr, &convs, k, round).await?;
         if logged_in.elapsed() > TOKEN_REFRESH_AFTER {
-            pb.set_message(format!("round {round}: logging in again (access tokens expire)"));
-            tokens = log_in(&Http::new(&format!("http://{addr}")), &users, &indicatif::ProgressBar::hidden()).await?;
+            pb.set_message(format!("round {round}: new access tokens (they expire)"));
+            tokens = users.iter().map(|u| mint.access(u, DEVICE)).collect();
             logged_in = Instant::now();
         }
 
@@ -264,7 +278,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     drop(server);
 
     let summary = median_round(&rounds);
-    report(&args, devices, convs.len(), soft, setup_secs, &summary, &rounds)
+    report(&args, devices, convs.len(), soft, (setup_secs, &phases), &summary, &rounds)
 }
 
 /// What setup leaves for the rounds.
@@ -273,23 +287,37 @@ struct Setup {
     addr: SocketAddr,
     users: Vec<String>,
     convs: Vec<String>,
+    mint: TokenMint,
     tokens: Vec<String>,
     logged_in: Instant,
     /// Each device's `(generation, applied)`, at its user's head.
     positions: Vec<(Option<u64>, u64)>,
     setup_secs: f64,
+    /// Seconds of each setup step.
+    phases: Vec<(&'static str, f64)>,
 }
 
-/// The users (and the sender), `tidemark serve`, the groups, a login per
-/// device, and each device connected once and brought to its head.
+/// The users and their devices (through the store, their access tokens
+/// signed here), the sender, `tidemark serve`, the groups, and each device
+/// connected once and brought to its head.
 async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
     let setup = Instant::now();
-    let pb = bar(n as u64 * 3, "setup steps");
-    pb.set_message("setup: users");
+    let mut phases = Vec::new();
+    let mut phase = |name: &'static str, since: &mut Instant| {
+        let secs = since.elapsed().as_secs_f64();
+        eprintln!("setup: {name} in {secs:.1} s");
+        phases.push((name, secs));
+        *since = Instant::now();
+    };
+    let mut step = Instant::now();
+    let pb = bar(n as u64 * 2, "setup steps");
+    pb.set_message("setup: users and devices");
     let users: Vec<String> = (0..n).map(|i| format!("rc-u{i}")).collect();
-    let mut accounts = vec!["rc-sender".to_owned()];
-    accounts.extend(users.iter().cloned());
-    create_users(&dir.0, &accounts, &pb).await?;
+    create_users(&dir.0, &["rc-sender".to_owned()], &indicatif::ProgressBar::hidden()).await?;
+    let mint = create_devices(&dir.0, &users, DEVICE, &pb).await?;
+    let tokens: Vec<String> = users.iter().map(|u| mint.access(u, DEVICE)).collect();
+    let logged_in = Instant::now();
+    phase("users and devices (store)", &mut step);
     let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: groups");
@@ -307,9 +335,7 @@ async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
         convs.push(ok.conv);
     }
     sender.close().await;
-    pb.set_message("setup: logins");
-    let tokens = log_in(&http, &users, &pb).await?;
-    let logged_in = Instant::now();
+    phase("server start and groups", &mut step);
     // Connect each device once and bring it to the head, then disconnect.
     pb.set_message("setup: first sync");
     let ws_url = format!("ws://{addr}/v1/ws");
@@ -328,9 +354,10 @@ async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
     .try_collect()
     .await
     .context("first sync")?;
+    phase("first sync", &mut step);
     let setup_secs = setup.elapsed().as_secs_f64();
     pb.finish_and_clear();
-    Ok(Setup { server, addr, users, convs, tokens, logged_in, positions, setup_secs })
+    Ok(Setup { server, addr, users, convs, mint, tokens, logged_in, positions, setup_secs, phases })
 }
 
 /// What one resume storm measured.
@@ -445,7 +472,7 @@ fn report(
     devices: u32,
     groups: usize,
     soft: Option<u64>,
-    setup_secs: f64,
+    (setup_secs, phases): (f64, &[(&str, f64)]),
     summary: &Round,
     rounds: &[Round],
 ) -> Result<()> {
@@ -534,6 +561,7 @@ fn report(
                  /metrics gauges), delta over the storm / devices; summary = median of the rounds",
         "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": groups,
         "open_files_soft_limit": soft, "setup_secs": setup_secs,
+        "setup_phases_secs": phases.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
         "summary": summary, "rounds": rounds,
     });
     std::fs::write(&args.out, serde_json::to_string_pretty(&json)?)?;

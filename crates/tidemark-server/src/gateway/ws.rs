@@ -17,6 +17,11 @@
 //! - Ephemeral frames (typing, presence; [`crate::ephemeral`]) wait in the
 //!   connection's bounded slots and are written only while no reply is
 //!   queued: they are shed first and never count toward the send queue.
+//! - One flush per wake: whatever woke the writer, it writes everything
+//!   that waits (replies, at most [`WS_FRAMES_PER_FLUSH_MAX`] of them, then
+//!   hints, then, if no reply is left, the ephemeral frames) into the
+//!   socket's write buffer and flushes once, so a storm of small frames
+//!   costs one `sendto` per wake and buffer rather than one per frame.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -54,6 +59,10 @@ pub const WS_READ_BUFFER_BYTES: usize = 8 * 1024;
 /// Bytes queued before tungstenite writes to the socket (every frame is
 /// flushed anyway); its default is 128 KiB.
 pub const WS_WRITE_BUFFER_BYTES: usize = 8 * 1024;
+
+/// Replies a writer takes from its queue for one flush; the rest wait for
+/// the next (the queue itself is bounded by `ws_send_queue_max`).
+pub const WS_FRAMES_PER_FLUSH_MAX: usize = 64;
 
 /// Time the writer has to deliver the final `kicked` frame.
 const KICK_FLUSH_TIMEOUT: Duration = Duration::from_secs(1);
@@ -339,16 +348,79 @@ async fn send_kicked(sink: &mut SplitSink<WebSocket, Message>, why: &'static str
     .await;
 }
 
-/// Writes the ephemeral frames waiting for this connection (issue 18).
-async fn send_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn) -> Result<(), axum::Error> {
-    let frames = eph.take(crate::util::now_ms());
-    if frames.is_empty() {
-        return Ok(());
+/// What woke a connection's writer.
+enum Wake {
+    Reply(String),
+    Hints,
+    Ephemeral,
+    Ping,
+}
+
+/// Feeds the hints waiting for this connection (no flush).
+async fn feed_hints(
+    sink: &mut SplitSink<WebSocket, Message>,
+    entry: &ConnEntry,
+    device_hash: &str,
+) -> Result<(), axum::Error> {
+    if let Some((hw, rehint)) = entry.take_hint() {
+        let why = if rehint { reason::LAGGING_ACK } else { reason::NEW_EVENT };
+        crate::trace_stage!(stage = "push", trace_id = "", device_hash = %device_hash, sync_seq = hw,
+            result = why, "hint sent");
+        m::HINTS.inc();
+        sink.feed(Message::Text(server_frame_text(&ServerFrame::Hint(Hint::user(hw, why))).into())).await?;
     }
-    for frame in &frames {
-        let kind = if matches!(frame, ServerFrame::Typing(_)) { "typing" } else { "presence" };
-        m::EPHEMERAL_SENT.add_by("kind", kind, 1);
-        sink.feed(Message::Text(server_frame_text(frame).into())).await?;
+    for (conv, target, version) in entry.take_conv_hints() {
+        let hint = Hint {
+            user_sync_high_watermark: entry.hinted(),
+            reason: reason::CONV_MOVED.into(),
+            conv: Some(conv),
+            dirty_target_msg_seq: Some(target),
+            dirty_version: Some(version),
+        };
+        m::HINTS.inc();
+        sink.feed(Message::Text(server_frame_text(&ServerFrame::Hint(hint)).into())).await?;
+    }
+    Ok(())
+}
+
+/// Feeds the ephemeral frames waiting for this connection (issue 18), each
+/// the bytes serialised once for all its receivers (no flush).
+async fn feed_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn) -> Result<(), axum::Error> {
+    for frame in eph.take(crate::util::now_ms()) {
+        m::EPHEMERAL_SENT.add_by("kind", frame.kind(), 1);
+        sink.feed(Message::Text(frame.text.clone())).await?;
+    }
+    Ok(())
+}
+
+/// One wake of the writer: what woke it, then everything else that waits,
+/// in one flush. Replies first (at most [`WS_FRAMES_PER_FLUSH_MAX`]), then
+/// hints; ephemeral frames only if no reply is left waiting (shed first).
+async fn write_batch(
+    sink: &mut SplitSink<WebSocket, Message>,
+    wake: Wake,
+    out: &mut mpsc::Receiver<String>,
+    entry: &ConnEntry,
+    eph: &EphConn,
+    device_hash: &str,
+) -> Result<(), axum::Error> {
+    let mut replies = 0;
+    match wake {
+        Wake::Reply(text) => {
+            sink.feed(Message::Text(text.into())).await?;
+            replies = 1;
+        }
+        Wake::Ping => sink.feed(Message::Ping(Default::default())).await?,
+        Wake::Hints | Wake::Ephemeral => {}
+    }
+    while replies < WS_FRAMES_PER_FLUSH_MAX {
+        let Ok(text) = out.try_recv() else { break };
+        sink.feed(Message::Text(text.into())).await?;
+        replies += 1;
+    }
+    feed_hints(sink, entry, device_hash).await?;
+    if out.is_empty() {
+        feed_ephemeral(sink, eph).await?;
     }
     sink.flush().await
 }
@@ -369,47 +441,21 @@ async fn write_loop(
         if let Some(why) = entry.kicked() {
             return send_kicked(&mut sink, why).await;
         }
-        let sent = tokio::select! {
+        let wake = tokio::select! {
             biased;
             _ = kick.changed() => continue,
             _ = crate::util::stopped(&mut shutdown) => return send_kicked(&mut sink, reason::SHUTDOWN).await,
             msg = out.recv() => match msg {
-                Some(text) => sink.send(Message::Text(text.into())).await,
+                Some(text) => Wake::Reply(text),
                 None => return,
             },
-            _ = entry.wake.notified() => {
-                let mut frames = Vec::new();
-                if let Some((hw, rehint)) = entry.take_hint() {
-                    let why = if rehint { reason::LAGGING_ACK } else { reason::NEW_EVENT };
-                    crate::trace_stage!(stage = "push", trace_id = "", device_hash = %device_hash, sync_seq = hw,
-                        result = why, "hint sent");
-                    frames.push(Hint::user(hw, why));
-                }
-                for (conv, target, version) in entry.take_conv_hints() {
-                    frames.push(Hint {
-                        user_sync_high_watermark: entry.hinted(),
-                        reason: reason::CONV_MOVED.into(),
-                        conv: Some(conv),
-                        dirty_target_msg_seq: Some(target),
-                        dirty_version: Some(version),
-                    });
-                }
-                let mut sent = Ok(());
-                for hint in frames {
-                    m::HINTS.inc();
-                    sent = sink.send(Message::Text(server_frame_text(&ServerFrame::Hint(hint)).into())).await;
-                    if sent.is_err() {
-                        break;
-                    }
-                }
-                sent
-            }
+            _ = entry.wake.notified() => Wake::Hints,
             // Shed first: ephemeral frames go only while no reply waits
             // (they wait in their coalescing slots meanwhile).
-            _ = eph.wake.notified(), if out.is_empty() => send_ephemeral(&mut sink, &eph).await,
-            _ = ticker.tick() => sink.send(Message::Ping(Default::default())).await,
+            _ = eph.wake.notified(), if out.is_empty() => Wake::Ephemeral,
+            _ = ticker.tick() => Wake::Ping,
         };
-        if sent.is_err() {
+        if write_batch(&mut sink, wake, &mut out, &entry, &eph, &device_hash).await.is_err() {
             return;
         }
     }
