@@ -350,6 +350,7 @@ mod tests {
                 newest: 4,
                 first_at_ms: NOW - w - 1,
                 expired: 0,
+                preview: Preview::Full,
             },
         );
         check(

@@ -104,7 +104,14 @@ async fn server(provider: Arc<dyn Provider>) -> TestServer {
 }
 
 fn text(conv: &str, cmid: &str, text: &str) -> SendReq {
-    SendReq { conv: conv.into(), client_msg_id: cmid.into(), kind: "text".into(), content: json!({"text": text}) }
+    SendReq {
+        conv: conv.into(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: json!({"text": text}),
+        mentions: Vec::new(),
+        mention_all: false,
+    }
 }
 
 /// A browser's subscription keys; the private half stays here so the

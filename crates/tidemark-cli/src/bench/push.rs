@@ -290,6 +290,8 @@ async fn honest_p99(s: &Setup, tag: &str, seconds: u64) -> Result<f64> {
             client_msg_id: format!("honest-{tag}-{n}"),
             kind: "text".into(),
             content: json!({"text": "honest"}),
+            mentions: Vec::new(),
+            mention_all: false,
         };
         let t = Instant::now();
         s.honest.send(&req).await?;
@@ -311,6 +313,8 @@ async fn burst(s: &Setup, tag: &str, burst: u32) -> Result<Vec<Vec<Instant>>> {
                 client_msg_id: format!("burst-{tag}-{g}-{m}"),
                 kind: "text".into(),
                 content: json!({"text": "burst"}),
+                mentions: Vec::new(),
+                mention_all: false,
             };
             s.burster.send(&req).await?;
             acked[g].push(Instant::now());
