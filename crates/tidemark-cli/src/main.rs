@@ -113,6 +113,11 @@ enum Command {
         /// Latest messages per conversation a snapshot carries.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
         snapshot_messages_per_conv: u32,
+        /// The longest first sync batch a device replays: a new, rebuilding
+        /// or lagging device whose batch would hold more events installs a
+        /// snapshot instead.
+        #[arg(long, default_value_t = tidemark_core::cursor::REPLAY_EVENTS_MAX)]
+        replay_max_events: u64,
         /// Most WebSocket connections this node holds at once; further
         /// upgrades are refused with UNAVAILABLE and a retry hint.
         #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_MAX_DEFAULT)]
@@ -541,6 +546,7 @@ async fn main() -> Result<()> {
             keep_all_logs,
             snapshot_ttl_secs,
             snapshot_messages_per_conv,
+            replay_max_events,
             ws_connections_max,
             large_group_members,
             ws_connections_per_user_max,
@@ -576,6 +582,7 @@ async fn main() -> Result<()> {
                     .then(|| std::time::Duration::from_secs(reconcile_every_secs)),
                 snapshot_ttl: std::time::Duration::from_secs(snapshot_ttl_secs),
                 snapshot_messages_per_conv,
+                replay_max_events,
                 hold_fanout,
                 hint_bus,
                 ws_connections_max,

@@ -108,6 +108,10 @@ pub struct ServerConfig {
     /// a snapshot, and how long a session lives (and fences retention).
     pub recovery_max_gap: u64,
     pub recovery_ttl: Duration,
+    /// The longest first batch a device replays (`core::cursor`
+    /// `RecoveryPolicy::max_replay`): a new, rebuilding or lagging device
+    /// whose batch would hold more events is reset and installs a snapshot.
+    pub replay_max_events: u64,
     /// Lifetime of a snapshot (and of its retention fence).
     pub snapshot_ttl: Duration,
     /// Latest messages per conversation a snapshot carries (older ones
@@ -159,6 +163,7 @@ impl Default for ServerConfig {
             ws_ping: Duration::from_secs(20),
             recovery_max_gap: 1000,
             recovery_ttl: Duration::from_secs(10 * 60),
+            replay_max_events: tidemark_core::cursor::REPLAY_EVENTS_MAX,
             snapshot_ttl: Duration::from_secs(30 * 60),
             snapshot_messages_per_conv: 100,
             snapshot_page_items: 200,

@@ -790,7 +790,7 @@ mod tests {
         let c = Connection::open(dir.path().join("t.db")).unwrap();
         crate::schema::migrate(&c).unwrap();
         let first =
-            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy { max_gap: 0 }, now_ms: 0 };
+            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy::NO_RECOVERY, now_ms: 0 };
         let next = PageQuery::Next { generation: 1, position: 0, high_watermark: 9, recovery_session: None, now_ms: 0 };
         for q in [first, next] {
             let mut stmt = c.prepare(&format!("EXPLAIN QUERY PLAN {}", page_sql(&q))).unwrap();
@@ -815,7 +815,7 @@ mod tests {
         let c = Connection::open(dir.path().join("t.db")).unwrap();
         crate::schema::migrate(&c).unwrap();
         let first =
-            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy { max_gap: 0 }, now_ms: 0 };
+            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy::NO_RECOVERY, now_ms: 0 };
         let next = PageQuery::Next { generation: 1, position: 0, high_watermark: 9, recovery_session: None, now_ms: 0 };
         let user_events_sql = format!(
             "SELECT {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS} FROM user_events e {EVENT_JOINS}

@@ -113,7 +113,7 @@ pub async fn large_group_rules(store: &dyn Store) {
     let shared_groups = || async {
         let first = tidemark_core::page::PageQuery::First {
             client: tidemark_core::cursor::ClientPosition { generation: None, local_applied_sync_seq: Some(0) },
-            policy: tidemark_core::cursor::RecoveryPolicy { max_gap: 0 },
+            policy: tidemark_core::cursor::RecoveryPolicy::NO_RECOVERY,
             now_ms: T0,
         };
         store.sync_page("b", "phone", first, 1).await.unwrap().unwrap().shared_groups
@@ -975,7 +975,7 @@ pub async fn sync_pages_read_their_facts_and_events_together(store: &dyn Store) 
     assert_eq!(store.sync_facts("b", "phone").await.unwrap(), None, "an unknown device has no facts");
     let first = |generation, local| PageQuery::First {
         client: ClientPosition { generation, local_applied_sync_seq: Some(local) },
-        policy: RecoveryPolicy { max_gap: 0 },
+        policy: RecoveryPolicy::NO_RECOVERY,
         now_ms: T0,
     };
     assert!(store.sync_page("b", "phone", first(None, 0), 4).await.unwrap().is_none());
