@@ -193,8 +193,8 @@ pub fn decide_resume_with(
         DeviceState::Active => {
             let same_generation = client.generation == Some(cursor.generation);
             let plausible = local >= cursor.acked_sync_seq && local <= log.high_watermark;
-            let retained = cursor.acked_sync_seq >= log.trimmed_upto
-                && policy.replays(cursor.acked_sync_seq, log.high_watermark);
+            let retained =
+                cursor.acked_sync_seq >= log.trimmed_upto && policy.replays(cursor.acked_sync_seq, log.high_watermark);
             let behind = local < cursor.acked_sync_seq;
             let recoverable = same_generation
                 && behind

@@ -63,6 +63,7 @@ impl Server {
             sessions,
             limits: crate::limits::Limits::new(config_limits),
             lane,
+            gauges: tokio::sync::Mutex::new(None),
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;

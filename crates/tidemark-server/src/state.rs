@@ -49,9 +49,32 @@ pub struct AppState {
     /// This node's WebSocket connections per user, at most
     /// [`ServerConfig::ws_connections_per_user_max`].
     pub ws_user_slots: Arc<UserConnSlots>,
+    /// The store's gauges as last read and when: `/metrics` reads them
+    /// again only once they are [`ServerConfig::gauges_every`] old, so the
+    /// aggregates over every user head and device cost one scan per period
+    /// whatever the scrape rate (concurrent scrapes share one read).
+    pub gauges: tokio::sync::Mutex<Option<(std::time::Instant, tidemark_store::StoreGauges)>>,
 }
 
 impl AppState {
+    /// The store's gauges, read at most once per `gauges_every`; `None`
+    /// when the store did not answer and nothing was read before.
+    pub async fn sampled_gauges(&self, now_ms: i64) -> Option<tidemark_store::StoreGauges> {
+        let mut last = self.gauges.lock().await;
+        if let Some((at, g)) = *last {
+            if at.elapsed() < self.config.gauges_every {
+                return Some(g);
+            }
+        }
+        match self.store.gauges(now_ms).await {
+            Ok(g) => {
+                *last = Some((std::time::Instant::now(), g));
+                Some(g)
+            }
+            Err(_) => last.map(|(_, g)| g),
+        }
+    }
+
     /// A user's log now reaches `hw`: hints this node's connections and
     /// the other nodes' (through the bus).
     pub fn hint_user(&self, user: &str, hw: u64) {
