@@ -16,6 +16,8 @@ pub const WS_CONNECTIONS_PER_USER_MAX_DEFAULT: usize = 20;
 /// only when one of its connections ends.
 pub const WS_USER_FULL_RETRY_AFTER_MS: u64 = 5_000;
 /// How long audit log entries are kept.
+/// Snapshot builds running at once on a node (`snapshot_builds_max`).
+pub const SNAPSHOT_BUILDS_MAX_DEFAULT: usize = 2;
 /// How often `tidemark serve` lets `/metrics` read the store's gauges: at
 /// 100,000 users each read scans every user head and device, so a
 /// deployment scrapes as often as it likes and pays one scan per period.
@@ -129,6 +131,10 @@ pub struct ServerConfig {
     /// [`GAUGES_EVERY_DEFAULT`]; the embedded default is zero so a test's
     /// scrape sees the traffic before it.
     pub gauges_every: Duration,
+    /// Snapshot builds at once on this node; more wait for a slot. Each
+    /// reads its view on one read connection for as long as it runs
+    /// (SQLite has `READERS_MAX` = 4), so sync pages keep the others.
+    pub snapshot_builds_max: usize,
     /// Conversations a snapshot build reads per chunk of its view.
     pub snapshot_convs_per_chunk: usize,
     /// User-log retention (L1–L2); `None` keeps every event.
@@ -181,6 +187,7 @@ impl Default for ServerConfig {
             snapshot_page_items: 200,
             snapshot_convs_per_chunk: tidemark_store::SNAPSHOT_CONVS_PER_CHUNK,
             gauges_every: Duration::ZERO,
+            snapshot_builds_max: SNAPSHOT_BUILDS_MAX_DEFAULT,
             retention: Some(tidemark_store::RetentionPolicy {
                 keep_events_younger_than_ms: 7 * 24 * 3600 * 1000,
                 device_inactive_after_ms: 30 * 24 * 3600 * 1000,

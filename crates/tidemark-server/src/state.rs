@@ -54,6 +54,10 @@ pub struct AppState {
     /// aggregates over every user head and device cost one scan per period
     /// whatever the scrape rate (concurrent scrapes share one read).
     pub gauges: tokio::sync::Mutex<Option<(std::time::Instant, tidemark_store::StoreGauges)>>,
+    /// Snapshot builds running at once, at most
+    /// [`ServerConfig::snapshot_builds_max`]: each holds one of the store's
+    /// read connections for its whole view, and sync pages need the rest.
+    pub snapshot_builds: tokio::sync::Semaphore,
 }
 
 impl AppState {

@@ -117,6 +117,13 @@ pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk
             cursor = now_cursor;
         }
     }
+    // A build holds a read connection for its whole view: at most
+    // `snapshot_builds_max` at once, the others wait their turn.
+    let _slot = state
+        .snapshot_builds
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(ErrorCode::Unavailable, "the server is stopping"))?;
     let snapshot_id = new_id("s");
     let expires_at_ms = now + state.config.snapshot_ttl.as_millis() as i64;
     // The view is read in one read snapshot beside the writer, a chunk of
