@@ -29,6 +29,7 @@ use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
 
+mod bigaccount;
 mod connections;
 mod depth;
 mod device;
@@ -51,6 +52,10 @@ pub enum BenchCommand {
     /// index range, so depth must not matter): the short log is the
     /// baseline of the same run.
     Depth(depth::DepthArgs),
+    /// A new device of a big account (10^6 events over 1,000
+    /// conversations): RESET_REQUIRED and a snapshot, timed until ready,
+    /// beside a new device of a small account of the same run.
+    Bigaccount(bigaccount::BigAccountArgs),
     /// Group fan-out: one sender, every other member one device syncing
     /// on hints; deliveries/s and end-to-end latency beside a bare
     /// tokio-tungstenite broadcast baseline of the same run.
@@ -134,6 +139,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
     match command {
         BenchCommand::Ingest(args) => ingest(args).await,
         BenchCommand::Depth(args) => depth::run(args).await,
+        BenchCommand::Bigaccount(args) => bigaccount::run(args).await,
         BenchCommand::Fanout(args) => fanout::run(args).await,
         BenchCommand::Reconnect(args) => reconnect::run(args).await,
         BenchCommand::Connections(args) => connections::run(args).await,

@@ -123,6 +123,15 @@ enum Command {
         /// Latest messages per conversation a snapshot carries.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
         snapshot_messages_per_conv: u32,
+        /// The longest first sync batch a device replays: a new, rebuilding
+        /// or lagging device whose batch would hold more events installs a
+        /// snapshot instead.
+        #[arg(long, default_value_t = tidemark_core::cursor::REPLAY_EVENTS_MAX)]
+        replay_max_events: u64,
+        /// `/metrics` reads the store's gauges (a scan of every user head
+        /// and device) at most every this many seconds; 0: every scrape.
+        #[arg(long, default_value_t = tidemark_server::config::GAUGES_EVERY_DEFAULT.as_secs())]
+        gauges_every_secs: u64,
         /// Most WebSocket connections this node holds at once; further
         /// upgrades are refused with UNAVAILABLE and a retry hint.
         #[arg(long, default_value_t = tidemark_server::config::WS_CONNECTIONS_MAX_DEFAULT)]
@@ -553,6 +562,8 @@ async fn main() -> Result<()> {
             keep_all_logs,
             snapshot_ttl_secs,
             snapshot_messages_per_conv,
+            replay_max_events,
+            gauges_every_secs,
             ws_connections_max,
             large_group_members,
             ws_connections_per_user_max,
@@ -592,6 +603,8 @@ async fn main() -> Result<()> {
                 },
                 snapshot_ttl: std::time::Duration::from_secs(snapshot_ttl_secs),
                 snapshot_messages_per_conv,
+                replay_max_events,
+                gauges_every: std::time::Duration::from_secs(gauges_every_secs),
                 hold_fanout,
                 hint_bus,
                 ws_connections_max,

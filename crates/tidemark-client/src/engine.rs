@@ -507,7 +507,7 @@ async fn serve(inner: &Arc<Inner>, ws: &WsConn, cmd: Command) {
             let _ = reply.send(result);
         }
         Command::ServerConversations { reply } => {
-            let result = inner.call(ws.conv_list()).await.map(|ok| ok.conversations).map_err(SdkError::Refused);
+            let result = inner.call(ws.conv_list_all()).await.map_err(SdkError::Refused);
             let _ = reply.send(result);
         }
         Command::Request { op, body, reply } => {

@@ -242,7 +242,34 @@ impl WsConn {
         .await
     }
 
+    /// Every conversation in one reply (a request without paging fields).
     pub async fn conv_list(&self) -> ClientResult<ConvListOk> {
         self.request(op::CONV_LIST, &serde_json::json!({})).await
+    }
+
+    /// One page of `conv.list`: at most `limit` conversations after
+    /// `after` (`None`: from the first), in `conv` order.
+    pub async fn conv_list_page(&self, after: Option<&str>, limit: u32) -> ClientResult<ConvListOk> {
+        let req = tidemark_proto::ConvListReq { limit: Some(limit), after: after.map(str::to_owned) };
+        self.request(op::CONV_LIST, &req).await
+    }
+
+    /// Every conversation, following `conv.list` pages of
+    /// [`tidemark_proto::CONV_LIST_LIMIT_MAX`], in list order (pinned first,
+    /// then most recent `last_msg_seq`, then `conv`), as one unpaged reply
+    /// has them.
+    pub async fn conv_list_all(&self) -> ClientResult<Vec<tidemark_proto::ConvSummary>> {
+        let mut all = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let page = self.conv_list_page(after.as_deref(), tidemark_proto::CONV_LIST_LIMIT_MAX).await?;
+            all.extend(page.conversations);
+            match (page.has_more, page.next_after) {
+                (Some(true), Some(next)) => after = Some(next),
+                _ => break,
+            }
+        }
+        all.sort_by(|a, b| b.pinned.cmp(&a.pinned).then(b.last_msg_seq.cmp(&a.last_msg_seq)).then(a.conv.cmp(&b.conv)));
+        Ok(all)
     }
 }

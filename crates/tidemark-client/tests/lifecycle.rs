@@ -199,6 +199,55 @@ async fn a_new_device_after_a_trim_installs_a_snapshot() {
     phone.stop().await;
 }
 
+/// D7, issue 19: a new device of an account whose untrimmed log is longer
+/// than `replay_max_events` gets RESET_REQUIRED and installs a snapshot
+/// instead of replaying the log from 0; one that joins while the log is
+/// short still replays it (the same server, the same account).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_device_of_a_big_account_installs_a_snapshot_instead_of_replaying() {
+    let h = Harness::start_with(ServerConfig { replay_max_events: 5, ..ServerConfig::default() }).await;
+    h.user("alice").await;
+    h.user("bob").await;
+    h.user("carol").await;
+    let phone = h.ready("alice", "phone").await;
+    let with_bob = phone.create_direct("bob").await.unwrap();
+    let with_carol = phone.create_direct("carol").await.unwrap();
+    send_ok(&phone, &with_bob, "b1").await;
+    send_ok(&phone, &with_carol, "c1").await;
+    h.wait_log("alice", 2).await;
+    // A short log: replayed from 0, no reset.
+    let laptop = Client::open(h.config("alice", "laptop")).unwrap();
+    let mut laptop_changes = laptop.subscribe();
+    laptop.start().await.unwrap();
+    let seen = collect_until(&mut laptop_changes, |c| matches!(c, Change::Acked { acked_sync_seq: 2, .. })).await;
+    assert!(!seen.iter().any(|c| matches!(c, Change::Reset { .. } | Change::SnapshotInstalled { .. })), "{seen:?}");
+    assert_eq!(h.server().state.store.user_log("alice").await.unwrap().trimmed_upto, 0, "never trimmed");
+    for i in 2..=4 {
+        send_ok(&phone, &with_bob, &format!("b{i}")).await;
+        send_ok(&phone, &with_carol, &format!("c{i}")).await;
+    }
+    h.wait_log("alice", 8).await;
+    // Eight events, above the bound of five: a snapshot, on a whole log.
+    let tablet = Client::open(h.config("alice", "tablet")).unwrap();
+    let mut changes = tablet.subscribe();
+    tablet.start().await.unwrap();
+    let seen = collect_until(&mut changes, |c| matches!(c, Change::SnapshotInstalled { .. })).await;
+    assert!(seen.iter().any(|c| matches!(c, Change::Reset { .. })), "{seen:?}");
+    tablet.wait_state(ConnState::Ready, WAIT).await.unwrap();
+    assert_eq!(h.server_ack("alice", "tablet").await, (2, 8), "installed at the base under a new generation");
+    for conv in [&with_bob, &with_carol] {
+        let msgs = tablet.messages(conv).await.unwrap();
+        assert_eq!(msgs.len(), 4, "every message of {conv}");
+        assert!(msgs.iter().all(|m| m.sync_seq.is_none()), "from the snapshot, not the log");
+    }
+    send_ok(&phone, &with_bob, "b5").await;
+    let msgs = wait_messages(&tablet, &with_bob, 5).await;
+    assert_eq!(msgs[4].content["text"], "b5", "incremental sync after the install");
+    tablet.stop().await;
+    laptop.stop().await;
+    phone.stop().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_second_instance_of_the_device_supersedes_the_first_which_stays_down() {
     let h = Harness::start().await;

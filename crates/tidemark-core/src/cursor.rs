@@ -104,12 +104,34 @@ pub struct RecoveryInfo {
     pub expires_at_ms: i64,
 }
 
-/// Bounds of recovery sessions.
+/// The default of [`RecoveryPolicy::max_replay`]: a first batch longer
+/// than this is a snapshot instead. A snapshot of a big account costs about
+/// its conversations times `snapshot_messages_per_conv` items whatever the
+/// log holds, a replay one event per event; 10,000 events is a snapshot of
+/// 100 busy conversations.
+pub const REPLAY_EVENTS_MAX: SyncSeq = 10_000;
+
+/// Bounds of recovery sessions and replays.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RecoveryPolicy {
     /// "A little behind": at most this many events between the local
     /// position and the server ACK; more than that gets a snapshot.
     pub max_gap: SyncSeq,
+    /// The longest batch a first page starts (`H` minus where it starts):
+    /// a new device, a rebuilding one, an active one or a recovery that
+    /// would replay more than this is reset and installs a snapshot
+    /// (D7, seed §7.5 and §11.3: never replay a whole big log).
+    pub max_replay: SyncSeq,
+}
+
+impl RecoveryPolicy {
+    /// No recovery sessions, replays up to [`REPLAY_EVENTS_MAX`].
+    pub const NO_RECOVERY: RecoveryPolicy = RecoveryPolicy { max_gap: 0, max_replay: REPLAY_EVENTS_MAX };
+
+    /// Whether a batch `(from, head]` is short enough to replay.
+    pub fn replays(&self, from: SyncSeq, head: SyncSeq) -> bool {
+        head.saturating_sub(from) <= self.max_replay
+    }
 }
 
 /// The user's log as the resume rule needs it.
@@ -125,9 +147,10 @@ pub struct UserLog {
 ///
 /// A client that claims to have applied beyond the user's head has a
 /// corrupt store and is reset; a device whose ACK fell below the trimmed
-/// part of the log cannot replay and is reset too (L2, D7).
+/// part of the log cannot replay and is reset too (L2, D7); so is one whose
+/// batch would replay more than [`REPLAY_EVENTS_MAX`] events.
 pub fn decide_resume(cursor: DeviceCursor, client: ClientPosition, log: UserLog) -> Resume {
-    decide_resume_with(cursor, client, log, None, RecoveryPolicy { max_gap: 0 }, 0)
+    decide_resume_with(cursor, client, log, None, RecoveryPolicy::NO_RECOVERY, 0)
 }
 
 /// D5–D6: the resume rule with recovery sessions. `session` is the
@@ -141,7 +164,8 @@ pub fn decide_resume_with(
     now_ms: i64,
 ) -> Resume {
     let local = client.local_applied_sync_seq.unwrap_or(0);
-    let whole_log = log.trimmed_upto == 0;
+    // The whole log is there and short enough to replay from its start.
+    let whole_log = log.trimmed_upto == 0 && policy.replays(0, log.high_watermark);
     if cursor.state == DeviceState::Recovering {
         let live = session.is_some_and(|s| now_ms < s.expires_at_ms);
         return if live && client.generation == Some(cursor.generation) {
@@ -169,12 +193,14 @@ pub fn decide_resume_with(
         DeviceState::Active => {
             let same_generation = client.generation == Some(cursor.generation);
             let plausible = local >= cursor.acked_sync_seq && local <= log.high_watermark;
-            let retained = cursor.acked_sync_seq >= log.trimmed_upto;
+            let retained =
+                cursor.acked_sync_seq >= log.trimmed_upto && policy.replays(cursor.acked_sync_seq, log.high_watermark);
             let behind = local < cursor.acked_sync_seq;
             let recoverable = same_generation
                 && behind
                 && cursor.acked_sync_seq - local <= policy.max_gap
-                && local >= log.trimmed_upto;
+                && local >= log.trimmed_upto
+                && policy.replays(local, log.high_watermark);
             if same_generation && plausible && retained {
                 Resume::Replay { generation: cursor.generation, from: cursor.acked_sync_seq }
             } else if recoverable {
@@ -370,6 +396,43 @@ mod tests {
         assert_eq!(decide_resume(resetting, pos(Some(4), Some(0)), log), Resume::StillResetting { generation: 4 });
     }
 
+    /// D7, seed §7.5: a first batch longer than `max_replay` is a snapshot,
+    /// whoever asks; at the bound it is still a replay. Each row is
+    /// (cursor, client, head, trimmed, expected) under `max_gap` 20 and
+    /// `max_replay` 100.
+    #[test]
+    fn long_replays_become_snapshots() {
+        let policy = RecoveryPolicy { max_gap: 20, max_replay: 100 };
+        let new = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::New };
+        let resetting = DeviceCursor { generation: 4, acked_sync_seq: 0, state: DeviceState::Resetting };
+        let cases = [
+            // A new device of a small account replays its whole log...
+            (new, pos(None, None), 100, 0, Resume::Activate { generation: 1 }),
+            // ...of a big one, a snapshot (today: a replay from 0).
+            (new, pos(None, None), 101, 0, Resume::Reset { expected: 1 }),
+            (new, pos(None, None), 1_000_000, 0, Resume::Reset { expected: 1 }),
+            (resetting, pos(Some(4), Some(0)), 100, 0, Resume::Rebuild { generation: 4 }),
+            (resetting, pos(Some(4), Some(0)), 101, 0, Resume::StillResetting { generation: 4 }),
+            // An active device 100 behind replays; 101 behind resets.
+            (active(2, 50), pos(Some(2), Some(50)), 150, 0, Resume::Replay { generation: 2, from: 50 }),
+            (active(2, 50), pos(Some(2), Some(50)), 151, 0, Resume::Reset { expected: 2 }),
+            (active(2, 50), pos(Some(2), Some(60)), 151, 10, Resume::Reset { expected: 2 }),
+            // A recovery replays from the local position: that is the batch.
+            (active(2, 50), pos(Some(2), Some(40)), 140, 0, Resume::Recover { expected: 2, from: 40 }),
+            (active(2, 50), pos(Some(2), Some(40)), 141, 0, Resume::Reset { expected: 2 }),
+        ];
+        for (i, (cursor, client, head, trimmed, want)) in cases.into_iter().enumerate() {
+            let log = UserLog { high_watermark: head, trimmed_upto: trimmed };
+            assert_eq!(decide_resume_with(cursor, client, log, None, policy, 0), want, "row {i}");
+        }
+        assert!(policy.replays(0, 100) && !policy.replays(0, 101) && policy.replays(200, 100));
+        // The plain rule bounds replays by the named default.
+        let log = UserLog { high_watermark: REPLAY_EVENTS_MAX + 1, trimmed_upto: 0 };
+        assert_eq!(decide_resume(new, pos(None, None), log), Resume::Reset { expected: 1 });
+        let log = UserLog { high_watermark: REPLAY_EVENTS_MAX, trimmed_upto: 0 };
+        assert_eq!(decide_resume(new, pos(None, None), log), Resume::Activate { generation: 1 });
+    }
+
     #[test]
     fn ack_rules() {
         assert_eq!(decide_ack(active(3, 5), 3, 9), AckDecision::Advance { to: 9 });
@@ -386,7 +449,7 @@ mod tests {
     #[test]
     fn recovery_rules() {
         let log = UserLog { high_watermark: 100, trimmed_upto: 10 };
-        let policy = RecoveryPolicy { max_gap: 20 };
+        let policy = RecoveryPolicy { max_gap: 20, max_replay: REPLAY_EVENTS_MAX };
         let recover = |local| decide_resume_with(active(3, 50), pos(Some(3), Some(local)), log, None, policy, 0);
         assert_eq!(recover(40), Resume::Recover { expected: 3, from: 40 }, "a little behind");
         assert_eq!(recover(29), Resume::Reset { expected: 3 }, "too far behind");

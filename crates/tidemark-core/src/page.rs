@@ -156,7 +156,7 @@ mod tests {
     fn first(generation: Option<u64>, local: u64) -> PageQuery {
         PageQuery::First {
             client: ClientPosition { generation, local_applied_sync_seq: Some(local) },
-            policy: RecoveryPolicy { max_gap: 10 },
+            policy: RecoveryPolicy { max_gap: 10, max_replay: 100 },
             now_ms: NOW,
         }
     }
@@ -213,6 +213,13 @@ mod tests {
                 (facts(cursor(Resetting, 2, 0), 90, 5, None), first(Some(2), 0)),
                 (F(Resume::StillResetting { generation: 2 }), None),
             ),
+            // A first batch above `max_replay` (100): a snapshot, no page.
+            ((facts(cursor(New, 1, 0), 101, 0, None), first(None, 0)), (F(Resume::Reset { expected: 1 }), None)),
+            (
+                (facts(cursor(Resetting, 2, 0), 101, 0, None), first(Some(2), 0)),
+                (F(Resume::StillResetting { generation: 2 }), None),
+            ),
+            ((facts(active, 141, 0, None), first(Some(3), 40)), (F(Resume::Reset { expected: 3 }), None)),
             (
                 (facts(recovering, 90, 0, session("r1", 35, 80, NOW + 1)), first(Some(4), 35)),
                 (F(Resume::ContinueRecovery { generation: 4 }), Some((35, 80))),

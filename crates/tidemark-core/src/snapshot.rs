@@ -2,12 +2,9 @@
 //! installs. A backend reads the snapshot row and the device row in its
 //! write transaction, calls these and writes what they decide.
 
-use crate::cursor::{DeviceCursor, DeviceState};
+use crate::cursor::{DeviceCursor, DeviceState, UserLog};
 use crate::kinds::SNAPSHOT_READY;
 use crate::{Generation, Refusal, SyncSeq};
-
-/// Most conversations in one snapshot.
-pub const SNAPSHOT_CONVS_MAX: usize = 10_000;
 
 /// A snapshot's record, as the rules see it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,10 +31,17 @@ pub fn check_begin(cursor: DeviceCursor, generation: Generation) -> Result<(), R
     Ok(())
 }
 
-/// A snapshot holds at most [`SNAPSHOT_CONVS_MAX`] conversations.
-pub fn check_conversations(n: usize) -> Result<(), Refusal> {
-    if n > SNAPSHOT_CONVS_MAX {
-        return Err(Refusal::Invalid(format!("more than {SNAPSHOT_CONVS_MAX} conversations")));
+/// A view read at `base` (the head of the read snapshot it came from)
+/// starts a snapshot only if the log, as the writer sees it when it
+/// records the snapshot, still holds everything after `base`: retention may
+/// have trimmed past it between the read and the record, and a snapshot
+/// whose incremental sync could never start would only reset again.
+pub fn check_base(base: SyncSeq, log: UserLog) -> Result<(), Refusal> {
+    if base < log.trimmed_upto || base > log.high_watermark {
+        return Err(Refusal::Conflict(format!(
+            "the log moved past the snapshot's base {base} (trimmed to {}, head {}); retry",
+            log.trimmed_upto, log.high_watermark
+        )));
     }
     Ok(())
 }
@@ -146,10 +150,15 @@ mod tests {
         assert!(!serves_page(&READY, 3));
         assert!(!serves_page(&Snapshot { state: SNAPSHOT_BUILDING, ..READY }, 0));
         assert!(!serves_page(&Snapshot { state: SNAPSHOT_INSTALLED, ..READY }, 0));
-        assert_eq!(check_conversations(SNAPSHOT_CONVS_MAX), Ok(()));
-        assert_eq!(
-            check_conversations(SNAPSHOT_CONVS_MAX + 1),
-            Err(Refusal::Invalid(format!("more than {SNAPSHOT_CONVS_MAX} conversations")))
-        );
+        let log = UserLog { high_watermark: 50, trimmed_upto: 20 };
+        assert_eq!(check_base(20, log), Ok(()), "at the trim point: the sync after it starts there");
+        assert_eq!(check_base(50, log), Ok(()));
+        let moved = |b| {
+            Err(Refusal::Conflict(format!(
+                "the log moved past the snapshot's base {b} (trimmed to 20, head 50); retry"
+            )))
+        };
+        assert_eq!(check_base(19, log), moved(19), "trimmed between the read and the record");
+        assert_eq!(check_base(51, log), moved(51));
     }
 }

@@ -572,6 +572,23 @@ impl Store for PgStore {
             .await
     }
 
+    async fn conversations_after(
+        &self,
+        user: &str,
+        device: Option<&str>,
+        after: &str,
+        limit: u32,
+    ) -> StoreResult<Vec<ConvState>> {
+        let (user, device, after) = (user.to_owned(), device.map(str::to_owned), after.to_owned());
+        self.readers
+            .snapshot(move |c| {
+                Box::pin(async move {
+                    read::conv_rows(c, &user, device.as_deref(), read::Rows::Page { after: &after, limit }).await
+                })
+            })
+            .await
+    }
+
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         let policy = self.group_policy();
         self.conv_writer(&cmd.conv)
@@ -892,45 +909,55 @@ impl Store for PgStore {
         self.readers.read(move |c| Box::pin(async move { lifecycle::user_log(c, &user).await })).await
     }
 
-    async fn begin_snapshot(
+    async fn read_snapshot_view(
         &self,
         user: &str,
         device: &str,
-        generation: u64,
-        snapshot_id: &str,
         messages_per_conv: u32,
-        expires_at_ms: i64,
-        now_ms: i64,
-    ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)> {
-        let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
-        self.user_writer
-            .write(move |c| {
+        convs_per_chunk: usize,
+        out: tokio::sync::mpsc::Sender<SnapshotViewPart>,
+    ) -> StoreResult<()> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers
+            .snapshot(move |c| {
                 Box::pin(async move {
-                    lifecycle::begin_snapshot(
-                        c,
-                        &user,
-                        &device,
-                        generation,
-                        &id,
-                        messages_per_conv,
-                        expires_at_ms,
-                        now_ms,
-                    )
-                    .await
+                    lifecycle::read_snapshot_view(c, &user, &device, messages_per_conv, convs_per_chunk, &out).await
                 })
             })
             .await
     }
 
-    async fn finish_snapshot(
+    async fn open_snapshot(
         &self,
+        user: &str,
+        device: &str,
+        generation: u64,
         snapshot_id: &str,
-        manifest_digest: &str,
-        pages: Vec<Vec<String>>,
+        base: SyncSeq,
+        expires_at_ms: i64,
+        now_ms: i64,
     ) -> StoreResult<()> {
+        let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
+        self.user_writer
+            .write(move |c| {
+                Box::pin(async move {
+                    lifecycle::open_snapshot(c, &user, &device, generation, &id, base, expires_at_ms, now_ms).await
+                })
+            })
+            .await
+    }
+
+    async fn add_snapshot_page(&self, snapshot_id: &str, page: u32, items: Vec<String>) -> StoreResult<()> {
+        let id = snapshot_id.to_owned();
+        self.writer()
+            .write(move |c| Box::pin(async move { lifecycle::add_snapshot_page(c, &id, page, &items).await }))
+            .await
+    }
+
+    async fn seal_snapshot(&self, snapshot_id: &str, manifest_digest: &str, pages: u32) -> StoreResult<()> {
         let (id, digest) = (snapshot_id.to_owned(), manifest_digest.to_owned());
         self.writer()
-            .write(move |c| Box::pin(async move { lifecycle::finish_snapshot(c, &id, &digest, &pages).await }))
+            .write(move |c| Box::pin(async move { lifecycle::seal_snapshot(c, &id, &digest, pages).await }))
             .await
     }
 

@@ -2,10 +2,11 @@
 //! snapshots (D7) and user-log retention (L1–L2), with the SQLite backend's
 //! rules. Writer-side functions run inside the writer's transaction.
 //!
-//! A snapshot's view is read in the very transaction that freezes its base,
-//! with the user's head row locked, so no fan-out (from this writer or any
-//! other) can add to the user's log between the base and the view.
-//! Operations that move where a user's log may be trimmed (opening a
+//! A snapshot's view is read in one `REPEATABLE READ` snapshot whose
+//! head is the base, so no fan-out (from this writer or any other) can add
+//! to the user's log between the base and the view, and no writer waits
+//! for it; the snapshot is then recorded at that base and stored one page
+//! per writer request. Operations that move where a user's log may be trimmed (opening a
 //! recovery session, starting a snapshot) and the trimming itself lock the
 //! user's head row first, so a fence is never computed while another writer
 //! is adding one. This module knows nothing about the queue or the pool.
@@ -37,35 +38,27 @@ pub(crate) async fn user_log(c: &Conn, user: &str) -> R<UserLog> {
     })
 }
 
-#[allow(clippy::too_many_arguments)]
-pub(crate) async fn begin_snapshot(
+/// The snapshot view (D7), in one `REPEATABLE READ READ ONLY` transaction
+/// of a snapshot reader: the head it reads first is the base, and
+/// everything after comes from the same snapshot, so the view is exactly
+/// the user's at that base while every writer goes on. Sent in chunks of
+/// `chunk` conversations through `out` (waiting while it is full); a
+/// dropped receiver ends it.
+pub(crate) async fn read_snapshot_view(
     c: &Conn,
     user: &str,
     device: &str,
-    generation: u64,
-    snapshot_id: &str,
     per_conv: u32,
-    expires_at_ms: i64,
-    now_ms: i64,
-) -> R<(u64, Vec<SnapshotConv>)> {
-    events::lock_user(c, user).await?;
-    snapshot::check_begin(device_cursor(c, user, device).await?, generation)?;
-    let base = user_log(c, user).await?.high_watermark;
-    exec(
-        c,
-        "INSERT INTO snapshots (snapshot_id, user_id, device_id, generation, base_sync_seq, state, created_at, expires_at)
-         VALUES ($1, $2, $3, $4, $5, 'BUILDING', $6, $7)",
-        &[&snapshot_id, &user, &device, &big(generation), &big(base), &now_ms, &expires_at_ms],
-    )
-    .await?;
+    chunk: usize,
+    out: &tokio::sync::mpsc::Sender<SnapshotViewPart>,
+) -> R<()> {
+    if out.send(SnapshotViewPart::Base(user_log(c, user).await?)).await.is_err() {
+        return Ok(());
+    }
     let convs = read::list_conversations(c, user, Some(device)).await?;
-    snapshot::check_conversations(convs.len())?;
-    // What fan-out delivered to this user up to now, i.e. up to the base:
-    // per conversation, messages up to the projection's last_msg_seq, inside
-    // the user's periods, newest `per_conv`; all conversations in one
-    // statement.
-    let ids: Vec<String> = convs.iter().map(|s| s.conv.clone()).collect();
-    let lasts: Vec<i64> = convs.iter().map(|s| big(s.last_msg_seq)).collect();
+    // What fan-out delivered to this user up to the base: per
+    // conversation, messages up to the projection's last_msg_seq, inside
+    // the user's periods, newest `per_conv`; a chunk in one statement.
     let sql = format!(
         "SELECT x.n, {cols} FROM unnest($1::text[], $3::bigint[]) WITH ORDINALITY AS x(conv_id, last, n)
          CROSS JOIN LATERAL (
@@ -76,51 +69,99 @@ pub(crate) async fn begin_snapshot(
         cols = read::MSG_COLS,
         visible = read::VISIBLE,
     );
-    let rows = query(c, &sql, &[&ids, &user, &lasts, &i64::from(per_conv)]).await?;
-    let mut slots = Vec::with_capacity(rows.len());
-    let mut messages = Vec::with_capacity(rows.len());
-    for r in &rows {
-        let n: i64 = col(r, 0)?;
-        slots.push(usize::try_from(n - 1).map_err(|_| StoreError::Internal(format!("bad ordinality {n}")))?);
-        messages.push(read::message_at(r, 1)?);
+    let mut convs = convs.into_iter().peekable();
+    while convs.peek().is_some() {
+        let states: Vec<ConvState> = convs.by_ref().take(chunk.max(1)).collect();
+        let ids: Vec<String> = states.iter().map(|s| s.conv.clone()).collect();
+        let lasts: Vec<i64> = states.iter().map(|s| big(s.last_msg_seq)).collect();
+        let rows = query(c, &sql, &[&ids, &user, &lasts, &i64::from(per_conv)]).await?;
+        let mut slots = Vec::with_capacity(rows.len());
+        let mut messages = Vec::with_capacity(rows.len());
+        for r in &rows {
+            let n: i64 = col(r, 0)?;
+            slots.push(usize::try_from(n - 1).map_err(|_| StoreError::Internal(format!("bad ordinality {n}")))?);
+            messages.push(read::message_at(r, 1)?);
+        }
+        read::decorate(c, user, &mut messages).await?;
+        let mut part: Vec<SnapshotConv> =
+            states.into_iter().map(|state| SnapshotConv { state, messages: Vec::new() }).collect();
+        for (slot, (m, _)) in slots.into_iter().zip(messages) {
+            let conv = part.get_mut(slot).ok_or_else(|| StoreError::Internal(format!("bad snapshot slot {slot}")))?;
+            conv.messages.push(m);
+        }
+        if out.send(SnapshotViewPart::Convs(part)).await.is_err() {
+            return Ok(());
+        }
     }
-    read::decorate(c, user, &mut messages).await?;
-    let mut view: Vec<SnapshotConv> =
-        convs.into_iter().map(|state| SnapshotConv { state, messages: Vec::new() }).collect();
-    for (slot, (m, _)) in slots.into_iter().zip(messages) {
-        let conv = view.get_mut(slot).ok_or_else(|| StoreError::Internal(format!("bad snapshot slot {slot}")))?;
-        conv.messages.push(m);
-    }
-    Ok((base, view))
+    Ok(())
 }
 
-pub(crate) async fn finish_snapshot(c: &Conn, snapshot_id: &str, digest: &str, pages: &[Vec<String>]) -> R<()> {
+/// Records a `BUILDING` snapshot at a view's base, the user's head row
+/// locked (a fence is never added while retention computes one).
+#[allow(clippy::too_many_arguments)]
+pub(crate) async fn open_snapshot(
+    c: &Conn,
+    user: &str,
+    device: &str,
+    generation: u64,
+    snapshot_id: &str,
+    base: u64,
+    expires_at_ms: i64,
+    now_ms: i64,
+) -> R<()> {
+    events::lock_user(c, user).await?;
+    snapshot::check_begin(device_cursor(c, user, device).await?, generation)?;
+    snapshot::check_base(base, user_log(c, user).await?)?;
+    exec(
+        c,
+        "INSERT INTO snapshots (snapshot_id, user_id, device_id, generation, base_sync_seq, state, created_at, expires_at)
+         VALUES ($1, $2, $3, $4, $5, 'BUILDING', $6, $7)",
+        &[&snapshot_id, &user, &device, &big(generation), &big(base), &now_ms, &expires_at_ms],
+    )
+    .await?;
+    Ok(())
+}
+
+fn not_building(snapshot_id: &str) -> StoreError {
+    StoreError::Conflict(format!("snapshot {snapshot_id} is not building"))
+}
+
+/// One page of a `BUILDING` snapshot, in one statement.
+pub(crate) async fn add_snapshot_page(c: &Conn, snapshot_id: &str, page: u32, items: &[String]) -> R<()> {
+    let building = query_opt(
+        c,
+        "SELECT 1 FROM snapshots WHERE snapshot_id = $1 AND state = 'BUILDING' FOR UPDATE",
+        &[&snapshot_id],
+    )
+    .await?;
+    if building.is_none() {
+        return Err(not_building(snapshot_id));
+    }
+    if !items.is_empty() {
+        let idxs: Vec<i64> = (0..items.len() as i64).collect();
+        let texts: Vec<&str> = items.iter().map(String::as_str).collect();
+        exec(
+            c,
+            "INSERT INTO snapshot_items (snapshot_id, page, idx, item)
+             SELECT $1, $2, i, t FROM unnest($3::bigint[], $4::text[]) AS x(i, t)",
+            &[&snapshot_id, &i64::from(page), &idxs, &texts],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// `BUILDING` → `READY`.
+pub(crate) async fn seal_snapshot(c: &Conn, snapshot_id: &str, digest: &str, pages: u32) -> R<()> {
     let n = exec(
         c,
         "UPDATE snapshots SET state = 'READY', manifest_digest = $2, pages = $3
          WHERE snapshot_id = $1 AND state = 'BUILDING'",
-        &[&snapshot_id, &digest, &(pages.len() as i64)],
+        &[&snapshot_id, &digest, &i64::from(pages)],
     )
     .await?;
     if n != 1 {
-        return Err(StoreError::Conflict(format!("snapshot {snapshot_id} is not building")));
-    }
-    let (mut page_nos, mut idxs, mut items) = (Vec::new(), Vec::new(), Vec::new());
-    for (p, page) in pages.iter().enumerate() {
-        for (i, item) in page.iter().enumerate() {
-            page_nos.push(p as i64);
-            idxs.push(i as i64);
-            items.push(item.as_str());
-        }
-    }
-    if !items.is_empty() {
-        exec(
-            c,
-            "INSERT INTO snapshot_items (snapshot_id, page, idx, item)
-             SELECT $1, p, i, t FROM unnest($2::bigint[], $3::bigint[], $4::text[]) AS x(p, i, t)",
-            &[&snapshot_id, &page_nos, &idxs, &items],
-        )
-        .await?;
+        return Err(not_building(snapshot_id));
     }
     Ok(())
 }

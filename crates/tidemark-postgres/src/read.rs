@@ -108,6 +108,11 @@ pub(crate) enum Rows<'a> {
     All,
     Shared,
     One(&'a str),
+    /// Up to `limit` rows after `after`, in `conv_id` order (the key).
+    Page {
+        after: &'a str,
+        limit: u32,
+    },
 }
 
 /// The rows of `user`'s list, markers evaluated for `device`.
@@ -119,6 +124,10 @@ pub(crate) async fn conv_rows(c: &Conn, user: &str, device: Option<&str>, which:
         Rows::Shared => query(c, &format!("SELECT {LIST_COLS} {from} AND uc.shared"), &[&user, &device]).await?,
         Rows::One(conv) => {
             query(c, &format!("SELECT {LIST_COLS} {from} AND uc.conv_id = $3"), &[&user, &device, &conv]).await?
+        }
+        Rows::Page { after, limit } => {
+            let sql = format!("SELECT {LIST_COLS} {from} AND uc.conv_id > $3 ORDER BY uc.conv_id LIMIT $4");
+            query(c, &sql, &[&user, &device, &after, &i64::from(limit)]).await?
         }
     };
     // The dirty list of the sync path reads markers only: no unread count.

@@ -48,6 +48,10 @@ pub const SYNC_LIMIT_MAX: u32 = 1000;
 /// A sync page stops adding events once their contents reach this many
 /// bytes (it always carries at least one), so a reply stays a bounded frame.
 pub const SYNC_PAGE_BYTES_MAX: usize = 1024 * 1024;
+/// Default and largest page of a paged `conv.list` (one that sends `limit`
+/// or `after`; one that sends neither gets every conversation at once).
+pub const CONV_LIST_LIMIT_DEFAULT: u32 = 200;
+pub const CONV_LIST_LIMIT_MAX: u32 = 1000;
 /// Default and largest page of `conv.sync`.
 pub const CONV_SYNC_LIMIT_DEFAULT: u32 = 50;
 pub const CONV_SYNC_LIMIT_MAX: u32 = 200;
@@ -1059,10 +1063,39 @@ pub struct QuarantineEntry {
     pub created_at_ms: i64,
 }
 
+/// `conv.list`. With neither field: every conversation, in list order
+/// (pinned first, then most recent `last_msg_seq`, then `conv`), as before
+/// paging existed. With `limit` or `after`: one page of at most `limit`
+/// conversations in `conv` order, those after `after`.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ConvListReq {
+    #[serde(default, deserialize_with = "whole::opt", skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv_list_limit))]
+    pub limit: Option<u32>,
+    /// The `next_after` of the previous page (a conversation id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[cfg_attr(feature = "openapi", schema(schema_with = openapi::conv))]
+    pub after: Option<String>,
+}
+
+impl ConvListReq {
+    /// Whether the caller asked for a page.
+    pub fn paged(&self) -> bool {
+        self.limit.is_some() || self.after.is_some()
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct ConvListOk {
     pub conversations: Vec<ConvSummary>,
+    /// Paged replies only: whether conversations follow this page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub has_more: Option<bool>,
+    /// Paged replies with `has_more` only: the `after` of the next page.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub next_after: Option<String>,
 }
 
 // ------------------------------------------------------------------ send

@@ -132,6 +132,10 @@ pub fn sync_limit() -> RefOr<Schema> {
     limit(SYNC_LIMIT_DEFAULT, SYNC_LIMIT_MAX)
 }
 
+pub fn conv_list_limit() -> RefOr<Schema> {
+    limit(CONV_LIST_LIMIT_DEFAULT, CONV_LIST_LIMIT_MAX)
+}
+
 pub fn conv_sync_limit() -> RefOr<Schema> {
     limit(CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX)
 }

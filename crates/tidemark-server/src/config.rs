@@ -16,6 +16,12 @@ pub const WS_CONNECTIONS_PER_USER_MAX_DEFAULT: usize = 20;
 /// only when one of its connections ends.
 pub const WS_USER_FULL_RETRY_AFTER_MS: u64 = 5_000;
 /// How long audit log entries are kept.
+/// Snapshot builds running at once on a node (`snapshot_builds_max`).
+pub const SNAPSHOT_BUILDS_MAX_DEFAULT: usize = 2;
+/// How often `tidemark serve` lets `/metrics` read the store's gauges: at
+/// 100,000 users each read scans every user head and device, so a
+/// deployment scrapes as often as it likes and pays one scan per period.
+pub const GAUGES_EVERY_DEFAULT: Duration = Duration::from_secs(10);
 pub const AUDIT_KEEP_DEFAULT: Duration = Duration::from_secs(90 * 24 * 3600);
 /// Time a WebSocket has from its upgrade to authenticate (`auth` frame).
 pub const WS_AUTH_TIMEOUT_DEFAULT: Duration = Duration::from_secs(10);
@@ -108,13 +114,29 @@ pub struct ServerConfig {
     /// a snapshot, and how long a session lives (and fences retention).
     pub recovery_max_gap: u64,
     pub recovery_ttl: Duration,
+    /// The longest first batch a device replays (`core::cursor`
+    /// `RecoveryPolicy::max_replay`): a new, rebuilding or lagging device
+    /// whose batch would hold more events is reset and installs a snapshot.
+    pub replay_max_events: u64,
     /// Lifetime of a snapshot (and of its retention fence).
     pub snapshot_ttl: Duration,
     /// Latest messages per conversation a snapshot carries (older ones
     /// come from `history`).
     pub snapshot_messages_per_conv: u32,
-    /// Items per snapshot page.
+    /// Items per snapshot page (each page is one writer request).
     pub snapshot_page_items: usize,
+    /// `/metrics` reads the store's gauges (aggregates over every user head
+    /// and device) at most this often, serving the last read in between;
+    /// zero: at every scrape. `tidemark serve` defaults to
+    /// [`GAUGES_EVERY_DEFAULT`]; the embedded default is zero so a test's
+    /// scrape sees the traffic before it.
+    pub gauges_every: Duration,
+    /// Snapshot builds at once on this node; more wait for a slot. Each
+    /// reads its view on one read connection for as long as it runs
+    /// (SQLite has `READERS_MAX` = 4), so sync pages keep the others.
+    pub snapshot_builds_max: usize,
+    /// Conversations a snapshot build reads per chunk of its view.
+    pub snapshot_convs_per_chunk: usize,
     /// User-log retention (L1–L2); `None` keeps every event.
     pub retention: Option<tidemark_store::RetentionPolicy>,
     /// How often the retention pass runs.
@@ -162,9 +184,13 @@ impl Default for ServerConfig {
             ws_ping: Duration::from_secs(20),
             recovery_max_gap: 1000,
             recovery_ttl: Duration::from_secs(10 * 60),
+            replay_max_events: tidemark_core::cursor::REPLAY_EVENTS_MAX,
             snapshot_ttl: Duration::from_secs(30 * 60),
             snapshot_messages_per_conv: 100,
             snapshot_page_items: 200,
+            snapshot_convs_per_chunk: tidemark_store::SNAPSHOT_CONVS_PER_CHUNK,
+            gauges_every: Duration::ZERO,
+            snapshot_builds_max: SNAPSHOT_BUILDS_MAX_DEFAULT,
             retention: Some(tidemark_store::RetentionPolicy {
                 keep_events_younger_than_ms: 7 * 24 * 3600 * 1000,
                 device_inactive_after_ms: 30 * 24 * 3600 * 1000,

@@ -46,6 +46,7 @@ impl Server {
         let lane =
             Arc::new(crate::ephemeral::Lane::new(store.clone(), config.ephemeral.clone(), bus.ephemeral_sender()));
         let push_sealer = crate::push::sealer(&config.push, &secret);
+        let snapshot_builds_max = config.snapshot_builds_max.max(1);
         let state = Arc::new(AppState {
             store,
             keys: TokenKeys::from_secret(&secret),
@@ -65,6 +66,8 @@ impl Server {
             limits: crate::limits::Limits::new(config_limits),
             lane,
             load: crate::degrade::LoadState::new(load_bounds),
+            gauges: tokio::sync::Mutex::new(None),
+            snapshot_builds: tokio::sync::Semaphore::new(snapshot_builds_max),
         });
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;

@@ -52,9 +52,36 @@ pub struct AppState {
     /// The load level the relay last observed, and the degradation order
     /// applied to it (seed §9.4).
     pub load: crate::degrade::LoadState,
+    /// The store's gauges as last read and when: `/metrics` reads them
+    /// again only once they are [`ServerConfig::gauges_every`] old, so the
+    /// aggregates over every user head and device cost one scan per period
+    /// whatever the scrape rate (concurrent scrapes share one read).
+    pub gauges: tokio::sync::Mutex<Option<(std::time::Instant, tidemark_store::StoreGauges)>>,
+    /// Snapshot builds running at once, at most
+    /// [`ServerConfig::snapshot_builds_max`]: each holds one of the store's
+    /// read connections for its whole view, and sync pages need the rest.
+    pub snapshot_builds: tokio::sync::Semaphore,
 }
 
 impl AppState {
+    /// The store's gauges, read at most once per `gauges_every`; `None`
+    /// when the store did not answer and nothing was read before.
+    pub async fn sampled_gauges(&self, now_ms: i64) -> Option<tidemark_store::StoreGauges> {
+        let mut last = self.gauges.lock().await;
+        if let Some((at, g)) = *last {
+            if at.elapsed() < self.config.gauges_every {
+                return Some(g);
+            }
+        }
+        match self.store.gauges(now_ms).await {
+            Ok(g) => {
+                *last = Some((std::time::Instant::now(), g));
+                Some(g)
+            }
+            Err(_) => last.map(|(_, g)| g),
+        }
+    }
+
     /// A user's log now reaches `hw`: hints this node's connections and
     /// the other nodes' (through the bus).
     pub fn hint_user(&self, user: &str, hw: u64) {

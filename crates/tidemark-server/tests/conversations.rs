@@ -808,3 +808,56 @@ async fn control_events_follow_the_targets_visibility() {
     assert_eq!(refused(&cat.ws, "read", json!({"conv": "g-nope", "read_to_seq": 1})).await, "NOT_FOUND");
     ts.stop().await;
 }
+
+/// `conv.list` pages (issue 19): with `limit`/`after` one page in `conv`
+/// order with `has_more` and `next_after`; following them lists every
+/// conversation once; a request with no paging field gets the whole list
+/// in list order and no paging field back, as before paging existed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conv_list_pages_by_conv_and_an_unpaged_request_gets_everything() {
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    let peers = ["pa", "pb", "pc", "pd", "pe"];
+    for p in peers {
+        ts.user(p).await;
+    }
+    let ann = ts.device("ann", "phone").await;
+    for p in peers {
+        ann.ws.conv_create_direct(p).await.unwrap();
+    }
+    let whole = call(&ann.ws, "conv.list", json!({})).await;
+    assert!(whole.get("has_more").is_none() && whole.get("next_after").is_none(), "{whole}");
+    let mut listed: Vec<String> =
+        whole["conversations"].as_array().unwrap().iter().map(|c| c["conv"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(listed.len(), 5);
+    let mut paged = Vec::new();
+    let mut after = Value::Null;
+    let mut pages = 0;
+    loop {
+        let mut req = json!({"limit": 2});
+        if !after.is_null() {
+            req["after"] = after.clone();
+        }
+        let page = call(&ann.ws, "conv.list", req).await;
+        pages += 1;
+        let convs = page["conversations"].as_array().unwrap();
+        assert!(convs.len() <= 2, "{page}");
+        paged.extend(convs.iter().map(|c| c["conv"].as_str().unwrap().to_owned()));
+        if page["has_more"] == false {
+            assert!(page.get("next_after").is_none(), "{page}");
+            break;
+        }
+        assert_eq!(page["next_after"], convs.last().unwrap()["conv"], "next_after is the page's last conv");
+        after = page["next_after"].clone();
+    }
+    assert_eq!(pages, 3);
+    let mut sorted = paged.clone();
+    sorted.sort();
+    assert_eq!(paged, sorted, "pages come in conv order");
+    listed.sort();
+    assert_eq!(paged, listed, "every conversation once");
+    for bad in [json!({"limit": 0}), json!({"limit": tidemark_proto::CONV_LIST_LIMIT_MAX + 1})] {
+        assert!(refused(&ann.ws, "conv.list", bad).await.contains("BAD_REQUEST"));
+    }
+    ts.stop().await;
+}

@@ -445,3 +445,63 @@ async fn an_abandoned_snapshot_stops_fencing_once_its_device_installs_another() 
     assert_eq!(store.snapshot(&lost.snapshot_id).await.unwrap().unwrap().state, "EXPIRED");
     ts.stop().await;
 }
+
+/// D7, issues 16 (item 5) and 19: a user with more conversations than the
+/// old bound of 10,000 still rebuilds a device from one snapshot, and the
+/// build never holds the writer for all of it: the view is read beside the
+/// writer and each page is stored by its own writer transaction.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_with_more_than_ten_thousand_conversations_installs_a_snapshot_built_in_chunks() {
+    const CONVS: usize = 10_001;
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    let store = ts.running().state.store.clone();
+    // The peers and the direct conversations straight through the store,
+    // 500 at a time (group commit makes that cheap).
+    let all: Vec<usize> = (0..CONVS).collect();
+    for chunk in all.chunks(500) {
+        let mut tasks = tokio::task::JoinSet::new();
+        for &i in chunk {
+            let store = store.clone();
+            tasks.spawn(async move {
+                let peer = format!("p{i:05}");
+                assert!(store.create_user(&peer, "not-a-password-hash", 0).await.unwrap());
+                store.create_direct("ann", &peer, &format!("c{i:05}"), 0).await.unwrap();
+            });
+        }
+        while let Some(done) = tasks.join_next().await {
+            done.unwrap();
+        }
+    }
+    let mut ann = ts.device("ann", "tablet").await;
+    let commits_before = store.stats().commits;
+    let begin: tidemark_client::proto::SnapshotBeginOk = ann.ws.request("snapshot.begin", &json!({})).await.unwrap();
+    let commits = store.stats().commits - commits_before;
+    assert_eq!(begin.pages as usize, CONVS.div_ceil(200), "one item per conversation, 200 a page");
+    assert!(
+        commits > u64::from(begin.pages),
+        "a page per writer transaction: {commits} commits, {} pages",
+        begin.pages
+    );
+    let mut items = Vec::new();
+    for page in 0..begin.pages {
+        let p: tidemark_client::proto::SnapshotPageOk = ann
+            .ws
+            .request("snapshot.page", &json!({"snapshot_token": begin.snapshot_token, "page": page}))
+            .await
+            .unwrap();
+        items.extend(p.items);
+    }
+    assert_eq!(tidemark_server::ops::snapshot::manifest_digest(&items), begin.manifest_digest);
+    let convs: std::collections::BTreeSet<String> =
+        items.iter().filter(|i| i["type"] == "conv").map(|i| i["conv"].as_str().unwrap().to_owned()).collect();
+    assert_eq!(convs.len(), CONVS, "every conversation, once");
+    let ack: serde_json::Value =
+        ann.ws.request("snapshot.ack", &json!({"snapshot_token": begin.snapshot_token})).await.unwrap();
+    assert_eq!(ack["acked_sync_seq"], begin.base_sync_seq);
+    ann.generation = Some(begin.sync_generation);
+    ann.applied = begin.base_sync_seq;
+    let page = ann.sync_page(10).await.unwrap();
+    assert_eq!(page.resume_from, begin.base_sync_seq, "incremental sync from the base");
+    ts.stop().await;
+}

@@ -16,6 +16,7 @@ use std::collections::BTreeSet;
 
 use common::exposition::scrape;
 use common::*;
+use tidemark_server::ServerConfig;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_follow_prometheus_conventions_and_count_known_traffic() {
@@ -113,5 +114,39 @@ async fn an_idle_server_counts_no_commits() {
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
     assert_eq!(ts.running().state.store.stats().commits, before.commits, "empty polls counted as commits");
+    ts.stop().await;
+}
+
+/// Issue 16/19: `/metrics` reads the store's gauges (a scan of every user
+/// head and device) at most once per `gauges_every`: a scrape inside the
+/// period serves the last read, one after it reads again. (With the
+/// embedded default of zero, the test above sees each scrape's traffic.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_gauges_are_read_at_most_once_per_period() {
+    let ts = TestServer::start_with(ServerConfig {
+        gauges_every: std::time::Duration::from_secs(3600),
+        ..ServerConfig::default()
+    })
+    .await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let first = scrape(&ts).await;
+    assert_eq!(first.value("tidemark_sync_log_head_max", &[]), 0.0);
+    let ann = ts.device("ann", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    ann.send(&conv, "m1").await;
+    let store = ts.running().state.store.clone();
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+    while store.user_high_watermark("ben").await.unwrap() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never fanned out");
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let cached = scrape(&ts).await;
+    assert_eq!(cached.value("tidemark_sync_log_head_max", &[]), 0.0, "inside the period: the last read");
+    assert!(cached.value("tidemark_sends_accepted_total", &[]) >= 1.0, "counters are not sampled");
+    // The period over (the cache says when it read), the next scrape reads.
+    *ts.running().state.gauges.lock().await = None;
+    let fresh = scrape(&ts).await;
+    assert_eq!(fresh.value("tidemark_sync_log_head_max", &[]), 1.0);
     ts.stop().await;
 }

@@ -376,6 +376,10 @@ async fn real_replies_validate_against_the_document() {
     p.rpc(&ben, op::ACK, json!({"batch_token": all["batch_token"], "sync_seq": last})).await;
     p.rpc(&ben, op::CONV_LIST, json!({})).await;
     let listed = p.rpc(&ann, op::CONV_LIST, json!({})).await;
+    let first = p.rpc(&ann, op::CONV_LIST, json!({"limit": 1})).await;
+    assert_eq!((first["has_more"].as_bool(), first["conversations"].as_array().map(Vec::len)), (Some(true), Some(1)));
+    let last = p.rpc(&ann, op::CONV_LIST, json!({"limit": 1, "after": first["next_after"]})).await;
+    assert_eq!(last["has_more"], false, "{last}");
     let shared = listed["conversations"].as_array().unwrap().iter().find(|c| c["conv"] == gconv.as_str()).unwrap();
     assert_eq!(shared["mode"], "shared", "{shared}");
     let clear = json!({"conv": gconv, "dirty_version": shared["dirty_version"], "last_msg_seq": shared["dirty_target_msg_seq"]});

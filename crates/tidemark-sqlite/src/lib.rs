@@ -48,6 +48,8 @@ use writer::Writer;
 pub const READERS_MAX: usize = 4;
 /// The database file name inside the data directory.
 pub const DB_FILE: &str = "tidemark.db";
+/// How long a connection waits on a lock before `SQLITE_BUSY`.
+pub(crate) const BUSY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 
 pub(crate) fn internal(e: rusqlite::Error) -> StoreError {
     StoreError::Internal(format!("sqlite: {e}"))
@@ -93,7 +95,7 @@ fn count_read(ev: TraceEvent<'_>) {
 }
 
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.busy_timeout(BUSY_TIMEOUT)?;
     // `rarray(?)`: a page's message ids as one parameter (read::decorate).
     rusqlite::vtab::array::load_module(conn)?;
     conn.pragma_update(None, "synchronous", "FULL")?;
@@ -661,6 +663,17 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| read::list_conversations(c, &user, device.as_deref())).await
     }
 
+    async fn conversations_after(
+        &self,
+        user: &str,
+        device: Option<&str>,
+        after: &str,
+        limit: u32,
+    ) -> StoreResult<Vec<ConvState>> {
+        let (user, device, after) = (user.to_owned(), device.map(str::to_owned), after.to_owned());
+        self.readers.read_store(move |c| read::conversations_after(c, &user, device.as_deref(), &after, limit)).await
+    }
+
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         let policy = self.group_policy();
         self.writer.write(move |c| events::create_group(c, &cmd, &members, policy)).await
@@ -811,32 +824,46 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| lifecycle::user_log(c, &user)).await
     }
 
-    async fn begin_snapshot(
+    async fn read_snapshot_view(
+        &self,
+        user: &str,
+        device: &str,
+        messages_per_conv: u32,
+        convs_per_chunk: usize,
+        out: tokio::sync::mpsc::Sender<SnapshotViewPart>,
+    ) -> StoreResult<()> {
+        let (user, device) = (user.to_owned(), device.to_owned());
+        self.readers
+            .read_store(move |c| {
+                lifecycle::read_snapshot_view(c, &user, &device, messages_per_conv, convs_per_chunk, &out)
+            })
+            .await
+    }
+
+    async fn open_snapshot(
         &self,
         user: &str,
         device: &str,
         generation: u64,
         snapshot_id: &str,
-        messages_per_conv: u32,
+        base: SyncSeq,
         expires_at_ms: i64,
         now_ms: i64,
-    ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)> {
+    ) -> StoreResult<()> {
         let (user, device, id) = (user.to_owned(), device.to_owned(), snapshot_id.to_owned());
         self.writer
-            .write(move |c| {
-                lifecycle::begin_snapshot(c, &user, &device, generation, &id, messages_per_conv, expires_at_ms, now_ms)
-            })
+            .write(move |c| lifecycle::open_snapshot(c, &user, &device, generation, &id, base, expires_at_ms, now_ms))
             .await
     }
 
-    async fn finish_snapshot(
-        &self,
-        snapshot_id: &str,
-        manifest_digest: &str,
-        pages: Vec<Vec<String>>,
-    ) -> StoreResult<()> {
+    async fn add_snapshot_page(&self, snapshot_id: &str, page: u32, items: Vec<String>) -> StoreResult<()> {
+        let id = snapshot_id.to_owned();
+        self.writer.write(move |c| lifecycle::add_snapshot_page(c, &id, page, &items)).await
+    }
+
+    async fn seal_snapshot(&self, snapshot_id: &str, manifest_digest: &str, pages: u32) -> StoreResult<()> {
         let (id, digest) = (snapshot_id.to_owned(), manifest_digest.to_owned());
-        self.writer.write(move |c| lifecycle::finish_snapshot(c, &id, &digest, &pages)).await
+        self.writer.write(move |c| lifecycle::seal_snapshot(c, &id, &digest, pages)).await
     }
 
     async fn snapshot(&self, snapshot_id: &str) -> StoreResult<Option<SnapshotMeta>> {

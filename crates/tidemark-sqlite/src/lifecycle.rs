@@ -1,10 +1,12 @@
 //! Device lifecycle in the store: snapshots (D7) and user-log retention
 //! (L1–L2). Writer-side functions run inside the writer's transaction.
 //!
-//! A snapshot's view is read in the very transaction that freezes its base,
-//! so it is exactly the user's view at that `sync_seq`: the single writer
-//! admits no event between the two. This blocks other writes while the view
-//! is read, which the per-conversation message bound keeps short.
+//! A snapshot's view is read on a read connection in one read transaction
+//! whose head is the base, so it is exactly the user's view at that
+//! `sync_seq` while the writer goes on; the writer then records the
+//! snapshot at that base (refused if retention trimmed past it meanwhile)
+//! and stores it one page per request, so a build never holds the writer
+//! for more than a page, whatever the number of conversations.
 
 use rusqlite::{params, Connection, OptionalExtension};
 use tidemark_core::cursor::{self, decide_ack_with, AckDecision, CasDecision, DeviceCursor, DeviceState, RecoveryInfo};
@@ -36,69 +38,125 @@ pub(crate) fn user_log(c: &Connection, user: &str) -> R<tidemark_core::cursor::U
     Ok(tidemark_core::cursor::UserLog { high_watermark, trimmed_upto })
 }
 
+/// The snapshot view (D7), on a read connection in one read transaction:
+/// the head it reads first is the base, and everything after comes from
+/// the same WAL snapshot, so the view is exactly the user's at that base
+/// while the writer goes on. Sent in chunks of `chunk` conversations
+/// through `out` (waiting while it is full); a dropped receiver ends it.
+pub(crate) fn read_snapshot_view(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    per_conv: u32,
+    chunk: usize,
+    out: &tokio::sync::mpsc::Sender<SnapshotViewPart>,
+) -> R<()> {
+    c.execute_batch("BEGIN").map_err(internal)?;
+    let read = view_in_transaction(c, user, device, per_conv, chunk.max(1), out);
+    // Read-only: nothing to keep; the lease also rolls back a leftover.
+    let _ = c.execute_batch("ROLLBACK");
+    read
+}
+
+fn view_in_transaction(
+    c: &Connection,
+    user: &str,
+    device: &str,
+    per_conv: u32,
+    chunk: usize,
+    out: &tokio::sync::mpsc::Sender<SnapshotViewPart>,
+) -> R<()> {
+    if out.blocking_send(SnapshotViewPart::Base(user_log(c, user)?)).is_err() {
+        return Ok(());
+    }
+    let convs = read::list_conversations(c, user, Some(device))?;
+    let sql = format!(
+        "SELECT {} FROM messages m
+         WHERE m.conv_id = ?1 AND m.msg_seq <= ?3 AND {}
+         ORDER BY m.msg_seq DESC LIMIT ?4 + 0",
+        read::MSG_COLS,
+        read::VISIBLE
+    );
+    let mut convs = convs.into_iter().peekable();
+    while convs.peek().is_some() {
+        let mut part = Vec::with_capacity(chunk);
+        for state in convs.by_ref().take(chunk) {
+            // What fan-out delivered to this user up to the base: messages
+            // up to the projection's last_msg_seq, inside the user's
+            // periods, newest `per_conv`.
+            let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
+            let mut rows: Vec<(StoredMessage, Option<String>)> = stmt
+                .query_map(params![state.conv, user, state.last_msg_seq as i64, per_conv], |r| read::message_at(r, 0))
+                .map_err(internal)?
+                .collect::<Result<_, _>>()
+                .map_err(internal)?;
+            rows.reverse();
+            read::decorate(c, user, &mut rows)?;
+            part.push(SnapshotConv { state, messages: rows.into_iter().map(|(m, _)| m).collect() });
+        }
+        if out.blocking_send(SnapshotViewPart::Convs(part)).is_err() {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
+/// Records a `BUILDING` snapshot at a view's base (writer side).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn begin_snapshot(
+pub(crate) fn open_snapshot(
     c: &Connection,
     user: &str,
     device: &str,
     generation: u64,
     snapshot_id: &str,
-    per_conv: u32,
+    base: u64,
     expires_at_ms: i64,
     now_ms: i64,
-) -> R<(u64, Vec<SnapshotConv>)> {
+) -> R<()> {
     snapshot::check_begin(device_cursor(c, user, device)?, generation)?;
-    let (base, _) = head(c, user)?;
+    snapshot::check_base(base, user_log(c, user)?)?;
     c.execute(
         "INSERT INTO snapshots (snapshot_id, user_id, device_id, generation, base_sync_seq, state, created_at, expires_at)
          VALUES (?1, ?2, ?3, ?4, ?5, 'BUILDING', ?6, ?7)",
         params![snapshot_id, user, device, generation as i64, base as i64, now_ms, expires_at_ms],
     )
     .map_err(internal)?;
-    let convs = read::list_conversations(c, user, Some(device))?;
-    snapshot::check_conversations(convs.len())?;
-    let mut view = Vec::with_capacity(convs.len());
-    for state in convs {
-        // What fan-out delivered to this user up to now, i.e. up to the
-        // base: messages up to the projection's last_msg_seq, inside the
-        // user's periods, newest `per_conv`.
-        let sql = format!(
-            "SELECT {} FROM messages m
-             WHERE m.conv_id = ?1 AND m.msg_seq <= ?3 AND {}
-             ORDER BY m.msg_seq DESC LIMIT ?4 + 0",
-            read::MSG_COLS,
-            read::VISIBLE
-        );
-        let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
-        let mut rows: Vec<(StoredMessage, Option<String>)> = stmt
-            .query_map(params![state.conv, user, state.last_msg_seq as i64, per_conv], |r| read::message_at(r, 0))
-            .map_err(internal)?
-            .collect::<Result<_, _>>()
-            .map_err(internal)?;
-        rows.reverse();
-        read::decorate(c, user, &mut rows)?;
-        view.push(SnapshotConv { state, messages: rows.into_iter().map(|(m, _)| m).collect() });
-    }
-    Ok((base, view))
+    Ok(())
 }
 
-pub(crate) fn finish_snapshot(c: &Connection, snapshot_id: &str, digest: &str, pages: &[Vec<String>]) -> R<()> {
-    let n = c
-        .execute(
-            "UPDATE snapshots SET state = 'READY', manifest_digest = ?2, pages = ?3 WHERE snapshot_id = ?1 AND state = 'BUILDING'",
-            params![snapshot_id, digest, pages.len() as i64],
-        )
+fn not_building(snapshot_id: &str) -> StoreError {
+    StoreError::Conflict(format!("snapshot {snapshot_id} is not building"))
+}
+
+/// One page of a `BUILDING` snapshot (writer side).
+pub(crate) fn add_snapshot_page(c: &Connection, snapshot_id: &str, page: u32, items: &[String]) -> R<()> {
+    let building = c
+        .prepare_cached("SELECT 1 FROM snapshots WHERE snapshot_id = ?1 AND state = 'BUILDING'")
+        .map_err(internal)?
+        .exists(params![snapshot_id])
         .map_err(internal)?;
-    if n != 1 {
-        return Err(StoreError::Conflict(format!("snapshot {snapshot_id} is not building")));
+    if !building {
+        return Err(not_building(snapshot_id));
     }
     let mut stmt = c
         .prepare_cached("INSERT INTO snapshot_items (snapshot_id, page, idx, item) VALUES (?1, ?2, ?3, ?4)")
         .map_err(internal)?;
-    for (p, items) in pages.iter().enumerate() {
-        for (i, item) in items.iter().enumerate() {
-            stmt.execute(params![snapshot_id, p as i64, i as i64, item]).map_err(internal)?;
-        }
+    for (i, item) in items.iter().enumerate() {
+        stmt.execute(params![snapshot_id, page as i64, i as i64, item]).map_err(internal)?;
+    }
+    Ok(())
+}
+
+/// `BUILDING` → `READY` (writer side).
+pub(crate) fn seal_snapshot(c: &Connection, snapshot_id: &str, digest: &str, pages: u32) -> R<()> {
+    let n = c
+        .execute(
+            "UPDATE snapshots SET state = 'READY', manifest_digest = ?2, pages = ?3 WHERE snapshot_id = ?1 AND state = 'BUILDING'",
+            params![snapshot_id, digest, pages as i64],
+        )
+        .map_err(internal)?;
+    if n != 1 {
+        return Err(not_building(snapshot_id));
     }
     Ok(())
 }

@@ -293,6 +293,11 @@ pub(crate) enum Rows<'a> {
     All,
     Shared,
     One(&'a str),
+    /// Up to `limit` rows after `after`, in `conv_id` order (the key).
+    Page {
+        after: &'a str,
+        limit: u32,
+    },
 }
 
 /// The rows of `user`'s list, markers evaluated for `device`.
@@ -304,10 +309,13 @@ pub(crate) fn conv_rows(
 ) -> StoreResult<Vec<ConvState>> {
     // The dirty list of the sync path reads markers only: no unread count.
     let count_unread = !matches!(which, Rows::Shared);
-    let (filter, conv) = match which {
-        Rows::All => ("", None),
-        Rows::Shared => ("AND uc.shared = 1", None),
-        Rows::One(conv) => ("AND uc.conv_id = ?3", Some(conv)),
+    let (filter, conv, limit) = match which {
+        Rows::All => ("", None, None),
+        Rows::Shared => ("AND uc.shared = 1", None, None),
+        Rows::One(conv) => ("AND uc.conv_id = ?3", Some(conv), None),
+        Rows::Page { after, limit } => {
+            ("AND uc.conv_id > ?3 ORDER BY uc.conv_id LIMIT ?4 + 0", Some(after), Some(limit))
+        }
     };
     let sql = format!(
         "SELECT {LIST_COLS} FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
@@ -340,9 +348,10 @@ pub(crate) fn conv_rows(
         };
         Ok((state, shared_from, facts))
     };
-    let rows = match conv {
-        Some(conv) => stmt.query_map(params![user, device, conv], map),
-        None => stmt.query_map(params![user, device], map),
+    let rows = match (conv, limit) {
+        (Some(conv), Some(limit)) => stmt.query_map(params![user, device, conv, limit], map),
+        (Some(conv), None) => stmt.query_map(params![user, device, conv], map),
+        (None, _) => stmt.query_map(params![user, device], map),
     }
     .map_err(internal)?
     .collect::<Result<Vec<_>, _>>()
@@ -407,6 +416,17 @@ pub(crate) fn list_conversations(c: &Connection, user: &str, device: Option<&str
     let mut rows = conv_rows(c, user, device, Rows::All)?;
     rows.sort_by(|a, b| b.pinned.cmp(&a.pinned).then(b.last_msg_seq.cmp(&a.last_msg_seq)).then(a.conv.cmp(&b.conv)));
     Ok(rows)
+}
+
+/// Up to `limit` of the user's conversations after `after`, by `conv_id`.
+pub(crate) fn conversations_after(
+    c: &Connection,
+    user: &str,
+    device: Option<&str>,
+    after: &str,
+    limit: u32,
+) -> StoreResult<Vec<ConvState>> {
+    conv_rows(c, user, device, Rows::Page { after, limit })
 }
 
 /// The shared groups whose marker is dirty for `device` (G2).
@@ -867,7 +887,7 @@ mod tests {
         let c = Connection::open(dir.path().join("t.db")).unwrap();
         crate::schema::migrate(&c).unwrap();
         let first =
-            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy { max_gap: 0 }, now_ms: 0 };
+            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy::NO_RECOVERY, now_ms: 0 };
         let next = PageQuery::Next { generation: 1, position: 0, high_watermark: 9, recovery_session: None, now_ms: 0 };
         for q in [first, next] {
             let mut stmt = c.prepare(&format!("EXPLAIN QUERY PLAN {}", page_sql(&q))).unwrap();
@@ -892,7 +912,7 @@ mod tests {
         let c = Connection::open(dir.path().join("t.db")).unwrap();
         crate::schema::migrate(&c).unwrap();
         let first =
-            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy { max_gap: 0 }, now_ms: 0 };
+            PageQuery::First { client: ClientPosition::default(), policy: RecoveryPolicy::NO_RECOVERY, now_ms: 0 };
         let next = PageQuery::Next { generation: 1, position: 0, high_watermark: 9, recovery_session: None, now_ms: 0 };
         let user_events_sql = format!(
             "SELECT {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS} FROM user_events e {EVENT_JOINS}

@@ -42,6 +42,11 @@ pub const CHECKPOINT_EVERY_COMMITS: u64 = 64;
 /// log (SQLite's "checkpoint starvation"). TRUNCATE waits for the readers
 /// (they are short; the busy timeout bounds the wait) and empties the file.
 pub const WAL_TRUNCATE_BYTES: u64 = 64 * 1024 * 1024;
+/// How long a truncating checkpoint waits for the readers before it gives
+/// up for this commit (`busy`): sync pages are short, but a snapshot build
+/// reads its whole view in one read transaction (D7), and the writer must
+/// not stall behind it for the connection's whole busy timeout.
+pub const WAL_TRUNCATE_WAIT: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// The writer thread's name; a panic on it aborts the process.
 const WRITER_THREAD: &str = "tidemark-sqlite-writer";
@@ -194,7 +199,10 @@ fn checkpoint(conn: &Connection, wal: &std::path::Path, stats: &WriterStats) {
         return;
     }
     // Columns: busy (1 if readers kept it from finishing), frames, copied.
-    match conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get::<_, i64>(0)) {
+    let _ = conn.busy_timeout(WAL_TRUNCATE_WAIT);
+    let truncated = conn.query_row("PRAGMA wal_checkpoint(TRUNCATE)", [], |r| r.get::<_, i64>(0));
+    let _ = conn.busy_timeout(crate::BUSY_TIMEOUT);
+    match truncated {
         Ok(busy) => {
             stats.checkpoints.fetch_add(1, Ordering::Relaxed);
             names::CHECKPOINTS.inc();

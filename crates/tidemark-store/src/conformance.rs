@@ -55,6 +55,8 @@ where
     ack_is_a_monotonic_cas_per_device(&*fresh().await).await;
     cursor_cas_refuses_a_stale_expectation(&*fresh().await).await;
     installing_a_snapshot_expires_the_devices_other_snapshots(&*fresh().await).await;
+    snapshot_views_come_in_chunks_at_their_base(&*fresh().await).await;
+    conversation_pages_follow_the_key(&*fresh().await).await;
     refresh_tokens_are_used_once(&*fresh().await).await;
     revocation_is_durable(&*fresh().await).await;
     history_retention_moves_the_boundary(&*fresh().await).await;
@@ -159,7 +161,7 @@ pub async fn large_group_rules(store: &dyn Store) {
     let shared_groups = || async {
         let first = tidemark_core::page::PageQuery::First {
             client: tidemark_core::cursor::ClientPosition { generation: None, local_applied_sync_seq: Some(0) },
-            policy: tidemark_core::cursor::RecoveryPolicy { max_gap: 0 },
+            policy: tidemark_core::cursor::RecoveryPolicy::NO_RECOVERY,
             now_ms: T0,
         };
         store.sync_page("b", "phone", first, 1).await.unwrap().unwrap().shared_groups
@@ -759,6 +761,83 @@ pub async fn snapshot_installability(store: &dyn Store) {
     assert_eq!(store.snapshot_page("s1", 0).await, Ok(None), "an installed snapshot serves no page");
 }
 
+/// D7, issue 16 item 5: a snapshot view comes from one read snapshot, its
+/// base first, then the conversations in `conv.list` order in chunks of the
+/// size asked; the writer records the snapshot only at a base the log still
+/// holds, and stores it a page per request until it is sealed.
+pub async fn snapshot_views_come_in_chunks_at_their_base(store: &dyn Store) {
+    users(store, &["a", "b", "c", "d"]).await;
+    for (peer, id) in [("b", "c1"), ("c", "c2"), ("d", "c3")] {
+        store.create_direct("a", peer, id, T0).await.unwrap();
+    }
+    let rec = store.login_device("a", "phone", "Phone", T0).await.unwrap();
+    let resetting = DeviceCursor { generation: 2, acked_sync_seq: 0, state: DeviceState::Resetting };
+    assert!(store.cas_device_cursor("a", "phone", rec.cursor, resetting, T0).await.unwrap().0);
+    let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+    store.read_snapshot_view("a", "phone", 4, 2, tx).await.unwrap();
+    let mut parts = Vec::new();
+    while let Some(part) = rx.recv().await {
+        parts.push(match part {
+            SnapshotViewPart::Base(log) => vec![format!("base {}", log.high_watermark)],
+            SnapshotViewPart::Convs(convs) => convs.into_iter().map(|c| c.state.conv).collect(),
+        });
+    }
+    let want: Vec<Vec<&str>> = vec![vec!["base 0"], vec!["c1", "c2"], vec!["c3"]];
+    assert_eq!(parts, want, "D7: the base, then chunks of two in list order");
+    // A reader whose receiver is gone stops without an error.
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    drop(rx);
+    assert_eq!(store.read_snapshot_view("a", "phone", 4, 1, tx).await, Ok(()));
+
+    let open = |base, generation| store.open_snapshot("a", "phone", generation, "s1", base, T0 + 1_000, T0);
+    assert_eq!(
+        open(1, 2).await,
+        Err(StoreError::Conflict("the log moved past the snapshot's base 1 (trimmed to 0, head 0); retry".into()))
+    );
+    assert_eq!(
+        open(0, 3).await,
+        Err(StoreError::Conflict("device is RESETTING at generation 2, not resetting at 3".into()))
+    );
+    open(0, 2).await.unwrap();
+    let not_building = Err(StoreError::Conflict("snapshot s1 is not building".into()));
+    store.add_snapshot_page("s1", 0, vec!["i0".into(), "i1".into()]).await.unwrap();
+    store.add_snapshot_page("s1", 1, vec!["i2".into()]).await.unwrap();
+    assert_eq!(store.snapshot_page("s1", 0).await, Ok(None), "a building snapshot serves no page");
+    store.seal_snapshot("s1", "digest", 2).await.unwrap();
+    assert_eq!(store.add_snapshot_page("s1", 2, vec!["late".into()]).await, not_building, "READY never changes");
+    assert_eq!(store.seal_snapshot("s1", "digest", 3).await, not_building);
+    let meta = store.snapshot("s1").await.unwrap().unwrap();
+    assert_eq!((meta.state.as_str(), meta.pages, meta.base_sync_seq), (SNAPSHOT_READY, 2, 0));
+    assert_eq!(store.snapshot_page("s1", 0).await, Ok(Some(vec!["i0".to_string(), "i1".to_string()])));
+    assert_eq!(store.snapshot_page("s1", 1).await, Ok(Some(vec!["i2".to_string()])));
+}
+
+/// `conv.list` pages (issue 19): keyset pages over `conv`, each row as
+/// the whole list has it, so following `after` lists every conversation
+/// once, a conversation created meanwhile above the cursor included.
+pub async fn conversation_pages_follow_the_key(store: &dyn Store) {
+    users(store, &["a", "b", "c", "d", "e"]).await;
+    for (peer, id) in [("c", "c2"), ("b", "c1"), ("d", "c3")] {
+        store.create_direct("a", peer, id, T0).await.unwrap();
+    }
+    store.accept_send(send("b", "c1", "x")).await.unwrap();
+    while !store.fan_out_next(16, T0).await.unwrap().items.is_empty() {}
+    let page = |after: &'static str, limit| async move {
+        store.conversations_after("a", Some("phone"), after, limit).await.unwrap()
+    };
+    let ids = |rows: &[ConvState]| rows.iter().map(|r| r.conv.clone()).collect::<Vec<_>>();
+    let first = page("", 2).await;
+    assert_eq!(ids(&first), ["c1", "c2"], "by conv, not by list order");
+    let whole = store.list_conversations("a", Some("phone")).await.unwrap();
+    assert_eq!(ids(&whole), ["c1", "c2", "c3"]);
+    assert_eq!(first[0], whole[0], "a page's row is the list's row");
+    assert_eq!(first[0].last_msg_seq, 1);
+    store.create_direct("a", "e", "c4", T0).await.unwrap();
+    assert_eq!(ids(&page("c2", 2).await), ["c3", "c4"], "created behind the cursor: still listed");
+    assert_eq!(ids(&page("c4", 2).await), Vec::<String>::new());
+    assert_eq!(ids(&page("c0", 1).await), ["c1"], "after need not be a conversation");
+}
+
 /// F2, F3, R3: one event per recipient, contiguous sync_seq, a redelivered
 /// item changes nothing, unread moves once.
 pub async fn fan_out_is_idempotent_and_projects_once(store: &dyn Store) {
@@ -1170,7 +1249,7 @@ pub async fn sync_pages_read_their_facts_and_events_together(store: &dyn Store) 
     assert_eq!(store.sync_facts("b", "phone").await.unwrap(), None, "an unknown device has no facts");
     let first = |generation, local| PageQuery::First {
         client: ClientPosition { generation, local_applied_sync_seq: Some(local) },
-        policy: RecoveryPolicy { max_gap: 0 },
+        policy: RecoveryPolicy::NO_RECOVERY,
         now_ms: T0,
     };
     assert!(store.sync_page("b", "phone", first(None, 0), 4).await.unwrap().is_none());

@@ -549,6 +549,25 @@ pub struct SnapshotConv {
     pub messages: Vec<StoredMessage>,
 }
 
+/// What a snapshot view read sends, in order: the log it was read at
+/// (its head is the base), then the conversations in `conv.list` order, at
+/// most [`SNAPSHOT_CONVS_PER_CHUNK`] (or the caller's chunk) at a time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SnapshotViewPart {
+    Base(tidemark_core::cursor::UserLog),
+    Convs(Vec<SnapshotConv>),
+}
+
+/// Conversations (each with its latest messages) one chunk of a snapshot
+/// view carries; the builder writes each page of items as its own writer
+/// request, so a snapshot build never holds the writer for more than one
+/// page (issue 16 item 5), whatever the number of conversations.
+pub const SNAPSHOT_CONVS_PER_CHUNK: usize = 50;
+
+/// Chunks of a snapshot view read ahead of the writer requests storing
+/// them: the bound on what a build holds in memory.
+pub const SNAPSHOT_CHUNKS_IN_FLIGHT: usize = 2;
+
 /// A snapshot's durable record (D7).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SnapshotMeta {
@@ -761,6 +780,18 @@ pub trait Store: Send + Sync + 'static {
     /// shared groups are evaluated for `device` (G2).
     async fn list_conversations(&self, user: &str, device: Option<&str>) -> StoreResult<Vec<ConvState>>;
 
+    /// One page of the user's conversations: up to `limit` of them whose
+    /// `conv` is above `after` (`""`: from the first), in `conv` order (the
+    /// key, so paging under writes never skips or repeats a conversation),
+    /// each as [`Store::list_conversations`] has it, read in one snapshot.
+    async fn conversations_after(
+        &self,
+        user: &str,
+        device: Option<&str>,
+        after: &str,
+        limit: u32,
+    ) -> StoreResult<Vec<ConvState>>;
+
     /// Creates a group: `conv.created` at `msg_seq` 1 and a membership
     /// period from 1 for the creator and each member. A retry with the same
     /// `client_msg_id` returns the group the first attempt created.
@@ -923,12 +954,51 @@ pub trait Store: Send + Sync + 'static {
     /// The user's head and trim point (D5, L1).
     async fn user_log(&self, user: &str) -> StoreResult<tidemark_core::cursor::UserLog>;
 
-    /// Starts a snapshot for a device `RESETTING` at `generation`: freezes
-    /// the base at the user's head and reads the user's view at exactly that
-    /// base (every conversation and its latest `messages_per_conv` messages)
-    /// in the same transaction, recording it as `BUILDING`, which fences
-    /// retention from now on. `Conflict` if the device is not resetting at
-    /// that generation.
+    /// Reads the user's snapshot view in one read snapshot, without the
+    /// writer: first [`SnapshotViewPart::Base`], the log bounds that read
+    /// snapshot holds (its head is the base), then every conversation of
+    /// the user's `conv.list` at that base, in that order, with its latest
+    /// `messages_per_conv` visible messages, `convs_per_chunk` at a time.
+    /// The read waits while `out` is full and stops, with `Ok`, once its
+    /// receiver is gone. D7: the view is exactly the user's view at the base
+    /// because it comes from the snapshot whose head is the base.
+    async fn read_snapshot_view(
+        &self,
+        user: &str,
+        device: &str,
+        messages_per_conv: u32,
+        convs_per_chunk: usize,
+        out: tokio::sync::mpsc::Sender<SnapshotViewPart>,
+    ) -> StoreResult<()>;
+
+    /// Records a `BUILDING` snapshot at `base` (a view's base) for a device
+    /// `RESETTING` at `generation`, which fences retention from now on:
+    /// `Conflict` if the device is not resetting at that generation, or the
+    /// log was trimmed past `base` since the view was read
+    /// (`core::snapshot::check_base`).
+    #[allow(clippy::too_many_arguments)]
+    async fn open_snapshot(
+        &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        snapshot_id: &str,
+        base: SyncSeq,
+        expires_at_ms: i64,
+        now_ms: i64,
+    ) -> StoreResult<()>;
+
+    /// Stores one page of a `BUILDING` snapshot (one writer request per
+    /// page); `Conflict` once it is not building.
+    async fn add_snapshot_page(&self, snapshot_id: &str, page: u32, items: Vec<String>) -> StoreResult<()>;
+
+    /// Turns `BUILDING` into `READY` with its digest and page count; a
+    /// `READY` snapshot never changes again. `Conflict` if not building.
+    async fn seal_snapshot(&self, snapshot_id: &str, manifest_digest: &str, pages: u32) -> StoreResult<()>;
+
+    /// The whole view at once: [`Store::read_snapshot_view`] and
+    /// [`Store::open_snapshot`] at its base, the conversations collected.
+    /// For tests and small users; the server streams the view instead.
     #[allow(clippy::too_many_arguments)]
     async fn begin_snapshot(
         &self,
@@ -939,16 +1009,43 @@ pub trait Store: Send + Sync + 'static {
         messages_per_conv: u32,
         expires_at_ms: i64,
         now_ms: i64,
-    ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)>;
+    ) -> StoreResult<(SyncSeq, Vec<SnapshotConv>)> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(SNAPSHOT_CHUNKS_IN_FLIGHT);
+        let read = self.read_snapshot_view(user, device, messages_per_conv, SNAPSHOT_CONVS_PER_CHUNK, tx);
+        let build = async {
+            let Some(SnapshotViewPart::Base(log)) = rx.recv().await else {
+                return Err(StoreError::Internal("a snapshot view starts with its base".into()));
+            };
+            let base = log.high_watermark;
+            self.open_snapshot(user, device, generation, snapshot_id, base, expires_at_ms, now_ms).await?;
+            let mut view = Vec::new();
+            while let Some(part) = rx.recv().await {
+                let SnapshotViewPart::Convs(convs) = part else {
+                    return Err(StoreError::Internal("a snapshot view has one base".into()));
+                };
+                view.extend(convs);
+            }
+            Ok((base, view))
+        };
+        // A read that failed ended the view early: its error is the cause.
+        let (read, built) = tokio::join!(read, build);
+        read?;
+        built
+    }
 
-    /// Stores the pages and digest and turns `BUILDING` into `READY`; a
-    /// `READY` snapshot never changes again.
+    /// Stores the pages (one writer request each) and seals the snapshot.
     async fn finish_snapshot(
         &self,
         snapshot_id: &str,
         manifest_digest: &str,
         pages: Vec<Vec<String>>,
-    ) -> StoreResult<()>;
+    ) -> StoreResult<()> {
+        let count = pages.len() as u32;
+        for (page, items) in pages.into_iter().enumerate() {
+            self.add_snapshot_page(snapshot_id, page as u32, items).await?;
+        }
+        self.seal_snapshot(snapshot_id, manifest_digest, count).await
+    }
 
     async fn snapshot(&self, snapshot_id: &str) -> StoreResult<Option<SnapshotMeta>>;
 

@@ -423,9 +423,10 @@ pub async fn healthz(State(state): State<Arc<AppState>>) -> Response {
 
 pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
     // Gauges are sampled here, at scrape time: one store read of
-    // aggregates and a walk of this node's connections, nothing per request.
+    // aggregates (at most once per `gauges_every`) and a walk of this
+    // node's connections, nothing per request.
     let now = crate::util::now_ms();
-    let gauges = state.store.gauges(now).await.ok();
+    let gauges = state.sampled_gauges(now).await;
     m::sample(gauges.as_ref(), &state.hub.lag(now), now);
     m::sample_limits(&state.limits);
     let st = state.store.stats();

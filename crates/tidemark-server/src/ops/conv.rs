@@ -4,10 +4,10 @@
 //! `history`, `conv.settings` and `read`.
 
 use tidemark_proto::{
-    ConvCreateOk, ConvCreateReq, ConvListOk, ConvMember, ConvMemberOk, ConvMemberReq, ConvMembersOk, ConvMembersReq,
-    ConvSettingsOk, ConvSettingsReq, ConvSummary, ConvSyncOk, ConvSyncReq, DirtyClearOk, DirtyClearReq, HistoryOk,
-    HistoryReq, ReadOk, ReadReq, CONV_MEMBERS_LIMIT_DEFAULT, CONV_MEMBERS_LIMIT_MAX, CONV_SYNC_LIMIT_DEFAULT,
-    CONV_SYNC_LIMIT_MAX, HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
+    ConvCreateOk, ConvCreateReq, ConvListOk, ConvListReq, ConvMember, ConvMemberOk, ConvMemberReq, ConvMembersOk,
+    ConvMembersReq, ConvSettingsOk, ConvSettingsReq, ConvSummary, ConvSyncOk, ConvSyncReq, DirtyClearOk, DirtyClearReq,
+    HistoryOk, HistoryReq, ReadOk, ReadReq, CONV_LIST_LIMIT_DEFAULT, CONV_LIST_LIMIT_MAX, CONV_MEMBERS_LIMIT_DEFAULT,
+    CONV_MEMBERS_LIMIT_MAX, CONV_SYNC_LIMIT_DEFAULT, CONV_SYNC_LIMIT_MAX, HISTORY_LIMIT_DEFAULT, HISTORY_LIMIT_MAX,
 };
 use tidemark_store::{ConvEventCmd, MembershipChange, CONV_DIRECT, CONV_GROUP};
 
@@ -126,9 +126,33 @@ pub async fn membership(
     Ok(ConvMemberOk { conv: req.conv, msg_seq })
 }
 
-pub async fn list(state: &AppState, ctx: &AuthCtx) -> ApiResult<ConvListOk> {
-    let rows = state.store.list_conversations(&ctx.user, Some(&ctx.device)).await?;
-    Ok(ConvListOk { conversations: rows.into_iter().map(summary).collect() })
+/// `conv.list`: without paging fields every conversation at once, in list
+/// order (what clients that predate paging get); with `limit` or `after`
+/// one page in `conv` order, which a keyset read over the key never skips
+/// or repeats under writes.
+pub async fn list(state: &AppState, ctx: &AuthCtx, req: ConvListReq) -> ApiResult<ConvListOk> {
+    if !req.paged() {
+        let rows = state.store.list_conversations(&ctx.user, Some(&ctx.device)).await?;
+        return Ok(ConvListOk {
+            conversations: rows.into_iter().map(summary).collect(),
+            has_more: None,
+            next_after: None,
+        });
+    }
+    let limit = req.limit.unwrap_or(CONV_LIST_LIMIT_DEFAULT);
+    if limit == 0 || limit > CONV_LIST_LIMIT_MAX {
+        return Err(ApiError::bad_request(format!("limit must be 1..={CONV_LIST_LIMIT_MAX}")));
+    }
+    let after = req.after.unwrap_or_default();
+    if after.len() > tidemark_proto::ID_BYTES_MAX {
+        return Err(ApiError::bad_request(format!("after must be at most {} bytes", tidemark_proto::ID_BYTES_MAX)));
+    }
+    // One more than the page says whether another page follows.
+    let mut rows = state.store.conversations_after(&ctx.user, Some(&ctx.device), &after, limit + 1).await?;
+    let has_more = rows.len() > limit as usize;
+    rows.truncate(limit as usize);
+    let next_after = if has_more { rows.last().map(|r| r.conv.clone()) } else { None };
+    Ok(ConvListOk { conversations: rows.into_iter().map(summary).collect(), has_more: Some(has_more), next_after })
 }
 
 /// A conversation-list row on the wire (`conv.list`, snapshot items).

@@ -82,7 +82,7 @@ pub async fn dispatch(state: Arc<AppState>, ctx: AuthCtx, op: String, body: Valu
         op::SYNC => to_value(&sync::sync(&state, &ctx, parse(body)?).await?),
         op::ACK => to_value(&sync::ack(&state, &ctx, parse(body)?).await?),
         op::CONV_CREATE => to_value(&conv::create(&state, &ctx, parse(body)?).await?),
-        op::CONV_LIST => to_value(&conv::list(&state, &ctx).await?),
+        op::CONV_LIST => to_value(&conv::list(&state, &ctx, parse(body)?).await?),
         op::DIRTY_CLEAR => to_value(&conv::dirty_clear(&state, &ctx, parse(body)?).await?),
         op::CONV_ADD => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Add).await?),
         op::CONV_REMOVE => to_value(&conv::membership(&state, &ctx, parse(body)?, MembershipChange::Remove).await?),

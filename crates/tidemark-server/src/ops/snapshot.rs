@@ -1,9 +1,11 @@
 //! Snapshots (D7): `snapshot.begin`, `snapshot.page`, `snapshot.ack`.
 //!
 //! A device that must rebuild (new after the log was trimmed, rolled back,
-//! offline past the retention window) asks for a snapshot: the store freezes
-//! the base `S` and reads the user's view at exactly `S`; this module turns
-//! it into canonical JSON items, pages and a digest, and signs a token
+//! offline past the retention window) asks for a snapshot: the store reads
+//! the user's view at exactly `S` in one read snapshot whose head is `S`,
+//! in chunks of conversations, and records the snapshot at `S`; this module
+//! turns each chunk into canonical JSON items, stores them a page per
+//! writer request while it computes the digest, and signs a token
 //! binding snapshot, device, generation, base and digest. The client checks
 //! the digest, installs in one local transaction, then `snapshot.ack` moves
 //! the cursor to `S` by one CAS; incremental sync continues from `S`.
@@ -16,7 +18,7 @@ use tidemark_proto::{
     canonical_item, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem, SnapshotPageOk,
     SnapshotPageReq,
 };
-use tidemark_store::SnapshotConv;
+use tidemark_store::{SnapshotConv, SnapshotViewPart, SNAPSHOT_CHUNKS_IN_FLIGHT};
 
 use super::render::envelope;
 use super::AuthCtx;
@@ -43,6 +45,45 @@ fn items(view: Vec<SnapshotConv>) -> ApiResult<Vec<Value>> {
         }
     }
     Ok(out)
+}
+
+/// The pages of a snapshot as its items come, and its digest over them.
+struct Pages {
+    per_page: usize,
+    current: Vec<String>,
+    next_page: u32,
+    items: usize,
+    digest: sha2::Sha256,
+}
+
+impl Pages {
+    fn new(per_page: usize) -> Pages {
+        Pages { per_page, current: Vec::with_capacity(per_page), next_page: 0, items: 0, digest: sha2::Sha256::new() }
+    }
+
+    /// Adds one item (its canonical JSON); a page that is full is handed
+    /// back with its number, to be stored.
+    fn push(&mut self, item: String) -> Option<(u32, Vec<String>)> {
+        self.digest.update(item.as_bytes());
+        self.digest.update(b"\n");
+        self.items += 1;
+        self.current.push(item);
+        (self.current.len() >= self.per_page).then(|| self.take())
+    }
+
+    fn take(&mut self) -> (u32, Vec<String>) {
+        let page = self.next_page;
+        self.next_page += 1;
+        (page, std::mem::replace(&mut self.current, Vec::with_capacity(self.per_page)))
+    }
+
+    /// The last, partial page if any, the digest, the page count and the
+    /// item count.
+    fn finish(mut self) -> (Option<(u32, Vec<String>)>, String, u32, usize) {
+        let last = (!self.current.is_empty()).then(|| self.take());
+        let digest = self.digest.finalize().iter().map(|b| format!("{b:02x}")).collect();
+        (last, digest, self.next_page, self.items)
+    }
 }
 
 /// Hex SHA-256 over each item's canonical JSON followed by a newline.
@@ -76,28 +117,62 @@ pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk
             cursor = now_cursor;
         }
     }
+    // A build holds a read connection for its whole view: at most
+    // `snapshot_builds_max` at once, the others wait their turn.
+    let _slot = state
+        .snapshot_builds
+        .acquire()
+        .await
+        .map_err(|_| ApiError::new(ErrorCode::Unavailable, "the server is stopping"))?;
     let snapshot_id = new_id("s");
     let expires_at_ms = now + state.config.snapshot_ttl.as_millis() as i64;
-    let (base, view) = state
-        .store
-        .begin_snapshot(
-            &ctx.user,
-            &ctx.device,
-            cursor.generation,
-            &snapshot_id,
-            state.config.snapshot_messages_per_conv,
-            expires_at_ms,
-            now,
-        )
-        .await?;
-    let all = items(view)?;
-    let digest = manifest_digest(&all);
-    let pages: Vec<Vec<String>> =
-        all.chunks(state.config.snapshot_page_items.max(1)).map(|c| c.iter().map(canonical_item).collect()).collect();
-    let page_count = pages.len() as u32;
-    state.store.finish_snapshot(&snapshot_id, &digest, pages).await?;
+    // The view is read in one read snapshot beside the writer, a chunk of
+    // conversations at a time; each page of items is stored as its own
+    // writer request, so sends keep flowing during a big build (issue 16).
+    let (tx, mut rx) = tokio::sync::mpsc::channel(SNAPSHOT_CHUNKS_IN_FLIGHT);
+    let read = state.store.read_snapshot_view(
+        &ctx.user,
+        &ctx.device,
+        state.config.snapshot_messages_per_conv,
+        state.config.snapshot_convs_per_chunk,
+        tx,
+    );
+    let build = async {
+        let Some(SnapshotViewPart::Base(log)) = rx.recv().await else {
+            return Err(ApiError::new(ErrorCode::Internal, "a snapshot view starts with its base"));
+        };
+        let base = log.high_watermark;
+        state
+            .store
+            .open_snapshot(&ctx.user, &ctx.device, cursor.generation, &snapshot_id, base, expires_at_ms, now)
+            .await?;
+        let mut pages = Pages::new(state.config.snapshot_page_items.max(1));
+        while let Some(part) = rx.recv().await {
+            let SnapshotViewPart::Convs(convs) = part else {
+                return Err(ApiError::new(ErrorCode::Internal, "a snapshot view has one base"));
+            };
+            for value in items(convs)? {
+                if let Some((page, full)) = pages.push(canonical_item(&value)) {
+                    state.store.add_snapshot_page(&snapshot_id, page, full).await?;
+                }
+            }
+        }
+        let (digest, page_count, count) = match pages.finish() {
+            (Some((page, last)), digest, page_count, count) => {
+                state.store.add_snapshot_page(&snapshot_id, page, last).await?;
+                (digest, page_count, count)
+            }
+            (None, digest, page_count, count) => (digest, page_count, count),
+        };
+        state.store.seal_snapshot(&snapshot_id, &digest, page_count).await?;
+        Ok((base, digest, page_count, count))
+    };
+    // A read that failed ended the view early: its error is the cause.
+    let (read, built) = tokio::join!(read, build);
+    read?;
+    let (base, digest, page_count, count) = built?;
     m::SNAPSHOTS.add_by("outcome", "built", 1);
-    tracing::info!(stage = "device_sync", device_hash = %state.log_id(&ctx.device), snapshot_id = %snapshot_id, base, items = all.len(), "snapshot ready");
+    tracing::info!(stage = "device_sync", device_hash = %state.log_id(&ctx.device), snapshot_id = %snapshot_id, base, items = count, pages = page_count, "snapshot ready");
     let token = state.keys.sign_snapshot(&SnapshotClaims {
         snapshot_id: snapshot_id.clone(),
         user: ctx.user.clone(),

@@ -78,7 +78,7 @@ async fn page_of(state: &AppState, ctx: &AuthCtx, req: SyncReq) -> ApiResult<(Sy
         return Err(ApiError::bad_request("cursor needs the batch_token of its batch"));
     }
     let client = ClientPosition { generation: req.sync_generation, local_applied_sync_seq: req.local_applied_sync_seq };
-    let policy = RecoveryPolicy { max_gap: state.config.recovery_max_gap };
+    let policy = RecoveryPolicy { max_gap: state.config.recovery_max_gap, max_replay: state.config.replay_max_events };
     for _ in 0..RESUME_CAS_ATTEMPTS_MAX {
         // The cursor, the log bounds, the recovery session, the resume
         // decision and the page it starts with: one read snapshot.
