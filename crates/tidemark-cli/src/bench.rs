@@ -122,7 +122,16 @@ pub struct IngestArgs {
     #[arg(long, default_value_t = tidemark_postgres::CONV_WRITERS_DEFAULT as u16, requires = "database",
           value_parser = clap::value_parser!(u16).range(1..=tidemark_postgres::CONV_WRITERS_MAX as i64))]
     pub conv_writers: u16,
+    /// With --database: run N `tidemark serve` processes on the database
+    /// (each round's schema) instead of one in-process server, sender i on
+    /// node i mod N, and sample where the time goes (PostgreSQL wait
+    /// events, node and backend CPU).
+    #[arg(long, requires = "database", value_parser = clap::value_parser!(u16).range(1..=NODES_MAX as i64))]
+    pub nodes: Option<u16>,
 }
+
+/// Most `tidemark serve` processes `bench ingest --database --nodes` runs.
+pub const NODES_MAX: u16 = 8;
 
 /// Default messages per sender on the embedded store and on PostgreSQL.
 const MESSAGES_DEFAULT: u32 = 500;
@@ -162,7 +171,7 @@ const DRAIN_POLL: Duration = Duration::from_millis(2);
 const STORE_CLOSE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Latency histogram bounds, microseconds (1 µs .. 60 s, 3 significant digits).
 const LATENCY_MAX_US: u64 = 60_000_000;
-const PASSWORD: &str = "bench-password";
+pub(crate) const PASSWORD: &str = "bench-password";
 /// Message text: a short chat line.
 const TEXT: &str = "The quick brown fox jumps over the lazy dog; benchmark payload.";
 
@@ -442,7 +451,7 @@ async fn server_round(
         ..ServerConfig::default()
     };
     let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await.context("start server")?;
-    let result = drive(args, topo, &server, &*store, &admin_token, round, pb, tag, None).await;
+    let result = drive(args, topo, &Targets::one(&server, &*store), &admin_token, round, pb, tag, None).await;
     server.stop().await;
     let weak = Arc::downgrade(&store);
     drop(store);
@@ -465,19 +474,52 @@ async fn wait_store_closed(store: Weak<SqliteStore>, dir: &Path) {
     }
 }
 
+/// Where `drive`'s senders go and how the store under them is read: one
+/// in-process server and its store, or `tidemark serve` nodes on one
+/// database (`bench ingest --database --nodes N`), sender `i` on node
+/// `i mod N`.
+pub(crate) struct Targets<'a> {
+    pub addrs: Vec<std::net::SocketAddr>,
+    /// Commits, requests committed and checkpoints so far, over every node.
+    pub counters: Reader<'a, (u64, u64, u64)>,
+    /// Outbox records not fanned out yet.
+    pub backlog: Reader<'a, u64>,
+}
+
+/// A read of the store under a bench.
+pub(crate) type Reader<'a, T> = Box<dyn Fn() -> futures_util::future::BoxFuture<'a, Result<T>> + Send + Sync + 'a>;
+
+impl<'a> Targets<'a> {
+    /// The in-process `server` on `store`.
+    pub(crate) fn one(server: &tidemark_server::RunningServer, store: &'a dyn Store) -> Targets<'a> {
+        Targets {
+            addrs: vec![server.addr],
+            counters: Box::new(move || {
+                Box::pin(async move {
+                    let s = store.stats();
+                    Ok((s.commits, s.writes, s.checkpoints))
+                })
+            }),
+            backlog: Box::new(move || {
+                Box::pin(async move { Ok(store.outbox_stats().await.context("outbox stats")?.backlog) })
+            }),
+        }
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn drive(
     args: &IngestArgs,
     topo: &Topology,
-    server: &tidemark_server::RunningServer,
-    store: &dyn Store,
+    targets: &Targets<'_>,
     admin_token: &str,
     round: u32,
     pb: &ProgressBar,
     tag: &str,
     before_send: Option<&dyn Fn() -> futures_util::future::BoxFuture<'static, Result<()>>>,
 ) -> Result<ServerRound> {
-    let http = Http::new(&server.url());
+    let http = Http::new(&format!("http://{}", targets.addrs[0]));
+    let node = |i: usize| targets.addrs[i % targets.addrs.len()];
     try_join_all(topo.users.iter().map(|u| http.create_user(admin_token, u, PASSWORD)))
         .await
         .context("create users")?;
@@ -487,15 +529,17 @@ async fn drive(
     )
     .await
     .context("log in")?;
-    let ws_url = format!("ws://{}/v1/ws", server.addr);
     // Server events (hints) are not needed: their receivers are dropped and
     // the client discards hints it cannot queue.
-    let conns: Vec<WsConn> = try_join_all(logins.iter().map(|l| WsConn::connect(&ws_url, &l.access_token)))
-        .await
-        .context("connect WebSockets")?
-        .into_iter()
-        .map(|(conn, _events)| conn)
-        .collect();
+    let conns: Vec<WsConn> = try_join_all(logins.iter().enumerate().map(|(i, l)| {
+        let ws_url = format!("ws://{}/v1/ws", node(i));
+        async move { WsConn::connect(&ws_url, &l.access_token).await }
+    }))
+    .await
+    .context("connect WebSockets")?
+    .into_iter()
+    .map(|(conn, _events)| conn)
+    .collect();
     // Sender k (< active) is the first member of conversation k.
     let conv_ids: Vec<String> = try_join_all(topo.convs.iter().enumerate().map(|(k, &(creator, peer))| {
         debug_assert_eq!(topo.senders[k].0, creator);
@@ -540,7 +584,7 @@ async fn drive(
         hook().await?;
     }
     pb.set_message(format!("{tag}: sending"));
-    let before = store.stats();
+    let before = (targets.counters)().await?;
     let start = Instant::now();
     barrier.wait().await;
     let mut latency = Histogram::<u64>::new_with_bounds(1, LATENCY_MAX_US, 3)?;
@@ -554,7 +598,7 @@ async fn drive(
         }
     }
     let elapsed = start.elapsed();
-    let after = store.stats();
+    let after = (targets.counters)().await?;
     if let Some(e) = first_error {
         return Err(e);
     }
@@ -563,7 +607,7 @@ async fn drive(
     let drain_start = Instant::now();
     let mut backlog_at_end = None;
     loop {
-        let backlog = store.outbox_stats().await.context("outbox stats")?.backlog;
+        let backlog = (targets.backlog)().await?;
         backlog_at_end.get_or_insert(backlog);
         if backlog == 0 {
             break;
@@ -575,9 +619,9 @@ async fn drive(
     }
     let drain = drain_start.elapsed();
 
-    let commits = after.commits - before.commits;
-    let writes = after.writes - before.writes;
-    let checkpoints = after.checkpoints - before.checkpoints;
+    let commits = after.0 - before.0;
+    let writes = after.1 - before.1;
+    let checkpoints = after.2 - before.2;
     let secs = elapsed.as_secs_f64();
     let ms = |us: u64| us as f64 / 1000.0;
     Ok(ServerRound {

@@ -39,7 +39,7 @@ use tokio_postgres::{Client, NoTls};
 
 use super::{
     client_msg_id, content, drive, hex_id, init_logs, median, print_table, ratio, unix_ms, IngestArgs, ServerRound,
-    Topology, LATENCY_MAX_US,
+    Targets, Topology, LATENCY_MAX_US,
 };
 
 /// Longer than PostgreSQL's shortest interval between two publications of a
@@ -104,12 +104,131 @@ struct BaselineRun {
     p99_ms: f64,
 }
 
+/// Where the time of a `--nodes` phase went: the nodes' PostgreSQL
+/// backends sampled every [`WAIT_SAMPLE_EVERY`] (`pg_stat_activity`: an
+/// active backend's wait event, `CPU` when it waits on none; `idle in
+/// transaction`: the backend waits for its node's next statement; `idle`:
+/// no transaction), and the CPU the nodes and those backends used, from
+/// `/proc` (clock ticks of 1/100 s), over the send phase and the drain.
+#[derive(Debug, Clone, Serialize, Default)]
+struct LimitEvidence {
+    samples: u64,
+    /// Share of backend samples per state, largest first.
+    waits: Vec<(String, f64)>,
+    wall_s: f64,
+    node_cpu_s: f64,
+    backend_cpu_s: f64,
+    /// The machine's load average (1 min) at the end of the phase.
+    load_1m: f64,
+}
+
+/// How often the `--nodes` phase samples `pg_stat_activity`.
+const WAIT_SAMPLE_EVERY: Duration = Duration::from_millis(25);
+/// Clock ticks per second of `/proc/<pid>/stat` (`CLK_TCK` on Linux).
+const CLOCK_TICKS_PER_S: f64 = 100.0;
+
+/// User plus system CPU of process `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // After the command: state is field 3, utime 14 and stime 15.
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+/// Samples `app`'s backends until stopped: their states and wait events,
+/// and each backend's CPU when first seen.
+struct WaitSampler {
+    stop: Arc<AtomicBool>,
+    task: tokio::task::JoinHandle<Sampled>,
+}
+
+/// What a [`WaitSampler`] saw: samples, backend states counted, and each
+/// backend's CPU ticks when first seen.
+type Sampled = (u64, std::collections::BTreeMap<String, u64>, std::collections::BTreeMap<u32, u64>);
+
+/// What the `--nodes` phase starts its measurement with.
+type PhaseStart = (Wal, ConnSampler, WaitSampler, u64, Instant);
+
+impl WaitSampler {
+    fn start(url: String, app: String) -> WaitSampler {
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let task = tokio::spawn(async move {
+            let (mut samples, mut waits, mut first_ticks) =
+                (0, std::collections::BTreeMap::new(), std::collections::BTreeMap::new());
+            let Ok(admin) = connect(&url).await else { return (samples, waits, first_ticks) };
+            while !s.load(Ordering::Relaxed) {
+                let rows = admin
+                    .query(
+                        "SELECT pid, state, wait_event_type, wait_event FROM pg_stat_activity WHERE application_name = $1",
+                        &[&app],
+                    )
+                    .await;
+                if let Ok(rows) = rows {
+                    samples += 1;
+                    for r in rows {
+                        let pid: i32 = r.get(0);
+                        let state: Option<String> = r.get(1);
+                        let (kind, event): (Option<String>, Option<String>) = (r.get(2), r.get(3));
+                        let key = match (state.as_deref(), kind, event) {
+                            (Some("active"), Some(k), Some(e)) => format!("active {k}:{e}"),
+                            (Some("active"), _, _) => "active CPU".to_owned(),
+                            (Some(other), _, _) => other.to_owned(),
+                            (None, _, _) => "unknown".to_owned(),
+                        };
+                        *waits.entry(key).or_insert(0u64) += 1;
+                        if let Ok(pid) = u32::try_from(pid) {
+                            if let std::collections::btree_map::Entry::Vacant(v) = first_ticks.entry(pid) {
+                                if let Some(t) = cpu_ticks(pid) {
+                                    v.insert(t);
+                                }
+                            }
+                        }
+                    }
+                }
+                tokio::time::sleep(WAIT_SAMPLE_EVERY).await;
+            }
+            (samples, waits, first_ticks)
+        });
+        WaitSampler { stop, task }
+    }
+
+    /// Stops; the evidence, with the backends' CPU since first seen.
+    async fn finish(self, wall: Duration, node_cpu_ticks: u64) -> LimitEvidence {
+        self.stop.store(true, Ordering::Relaxed);
+        let (samples, waits, first) = self.task.await.unwrap_or_default();
+        let total: u64 = waits.values().sum();
+        let mut waits: Vec<(String, f64)> =
+            waits.into_iter().map(|(k, n)| (k, ratio(n as f64, total as f64))).collect();
+        waits.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let backend_ticks: u64 =
+            first.iter().filter_map(|(pid, t0)| cpu_ticks(*pid).map(|t| t.saturating_sub(*t0))).sum();
+        let load_1m = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|l| l.split_whitespace().next().and_then(|v| v.parse().ok()))
+            .unwrap_or(0.0);
+        LimitEvidence {
+            samples,
+            waits,
+            wall_s: wall.as_secs_f64(),
+            node_cpu_s: node_cpu_ticks as f64 / CLOCK_TICKS_PER_S,
+            backend_cpu_s: backend_ticks as f64 / CLOCK_TICKS_PER_S,
+            load_1m,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 struct PgRound {
     round: u32,
     schema: String,
+    /// `--nodes`: the nodes run.
+    nodes: Option<u16>,
     server: ServerRound,
     server_pg: PgPhase,
+    /// `--nodes`: where the server phase's time went.
+    limits: Option<LimitEvidence>,
     baseline: BaselineRun,
     baseline_pg: PgPhase,
     ratio_server_baseline: f64,
@@ -346,15 +465,26 @@ async fn pg_round(
     tag: &str,
 ) -> Result<PgRound> {
     pb.set_message(format!("{tag}: server setup"));
-    let (server, server_pg) = server_phase(args, url, admin, topo, schema, round, pb, tag).await?;
+    let (server, server_pg, limits) = match args.nodes {
+        None => {
+            let (server, server_pg) = server_phase(args, url, admin, topo, schema, round, pb, tag).await?;
+            (server, server_pg, None)
+        }
+        Some(n) => {
+            let (server, server_pg, limits) = nodes_phase(args, url, admin, topo, schema, round, pb, tag, n).await?;
+            (server, server_pg, Some(limits))
+        }
+    };
     pb.set_message(format!("{tag}: baseline"));
     let (baseline, baseline_pg) = baseline_phase(url, admin, topo, schema, round, server.messages).await?;
     Ok(PgRound {
         round,
         schema: schema.to_owned(),
         ratio_server_baseline: ratio(server.msgs_per_s, baseline.rows_per_s),
+        nodes: args.nodes,
         server,
         server_pg,
+        limits,
         baseline,
         baseline_pg,
     })
@@ -407,7 +537,7 @@ async fn server_phase(
             })
         }
     };
-    let result = drive(args, topo, &server, &*store, &admin_token, round, pb, tag, Some(&hook)).await;
+    let result = drive(args, topo, &Targets::one(&server, &*store), &admin_token, round, pb, tag, Some(&hook)).await;
     server.stop().await;
     drop(hook);
     drop(store);
@@ -427,6 +557,127 @@ async fn server_phase(
     let server = result?;
     let messages = server.messages;
     Ok((server, phase(delta, messages, peak)))
+}
+
+/// The server phase on `n` `tidemark serve` processes sharing the round's
+/// schema, senders spread over them, with [`LimitEvidence`].
+#[allow(clippy::too_many_arguments)]
+async fn nodes_phase(
+    args: &IngestArgs,
+    url: &str,
+    admin: &Client,
+    topo: &Topology,
+    schema: &str,
+    round: u32,
+    pb: &ProgressBar,
+    tag: &str,
+    n: u16,
+) -> Result<(ServerRound, PgPhase, LimitEvidence)> {
+    let app = format!("{schema}_srv");
+    let node_url = with_param(url, "application_name", &app);
+    let admin_token = format!("bench-{:032x}", rand::rng().random::<u128>());
+    let token_file = std::env::temp_dir().join(format!("{schema}.admin-token"));
+    std::fs::write(&token_file, &admin_token).context("write the admin token file")?;
+    let conv_writers = args.conv_writers.to_string();
+    let token_path = token_file.display().to_string();
+    let mut nodes = Vec::with_capacity(usize::from(n));
+    for _ in 0..n {
+        // The first node migrates the schema; the others find it done.
+        let node = super::proc::spawn_server(&[
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--database",
+            &node_url,
+            "--database-schema",
+            schema,
+            "--database-conv-writers",
+            &conv_writers,
+            "--admin-token-file",
+            &token_path,
+            "--no-rate-limits",
+        ])
+        .context("start a tidemark serve node")?;
+        nodes.push(node);
+    }
+    let _ = std::fs::remove_file(&token_file);
+    let addrs: Vec<std::net::SocketAddr> = nodes.iter().map(|(_, a)| *a).collect();
+    let pids: Vec<u32> = nodes.iter().map(|(c, _)| c.pid()).collect();
+    let node_ticks = move || pids.iter().filter_map(|p| cpu_ticks(*p)).sum::<u64>();
+    let targets = Targets {
+        addrs: addrs.clone(),
+        counters: Box::new(|| {
+            let addrs = addrs.clone();
+            Box::pin(async move {
+                let (mut commits, mut writes) = (0.0, 0.0);
+                for a in addrs {
+                    let v = super::proc::scrape_all(
+                        a,
+                        &["tidemark_store_commits_total", "tidemark_store_commit_batch_requests_sum"],
+                    )
+                    .await?;
+                    commits += v[0];
+                    writes += v[1];
+                }
+                Ok((commits as u64, writes as u64, 0))
+            })
+        }),
+        backlog: Box::new(move || {
+            Box::pin(async move {
+                let n: i64 = admin.query_one(&format!("SELECT count(*) FROM {schema}.outbox"), &[]).await?.get(0);
+                Ok(n as u64)
+            })
+        }),
+    };
+
+    let before: Arc<Mutex<Option<PhaseStart>>> = Arc::new(Mutex::new(None));
+    let hook = {
+        let (before, app, admin_url, http_url, token) =
+            (before.clone(), app.clone(), url.to_owned(), format!("http://{}", targets.addrs[0]), admin_token.clone());
+        let node_ticks = node_ticks.clone();
+        move || -> BoxFuture<'static, Result<()>> {
+            let (before, app, admin_url, http_url, token, node_ticks) =
+                (before.clone(), app.clone(), admin_url.clone(), http_url.clone(), token.clone(), node_ticks.clone());
+            Box::pin(async move {
+                tokio::time::sleep(STATS_SETTLE).await;
+                let http = tidemark_client::Http::new(&http_url);
+                http.create_user(&token, "bench-stats-flush", super::PASSWORD).await.context("flush write")?;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                let probe = connect(&admin_url).await?;
+                let w = wal(&probe).await?;
+                let conns = ConnSampler::start(admin_url.clone(), app.clone());
+                let waits = WaitSampler::start(admin_url, app);
+                *before.lock().expect("not poisoned") = Some((w, conns, waits, node_ticks(), Instant::now()));
+                Ok(())
+            })
+        }
+    };
+    let result = drive(args, topo, &targets, &admin_token, round, pb, tag, Some(&hook)).await;
+    let taken = before.lock().expect("not poisoned").take();
+    let evidence = match taken {
+        Some((w, conns, waits, ticks0, t0)) => {
+            let evidence = waits.finish(t0.elapsed(), node_ticks().saturating_sub(ticks0)).await;
+            Some((w, conns, evidence))
+        }
+        None => None,
+    };
+    drop(targets);
+    drop(nodes);
+    let (wal_before, sampler, evidence) = match (result.as_ref(), evidence) {
+        (Ok(_), Some(t)) => t,
+        (_, taken) => {
+            if let Some((_, s, _)) = taken {
+                s.finish().await;
+            }
+            return Err(result.err().unwrap_or_else(|| anyhow::anyhow!("the send phase never started")));
+        }
+    };
+    let peak = sampler.finish().await;
+    wait_backends_gone(admin, &app).await?;
+    let delta = wal(admin).await?.delta(wal_before);
+    let server = result?;
+    let messages = server.messages;
+    Ok((server, phase(delta, messages, peak), evidence))
 }
 
 async fn baseline_phase(
@@ -604,6 +855,21 @@ fn print_pg_report(p: &PgParams, s: &PgSummary, rounds: &[PgRound]) {
         ],
         &per_round,
     );
+    println!();
+    for r in rounds {
+        let Some(l) = &r.limits else { continue };
+        let waits: Vec<String> = l.waits.iter().take(6).map(|(k, f)| format!("{k} {:.0}%", f * 100.0)).collect();
+        println!(
+            "round {} on {} node(s): node CPU {:.1} s and backend CPU {:.1} s in {:.1} s (load {:.1}); backends: {}",
+            r.round,
+            r.nodes.unwrap_or(1),
+            l.node_cpu_s,
+            l.backend_cpu_s,
+            l.wall_s,
+            l.load_1m,
+            waits.join(", ")
+        );
+    }
     println!();
     let counter = rounds.first().map(|r| r.server_pg.wal_counter).unwrap_or("wal_sync");
     println!("note: WAL flushes = delta of pg_stat_wal.{counter} (cluster-wide); the baseline runs in the same round,");
