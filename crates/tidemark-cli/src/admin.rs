@@ -3,8 +3,9 @@
 //! `--database`). Each action is audited with actor `admin` and no
 //! address. Logins and refresh tokens see a change at once; a running
 //! server's in-memory fence of ended sessions (and of revoked devices)
-//! learns it at its next start, so on a live server the admin endpoints
-//! are the immediate way.
+//! learns it at its next fence check (every second: the write moved the
+//! store's `fences_version`), and then kicks the ended connections; the
+//! admin endpoints are the immediate way.
 
 use anyhow::{bail, Context, Result};
 use tidemark_core::audit::{actor, event};
