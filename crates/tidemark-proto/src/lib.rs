@@ -511,6 +511,19 @@ pub struct ConvSummary {
     /// Shared mode: `unread` reached its cap (999) and reads as it.
     #[serde(default, skip_serializing_if = "is_false")]
     pub unread_capped: bool,
+    /// The caller's push preview preference for this conversation (P4,
+    /// `conv.settings`); absent means `full`, the default, which narrows
+    /// nothing.
+    #[serde(default = "preview_full", skip_serializing_if = "is_preview_full")]
+    pub push_preview: push::PreviewLevel,
+}
+
+fn preview_full() -> push::PreviewLevel {
+    push::PreviewLevel::Full
+}
+
+fn is_preview_full(level: &push::PreviewLevel) -> bool {
+    *level == push::PreviewLevel::Full
 }
 
 fn per_member() -> String {
@@ -535,6 +548,7 @@ impl Default for ConvSummary {
             dirty_version: None,
             dirty: None,
             unread_capped: false,
+            push_preview: push::PreviewLevel::Full,
         }
     }
 }

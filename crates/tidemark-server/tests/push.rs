@@ -166,6 +166,11 @@ async fn the_conversation_and_user_preferences_narrow_what_a_push_says() {
     assert_eq!((p.conv.as_deref(), p.preview.as_ref()), (Some(ab.as_str()), None), "the conversation narrows: {p:?}");
 
     settings(json!({"conv": ab, "push_preview": "none"})).await.unwrap();
+    // conv.list shows the conversation's preference (absent while `full`).
+    let list: Value = ts.http.rpc(bob_token, "conv.list", &json!({})).await.unwrap();
+    let row =
+        |list: &Value| list["conversations"].as_array().unwrap().iter().find(|c| c["conv"] == ab.as_str()).cloned();
+    assert_eq!(row(&list).unwrap()["push_preview"], "none", "{list}");
     let p = next("quiet", 3).await;
     assert_eq!((p.conv.as_ref(), p.preview.as_ref(), p.count), (None, None, 1), "nothing but a count: {p:?}");
 
@@ -177,6 +182,8 @@ async fn the_conversation_and_user_preferences_narrow_what_a_push_says() {
     assert_eq!((p.conv.as_deref(), p.preview.as_ref()), (Some(ab.as_str()), None), "the user narrows: {p:?}");
 
     let _: Value = ts.http.rpc(&bob, "privacy.set", &json!({"push_preview": "full"})).await.unwrap();
+    let list: Value = ts.http.rpc(bob_token, "conv.list", &json!({})).await.unwrap();
+    assert!(row(&list).unwrap().get("push_preview").is_none(), "full is the default and not shown: {list}");
     let p = next("open-again", 5).await;
     assert_eq!(p.preview.map(|p| p.text), Some("open-again".to_string()));
     // A setting is not a message: the four settings events pushed nothing.

@@ -172,6 +172,7 @@ pub fn summary(r: tidemark_store::ConvState) -> ConvSummary {
         dirty_version: r.marker.map(|m| m.version),
         dirty: r.marker.map(|m| m.dirty),
         unread_capped: r.unread_capped,
+        push_preview: r.push_preview.into(),
     }
 }
 
