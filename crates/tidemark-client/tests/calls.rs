@@ -311,4 +311,10 @@ async fn push_targets_are_registered_listed_and_removed_through_the_sdk() {
     assert_eq!((set.push_preview, set.muted), (PreviewLevel::None, false));
     let kept = desk.set_conversation_settings(&conv, Some(true), None).await.unwrap();
     assert_eq!((kept.push_preview, kept.muted), (PreviewLevel::None, true), "a mute keeps the preference");
+    // The local store learns the preference from the settings events.
+    desk.wait_for(WAIT, || async {
+        Ok(desk.conversation(&conv).await?.is_some_and(|c| c.muted && c.push_preview == "none"))
+    })
+    .await
+    .expect("the local conversation holds the preference");
 }

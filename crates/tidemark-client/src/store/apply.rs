@@ -594,10 +594,12 @@ fn apply_user_event(
         "settings" => match (data["muted"].as_bool(), data["pinned"].as_bool(), data["version"].as_u64()) {
             (Some(muted), Some(pinned), Some(version)) => {
                 ensure_conv(tx, &e.conv)?;
+                // Absent from servers before per-conversation previews.
+                let preview = data["push_preview"].as_str().unwrap_or("full");
                 tx.execute(
-                    "UPDATE conversations SET muted = ?2, pinned = ?3, settings_version = ?4
+                    "UPDATE conversations SET muted = ?2, pinned = ?3, settings_version = ?4, push_preview = ?5
                      WHERE conv = ?1 AND settings_version < ?4",
-                    params![e.conv, muted, pinned, version as i64],
+                    params![e.conv, muted, pinned, version as i64, preview],
                 )
                 .map_err(StoreError::from)?;
                 true

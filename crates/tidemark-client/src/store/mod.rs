@@ -244,6 +244,10 @@ pub struct Conversation {
     pub pinned: bool,
     /// The user is a member now (false once they left or were removed).
     pub active: bool,
+    /// The user's push preview preference for this conversation (P4):
+    /// `none`, `conversation` or `full` (the default, which narrows
+    /// nothing), from its `settings` events or a snapshot.
+    pub push_preview: String,
     /// An event of this conversation could not be applied and waits in the
     /// repair queue (K5): what is shown may lack it until it is repaired.
     pub needs_repair: bool,
@@ -313,14 +317,15 @@ impl LocalStore {
         Ok(p)
     }
 
-    /// `RESET_REQUIRED`: wipes the synced state in one transaction and
-    /// adopts `generation` (the next first page sends it with
+    /// `RESET_REQUIRED`: wipes the synced state (repair records included:
+    /// what they would repair is rebuilt) in one transaction and adopts
+    /// `generation` (the next first page sends it with
     /// `local_applied_sync_seq` 0). The outbox stays (docs/protocol.md §7.7).
     pub fn reset(&mut self, generation: Option<u64>) -> StoreResult<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         tx.execute_batch(
             "DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events;
-             DELETE FROM snapshot_install;",
+             DELETE FROM snapshot_install; DELETE FROM repairs;",
         )?;
         tx.execute(
             "UPDATE device SET sync_generation = ?1, applied_sync_seq = 0, acked_sync_seq = 0 WHERE id = 1",
@@ -336,7 +341,7 @@ impl LocalStore {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         tx.execute_batch(
             "DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events; DELETE FROM outbox;
-             DELETE FROM snapshot_install;
+             DELETE FROM snapshot_install; DELETE FROM repairs;
              UPDATE device SET sync_generation = NULL, applied_sync_seq = 0, acked_sync_seq = 0,
                                refresh_token = NULL WHERE id = 1;",
         )?;

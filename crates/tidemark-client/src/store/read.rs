@@ -14,7 +14,7 @@ impl LocalStore {
         let mut stmt = self.conn.prepare(&format!(
             "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
                     c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv), c.mode,
-                    c.mentions
+                    c.mentions, c.push_preview
              FROM conversations c
              ORDER BY c.pinned DESC,
                       COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
@@ -37,6 +37,7 @@ impl LocalStore {
                     active: r.get(9)?,
                     needs_repair: r.get(10)?,
                     shared: r.get::<_, String>(11)? == "shared",
+                    push_preview: r.get(13)?,
                     last_message: None,
                 })
             })?

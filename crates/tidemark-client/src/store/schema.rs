@@ -119,6 +119,9 @@ const CONVERSATION_COLUMNS: &[(&str, &str)] = &[
     ("active", "INTEGER NOT NULL DEFAULT 1"),
     // `per_member` or `shared` (a large group, G2).
     ("mode", "TEXT NOT NULL DEFAULT 'per_member'"),
+    // The user's push preview preference for it (P4): `none`,
+    // `conversation` or `full` (the default).
+    ("push_preview", "TEXT NOT NULL DEFAULT 'full'"),
 ];
 
 /// Mention columns (issue 18), added to every table they live in: a

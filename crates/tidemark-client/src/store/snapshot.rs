@@ -173,9 +173,9 @@ impl LocalStore {
             tx.execute(
                 "INSERT INTO conversations (conv, kind, contiguous_msg_seq, last_msg_seq, read_seq, unread, muted,
                                             pinned, settings_version, updated_sync_seq, history_to, unread_below,
-                                            active, mode, mentions, mentions_below)
+                                            active, mode, mentions, mentions_below, push_preview)
                  VALUES (?1, ?2, ?3, ?3, ?4, ?5, ?6, ?7, 0, ?8, ?9, ?10, ?11,
-                         CASE WHEN ?12 THEN 'shared' ELSE 'per_member' END, ?13, ?14)",
+                         CASE WHEN ?12 THEN 'shared' ELSE 'per_member' END, ?13, ?14, ?15)",
                 params![
                     c.conv,
                     c.kind,
@@ -190,7 +190,8 @@ impl LocalStore {
                     c.active,
                     c.shared,
                     c.mentions as i64,
-                    c.mentions.saturating_sub(held_mentions) as i64
+                    c.mentions.saturating_sub(held_mentions) as i64,
+                    c.push_preview
                 ],
             )
             .map_err(StoreError::from)?;
@@ -244,6 +245,7 @@ struct SnapshotConv {
     pinned: bool,
     active: bool,
     shared: bool,
+    push_preview: String,
     messages: Vec<Envelope>,
 }
 
@@ -272,6 +274,8 @@ fn parse_snapshot(items: &[Value]) -> Result<Vec<SnapshotConv>, ApplyError> {
                     pinned: flag("pinned")?,
                     active: item["active"].as_bool().unwrap_or(true),
                     shared: item["mode"].as_str() == Some("shared"),
+                    // Absent when `full` (the default).
+                    push_preview: item["push_preview"].as_str().unwrap_or("full").to_owned(),
                     messages: Vec::new(),
                 };
                 if !seen.insert(c.conv.clone()) {
