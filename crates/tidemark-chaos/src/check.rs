@@ -828,6 +828,7 @@ pub(crate) mod tests {
             muted: false,
             pinned: false,
             active: true,
+            push_preview: "full".into(),
             needs_repair: false,
             last_message: None,
         }
