@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 
 use tidemark_core::kinds::event_kind_of;
-use tidemark_core::reconcile::{ConvFacts, DeviceAck, EventFacts, MessageFacts, UnreadFacts, UserFacts};
+use tidemark_core::reconcile::{ConvFacts, DeviceAck, EventFacts, UnreadFacts, UserFacts};
 use tidemark_store::*;
 
 use crate::db::{big, col, exec, query, query_one, query_opt, scalar, seq, seq_opt, Conn};
@@ -68,25 +68,16 @@ pub(crate) async fn messages(c: &Conn, after: MessageCursor, limit: u32) -> R<Me
     for r in &rows {
         let (conv, msg_seq, message_id, sender, kind): (String, u64, String, String, String) =
             (col(r, 0)?, seq(r, 1)?, col(r, 2)?, col(r, 3)?, col(r, 4)?);
-        let mut facts = MessageFacts {
-            outbox_pending: pending.contains(&message_id),
-            conv: conv.clone(),
-            message_id: message_id.clone(),
+        let pending = pending.contains(&message_id);
+        let (mut facts, item) = tidemark_store::reconcile::message_facts(
+            conv.clone(),
             msg_seq,
-            sender: sender.clone(),
-            kind: kind.clone(),
-            ..MessageFacts::default()
-        };
-        if !facts.outbox_pending {
-            let item = OutboxItem {
-                outbox_id: 0,
-                kind: event_kind_of(&kind).into(),
-                source_event_id: message_id.clone(),
-                conv: conv.clone(),
-                msg_seq,
-                actor: sender.clone(),
-                created_at_ms: 0,
-            };
+            message_id.clone(),
+            sender.clone(),
+            kind,
+            pending,
+        );
+        if let Some(item) = item {
             facts.recipients = fanout::resolve(c, &item).await?.0;
             facts.sender_covered = scalar(
                 c,

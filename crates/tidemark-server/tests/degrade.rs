@@ -10,6 +10,7 @@ mod common;
 
 use std::time::Duration;
 
+use common::exposition::{scrape, scrape_url};
 use common::*;
 use serde_json::json;
 use tidemark_client::proto::ErrorCode;
@@ -17,21 +18,6 @@ use tidemark_core::degrade::{Load, LoadBounds};
 use tidemark_server::{Server, ServerConfig};
 use tidemark_sqlite::SqliteStore;
 use tidemark_store::Store;
-
-/// The value of the series of `name` whose labels contain `label` (or the
-/// unlabelled one when `label` is empty), 0 when absent.
-fn metric(text: &str, name: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(name) && l[name.len()..].starts_with(['{', ' ']))
-        .find(|l| l.contains(label))
-        .and_then(|l| l.split_whitespace().last())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0.0)
-}
-
-async fn scrape(url: &str) -> String {
-    reqwest::get(format!("{url}/metrics")).await.unwrap().text().await.unwrap()
-}
 
 #[tokio::test]
 async fn behind_the_node_keeps_facts_and_pulls_and_sheds_typing_and_derived_work() {
@@ -48,7 +34,6 @@ async fn behind_the_node_keeps_facts_and_pulls_and_sheds_typing_and_derived_work
     let mut ann = ts.device("ann", "phone").await;
     let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
     let state = &ts.running().state;
-    let url = ts.running().url();
 
     assert_eq!(state.load.observe(Some(u64::MAX), true), Load::Overloaded);
     // Facts and pulls run.
@@ -66,10 +51,10 @@ async fn behind_the_node_keeps_facts_and_pulls_and_sheds_typing_and_derived_work
     // skipped round is counted.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let text = scrape(&url).await;
-        assert_eq!(metric(&text, "tidemark_load_level", ""), 2.0);
-        if metric(&text, "tidemark_degraded_total", "work=\"derived\"") >= 1.0 {
-            assert!(metric(&text, "tidemark_degraded_total", "work=\"ephemeral\"") >= 2.0, "{text}");
+        let e = scrape(&ts).await;
+        assert_eq!(e.value("tidemark_load_level", &[]), 2.0);
+        if e.value("tidemark_degraded_total", &[("work", "derived")]) >= 1.0 {
+            assert!(e.value("tidemark_degraded_total", &[("work", "ephemeral")]) >= 2.0, "{}", e.text);
             break;
         }
         assert!(tokio::time::Instant::now() < deadline, "no retention round was held back");
@@ -80,7 +65,7 @@ async fn behind_the_node_keeps_facts_and_pulls_and_sheds_typing_and_derived_work
     assert_eq!(state.load.observe(None, false), Load::Normal);
     let ok = ann.ws.request_value("typing", json!({"conv": conv, "typing": true})).await.unwrap();
     assert_eq!(ok["t"], "typing.ok", "{ok}");
-    assert_eq!(metric(&scrape(&url).await, "tidemark_load_level", ""), 0.0);
+    assert_eq!(scrape(&ts).await.value("tidemark_load_level", &[]), 0.0);
     ts.stop().await;
 }
 
@@ -126,8 +111,8 @@ async fn a_backlog_older_than_the_bound_overloads_the_relay_until_it_is_drained(
         assert!(tokio::time::Instant::now() < deadline, "the backlog was not drained");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let text = scrape(&next.url()).await;
-    assert!(metric(&text, "tidemark_load_level_changes_total", "level=\"overloaded\"") >= 1.0, "{text}");
-    assert!(metric(&text, "tidemark_load_level_changes_total", "level=\"normal\"") >= 1.0, "{text}");
+    let e = scrape_url(&next.url()).await;
+    assert!(e.value("tidemark_load_level_changes_total", &[("level", "overloaded")]) >= 1.0, "{}", e.text);
+    assert!(e.value("tidemark_load_level_changes_total", &[("level", "normal")]) >= 1.0, "{}", e.text);
     next.stop().await;
 }

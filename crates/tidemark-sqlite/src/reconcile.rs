@@ -7,7 +7,7 @@ use std::collections::BTreeSet;
 
 use rusqlite::{params, Connection, OptionalExtension};
 use tidemark_core::kinds::event_kind_of;
-use tidemark_core::reconcile::{ConvFacts, DeviceAck, EventFacts, MessageFacts, UnreadFacts, UserFacts};
+use tidemark_core::reconcile::{ConvFacts, DeviceAck, EventFacts, UnreadFacts, UserFacts};
 use tidemark_store::*;
 
 use crate::{events, internal};
@@ -85,25 +85,16 @@ fn messages_in(c: &Connection, after: MessageCursor, limit: u32) -> R<MessageChu
     }
     for (conv, seq, message_id, sender, kind) in rows {
         let msg_seq = seq as u64;
-        let mut facts = MessageFacts {
-            outbox_pending: pending.contains(&message_id),
-            conv: conv.clone(),
-            message_id: message_id.clone(),
+        let pending = pending.contains(&message_id);
+        let (mut facts, item) = tidemark_store::reconcile::message_facts(
+            conv.clone(),
             msg_seq,
-            sender: sender.clone(),
-            kind: kind.clone(),
-            ..MessageFacts::default()
-        };
-        if !facts.outbox_pending {
-            let item = OutboxItem {
-                outbox_id: 0,
-                kind: event_kind_of(&kind).into(),
-                source_event_id: message_id.clone(),
-                conv: conv.clone(),
-                msg_seq,
-                actor: sender.clone(),
-                created_at_ms: 0,
-            };
+            message_id.clone(),
+            sender.clone(),
+            kind,
+            pending,
+        );
+        if let Some(item) = item {
             facts.recipients = crate::resolve(c, &item)?.0;
             facts.sender_covered = one(
                 c,

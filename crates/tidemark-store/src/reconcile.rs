@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use tidemark_core::reconcile::{check_conv, check_message, check_user, Finding, Repair};
 
-use crate::{QuarantineRecord, Store, StoreResult, UnreadRebuild};
+use crate::{OutboxItem, QuarantineRecord, Store, StoreResult, UnreadRebuild};
 
 /// Messages per conversation-side chunk (one read snapshot each).
 pub const MESSAGES_PER_CHUNK: u32 = 500;
@@ -235,4 +235,37 @@ pub async fn rebuild_unread(store: &dyn Store, users_per_chunk: u32) -> StoreRes
     let cfg = ReconcileConfig { scope: Scope::Unread, users_per_chunk, ..ReconcileConfig::default() };
     let report = run(store, &cfg, 0).await?;
     Ok(UnreadRebuild { rows_checked: report.unread_rows_checked, drifted: report.found() })
+}
+
+/// The facts of one message row as a backend's message chunk reads it,
+/// and, unless its own outbox item is still pending, the outbox item the
+/// fan-out resolves its recipients from (the backends then add what their
+/// SQL finds: recipients, the sender's period, missing deliveries).
+pub fn message_facts(
+    conv: String,
+    msg_seq: u64,
+    message_id: String,
+    sender: String,
+    kind: String,
+    outbox_pending: bool,
+) -> (tidemark_core::reconcile::MessageFacts, Option<OutboxItem>) {
+    let item = (!outbox_pending).then(|| OutboxItem {
+        outbox_id: 0,
+        kind: tidemark_core::kinds::event_kind_of(&kind).into(),
+        source_event_id: message_id.clone(),
+        conv: conv.clone(),
+        msg_seq,
+        actor: sender.clone(),
+        created_at_ms: 0,
+    });
+    let facts = tidemark_core::reconcile::MessageFacts {
+        outbox_pending,
+        conv,
+        message_id,
+        msg_seq,
+        sender,
+        kind,
+        ..Default::default()
+    };
+    (facts, item)
 }

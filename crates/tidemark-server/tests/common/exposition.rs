@@ -14,7 +14,13 @@ pub struct Exposition {
 }
 
 pub async fn scrape(ts: &TestServer) -> Exposition {
-    let text = reqwest::get(format!("{}/metrics", ts.running().url())).await.unwrap().text().await.unwrap();
+    scrape_url(&ts.running().url()).await
+}
+
+/// The exposition of the server at `url` (one not started by
+/// [`TestServer`], e.g. a second server on the same store).
+pub async fn scrape_url(url: &str) -> Exposition {
+    let text = reqwest::get(format!("{url}/metrics")).await.unwrap().text().await.unwrap();
     let scrape = Scrape::parse(text.lines().map(|l| Ok(l.to_owned()))).expect("the exposition parses");
     Exposition { text, scrape }
 }
