@@ -8,7 +8,10 @@
 //! messages per notification, and an honest sender's `send` p99 in a
 //! closed loop while the push load runs, beside the same sender with no
 //! push load in the same round (the baseline: push must never delay an
-//! accepted send). Then the throttling drill: the receiver answers every
+//! accepted send), and beside the same sender while the same burst goes
+//! into groups of as many devices that have no push target (the burst's
+//! own cost: the push load's ratio to it is what push alone adds). Then
+//! the throttling drill: the receiver answers every
 //! push `429` with `Retry-After: 1` while the burst runs; the honest
 //! sender's p99 beside the baseline again, and once the receiver accepts
 //! again every device is still owed exactly its messages. Medians of the
@@ -112,7 +115,12 @@ async fn receive(State(r): State<Receiver>, headers: HeaderMap, body: Bytes) -> 
 #[derive(Debug, Serialize, Clone)]
 struct Round {
     baseline_send_p99_ms: f64,
+    /// The honest sender's p99 while the burst goes to devices with no
+    /// push target: the same fan-out, no push.
+    burst_send_p99_ms: f64,
     push_send_p99_ms: f64,
+    /// `push_send_p99_ms / burst_send_p99_ms`: what push alone adds.
+    push_vs_burst_ratio: f64,
     drill_send_p99_ms: f64,
     push_send_ratio: f64,
     drill_send_ratio: f64,
@@ -166,8 +174,10 @@ pub async fn run(args: PushArgs) -> Result<()> {
                 format!("{:.0}", r.commit_to_accept_p50_ms),
                 format!("{:.0}", r.commit_to_accept_p99_ms),
                 format!("{:.2}", r.baseline_send_p99_ms),
+                format!("{:.2}", r.burst_send_p99_ms),
                 format!("{:.2}", r.push_send_p99_ms),
                 format!("{:.2}", r.push_send_ratio),
+                format!("{:.2}", r.push_vs_burst_ratio),
                 format!("{:.2}", r.drill_send_p99_ms),
                 format!("{:.2}", r.drill_send_ratio),
                 r.drill_throttled_answers.to_string(),
@@ -177,7 +187,9 @@ pub async fn run(args: PushArgs) -> Result<()> {
     let m = |f: &dyn Fn(&Round) -> f64| median(rounds.iter().map(f).collect());
     let medians = Round {
         baseline_send_p99_ms: m(&|r| r.baseline_send_p99_ms),
+        burst_send_p99_ms: m(&|r| r.burst_send_p99_ms),
         push_send_p99_ms: m(&|r| r.push_send_p99_ms),
+        push_vs_burst_ratio: m(&|r| r.push_vs_burst_ratio),
         drill_send_p99_ms: m(&|r| r.drill_send_p99_ms),
         push_send_ratio: m(&|r| r.push_send_ratio),
         drill_send_ratio: m(&|r| r.drill_send_ratio),
@@ -198,8 +210,10 @@ pub async fn run(args: PushArgs) -> Result<()> {
         format!("{:.0}", medians.commit_to_accept_p50_ms),
         format!("{:.0}", medians.commit_to_accept_p99_ms),
         format!("{:.2}", medians.baseline_send_p99_ms),
+        format!("{:.2}", medians.burst_send_p99_ms),
         format!("{:.2}", medians.push_send_p99_ms),
         format!("{:.2}", medians.push_send_ratio),
+        format!("{:.2}", medians.push_vs_burst_ratio),
         format!("{:.2}", medians.drill_send_p99_ms),
         format!("{:.2}", medians.drill_send_ratio),
         medians.drill_throttled_answers.to_string(),
@@ -212,8 +226,10 @@ pub async fn run(args: PushArgs) -> Result<()> {
             "accept p50 ms",
             "accept p99 ms",
             "send p99 base",
+            "burst",
             "push",
             "ratio",
+            "÷ burst",
             "drill",
             "ratio",
             "429s",
@@ -221,8 +237,9 @@ pub async fn run(args: PushArgs) -> Result<()> {
         &all,
     );
     println!(
-        "send p99 with push load {:.2}x, during the throttling drill {:.2}x the same sender without push (same run)",
-        medians.push_send_ratio, medians.drill_send_ratio
+        "send p99 with push load {:.2}x, during the throttling drill {:.2}x the same sender without push (same run); \
+         with push load {:.2}x the same sender beside the same burst to devices without push targets",
+        medians.push_send_ratio, medians.drill_send_ratio, medians.push_vs_burst_ratio
     );
     if let Some(parent) = args.out.parent() {
         std::fs::create_dir_all(parent)?;
@@ -240,12 +257,15 @@ struct Setup {
     burster: WsConn,
     /// Each group's conversation and the devices (their index) in it.
     groups: Vec<(String, Vec<usize>)>,
+    /// Groups of as many devices with no push target, the same shape.
+    unpushed: Vec<(String, Vec<usize>)>,
 }
 
 async fn setup(args: &PushArgs, server: &tidemark_server::RunningServer, store: &dyn Store) -> Result<Setup> {
     let hash = cheap_hash()?;
     let names: Vec<String> = (0..args.devices).map(|i| format!("u{i:05}")).collect();
-    for n in names.iter().chain(["honest", "peer", "burster"].map(String::from).iter()) {
+    let unpushed_names: Vec<String> = (0..args.devices).map(|i| format!("q{i:05}")).collect();
+    for n in names.iter().chain(&unpushed_names).chain(["honest", "peer", "burster"].map(String::from).iter()) {
         store.create_user(n, &hash, unix_ms()).await?;
     }
     let http = Http::new(&server.url());
@@ -255,6 +275,14 @@ async fn setup(args: &PushArgs, server: &tidemark_server::RunningServer, store: 
         let login = http.login(n, PASSWORD, "phone").await?;
         let req = json!({"platform": "webhook", "token": format!("tok-{i}"), "preview": "none"});
         let _: serde_json::Value = http.rpc(&login.access_token, "push.register", &req).await?;
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    // The same number of offline devices with no push target.
+    let pb = bar(u64::from(args.devices), "devices");
+    pb.set_message("offline devices without push");
+    for n in &unpushed_names {
+        http.login(n, PASSWORD, "phone").await?;
         pb.inc(1);
     }
     pb.finish_and_clear();
@@ -276,7 +304,13 @@ async fn setup(args: &PushArgs, server: &tidemark_server::RunningServer, store: 
         let v = burster.request_value("conv.create", json!({"kind": "group", "members": members})).await?;
         groups.push((v["conv"].as_str().context("conv.create")?.to_owned(), chunk.to_vec()));
     }
-    Ok(Setup { honest, honest_conv, burster, groups })
+    let mut unpushed = Vec::new();
+    for chunk in indices.chunks(args.group as usize) {
+        let members: Vec<&str> = chunk.iter().map(|&i| unpushed_names[i].as_str()).collect();
+        let v = burster.request_value("conv.create", json!({"kind": "group", "members": members})).await?;
+        unpushed.push((v["conv"].as_str().context("conv.create")?.to_owned(), chunk.to_vec()));
+    }
+    Ok(Setup { honest, honest_conv, burster, groups, unpushed })
 }
 
 /// The honest sender's closed loop for `seconds`; its send p99 in ms.
@@ -302,12 +336,12 @@ async fn honest_p99(s: &Setup, tag: &str, seconds: u64) -> Result<f64> {
     Ok(ms(h.value_at_quantile(0.99)))
 }
 
-/// The burst: `burst` messages into every group, interleaved; each
-/// group's `send.ok` instants in order.
-async fn burst(s: &Setup, tag: &str, burst: u32) -> Result<Vec<Vec<Instant>>> {
-    let mut acked = vec![Vec::with_capacity(burst as usize); s.groups.len()];
+/// The burst: `burst` messages into every group of `groups`, interleaved;
+/// each group's `send.ok` instants in order.
+async fn burst(s: &Setup, groups: &[(String, Vec<usize>)], tag: &str, burst: u32) -> Result<Vec<Vec<Instant>>> {
+    let mut acked = vec![Vec::with_capacity(burst as usize); groups.len()];
     for m in 0..burst {
-        for (g, (conv, _)) in s.groups.iter().enumerate() {
+        for (g, (conv, _)) in groups.iter().enumerate() {
             let req = SendReq {
                 conv: conv.clone(),
                 client_msg_id: format!("burst-{tag}-{g}-{m}"),
@@ -339,6 +373,17 @@ async fn settle(receiver: &Receiver, from: usize, owed: u64) -> Result<()> {
     }
 }
 
+/// Waits until the outbox is empty, so one phase's fan-out does not run
+/// in the next.
+async fn drained(store: &dyn Store) -> Result<()> {
+    let start = Instant::now();
+    while store.outbox_stats().await?.backlog > 0 {
+        ensure!(start.elapsed() < SETTLE_MAX, "the outbox did not drain in {SETTLE_MAX:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    Ok(())
+}
+
 async fn rounds(
     args: &PushArgs,
     server: &tidemark_server::RunningServer,
@@ -356,18 +401,29 @@ async fn rounds(
         g
     };
     let owed = u64::from(args.devices) * u64::from(args.burst);
-    let pb = bar(u64::from(args.rounds) * 3, "phases");
+    let pb = bar(u64::from(args.rounds) * 4, "phases");
     let mut out = Vec::new();
     for round in 1..=args.rounds {
         pb.set_message(format!("round {round}: baseline"));
         let baseline = honest_p99(&s, &format!("{round}-base"), args.seconds).await?;
         pb.inc(1);
 
+        pb.set_message(format!("round {round}: burst without push targets"));
+        let pushed_before = receiver.inner.lock().expect("receiver lock").accepted.len();
+        let tag = format!("{round}-burst");
+        let (_, burst_p99) =
+            tokio::try_join!(burst(&s, &s.unpushed, &tag, args.burst), honest_p99(&s, &tag, args.seconds))?;
+        let pushed = receiver.inner.lock().expect("receiver lock").accepted.len() - pushed_before;
+        ensure!(pushed == 0, "{pushed} pushes for devices without a push target");
+        drained(store).await?;
+        pb.inc(1);
+
         pb.set_message(format!("round {round}: push load"));
         let from = receiver.inner.lock().expect("receiver lock").accepted.len();
         let started = Instant::now();
         let tag = format!("{round}-push");
-        let (acked, push_p99) = tokio::try_join!(burst(&s, &tag, args.burst), honest_p99(&s, &tag, args.seconds))?;
+        let (acked, push_p99) =
+            tokio::try_join!(burst(&s, &s.groups, &tag, args.burst), honest_p99(&s, &tag, args.seconds))?;
         settle(receiver, from, owed).await?;
         let notes: Vec<(Instant, String, u32)> =
             receiver.inner.lock().expect("receiver lock").accepted[from..].to_vec();
@@ -388,7 +444,8 @@ async fn rounds(
         let from_drill = receiver.inner.lock().expect("receiver lock").accepted.len();
         receiver.throttle.store(true, Ordering::Relaxed);
         let tag = format!("{round}-drill");
-        let (_, drill_p99) = tokio::try_join!(burst(&s, &tag, args.burst), honest_p99(&s, &tag, args.seconds))?;
+        let (_, drill_p99) =
+            tokio::try_join!(burst(&s, &s.groups, &tag, args.burst), honest_p99(&s, &tag, args.seconds))?;
         receiver.throttle.store(false, Ordering::Relaxed);
         let throttled = receiver.inner.lock().expect("receiver lock").throttled - throttled_before;
         settle(receiver, from_drill, owed).await?;
@@ -397,7 +454,9 @@ async fn rounds(
 
         out.push(Round {
             baseline_send_p99_ms: baseline,
+            burst_send_p99_ms: burst_p99,
             push_send_p99_ms: push_p99,
+            push_vs_burst_ratio: push_p99 / burst_p99.max(0.001),
             drill_send_p99_ms: drill_p99,
             push_send_ratio: push_p99 / baseline.max(0.001),
             drill_send_ratio: drill_p99 / baseline.max(0.001),
