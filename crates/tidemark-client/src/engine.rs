@@ -1003,6 +1003,8 @@ async fn report_gaps(inner: &Arc<Inner>, ws: &WsConn) -> StoreResult<()> {
         gaps_detected: counts.detected,
         gaps_repaired: counts.repaired,
         repairs_pending: counts.pending,
+        repair_ms: counts.repair_ms.clone(),
+        hole_ms: counts.hole_ms.clone(),
     };
     match inner.call(ws.request::<_, tidemark_proto::ClientStatsOk>(tidemark_proto::op::CLIENT_STATS, &req)).await {
         Ok(_) => inner.db(move |s, _| s.gaps_reported(&counts)).await,

@@ -33,7 +33,9 @@ pub const ID_BYTES_MAX: usize = 64;
 /// The identifier bounds the domain validates (`tidemark_core::ids`):
 /// user names, device ids, `client_msg_id`s and message kinds, in bytes.
 /// The bound of one `client.stats` report's counts (`tidemark_core::client_stats`).
-pub use tidemark_core::client_stats::CLIENT_STATS_COUNT_MAX;
+pub use tidemark_core::client_stats::{
+    CLIENT_STATS_COUNT_MAX, CLIENT_STATS_DURATIONS_MAX, CLIENT_STATS_DURATION_MS_MAX,
+};
 pub use tidemark_core::ids::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
 pub use tidemark_core::mention::{MENTIONS_MAX, MENTION_ALL_MEMBERS_MAX};
 /// Longest reaction, in bytes.
@@ -634,6 +636,17 @@ pub struct ClientStatsReq {
     /// Repairs waiting on the device now.
     #[serde(default, deserialize_with = "whole::int")]
     pub repairs_pending: u64,
+    /// How long each repair-queue repair (K5) completed since the last
+    /// report took, from queueing to repair, in ms. At most
+    /// `CLIENT_STATS_DURATIONS_MAX` count, each clamped to
+    /// `CLIENT_STATS_DURATION_MS_MAX`. Absent from older clients.
+    #[serde(default, deserialize_with = "whole::ints", skip_serializing_if = "Vec::is_empty")]
+    pub repair_ms: Vec<u64>,
+    /// The same for holes in a conversation's `msg_seq` (its cursor left
+    /// with a missing run) that closed since the last report: from the
+    /// write that opened the hole to the one that closed it, in ms.
+    #[serde(default, deserialize_with = "whole::ints", skip_serializing_if = "Vec::is_empty")]
+    pub hole_ms: Vec<u64>,
 }
 
 /// The report as the server counted it (after clamping).
@@ -643,6 +656,10 @@ pub struct ClientStatsOk {
     pub gaps_detected: u64,
     pub gaps_repaired: u64,
     pub repairs_pending: u64,
+    /// Repair durations recorded (both kinds, after capping); 0 from a
+    /// server that predates them.
+    #[serde(default)]
+    pub durations_recorded: u64,
 }
 
 /// `conv.members`: one page of a conversation's current members, by user

@@ -13,7 +13,8 @@ use tidemark_proto::{Envelope, SyncOk, UserEvent};
 
 use super::schema::{CONTROL_KINDS_SQL, STATE_DELETED, STATE_EDITED, STATE_RECALLED};
 use super::{FaultAction, FaultPoint, LocalStore, Message, StoreError, StoreResult};
-use crate::cursor::{ConvCursor, Policy, PENDING_MAX};
+use crate::cursor::{hole_step, ConvCursor, HoleStep, Policy, PENDING_MAX};
+use tidemark_core::client_stats::repair_duration_ms;
 
 /// A conversation cursor that moved.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -453,10 +454,29 @@ fn queue_repair(tx: &Transaction<'_>, conv: &str, from_msg_seq: u64, sync_seq: u
         params![conv],
     )?;
     tx.execute(
-        "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason) VALUES (?1, ?2, ?3, ?4)
+        "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason, queued_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
          ON CONFLICT (conv) DO UPDATE SET from_msg_seq = MIN(from_msg_seq, excluded.from_msg_seq),
                                           sync_seq = MIN(sync_seq, excluded.sync_seq)",
-        params![conv, from_msg_seq as i64, sync_seq as i64, reason],
+        params![conv, from_msg_seq as i64, sync_seq as i64, reason, super::now_ms()],
+    )?;
+    Ok(())
+}
+
+/// `gap_durations` kinds (the `kind` label of `tidemark_sdk_gap_repair_seconds`).
+pub(super) const GAP_REPAIR: &str = "repair";
+pub(super) const GAP_HOLE: &str = "hole";
+
+/// Repaired gaps' durations kept until reported; past it the oldest go
+/// (a device that cannot report for long keeps its latest samples).
+pub const GAP_DURATIONS_KEPT_MAX: i64 = 1024;
+
+/// Records how long a repaired gap of `kind` took, in the caller's
+/// transaction, keeping at most [`GAP_DURATIONS_KEPT_MAX`] unreported.
+pub(super) fn record_duration(tx: &Transaction<'_>, kind: &str, ms: u64) -> StoreResult<()> {
+    tx.execute("INSERT INTO gap_durations (kind, ms) VALUES (?1, ?2)", params![kind, ms as i64])?;
+    tx.execute(
+        "DELETE FROM gap_durations WHERE id <= (SELECT MAX(id) FROM gap_durations) - ?1",
+        params![GAP_DURATIONS_KEPT_MAX],
     )?;
     Ok(())
 }
@@ -635,7 +655,9 @@ fn apply_user_event(
 }
 
 /// Writes the cursor position (in the caller's transaction); returns the
-/// move and the remaining gap, if any.
+/// move and the remaining gap, if any. A hole that opens here is one gap
+/// detected and one that closes one gap repaired, with its duration
+/// (`client.stats`, O1; [`hole_step`] decides), in the same transaction.
 pub(super) fn save_cursor(
     tx: &Transaction<'_>,
     conv: &str,
@@ -644,6 +666,23 @@ pub(super) fn save_cursor(
 ) -> StoreResult<(Option<CursorMove>, Option<Gap>)> {
     let to = cursor.position();
     assert!(to >= before, "a conversation cursor never moves back ({conv}: {before} -> {to})");
+    let since: Option<i64> = tx
+        .query_row("SELECT hole_since_ms FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))
+        .optional()?
+        .flatten();
+    let now = super::now_ms();
+    match hole_step(since.is_some(), cursor.missing().is_some()) {
+        HoleStep::Opened => {
+            tx.execute("UPDATE conversations SET hole_since_ms = ?2 WHERE conv = ?1", params![conv, now])?;
+            tx.execute("UPDATE gap_stats SET detected = detected + 1", [])?;
+        }
+        HoleStep::Closed => {
+            tx.execute("UPDATE conversations SET hole_since_ms = NULL WHERE conv = ?1", params![conv])?;
+            tx.execute("UPDATE gap_stats SET repaired = repaired + 1", [])?;
+            record_duration(tx, GAP_HOLE, repair_duration_ms(since.unwrap_or(now), now))?;
+        }
+        HoleStep::Same => {}
+    }
     tx.execute("UPDATE conversations SET contiguous_msg_seq = ?2 WHERE conv = ?1", params![conv, to as i64])?;
     let moved = (to > before).then(|| CursorMove { conv: conv.to_owned(), from: before, to });
     let gap = cursor.missing().map(|m| Gap {

@@ -44,6 +44,8 @@
 //!   delivered it (NULL while known only from our own `send.ok`).
 //! - `control_events` — key `sync_seq`: events of kinds this client does not
 //!   interpret, kept verbatim (they count as applied).
+//! - `gap_stats`, `gap_durations` — the gap counts and repair durations
+//!   `client.stats` reports (O1).
 //! - `snapshot_install` — at most one row: the snapshot being installed
 //!   (token, generation, base, digest, pages) and whether its install
 //!   committed (`installed`: its `snapshot.ack` is pending).
@@ -70,7 +72,7 @@ mod repair;
 mod schema;
 mod snapshot;
 
-pub use apply::{AppliedMessage, ApplyError, CursorMove, Gap, PageReport};
+pub use apply::{AppliedMessage, ApplyError, CursorMove, Gap, PageReport, GAP_DURATIONS_KEPT_MAX};
 pub use history::LocalHistory;
 pub use outbox::{Mentions, OutboxEntry, OutboxOp, OutboxRecord, OutboxState, OUTBOX_DONE_KEEP, OUTBOX_PENDING_MAX};
 pub use repair::{Repair, REPAIR_BACKOFF_FIRST_MS, REPAIR_BACKOFF_MAX_MS};
