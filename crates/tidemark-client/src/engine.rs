@@ -730,6 +730,7 @@ async fn install(
         conversations: report.conversations,
         messages: report.messages,
     });
+    inner.emit(Change::PrivacyChanged(report.privacy));
     inner.committed();
     let point = FaultPoint::SnapshotAfterCommit { base_sync_seq: snap.base_sync_seq };
     if inner.fault(&point) == FaultAction::Abort {
@@ -1128,7 +1129,11 @@ fn announce_page(inner: &Inner, report: PageReport) {
     let (cursors, gaps) = (report.cursors.clone(), report.gaps.clone());
     let (recalled, reads) = (report.recalled.clone(), report.reads.clone());
     let repairs = report.repairs.clone();
+    let privacy = report.privacy.clone();
     inner.emit(Change::PageApplied(report));
+    if let Some(p) = privacy {
+        inner.emit(Change::PrivacyChanged(p));
+    }
     for (conv, from_msg_seq) in repairs {
         inner.emit(Change::RepairQueued { conv, from_msg_seq });
     }

@@ -940,13 +940,28 @@ pub struct SnapshotPageReq {
 }
 
 /// One item of a snapshot page: a conversation summary, or one message of
-/// the conversation named by the last `conv` item before it.
+/// the conversation named by the last `conv` item before it, or the user's
+/// privacy switches at the base (issue 18; the first item, present once
+/// the user has ever changed them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum SnapshotItem {
     Conv(ConvSummary),
     Message { message: Envelope },
+    Privacy(PrivacySnapshot),
+}
+
+/// The user's privacy switches in a snapshot, as the last `privacy` user
+/// event at or below the base set them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PrivacySnapshot {
+    pub hide_presence: bool,
+    pub private_receipts: bool,
+    pub push_preview: push::PreviewLevel,
+    /// The switches' version (moved by each change).
+    pub version: u64,
 }
 
 /// One page of a snapshot: items `{"type":"conv",…}` (a conversation
@@ -1222,15 +1237,16 @@ pub struct SyncOk<C = Value> {
 pub struct UserEvent<C = Value> {
     pub sync_seq: u64,
     /// `message`, `membership`, `recall`, `edit`, `reaction` (conversation
-    /// events, with `message`), `read`, `settings`, `delete` (per-user
-    /// events, with `data`). Clients skip kinds they do not know.
+    /// events, with `message`), `read`, `settings`, `delete`, `privacy`
+    /// (per-user events, with `data`). Clients skip kinds they do not know.
     pub kind: String,
+    /// The conversation concerned; empty for `privacy`.
     pub conv: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub msg_seq: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Envelope<C>>,
-    /// The payload of per-user events (`read`, `settings`, `delete`).
+    /// The payload of per-user events (`read`, `settings`, `delete`, `privacy`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
     pub data: Option<C>,

@@ -71,6 +71,9 @@ pub struct PageReport {
     /// Conversations put into the repair queue by this page (K5), with the
     /// first `msg_seq` to repair.
     pub repairs: Vec<(String, u64)>,
+    /// The user's privacy switches, when a `privacy` event of this page
+    /// changed them (issue 18).
+    pub privacy: Option<super::PrivacySwitches>,
 }
 
 /// Why a page could not be applied. Nothing of it was committed.
@@ -588,7 +591,7 @@ pub(super) fn apply_envelope(
     Ok(())
 }
 
-/// A per-user event (`read`, `settings`, `delete`), or a kind this client
+/// A per-user event (`read`, `settings`, `delete`, `privacy`), or a kind this client
 /// does not know: kept verbatim and counted as applied (§3.2).
 fn apply_user_event(
     tx: &Transaction<'_>,
@@ -626,6 +629,30 @@ fn apply_user_event(
             }
             _ => false,
         },
+        // Not about a conversation: nothing to touch but the switches.
+        "privacy" => {
+            let parsed = match (
+                data["hide_presence"].as_bool(),
+                data["private_receipts"].as_bool(),
+                data["push_preview"].as_str(),
+                data["version"].as_u64(),
+            ) {
+                (Some(hide), Some(private), Some(preview), Some(version)) => Some(super::PrivacySwitches {
+                    hide_presence: hide,
+                    private_receipts: private,
+                    push_preview: preview.to_owned(),
+                    version,
+                }),
+                _ => None,
+            };
+            if let Some(p) = parsed {
+                if set_privacy(tx, &p)? {
+                    report.privacy = Some(p);
+                }
+                return Ok(());
+            }
+            false
+        }
         "delete" => match data["message_id"].as_str() {
             Some(message_id) => {
                 tx.execute(
@@ -652,6 +679,17 @@ fn apply_user_event(
     .map_err(StoreError::from)?;
     report.kept_verbatim += 1;
     Ok(())
+}
+
+/// Stores the user's privacy switches when `p` is newer than what is held
+/// (in the caller's transaction); whether they changed.
+pub(super) fn set_privacy(tx: &Transaction<'_>, p: &super::PrivacySwitches) -> StoreResult<bool> {
+    let n = tx.execute(
+        "UPDATE privacy SET hide_presence = ?1, private_receipts = ?2, push_preview = ?3, version = ?4
+         WHERE id = 1 AND version < ?4",
+        params![p.hide_presence, p.private_receipts, p.push_preview, p.version as i64],
+    )?;
+    Ok(n > 0)
 }
 
 /// Writes the cursor position (in the caller's transaction); returns the

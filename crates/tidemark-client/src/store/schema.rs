@@ -20,6 +20,11 @@ pub const STATE_EDITED: &str = "edited";
 pub const STATE_RECALLED: &str = "recalled";
 pub const STATE_DELETED: &str = "deleted";
 
+/// Back to the switches of a user who never changed them (a reset, a wipe,
+/// a snapshot install before its `privacy` item).
+pub(super) const PRIVACY_RESET_SQL: &str =
+    "UPDATE privacy SET hide_presence = 0, private_receipts = 0, push_preview = 'full', version = 0;";
+
 pub const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS device (
     id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -108,6 +113,17 @@ CREATE TABLE IF NOT EXISTS gap_durations (
     kind TEXT NOT NULL CHECK (kind IN ('repair', 'hole')),
     ms INTEGER NOT NULL
 );
+-- The user's privacy switches (issue 18), one row, as the last `privacy`
+-- user event or snapshot item set them; `version` 0: never changed (the
+-- defaults). Only a higher version replaces them.
+CREATE TABLE IF NOT EXISTS privacy (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    hide_presence INTEGER NOT NULL DEFAULT 0,
+    private_receipts INTEGER NOT NULL DEFAULT 0,
+    push_preview TEXT NOT NULL DEFAULT 'full',
+    version INTEGER NOT NULL DEFAULT 0
+);
+INSERT OR IGNORE INTO privacy (id) VALUES (1);
 CREATE TABLE IF NOT EXISTS snapshot_install (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     snapshot_id TEXT NOT NULL,
