@@ -495,8 +495,12 @@ impl Timeline {
             }
             Change::Repaired { conv } => format!("{} repaired", short(conv)),
             // The story says when a device stops; it tells the durable
-            // state, not the ephemeral lane's typing and presence.
-            Change::Exited(Exit::Stopped) | Change::Typing { .. } | Change::Presence { .. } => return Vec::new(),
+            // state of conversations, not the ephemeral lane's typing and
+            // presence, nor the user's privacy switches.
+            Change::Exited(Exit::Stopped)
+            | Change::Typing { .. }
+            | Change::Presence { .. }
+            | Change::PrivacyChanged(_) => return Vec::new(),
             Change::Exited(exit) => format!("engine stopped: {exit:?}"),
         };
         vec![text]

@@ -16,7 +16,7 @@ use tokio::sync::{broadcast, mpsc, oneshot, watch, Notify};
 use tokio::task::JoinHandle;
 
 use crate::engine::{self, Command, Inner, CHANGES_MAX, COMMANDS_MAX};
-use crate::store::{Conversation, LocalStore, Mentions, Message, OutboxEntry, OutboxOp, SyncPosition};
+use crate::store::{Conversation, LocalStore, Mentions, Message, OutboxEntry, OutboxOp, PrivacySwitches, SyncPosition};
 use crate::types::{Change, ClientConfig, ConnState, Exit, SdkError};
 use crate::Http;
 
@@ -285,6 +285,14 @@ impl Client {
     /// first. Local: works offline.
     pub async fn conversations(&self) -> Result<Vec<Conversation>, SdkError> {
         Ok(self.inner.db(|s, _| s.conversations()).await?)
+    }
+
+    /// The user's privacy switches as this device last synced them (issue
+    /// 18): a change made on any of the user's devices arrives as a
+    /// `privacy` event ([`Change::PrivacyChanged`]); a snapshot carries
+    /// them. Local: needs no connection.
+    pub async fn privacy(&self) -> Result<PrivacySwitches, SdkError> {
+        Ok(self.inner.db(|s, _| s.privacy()).await?)
     }
 
     pub async fn conversation(&self, conv: &str) -> Result<Option<Conversation>, SdkError> {

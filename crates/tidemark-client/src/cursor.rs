@@ -53,6 +53,31 @@ pub enum Offer {
     Overflow,
 }
 
+/// What one cursor write did to the conversation's hole, for the gap
+/// counts a device reports (`client.stats`, O1): a hole opens when a
+/// conversation with none is left with [`ConvCursor::missing`], and is
+/// repaired when its cursor is contiguous again. A hole that widens or
+/// stays open is the same gap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoleStep {
+    /// No hole before, one now: one gap detected.
+    Opened,
+    /// A hole before, none now: one gap repaired.
+    Closed,
+    /// No change: still none, or the same gap still open.
+    Same,
+}
+
+/// [`HoleStep`] from whether the conversation had a hole before this
+/// write and whether its cursor has one now.
+pub fn hole_step(was_open: bool, open_now: bool) -> HoleStep {
+    match (was_open, open_now) {
+        (false, true) => HoleStep::Opened,
+        (true, false) => HoleStep::Closed,
+        _ => HoleStep::Same,
+    }
+}
+
 /// One conversation's cursor and pending buffer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConvCursor {
@@ -173,6 +198,29 @@ mod tests {
             ],
             5,
         );
+    }
+
+    #[test]
+    fn a_hole_counts_once_when_it_opens_and_once_when_it_closes() {
+        let cases = [
+            (false, false, HoleStep::Same),
+            (false, true, HoleStep::Opened),
+            (true, true, HoleStep::Same),
+            (true, false, HoleStep::Closed),
+        ];
+        for (was, now, expect) in cases {
+            assert_eq!(hole_step(was, now), expect, "{was} -> {now}");
+        }
+        // Through the cursor: 3 opens the hole, 4 widens nothing new, 2
+        // closes it.
+        let mut c = ConvCursor::new(Policy::Contiguous, 1);
+        let mut steps = Vec::new();
+        for s in [3, 4, 2, 5] {
+            let was = c.missing().is_some();
+            c.offer(s);
+            steps.push(hole_step(was, c.missing().is_some()));
+        }
+        assert_eq!(steps, [HoleStep::Opened, HoleStep::Same, HoleStep::Closed, HoleStep::Same]);
     }
 
     #[test]

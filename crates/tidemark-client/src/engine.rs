@@ -730,6 +730,7 @@ async fn install(
         conversations: report.conversations,
         messages: report.messages,
     });
+    inner.emit(Change::PrivacyChanged(report.privacy));
     inner.committed();
     let point = FaultPoint::SnapshotAfterCommit { base_sync_seq: snap.base_sync_seq };
     if inner.fault(&point) == FaultAction::Abort {
@@ -1003,6 +1004,8 @@ async fn report_gaps(inner: &Arc<Inner>, ws: &WsConn) -> StoreResult<()> {
         gaps_detected: counts.detected,
         gaps_repaired: counts.repaired,
         repairs_pending: counts.pending,
+        repair_ms: counts.repair_ms.clone(),
+        hole_ms: counts.hole_ms.clone(),
     };
     match inner.call(ws.request::<_, tidemark_proto::ClientStatsOk>(tidemark_proto::op::CLIENT_STATS, &req)).await {
         Ok(_) => inner.db(move |s, _| s.gaps_reported(&counts)).await,
@@ -1126,7 +1129,11 @@ fn announce_page(inner: &Inner, report: PageReport) {
     let (cursors, gaps) = (report.cursors.clone(), report.gaps.clone());
     let (recalled, reads) = (report.recalled.clone(), report.reads.clone());
     let repairs = report.repairs.clone();
+    let privacy = report.privacy.clone();
     inner.emit(Change::PageApplied(report));
+    if let Some(p) = privacy {
+        inner.emit(Change::PrivacyChanged(p));
+    }
     for (conv, from_msg_seq) in repairs {
         inner.emit(Change::RepairQueued { conv, from_msg_seq });
     }

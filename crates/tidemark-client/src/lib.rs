@@ -135,7 +135,7 @@ pub use ephemeral::PresenceState;
 pub use http::Http;
 pub use store::{
     manifest_digest, Conversation, CursorMove, FaultAction, FaultPoint, Gap, Mentions, Message, OutboxEntry, OutboxOp,
-    OutboxState, PageReport, PendingSnapshot, SnapshotReport, StoreError, SyncPosition,
+    OutboxState, PageReport, PendingSnapshot, PrivacySwitches, SnapshotReport, StoreError, SyncPosition,
 };
 pub use tidemark_proto as proto;
 pub use types::{Change, ClientConfig, ConnState, Exit, FaultHook, SdkError};

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::policy::Backoff;
-use crate::store::{CursorMove, FaultAction, FaultPoint, Gap, OutboxOp, PageReport, StoreError};
+use crate::store::{CursorMove, FaultAction, FaultPoint, Gap, OutboxOp, PageReport, PrivacySwitches, StoreError};
 use crate::ClientError;
 
 /// Decides, at each [`FaultPoint`], whether the client dies there (tests).
@@ -268,6 +268,10 @@ pub enum Change {
         state: String,
         last_seen: Option<i64>,
     },
+    /// The user's privacy switches as this device holds them changed (a
+    /// `privacy` event, from a change made on any of the user's devices, or
+    /// a snapshot install): [`Client::privacy`] reads them.
+    PrivacyChanged(PrivacySwitches),
     /// This subscriber missed `missed` notifications.
     Lagged {
         missed: u64,

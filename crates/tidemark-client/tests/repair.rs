@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use common::*;
 use tidemark_client::{Change, Client, ConnState, FaultAction, FaultPoint};
+use tidemark_server::ServerConfig;
 
 /// The value of the one series of `family` (or of `family`'s histogram
 /// `_count`) in the server's exposition; 0 while absent.
@@ -19,6 +20,16 @@ async fn metric(h: &Harness, series: &str) -> f64 {
     let text = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
     text.lines()
         .filter(|l| l.starts_with(series) && l[series.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// The value of `series` restricted to the series whose labels include
+/// `label` (such as `kind="hole"`); 0 while absent.
+async fn metric_of(h: &Harness, series: &str, label: &str) -> f64 {
+    let text = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(series) && l[series.len()..].starts_with('{') && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
         .sum()
 }
@@ -129,7 +140,9 @@ async fn a_local_row_that_contradicts_the_server_is_repaired_from_the_conversati
     const DETECTED: &str = "tidemark_sdk_gaps_detected_total";
     const REPAIRED: &str = "tidemark_sdk_gaps_repaired_total";
     const REPORTS: &str = "tidemark_sdk_repairs_pending_conversations_count";
+    const TOOK: &str = "tidemark_sdk_gap_repair_seconds_count";
     let before = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric(&h, REPORTS).await);
+    let took_before = metric_of(&h, TOOK, r#"kind="repair""#).await;
     let phone = Client::open(h.config("bob", "phone")).unwrap();
     let mut changes = phone.subscribe();
     phone.start().await.unwrap();
@@ -146,10 +159,74 @@ async fn a_local_row_that_contradicts_the_server_is_repaired_from_the_conversati
         assert!(tokio::time::Instant::now() < deadline, "the gap metrics never moved: {before:?} -> {now:?}");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+    // And how long the repair took: one sample of kind `repair`.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while metric_of(&h, TOOK, r#"kind="repair""#).await < took_before + 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "no repair duration was reported");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     assert_eq!(
         texts(&phone.messages(&conv).await.unwrap()),
         vec![(1, "one".into()), (2, "two".into()), (3, "three".into())]
     );
     assert!(!phone.conversation(&conv).await.unwrap().unwrap().needs_repair);
     h.wait_server_ack("bob", "phone", 3).await;
+}
+
+/// O1 for a hole in a conversation's `msg_seq` (K2): with fan-out held,
+/// Bob's own `send.ok`s (msg_seq 2, then 3) land above msg_seq 1, which his
+/// log has not brought: one hole, opened by the first and only widened by
+/// the second. Once fan-out resumes, a sync fills it. The device reports
+/// one gap detected, one repaired, and one duration sample of kind `hole`
+/// covering the time the hole was open; the server's /metrics show
+/// exactly that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hole_in_a_conversation_is_one_gap_detected_and_repaired_with_its_duration() {
+    const DETECTED: &str = "tidemark_sdk_gaps_detected_total";
+    const REPAIRED: &str = "tidemark_sdk_gaps_repaired_total";
+    const TOOK: &str = "tidemark_sdk_gap_repair_seconds_count";
+    const TOOK_SUM: &str = "tidemark_sdk_gap_repair_seconds_sum";
+    const HOLE: &str = r#"kind="hole""#;
+    let mut h = Harness::start_with(ServerConfig { hold_fanout: true, ..ServerConfig::default() }).await;
+    h.user("alice").await;
+    h.user("bob").await;
+    let alice = h.ready("alice", "phone").await;
+    let bob = h.ready("bob", "phone").await;
+    let conv = alice.create_direct("bob").await.unwrap();
+    let before = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric_of(&h, TOOK, HOLE).await);
+    let sum_before = metric_of(&h, TOOK_SUM, HOLE).await;
+    send_ok(&alice, &conv, "one").await;
+    assert_eq!(send_ok(&bob, &conv, "two").await, (2, false));
+    assert_eq!(send_ok(&bob, &conv, "three").await, (3, false));
+    let summary = bob.conversation(&conv).await.unwrap().unwrap();
+    assert_eq!((summary.contiguous_msg_seq, summary.last_msg_seq), (0, 3), "a hole at msg_seq 1");
+
+    // The open hole is reported as detected (the server cannot see it).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while metric(&h, DETECTED).await < before.0 + 1.0 {
+        assert!(tokio::time::Instant::now() < deadline, "the open hole was never reported");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(metric(&h, REPAIRED).await, before.1, "not repaired yet");
+
+    // Fan-out resumes; a sync brings msg_seq 1 and the cursor is whole.
+    h.restart_server(ServerConfig::default()).await;
+    bob.wait_for(WAIT, || async { Ok(bob.conversation(&conv).await?.is_some_and(|c| c.contiguous_msg_seq == 3)) })
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let now = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric_of(&h, TOOK, HOLE).await);
+        if now.1 >= before.1 + 1.0 && now.2 >= before.2 + 1.0 {
+            // One hole: widened by the second send, still one gap.
+            assert_eq!(now, (before.0 + 1.0, before.1 + 1.0, before.2 + 1.0), "from {before:?}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the repaired hole was never reported: {before:?} -> {now:?}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // It was open across a server restart: its duration is not zero.
+    assert!(metric_of(&h, TOOK_SUM, HOLE).await > sum_before, "the sample records the time the hole was open");
+    bob.stop().await;
+    alice.stop().await;
 }

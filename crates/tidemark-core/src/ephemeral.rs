@@ -177,6 +177,13 @@ pub fn privacy_after(now: Privacy, u: PrivacyUpdate) -> Option<Privacy> {
     (next != now).then_some(next)
 }
 
+/// The idempotency key of a `privacy` user event: one per version of the
+/// switches (`user_privacy.version`, moved by each change; a no-op set
+/// writes nothing).
+pub fn privacy_event_id(version: u64) -> String {
+    format!("privacy:{version}")
+}
+
 /// A current member's read position, as a backend reads it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MemberRead {

@@ -42,6 +42,10 @@ pub const EVENT_REACTION: &str = "reaction";
 pub const EVENT_READ: &str = "read";
 pub const EVENT_SETTINGS: &str = "settings";
 pub const EVENT_DELETE: &str = "delete";
+/// A change of the user's privacy switches (issue 18), written into the
+/// user's own log so the user's other devices learn it; its `conv` is
+/// empty (it belongs to no conversation).
+pub const EVENT_PRIVACY: &str = "privacy";
 /// The switch of a group to shared mode: later events are read from the
 /// conversation log (G3).
 pub const EVENT_MODE: &str = "mode";

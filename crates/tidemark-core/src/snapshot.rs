@@ -92,8 +92,23 @@ pub fn decide_install(
     })
 }
 
+/// Whether a snapshot carries a `privacy` item (issue 18): once the user
+/// changed the switches (`version` > 0). A user who never did holds the
+/// defaults, which a device installing a snapshot starts from anyway, so
+/// such a snapshot is item for item what it was before the item existed.
+pub fn carries_privacy(version: u64) -> bool {
+    version > 0
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_changed_switches_are_a_snapshot_item() {
+        for (version, carried) in [(0, false), (1, true), (7, true)] {
+            assert_eq!(super::carries_privacy(version), carried, "{version}");
+        }
+    }
+
     use super::*;
     use crate::kinds::{SNAPSHOT_BUILDING, SNAPSHOT_INSTALLED};
 

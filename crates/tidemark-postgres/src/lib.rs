@@ -1103,11 +1103,19 @@ impl Store for PgStore {
         self.readers.read(move |c| Box::pin(async move { receipts::privacy(c, &user).await })).await
     }
 
-    async fn set_privacy(&self, user: &str, update: PrivacyUpdate, now_ms: i64) -> StoreResult<Privacy> {
+    async fn update_privacy(
+        &self,
+        user: &str,
+        update: PrivacyUpdate,
+        now_ms: i64,
+    ) -> StoreResult<(Privacy, UserEventOutcome)> {
         let user = user.to_owned();
-        self.writer()
+        // A user-side write: it locks and advances the user's head.
+        let (privacy, written) = self
+            .user_writer
             .write(move |c| Box::pin(async move { receipts::set_privacy(c, &user, update, now_ms).await }))
-            .await
+            .await?;
+        Ok((privacy, UserEventOutcome { written }))
     }
 
     async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {

@@ -55,6 +55,10 @@ pub(crate) async fn read_snapshot_view(
     if out.send(SnapshotViewPart::Base(user_log(c, user).await?)).await.is_err() {
         return Ok(());
     }
+    let (privacy, version) = crate::receipts::privacy_versioned(c, user).await?;
+    if out.send(SnapshotViewPart::Privacy { privacy, version }).await.is_err() {
+        return Ok(());
+    }
     let convs = read::list_conversations(c, user, Some(device)).await?;
     // What fan-out delivered to this user up to the base: per
     // conversation, messages up to the projection's last_msg_seq, inside

@@ -29,33 +29,80 @@ fn privacy_row(r: &tokio_postgres::Row) -> R<Privacy> {
     })
 }
 
-pub(crate) async fn set_privacy(c: &Conn, user: &str, update: ephemeral::PrivacyUpdate, now_ms: i64) -> R<Privacy> {
+/// The switches and their version (0: never changed), as the snapshot
+/// view reads them.
+pub(crate) async fn privacy_versioned(c: &Conn, user: &str) -> R<(Privacy, u64)> {
+    let row = query_opt(
+        c,
+        "SELECT hide_presence, private_receipts, push_preview, version FROM user_privacy WHERE user_id = $1",
+        &[&user],
+    )
+    .await?;
+    match row {
+        None => Ok((Privacy::default(), 0)),
+        Some(r) => Ok((privacy_row(&r)?, seq(&r, 3)?)),
+    }
+}
+
+/// A change of the switches is written with its `privacy` user event in
+/// the user's own log (one transaction, the user's head locked first like
+/// every user-side write); a no-op writes neither.
+pub(crate) async fn set_privacy(
+    c: &Conn,
+    user: &str,
+    update: ephemeral::PrivacyUpdate,
+    now_ms: i64,
+) -> R<(Privacy, Option<u64>)> {
     let known: Option<i32> = scalar(c, "SELECT 1 FROM users WHERE user_id = $1", &[&user]).await?;
     if known.is_none() {
         return Err(StoreError::NotFound(format!("user {user}")));
     }
+    crate::events::lock_user(c, user).await?;
     // The row lock orders concurrent updates of one user's switches.
     let row = query_opt(
         c,
-        "SELECT hide_presence, private_receipts, push_preview FROM user_privacy WHERE user_id = $1 FOR UPDATE",
+        "SELECT hide_presence, private_receipts, push_preview, version FROM user_privacy WHERE user_id = $1 FOR UPDATE",
         &[&user],
     )
     .await?;
-    let now = row.as_ref().map_or(Ok(Privacy::default()), privacy_row)?;
-    let Some(next) = ephemeral::privacy_after(now, update) else {
-        return Ok(now);
+    let (now, version) = match row {
+        None => (Privacy::default(), 0),
+        Some(r) => (privacy_row(&r)?, seq(&r, 3)?),
     };
+    let Some(next) = ephemeral::privacy_after(now, update) else {
+        return Ok((now, None));
+    };
+    let version = version + 1;
+    let v = version as i64;
     exec(
         c,
-        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, push_preview, updated_at)
-         VALUES ($1, $2, $3, $4, $5)
+        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, push_preview, updated_at, version)
+         VALUES ($1, $2, $3, $4, $5, $6)
          ON CONFLICT (user_id) DO UPDATE SET hide_presence = excluded.hide_presence,
              private_receipts = excluded.private_receipts, push_preview = excluded.push_preview,
-             updated_at = excluded.updated_at",
-        &[&user, &next.hide_presence, &next.private_receipts, &next.push_preview.as_str(), &now_ms],
+             updated_at = excluded.updated_at, version = excluded.version",
+        &[&user, &next.hide_presence, &next.private_receipts, &next.push_preview.as_str(), &now_ms, &v],
     )
     .await?;
-    Ok(next)
+    let data = tidemark_proto::content::PrivacyData {
+        hide_presence: next.hide_presence,
+        private_receipts: next.private_receipts,
+        push_preview: next.push_preview.into(),
+        version,
+    };
+    use tidemark_proto::content::Payload;
+    let written = crate::events::append_user_event(
+        c,
+        user,
+        EVENT_PRIVACY,
+        "",
+        None,
+        &ephemeral::privacy_event_id(version),
+        &data.to_json(),
+        now_ms,
+    )
+    .await?;
+    Ok((next, written))
 }
 
 pub(crate) async fn presence_audience(c: &Conn, user: &str, limit: u32) -> R<Vec<String>> {

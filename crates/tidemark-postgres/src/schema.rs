@@ -70,7 +70,16 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 10, name: "offline push targets", sql: PUSH_TARGETS },
     Migration { version: 11, name: "mentions", sql: MENTIONS },
     Migration { version: 12, name: "push preview preferences", sql: PUSH_PREVIEW_PREFERENCES },
+    Migration { version: 13, name: "privacy switch versions", sql: PRIVACY_VERSIONS },
 ];
+
+/// Step 13 (issue 18): the switches' version, moved by each change, so a
+/// change is one `privacy` user event (`privacy:<version>`) in the user's
+/// own log, and a device applies only a newer one. 0: never changed.
+pub const PRIVACY_VERSIONS: &str = r#"
+ALTER TABLE user_privacy ADD COLUMN version BIGINT NOT NULL DEFAULT 0;
+UPDATE user_privacy SET version = 1;
+"#;
 
 /// Step 12 (P4, issue 20): the user's push preview preference and the
 /// user's preference per conversation, beside `hide_presence` and `muted`.

@@ -152,6 +152,17 @@ pub struct SettingsData {
     pub version: u64,
 }
 
+/// The `data` of a `privacy` user event (issue 18), the user's switches
+/// after a change:
+/// `{"hide_presence":…,"private_receipts":…,"push_preview":…,"version":…}`.
+#[derive(Debug, Serialize)]
+pub struct PrivacyData {
+    pub hide_presence: bool,
+    pub private_receipts: bool,
+    pub push_preview: crate::push::PreviewLevel,
+    pub version: u64,
+}
+
 /// The `data` of a `delete` (for me) user event: `{"message_id":…,"msg_seq":…}`.
 #[derive(Debug, Serialize)]
 pub struct DeletedData<'a> {
@@ -181,6 +192,7 @@ pub fn parse_mentions(stored: &str) -> Result<Vec<String>, String> {
 
 impl Payload for ReadData {}
 impl Payload for SettingsData {}
+impl Payload for PrivacyData {}
 impl Payload for DeletedData<'_> {}
 
 #[cfg(test)]

@@ -33,7 +33,9 @@ pub const ID_BYTES_MAX: usize = 64;
 /// The identifier bounds the domain validates (`tidemark_core::ids`):
 /// user names, device ids, `client_msg_id`s and message kinds, in bytes.
 /// The bound of one `client.stats` report's counts (`tidemark_core::client_stats`).
-pub use tidemark_core::client_stats::CLIENT_STATS_COUNT_MAX;
+pub use tidemark_core::client_stats::{
+    CLIENT_STATS_COUNT_MAX, CLIENT_STATS_DURATIONS_MAX, CLIENT_STATS_DURATION_MS_MAX,
+};
 pub use tidemark_core::ids::{CLIENT_MSG_ID_BYTES_MAX, DEVICE_ID_BYTES_MAX, KIND_BYTES_MAX, USER_BYTES_MAX};
 pub use tidemark_core::mention::{MENTIONS_MAX, MENTION_ALL_MEMBERS_MAX};
 /// Longest reaction, in bytes.
@@ -634,6 +636,17 @@ pub struct ClientStatsReq {
     /// Repairs waiting on the device now.
     #[serde(default, deserialize_with = "whole::int")]
     pub repairs_pending: u64,
+    /// How long each repair-queue repair (K5) completed since the last
+    /// report took, from queueing to repair, in ms. At most
+    /// `CLIENT_STATS_DURATIONS_MAX` count, each clamped to
+    /// `CLIENT_STATS_DURATION_MS_MAX`. Absent from older clients.
+    #[serde(default, deserialize_with = "whole::ints", skip_serializing_if = "Vec::is_empty")]
+    pub repair_ms: Vec<u64>,
+    /// The same for holes in a conversation's `msg_seq` (its cursor left
+    /// with a missing run) that closed since the last report: from the
+    /// write that opened the hole to the one that closed it, in ms.
+    #[serde(default, deserialize_with = "whole::ints", skip_serializing_if = "Vec::is_empty")]
+    pub hole_ms: Vec<u64>,
 }
 
 /// The report as the server counted it (after clamping).
@@ -643,6 +656,10 @@ pub struct ClientStatsOk {
     pub gaps_detected: u64,
     pub gaps_repaired: u64,
     pub repairs_pending: u64,
+    /// Repair durations recorded (both kinds, after capping); 0 from a
+    /// server that predates them.
+    #[serde(default)]
+    pub durations_recorded: u64,
 }
 
 /// `conv.members`: one page of a conversation's current members, by user
@@ -923,13 +940,28 @@ pub struct SnapshotPageReq {
 }
 
 /// One item of a snapshot page: a conversation summary, or one message of
-/// the conversation named by the last `conv` item before it.
+/// the conversation named by the last `conv` item before it, or the user's
+/// privacy switches at the base (issue 18; the first item, present once
+/// the user has ever changed them).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum SnapshotItem {
     Conv(ConvSummary),
     Message { message: Envelope },
+    Privacy(PrivacySnapshot),
+}
+
+/// The user's privacy switches in a snapshot, as the last `privacy` user
+/// event at or below the base set them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PrivacySnapshot {
+    pub hide_presence: bool,
+    pub private_receipts: bool,
+    pub push_preview: push::PreviewLevel,
+    /// The switches' version (moved by each change).
+    pub version: u64,
 }
 
 /// One page of a snapshot: items `{"type":"conv",…}` (a conversation
@@ -1205,15 +1237,16 @@ pub struct SyncOk<C = Value> {
 pub struct UserEvent<C = Value> {
     pub sync_seq: u64,
     /// `message`, `membership`, `recall`, `edit`, `reaction` (conversation
-    /// events, with `message`), `read`, `settings`, `delete` (per-user
-    /// events, with `data`). Clients skip kinds they do not know.
+    /// events, with `message`), `read`, `settings`, `delete`, `privacy`
+    /// (per-user events, with `data`). Clients skip kinds they do not know.
     pub kind: String,
+    /// The conversation concerned; empty for `privacy`.
     pub conv: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub msg_seq: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub message: Option<Envelope<C>>,
-    /// The payload of per-user events (`read`, `settings`, `delete`).
+    /// The payload of per-user events (`read`, `settings`, `delete`, `privacy`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[cfg_attr(feature = "openapi", schema(schema_with = openapi::object))]
     pub data: Option<C>,

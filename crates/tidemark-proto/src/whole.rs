@@ -66,6 +66,15 @@ pub fn opt<'de, D: Deserializer<'de>, T: TryFrom<u64>>(d: D) -> Result<Option<T>
     d.deserialize_option(Opt)?.map(narrow).transpose()
 }
 
+/// A list of integers (each read as [`int`] reads one; pair it with
+/// `#[serde(default)]` for an optional list).
+pub fn ints<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u64>, D::Error> {
+    #[derive(serde::Deserialize)]
+    struct One(#[serde(deserialize_with = "int")] u64);
+    let list: Vec<One> = serde::Deserialize::deserialize(d)?;
+    Ok(list.into_iter().map(|One(v)| v).collect())
+}
+
 #[cfg(test)]
 mod tests {
     #[derive(Debug, PartialEq, serde::Deserialize)]
@@ -88,6 +97,11 @@ mod tests {
         check(r#"{"a":5,"b":18446744073709551615}"#, Some(T { a: 5, b: Some(u64::MAX) }));
         check(r#"{"a":5.5}"#, None);
         check(r#"{"a":-1}"#, None);
+        #[derive(Debug, PartialEq, serde::Deserialize)]
+        struct L(#[serde(deserialize_with = "super::ints")] Vec<u64>);
+        assert_eq!(serde_json::from_str::<L>("[1, 2.0, 0]").ok(), Some(L(vec![1, 2, 0])));
+        assert_eq!(serde_json::from_str::<L>("[1, -2]").ok(), None);
+        assert_eq!(serde_json::from_str::<L>("[1.5]").ok(), None);
         check(r#"{"a":-0.0}"#, Some(T { a: 0, b: None }));
         check(r#"{"a":4294967296}"#, None);
         check(r#"{"a":"5"}"#, None);

@@ -40,6 +40,12 @@ pub fn install() -> PrometheusHandle {
                         store::SDK_REPAIRS_PENDING_BUCKETS,
                     )
                 })
+                .and_then(|b| {
+                    b.set_buckets_for_metric(
+                        Matcher::Full(store::SDK_GAP_REPAIR_SECONDS.name.to_owned()),
+                        store::SDK_GAP_REPAIR_BUCKETS,
+                    )
+                })
                 .expect("static buckets are valid")
                 .build_recorder();
             let handle = recorder.handle();
@@ -415,17 +421,22 @@ pub const FAMILIES: &[Family] = &[
     family(
         store::SDK_GAPS_DETECTED,
         Kind::Counter,
-        "Conversations devices queued for repair (K5), as reported by the SDK (client.stats).",
+        "Gaps devices detected (conversations queued for repair, K5, and holes opened in a conversation's msg_seq), as reported by the SDK (client.stats).",
     ),
     family(
         store::SDK_GAPS_REPAIRED,
         Kind::Counter,
-        "Repairs devices completed, as reported by the SDK (client.stats).",
+        "Gaps devices repaired (repairs completed, holes closed), as reported by the SDK (client.stats).",
     ),
     family(
         store::SDK_REPAIRS_PENDING,
         Kind::Histogram,
         "Repairs waiting on a device at each of its client.stats reports, in conversations.",
+    ),
+    family(
+        store::SDK_GAP_REPAIR_SECONDS,
+        Kind::HistogramBy("kind", || store::SDK_GAP_KINDS.to_vec()),
+        "Time from a gap's detection to its repair on a device, by kind (repair queue or cursor hole), as reported by the SDK (client.stats), in seconds.",
     ),
     family(store::COMMITS, Kind::Counter, "Store write transactions committed."),
     family(

@@ -1186,9 +1186,15 @@ impl Store for SqliteStore {
         self.readers.read_store(move |c| receipts::privacy(c, &user)).await
     }
 
-    async fn set_privacy(&self, user: &str, update: PrivacyUpdate, now_ms: i64) -> StoreResult<Privacy> {
+    async fn update_privacy(
+        &self,
+        user: &str,
+        update: PrivacyUpdate,
+        now_ms: i64,
+    ) -> StoreResult<(Privacy, UserEventOutcome)> {
         let user = user.to_owned();
-        self.writer.write(move |c| receipts::set_privacy(c, &user, update, now_ms)).await
+        let (privacy, written) = self.writer.write(move |c| receipts::set_privacy(c, &user, update, now_ms)).await?;
+        Ok((privacy, UserEventOutcome { written }))
     }
 
     async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {

@@ -69,6 +69,10 @@ fn view_in_transaction(
     if out.blocking_send(SnapshotViewPart::Base(user_log(c, user)?)).is_err() {
         return Ok(());
     }
+    let (privacy, version) = crate::receipts::privacy_versioned(c, user)?;
+    if out.blocking_send(SnapshotViewPart::Privacy { privacy, version }).is_err() {
+        return Ok(());
+    }
     let convs = read::list_conversations(c, user, Some(device))?;
     let sql = format!(
         "SELECT {} FROM messages m

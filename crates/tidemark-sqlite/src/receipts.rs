@@ -29,7 +29,26 @@ pub(crate) fn privacy(c: &Connection, user: &str) -> R<Privacy> {
         .map(Option::unwrap_or_default)
 }
 
-pub(crate) fn set_privacy(c: &Connection, user: &str, update: ephemeral::PrivacyUpdate, now_ms: i64) -> R<Privacy> {
+/// The switches and their version (0: never changed), as the snapshot
+/// view reads them.
+pub(crate) fn privacy_versioned(c: &Connection, user: &str) -> R<(Privacy, u64)> {
+    let version: Option<i64> = c
+        .prepare_cached("SELECT version FROM user_privacy WHERE user_id = ?1")
+        .map_err(internal)?
+        .query_row(params![user], |r| r.get(0))
+        .optional()
+        .map_err(internal)?;
+    Ok((privacy(c, user)?, version.unwrap_or(0) as u64))
+}
+
+/// A change of the switches is written with its `privacy` user event in
+/// the user's own log (one writer transaction); a no-op writes neither.
+pub(crate) fn set_privacy(
+    c: &Connection,
+    user: &str,
+    update: ephemeral::PrivacyUpdate,
+    now_ms: i64,
+) -> R<(Privacy, Option<u64>)> {
     let known: Option<i64> = c
         .prepare_cached("SELECT 1 FROM users WHERE user_id = ?1")
         .map_err(internal)?
@@ -39,21 +58,46 @@ pub(crate) fn set_privacy(c: &Connection, user: &str, update: ephemeral::Privacy
     if known.is_none() {
         return Err(StoreError::NotFound(format!("user {user}")));
     }
-    let now = privacy(c, user)?;
+    let (now, version) = privacy_versioned(c, user)?;
     let Some(next) = ephemeral::privacy_after(now, update) else {
-        return Ok(now);
+        return Ok((now, None));
     };
+    let version = version + 1;
     c.prepare_cached(
-        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, push_preview, updated_at)
-         VALUES (?1, ?2, ?3, ?4, ?5)
+        "INSERT INTO user_privacy (user_id, hide_presence, private_receipts, push_preview, updated_at, version)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
          ON CONFLICT(user_id) DO UPDATE SET hide_presence = excluded.hide_presence,
              private_receipts = excluded.private_receipts, push_preview = excluded.push_preview,
-             updated_at = excluded.updated_at",
+             updated_at = excluded.updated_at, version = excluded.version",
     )
     .map_err(internal)?
-    .execute(params![user, next.hide_presence, next.private_receipts, next.push_preview.as_str(), now_ms])
+    .execute(params![
+        user,
+        next.hide_presence,
+        next.private_receipts,
+        next.push_preview.as_str(),
+        now_ms,
+        version as i64
+    ])
     .map_err(internal)?;
-    Ok(next)
+    let data = tidemark_proto::content::PrivacyData {
+        hide_presence: next.hide_presence,
+        private_receipts: next.private_receipts,
+        push_preview: next.push_preview.into(),
+        version,
+    };
+    use tidemark_proto::content::Payload;
+    let written = crate::events::append_user_event(
+        c,
+        user,
+        EVENT_PRIVACY,
+        "",
+        None,
+        &ephemeral::privacy_event_id(version),
+        &data.to_json(),
+        now_ms,
+    )?;
+    Ok((next, written))
 }
 
 pub(crate) fn presence_audience(c: &Connection, user: &str, limit: u32) -> R<Vec<String>> {

@@ -87,6 +87,7 @@ where
     snapshot_installability(&*fresh().await).await;
     group_commit_batches_concurrent_writes(fresh().await).await;
     privacy_audience_and_receipts(&*fresh().await).await;
+    privacy_changes_are_user_events_once_per_change(&*fresh().await).await;
     large_group_rules(&*fresh().await).await;
     large_group_created_shared(&*fresh().await).await;
     mentions_in_shared_groups_are_counted_from_the_log(&*fresh().await).await;
@@ -779,11 +780,12 @@ pub async fn snapshot_views_come_in_chunks_at_their_base(store: &dyn Store) {
     while let Some(part) = rx.recv().await {
         parts.push(match part {
             SnapshotViewPart::Base(log) => vec![format!("base {}", log.high_watermark)],
+            SnapshotViewPart::Privacy { version, .. } => vec![format!("privacy {version}")],
             SnapshotViewPart::Convs(convs) => convs.into_iter().map(|c| c.state.conv).collect(),
         });
     }
-    let want: Vec<Vec<&str>> = vec![vec!["base 0"], vec!["c1", "c2"], vec!["c3"]];
-    assert_eq!(parts, want, "D7: the base, then chunks of two in list order");
+    let want: Vec<Vec<&str>> = vec![vec!["base 0"], vec!["privacy 0"], vec!["c1", "c2"], vec!["c3"]];
+    assert_eq!(parts, want, "D7: the base, the switches, then chunks of two in list order");
     // A reader whose receiver is gone stops without an error.
     let (tx, rx) = tokio::sync::mpsc::channel(1);
     drop(rx);
@@ -1348,6 +1350,65 @@ pub async fn connection_epochs_are_per_device_and_durable(store: &dyn Store) {
     assert!(head > 0);
     let opened = store.open_connection("b", "phone").await.unwrap();
     assert_eq!(opened, OpenedConnection { connection_epoch: 3, acked_sync_seq: 7, high_watermark: head });
+}
+
+/// Issue 18: a change of the privacy switches is one `privacy` event in the
+/// user's own log, written with the switches (its data the switches after
+/// it and their version, its key the version); a no-op set writes no event
+/// and moves nothing; a snapshot view carries the switches at its base.
+pub async fn privacy_changes_are_user_events_once_per_change(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    let set = |hide: Option<bool>, private: Option<bool>| PrivacyUpdate {
+        hide_presence: hide,
+        private_receipts: private,
+        ..PrivacyUpdate::default()
+    };
+    let log = |u: &'static str| async move { store.read_user_events(u, 0, 1_000, 100).await.unwrap() };
+    let data = |e: &StoredEvent| e.data.clone().unwrap_or_default();
+
+    let (hidden, first) = store.update_privacy("a", set(Some(true), None), T0).await.unwrap();
+    assert_eq!(hidden, Privacy { hide_presence: true, ..Privacy::default() });
+    assert_eq!(first.written, Some(1), "the change is the user's next log position");
+    let events = log("a").await;
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!((events[0].kind.as_str(), events[0].conv.as_str(), events[0].msg_seq), (EVENT_PRIVACY, "", None));
+    assert_eq!(
+        data(&events[0]),
+        r#"{"hide_presence":true,"private_receipts":false,"push_preview":"full","version":1}"#
+    );
+    assert_eq!(store.user_log("a").await.unwrap().high_watermark, 1);
+
+    // The same switches again: nothing written, the head stays.
+    let (same, noop) = store.update_privacy("a", set(Some(true), Some(false)), T0 + 1).await.unwrap();
+    assert_eq!((same, noop.written), (hidden, None), "a no-op set writes no event");
+    assert_eq!(store.set_privacy("a", PrivacyUpdate::default(), T0 + 2).await.unwrap(), hidden);
+    assert_eq!(log("a").await.len(), 1, "still one event");
+    assert_eq!(store.user_log("a").await.unwrap().high_watermark, 1);
+
+    // A second change is a second event, at the next version; another
+    // user's log is untouched.
+    let (both, second) = store.update_privacy("a", set(None, Some(true)), T0 + 3).await.unwrap();
+    assert_eq!(both, Privacy { hide_presence: true, private_receipts: true, ..Privacy::default() });
+    assert_eq!(second.written, Some(2));
+    let events = log("a").await;
+    assert_eq!(events.iter().map(|e| e.kind.as_str()).collect::<Vec<_>>(), [EVENT_PRIVACY, EVENT_PRIVACY]);
+    assert_eq!(data(&events[1]), r#"{"hide_presence":true,"private_receipts":true,"push_preview":"full","version":2}"#);
+    assert!(log("b").await.is_empty(), "only the user's own log");
+
+    // The snapshot view carries the switches at its base.
+    let rec = store.login_device("a", "tablet", "Tablet", T0).await.unwrap();
+    let resetting =
+        DeviceCursor { generation: rec.cursor.generation + 1, acked_sync_seq: 0, state: DeviceState::Resetting };
+    assert!(store.cas_device_cursor("a", "tablet", rec.cursor, resetting, T0).await.unwrap().0);
+    let (tx, mut rx) = tokio::sync::mpsc::channel(8);
+    store.read_snapshot_view("a", "tablet", 4, 10, tx).await.unwrap();
+    let mut seen = None;
+    while let Some(part) = rx.recv().await {
+        if let SnapshotViewPart::Privacy { privacy, version } = part {
+            seen = Some((privacy, version));
+        }
+    }
+    assert_eq!(seen, Some((both, 2)), "the view's switches are the last change's");
 }
 
 /// Issue 18: privacy switches are durable and written only on a change;

@@ -550,11 +550,17 @@ pub struct SnapshotConv {
 }
 
 /// What a snapshot view read sends, in order: the log it was read at
-/// (its head is the base), then the conversations in `conv.list` order, at
+/// (its head is the base), the user's privacy switches, then the conversations in `conv.list` order, at
 /// most [`SNAPSHOT_CONVS_PER_CHUNK`] (or the caller's chunk) at a time.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SnapshotViewPart {
     Base(tidemark_core::cursor::UserLog),
+    /// The user's privacy switches at the base and their version (0: never
+    /// changed), right after the base (issue 18).
+    Privacy {
+        privacy: Privacy,
+        version: u64,
+    },
     Convs(Vec<SnapshotConv>),
 }
 
@@ -1020,10 +1026,13 @@ pub trait Store: Send + Sync + 'static {
             self.open_snapshot(user, device, generation, snapshot_id, base, expires_at_ms, now_ms).await?;
             let mut view = Vec::new();
             while let Some(part) = rx.recv().await {
-                let SnapshotViewPart::Convs(convs) = part else {
-                    return Err(StoreError::Internal("a snapshot view has one base".into()));
-                };
-                view.extend(convs);
+                match part {
+                    SnapshotViewPart::Convs(convs) => view.extend(convs),
+                    SnapshotViewPart::Privacy { .. } => {}
+                    SnapshotViewPart::Base(_) => {
+                        return Err(StoreError::Internal("a snapshot view has one base".into()));
+                    }
+                }
             }
             Ok((base, view))
         };
@@ -1223,8 +1232,24 @@ pub trait Store: Send + Sync + 'static {
     /// Updates the user's privacy switches and push preview preference
     /// (`None` keeps one as it is; `tidemark_core::ephemeral::privacy_after`
     /// decides, nothing is written when nothing changes) and returns them.
-    /// `NotFound` for an unknown user.
-    async fn set_privacy(&self, user: &str, update: PrivacyUpdate, now_ms: i64) -> StoreResult<Privacy>;
+    /// `NotFound` for an unknown user. [`Store::update_privacy`] without
+    /// its log position.
+    async fn set_privacy(&self, user: &str, update: PrivacyUpdate, now_ms: i64) -> StoreResult<Privacy> {
+        Ok(self.update_privacy(user, update, now_ms).await?.0)
+    }
+
+    /// [`Store::set_privacy`], and a change is also a `privacy` user event
+    /// in the user's own log (`EVENT_PRIVACY`, data
+    /// `content::PrivacyData`, keyed by `ephemeral::privacy_event_id` of the
+    /// switches' new version), in the same transaction as the switches, so
+    /// the user's other devices learn it (issue 18); a no-op writes
+    /// neither.
+    async fn update_privacy(
+        &self,
+        user: &str,
+        update: PrivacyUpdate,
+        now_ms: i64,
+    ) -> StoreResult<(Privacy, UserEventOutcome)>;
 
     /// The users sharing a conversation with `user` in which both have an
     /// open period, `user` excluded, sorted, at most `limit`: who may see

@@ -103,15 +103,28 @@ pub const CONFLICT_GIVE_UPS: Metric = Metric::new("tidemark_store_conflict_give_
 /// Values of the `writer` label of [`CONFLICT_RETRIES`] and [`CONFLICT_GIVE_UPS`].
 pub const WRITERS: &[&str] = &["conv", "user"];
 
-/// Conversations devices queued for repair (K5: an event their store could
-/// not apply), as the SDK reports them with `client.stats` (counter; each
+/// Gaps devices detected: conversations queued for repair (K5: an event
+/// their store could not apply) and holes opened in a conversation's
+/// `msg_seq` (its cursor left with a missing run), as the SDK reports them with `client.stats` (counter; each
 /// report clamped to `tidemark_core::client_stats::CLIENT_STATS_COUNT_MAX`).
 pub const SDK_GAPS_DETECTED: Metric = Metric::new("tidemark_sdk_gaps_detected_total", stage::GAP);
-/// Repairs devices completed (the conversation fetched and applied), as
-/// reported (counter).
+/// Gaps devices repaired (a queued conversation fetched and applied, a hole
+/// closed), as reported (counter).
 pub const SDK_GAPS_REPAIRED: Metric = Metric::new("tidemark_sdk_gaps_repaired_total", stage::GAP);
 /// Repairs waiting on a device at each report (histogram, in
 /// conversations; a report with none waiting records 0).
 pub const SDK_REPAIRS_PENDING: Metric = Metric::new("tidemark_sdk_repairs_pending_conversations", stage::GAP);
 /// Bucket bounds of [`SDK_REPAIRS_PENDING`], in conversations.
 pub const SDK_REPAIRS_PENDING_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 5.0, 10.0, 50.0, 100.0, 1000.0, 10000.0];
+/// How long devices took to repair a gap, from detection to repair, as
+/// reported (histogram, in seconds), by `kind`: `repair` (the repair
+/// queue, K5) or `hole` (a conversation cursor's missing run). Each report
+/// records at most `tidemark_core::client_stats::CLIENT_STATS_DURATIONS_MAX`
+/// samples of a kind, each clamped to `CLIENT_STATS_DURATION_MS_MAX`.
+pub const SDK_GAP_REPAIR_SECONDS: Metric = Metric::new("tidemark_sdk_gap_repair_seconds", stage::GAP);
+/// Values of the `kind` label of [`SDK_GAP_REPAIR_SECONDS`].
+pub const SDK_GAP_KINDS: &[&str] = &["repair", "hole"];
+/// Bucket bounds of [`SDK_GAP_REPAIR_SECONDS`], in seconds (up to a day;
+/// the clamp is a week).
+pub const SDK_GAP_REPAIR_BUCKETS: &[f64] =
+    &[0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 1800.0, 3600.0, 86400.0];

@@ -13,7 +13,8 @@ use tidemark_proto::{Envelope, SyncOk, UserEvent};
 
 use super::schema::{CONTROL_KINDS_SQL, STATE_DELETED, STATE_EDITED, STATE_RECALLED};
 use super::{FaultAction, FaultPoint, LocalStore, Message, StoreError, StoreResult};
-use crate::cursor::{ConvCursor, Policy, PENDING_MAX};
+use crate::cursor::{hole_step, ConvCursor, HoleStep, Policy, PENDING_MAX};
+use tidemark_core::client_stats::repair_duration_ms;
 
 /// A conversation cursor that moved.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,6 +71,9 @@ pub struct PageReport {
     /// Conversations put into the repair queue by this page (K5), with the
     /// first `msg_seq` to repair.
     pub repairs: Vec<(String, u64)>,
+    /// The user's privacy switches, when a `privacy` event of this page
+    /// changed them (issue 18).
+    pub privacy: Option<super::PrivacySwitches>,
 }
 
 /// Why a page could not be applied. Nothing of it was committed.
@@ -453,10 +457,29 @@ fn queue_repair(tx: &Transaction<'_>, conv: &str, from_msg_seq: u64, sync_seq: u
         params![conv],
     )?;
     tx.execute(
-        "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason) VALUES (?1, ?2, ?3, ?4)
+        "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason, queued_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
          ON CONFLICT (conv) DO UPDATE SET from_msg_seq = MIN(from_msg_seq, excluded.from_msg_seq),
                                           sync_seq = MIN(sync_seq, excluded.sync_seq)",
-        params![conv, from_msg_seq as i64, sync_seq as i64, reason],
+        params![conv, from_msg_seq as i64, sync_seq as i64, reason, super::now_ms()],
+    )?;
+    Ok(())
+}
+
+/// `gap_durations` kinds (the `kind` label of `tidemark_sdk_gap_repair_seconds`).
+pub(super) const GAP_REPAIR: &str = "repair";
+pub(super) const GAP_HOLE: &str = "hole";
+
+/// Repaired gaps' durations kept until reported; past it the oldest go
+/// (a device that cannot report for long keeps its latest samples).
+pub const GAP_DURATIONS_KEPT_MAX: i64 = 1024;
+
+/// Records how long a repaired gap of `kind` took, in the caller's
+/// transaction, keeping at most [`GAP_DURATIONS_KEPT_MAX`] unreported.
+pub(super) fn record_duration(tx: &Transaction<'_>, kind: &str, ms: u64) -> StoreResult<()> {
+    tx.execute("INSERT INTO gap_durations (kind, ms) VALUES (?1, ?2)", params![kind, ms as i64])?;
+    tx.execute(
+        "DELETE FROM gap_durations WHERE id <= (SELECT MAX(id) FROM gap_durations) - ?1",
+        params![GAP_DURATIONS_KEPT_MAX],
     )?;
     Ok(())
 }
@@ -568,7 +591,7 @@ pub(super) fn apply_envelope(
     Ok(())
 }
 
-/// A per-user event (`read`, `settings`, `delete`), or a kind this client
+/// A per-user event (`read`, `settings`, `delete`, `privacy`), or a kind this client
 /// does not know: kept verbatim and counted as applied (§3.2).
 fn apply_user_event(
     tx: &Transaction<'_>,
@@ -606,6 +629,30 @@ fn apply_user_event(
             }
             _ => false,
         },
+        // Not about a conversation: nothing to touch but the switches.
+        "privacy" => {
+            let parsed = match (
+                data["hide_presence"].as_bool(),
+                data["private_receipts"].as_bool(),
+                data["push_preview"].as_str(),
+                data["version"].as_u64(),
+            ) {
+                (Some(hide), Some(private), Some(preview), Some(version)) => Some(super::PrivacySwitches {
+                    hide_presence: hide,
+                    private_receipts: private,
+                    push_preview: preview.to_owned(),
+                    version,
+                }),
+                _ => None,
+            };
+            if let Some(p) = parsed {
+                if set_privacy(tx, &p)? {
+                    report.privacy = Some(p);
+                }
+                return Ok(());
+            }
+            false
+        }
         "delete" => match data["message_id"].as_str() {
             Some(message_id) => {
                 tx.execute(
@@ -634,8 +681,21 @@ fn apply_user_event(
     Ok(())
 }
 
+/// Stores the user's privacy switches when `p` is newer than what is held
+/// (in the caller's transaction); whether they changed.
+pub(super) fn set_privacy(tx: &Transaction<'_>, p: &super::PrivacySwitches) -> StoreResult<bool> {
+    let n = tx.execute(
+        "UPDATE privacy SET hide_presence = ?1, private_receipts = ?2, push_preview = ?3, version = ?4
+         WHERE id = 1 AND version < ?4",
+        params![p.hide_presence, p.private_receipts, p.push_preview, p.version as i64],
+    )?;
+    Ok(n > 0)
+}
+
 /// Writes the cursor position (in the caller's transaction); returns the
-/// move and the remaining gap, if any.
+/// move and the remaining gap, if any. A hole that opens here is one gap
+/// detected and one that closes one gap repaired, with its duration
+/// (`client.stats`, O1; [`hole_step`] decides), in the same transaction.
 pub(super) fn save_cursor(
     tx: &Transaction<'_>,
     conv: &str,
@@ -644,6 +704,23 @@ pub(super) fn save_cursor(
 ) -> StoreResult<(Option<CursorMove>, Option<Gap>)> {
     let to = cursor.position();
     assert!(to >= before, "a conversation cursor never moves back ({conv}: {before} -> {to})");
+    let since: Option<i64> = tx
+        .query_row("SELECT hole_since_ms FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))
+        .optional()?
+        .flatten();
+    let now = super::now_ms();
+    match hole_step(since.is_some(), cursor.missing().is_some()) {
+        HoleStep::Opened => {
+            tx.execute("UPDATE conversations SET hole_since_ms = ?2 WHERE conv = ?1", params![conv, now])?;
+            tx.execute("UPDATE gap_stats SET detected = detected + 1", [])?;
+        }
+        HoleStep::Closed => {
+            tx.execute("UPDATE conversations SET hole_since_ms = NULL WHERE conv = ?1", params![conv])?;
+            tx.execute("UPDATE gap_stats SET repaired = repaired + 1", [])?;
+            record_duration(tx, GAP_HOLE, repair_duration_ms(since.unwrap_or(now), now))?;
+        }
+        HoleStep::Same => {}
+    }
     tx.execute("UPDATE conversations SET contiguous_msg_seq = ?2 WHERE conv = ?1", params![conv, to as i64])?;
     let moved = (to > before).then(|| CursorMove { conv: conv.to_owned(), from: before, to });
     let gap = cursor.missing().map(|m| Gap {

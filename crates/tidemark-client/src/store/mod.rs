@@ -44,6 +44,11 @@
 //!   delivered it (NULL while known only from our own `send.ok`).
 //! - `control_events` — key `sync_seq`: events of kinds this client does not
 //!   interpret, kept verbatim (they count as applied).
+//! - `privacy` — one row: the user's privacy switches (`hide_presence`,
+//!   `private_receipts`, `push_preview`) and their `version`, from the
+//!   user's `privacy` events and snapshots (issue 18).
+//! - `gap_stats`, `gap_durations` — the gap counts and repair durations
+//!   `client.stats` reports (O1).
 //! - `snapshot_install` — at most one row: the snapshot being installed
 //!   (token, generation, base, digest, pages) and whether its install
 //!   committed (`installed`: its `snapshot.ack` is pending).
@@ -70,9 +75,10 @@ mod repair;
 mod schema;
 mod snapshot;
 
-pub use apply::{AppliedMessage, ApplyError, CursorMove, Gap, PageReport};
+pub use apply::{AppliedMessage, ApplyError, CursorMove, Gap, PageReport, GAP_DURATIONS_KEPT_MAX};
 pub use history::LocalHistory;
 pub use outbox::{Mentions, OutboxEntry, OutboxOp, OutboxRecord, OutboxState, OUTBOX_DONE_KEEP, OUTBOX_PENDING_MAX};
+pub use read::PrivacySwitches;
 pub use repair::{Repair, REPAIR_BACKOFF_FIRST_MS, REPAIR_BACKOFF_MAX_MS};
 pub use schema::{CONTROL_KINDS, SCHEMA, STATE_DELETED, STATE_EDITED, STATE_NORMAL, STATE_RECALLED};
 pub use snapshot::{manifest_digest, PendingSnapshot, SnapshotReport};
@@ -327,6 +333,7 @@ impl LocalStore {
             "DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events;
              DELETE FROM snapshot_install; DELETE FROM repairs;",
         )?;
+        tx.execute_batch(schema::PRIVACY_RESET_SQL)?;
         tx.execute(
             "UPDATE device SET sync_generation = ?1, applied_sync_seq = 0, acked_sync_seq = 0 WHERE id = 1",
             params![generation.map(|g| g as i64)],
@@ -345,6 +352,7 @@ impl LocalStore {
              UPDATE device SET sync_generation = NULL, applied_sync_seq = 0, acked_sync_seq = 0,
                                refresh_token = NULL WHERE id = 1;",
         )?;
+        tx.execute_batch(schema::PRIVACY_RESET_SQL)?;
         tx.commit()?;
         Ok(())
     }

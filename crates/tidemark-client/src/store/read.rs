@@ -8,7 +8,43 @@ use serde_json::{json, Value};
 use super::schema::CONTROL_KINDS_SQL;
 use super::{Conversation, LocalStore, Message, StoreResult};
 
+/// The user's privacy switches as this device holds them (issue 18): from
+/// the user's `privacy` events (a change made on any of the user's
+/// devices) and snapshots. `version` 0: never changed, the defaults.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrivacySwitches {
+    /// Others see the user offline.
+    pub hide_presence: bool,
+    /// Others do not see the user's read positions.
+    pub private_receipts: bool,
+    /// The user's push preview preference: `none`, `conversation` or `full`.
+    pub push_preview: String,
+    pub version: u64,
+}
+
+impl Default for PrivacySwitches {
+    fn default() -> PrivacySwitches {
+        PrivacySwitches { hide_presence: false, private_receipts: false, push_preview: "full".into(), version: 0 }
+    }
+}
+
 impl LocalStore {
+    /// The user's privacy switches as last synced.
+    pub fn privacy(&self) -> StoreResult<PrivacySwitches> {
+        Ok(self.conn.query_row(
+            "SELECT hide_presence, private_receipts, push_preview, version FROM privacy WHERE id = 1",
+            [],
+            |r| {
+                Ok(PrivacySwitches {
+                    hide_presence: r.get(0)?,
+                    private_receipts: r.get(1)?,
+                    push_preview: r.get(2)?,
+                    version: r.get::<_, i64>(3)? as u64,
+                })
+            },
+        )?)
+    }
+
     /// Conversations, pinned first, then by their latest message.
     pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
         let mut stmt = self.conn.prepare(&format!(

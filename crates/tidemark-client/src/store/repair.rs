@@ -12,10 +12,14 @@
 //! the engine reports to the server with `client.stats` (O1): the server
 //! cannot see these gaps itself.
 
-use rusqlite::params;
+use rusqlite::{params, OptionalExtension};
+use tidemark_core::client_stats::repair_duration_ms;
 use tidemark_proto::Envelope;
 
-use super::apply::{apply_envelope, load_cursor, refresh_summary, save_cursor, ApplyError, PageReport, Touched};
+use super::apply::{
+    apply_envelope, load_cursor, record_duration, refresh_summary, save_cursor, ApplyError, PageReport, Touched,
+    GAP_HOLE, GAP_REPAIR,
+};
 use super::{CursorMove, LocalStore, StoreError, StoreResult};
 
 /// First wait after a failed repair; it doubles per attempt up to the cap.
@@ -37,20 +41,32 @@ pub struct Repair {
 }
 
 /// The device's gap counts as `client.stats` reports them.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct GapCounts {
-    /// Conversations queued for repair (since the last report).
+    /// Gaps detected since the last report: conversations queued for
+    /// repair and holes opened in a conversation's `msg_seq`.
     pub detected: u64,
-    /// Repairs completed (since the last report).
+    /// Gaps repaired since the last report: repairs completed, holes closed.
     pub repaired: u64,
     /// Repairs waiting now.
     pub pending: u64,
+    /// Durations (ms) of the repair-queue repairs not reported yet, oldest
+    /// first, at most `CLIENT_STATS_DURATIONS_MAX`.
+    pub repair_ms: Vec<u64>,
+    /// The same for closed holes.
+    pub hole_ms: Vec<u64>,
+    /// The last `gap_durations` row of those (0 for none).
+    pub durations_through: i64,
 }
 
 impl GapCounts {
     /// Whether there is anything to tell the server.
     pub fn worth_reporting(&self) -> bool {
-        self.detected > 0 || self.repaired > 0 || self.pending > 0
+        self.detected > 0
+            || self.repaired > 0
+            || self.pending > 0
+            || !self.repair_ms.is_empty()
+            || !self.hole_ms.is_empty()
     }
 }
 
@@ -79,8 +95,11 @@ impl LocalStore {
 
     /// What `client.stats` has to report: gaps detected and repaired since
     /// the last report the server accepted, and the repairs waiting now.
+    /// The repair durations not yet reported, the oldest
+    /// `CLIENT_STATS_DURATIONS_MAX` of each kind (one report's worth; the
+    /// rest go in the next).
     pub fn unreported_gaps(&self) -> StoreResult<GapCounts> {
-        Ok(self.conn.query_row(
+        let mut counts = self.conn.query_row(
             "SELECT detected - reported_detected, repaired - reported_repaired, (SELECT COUNT(*) FROM repairs)
              FROM gap_stats WHERE id = 1",
             [],
@@ -89,18 +108,33 @@ impl LocalStore {
                     detected: r.get::<_, i64>(0)? as u64,
                     repaired: r.get::<_, i64>(1)? as u64,
                     pending: r.get::<_, i64>(2)? as u64,
+                    ..GapCounts::default()
                 })
             },
-        )?)
+        )?;
+        let max = tidemark_core::client_stats::CLIENT_STATS_DURATIONS_MAX;
+        let mut stmt = self.conn.prepare_cached("SELECT id, kind, ms FROM gap_durations ORDER BY id LIMIT ?1")?;
+        let rows = stmt
+            .query_map(params![max as i64], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))?
+            .collect::<Result<Vec<_>, _>>()?;
+        for (id, kind, ms) in rows {
+            let list = if kind == GAP_HOLE { &mut counts.hole_ms } else { &mut counts.repair_ms };
+            list.push(ms.max(0) as u64);
+            counts.durations_through = id;
+        }
+        Ok(counts)
     }
 
     /// Records that the server took a report of `counts` (after its reply,
-    /// so a lost report is sent again, never skipped).
+    /// so a lost report is sent again, never skipped): its durations leave.
     pub fn gaps_reported(&mut self, counts: &GapCounts) -> StoreResult<()> {
-        self.conn.execute(
+        let tx = self.conn.transaction()?;
+        tx.execute(
             "UPDATE gap_stats SET reported_detected = reported_detected + ?1, reported_repaired = reported_repaired + ?2",
             params![counts.detected as i64, counts.repaired as i64],
         )?;
+        tx.execute("DELETE FROM gap_durations WHERE id <= ?1", params![counts.durations_through])?;
+        tx.commit()?;
         Ok(())
     }
 
@@ -191,9 +225,17 @@ impl LocalStore {
         }
         refresh_summary(&tx, &user, conv, applied as u64)?;
         if complete {
+            let queued_at: Option<i64> = tx
+                .query_row("SELECT queued_at_ms FROM repairs WHERE conv = ?1", params![conv], |r| r.get(0))
+                .optional()
+                .map_err(StoreError::from)?;
             let done = tx.execute("DELETE FROM repairs WHERE conv = ?1", params![conv]).map_err(StoreError::from)?;
             tx.execute("UPDATE gap_stats SET repaired = repaired + ?1", params![done as i64])
                 .map_err(StoreError::from)?;
+            // A record older than its timestamp column has no duration.
+            if let Some(at) = queued_at.filter(|at| *at > 0) {
+                record_duration(&tx, GAP_REPAIR, repair_duration_ms(at, super::now_ms()))?;
+            }
         } else {
             tx.execute(
                 "UPDATE repairs SET from_msg_seq = MAX(from_msg_seq, ?2) WHERE conv = ?1",

@@ -20,6 +20,11 @@ pub const STATE_EDITED: &str = "edited";
 pub const STATE_RECALLED: &str = "recalled";
 pub const STATE_DELETED: &str = "deleted";
 
+/// Back to the switches of a user who never changed them (a reset, a wipe,
+/// a snapshot install before its `privacy` item).
+pub(super) const PRIVACY_RESET_SQL: &str =
+    "UPDATE privacy SET hide_presence = 0, private_receipts = 0, push_preview = 'full', version = 0;";
+
 pub const SCHEMA: &str = "
 CREATE TABLE IF NOT EXISTS device (
     id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -99,6 +104,26 @@ CREATE TABLE IF NOT EXISTS gap_stats (
     reported_repaired INTEGER NOT NULL DEFAULT 0
 );
 INSERT OR IGNORE INTO gap_stats (id) VALUES (1);
+-- How long each repaired gap took (O1), until the server takes a
+-- `client.stats` report of it: `kind` `repair` (the repair queue) or
+-- `hole` (a conversation cursor's missing run), `ms` from detection to
+-- repair. Rows leave once reported; at most `GAP_DURATIONS_KEPT_MAX`.
+CREATE TABLE IF NOT EXISTS gap_durations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL CHECK (kind IN ('repair', 'hole')),
+    ms INTEGER NOT NULL
+);
+-- The user's privacy switches (issue 18), one row, as the last `privacy`
+-- user event or snapshot item set them; `version` 0: never changed (the
+-- defaults). Only a higher version replaces them.
+CREATE TABLE IF NOT EXISTS privacy (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    hide_presence INTEGER NOT NULL DEFAULT 0,
+    private_receipts INTEGER NOT NULL DEFAULT 0,
+    push_preview TEXT NOT NULL DEFAULT 'full',
+    version INTEGER NOT NULL DEFAULT 0
+);
+INSERT OR IGNORE INTO privacy (id) VALUES (1);
 CREATE TABLE IF NOT EXISTS snapshot_install (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     snapshot_id TEXT NOT NULL,
@@ -122,7 +147,14 @@ const CONVERSATION_COLUMNS: &[(&str, &str)] = &[
     // The user's push preview preference for it (P4): `none`,
     // `conversation` or `full` (the default).
     ("push_preview", "TEXT NOT NULL DEFAULT 'full'"),
+    // When its cursor was left with a hole (wall ms), NULL while it has
+    // none: the hole's detection, for `client.stats` (O1).
+    ("hole_since_ms", "INTEGER"),
 ];
+
+/// Gap-timing columns of other tables (O1): when a repair was queued
+/// (0 for a record older than the column: its duration is unknown).
+const GAP_COLUMNS: &[(&str, &str, &str)] = &[("repairs", "queued_at_ms", "INTEGER NOT NULL DEFAULT 0")];
 
 /// Mention columns (issue 18), added to every table they live in: a
 /// message's `mentions` (a JSON array of user ids, NULL when none) and
@@ -138,11 +170,12 @@ const MENTION_COLUMNS: &[(&str, &str, &str)] = &[
     ("conversations", "mentions_below", "INTEGER NOT NULL DEFAULT 0"),
 ];
 
-/// Adds the columns of [`CONVERSATION_COLUMNS`] and [`MENTION_COLUMNS`]
-/// that an older database lacks.
+/// Adds the columns of [`CONVERSATION_COLUMNS`], [`MENTION_COLUMNS`] and
+/// [`GAP_COLUMNS`] that an older database lacks.
 pub(super) fn migrate(conn: &Connection) -> StoreResult<()> {
     let added =
         CONVERSATION_COLUMNS.iter().map(|(n, d)| ("conversations", *n, *d)).chain(MENTION_COLUMNS.iter().copied());
+    let added = added.chain(GAP_COLUMNS.iter().copied());
     for (table, name, decl) in added {
         let have: bool = conn.query_row(
             "SELECT EXISTS (SELECT 1 FROM pragma_table_info(?1) WHERE name = ?2)",

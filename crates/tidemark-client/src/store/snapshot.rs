@@ -37,6 +37,9 @@ pub struct SnapshotReport {
     pub messages: usize,
     /// Items of a type this client does not know, ignored.
     pub skipped_items: usize,
+    /// The user's privacy switches after the install (the snapshot's
+    /// `privacy` item, or the defaults).
+    pub privacy: super::PrivacySwitches,
 }
 
 /// The manifest digest of snapshot items (docs/protocol.md §3.22): lowercase
@@ -130,17 +133,26 @@ impl LocalStore {
         fault: &dyn Fn(&FaultPoint) -> FaultAction,
     ) -> Result<SnapshotReport, ApplyError> {
         let user = self.user.clone();
-        let convs = parse_snapshot(items)?;
+        let (convs, privacy) = parse_snapshot(items)?;
         let mut report = SnapshotReport {
             generation: snap.generation,
             base_sync_seq: snap.base_sync_seq,
             conversations: convs.len(),
-            skipped_items: items.len() - convs.iter().map(|c| 1 + c.messages.len()).sum::<usize>(),
+            skipped_items: items.len()
+                - convs.iter().map(|c| 1 + c.messages.len()).sum::<usize>()
+                - usize::from(privacy.is_some()),
             ..SnapshotReport::default()
         };
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate).map_err(StoreError::from)?;
         tx.execute_batch("DELETE FROM messages; DELETE FROM conversations; DELETE FROM control_events;")
             .map_err(StoreError::from)?;
+        // The user's switches at the base: the snapshot's item, or the
+        // defaults of a user who never changed them (issue 18).
+        tx.execute_batch(super::schema::PRIVACY_RESET_SQL).map_err(StoreError::from)?;
+        if let Some(p) = &privacy {
+            super::apply::set_privacy(&tx, p)?;
+            report.privacy = p.clone();
+        }
         for c in &convs {
             let held_max = c.messages.last().map_or(0, |m| m.msg_seq);
             let last = c.last_msg_seq.max(held_max);
@@ -250,10 +262,12 @@ struct SnapshotConv {
 }
 
 /// Reads snapshot items (docs/protocol.md §3.21): each conversation item,
-/// then its message items ascending by `msg_seq`. Items of unknown types
-/// are ignored.
-fn parse_snapshot(items: &[Value]) -> Result<Vec<SnapshotConv>, ApplyError> {
+/// then its message items ascending by `msg_seq`, and at most one
+/// `privacy` item (the user's switches). Items of unknown types are
+/// ignored.
+fn parse_snapshot(items: &[Value]) -> Result<(Vec<SnapshotConv>, Option<super::PrivacySwitches>), ApplyError> {
     let mut out: Vec<SnapshotConv> = Vec::new();
+    let mut privacy = None;
     let mut seen = std::collections::BTreeSet::new();
     for (index, item) in items.iter().enumerate() {
         let bad = |why: &str| ApplyError::BadSnapshot { index, why: why.to_owned() };
@@ -294,8 +308,20 @@ fn parse_snapshot(items: &[Value]) -> Result<Vec<SnapshotConv>, ApplyError> {
                 }
                 conv.messages.push(env);
             }
+            Some("privacy") => {
+                if privacy.is_some() {
+                    return Err(bad("the privacy switches appear twice"));
+                }
+                let flag = |k: &str| item[k].as_bool().ok_or_else(|| bad(&format!("{k} missing")));
+                privacy = Some(super::PrivacySwitches {
+                    hide_presence: flag("hide_presence")?,
+                    private_receipts: flag("private_receipts")?,
+                    push_preview: item["push_preview"].as_str().ok_or_else(|| bad("push_preview missing"))?.to_owned(),
+                    version: item["version"].as_u64().ok_or_else(|| bad("version missing"))?,
+                });
+            }
             _ => {}
         }
     }
-    Ok(out)
+    Ok((out, privacy))
 }

@@ -36,7 +36,11 @@ pub async fn privacy_set(state: &AppState, ctx: &AuthCtx, req: PrivacySetReq) ->
         private_receipts: req.private_receipts,
         push_preview: req.push_preview.map(Into::into),
     };
-    let after = state.store.set_privacy(&ctx.user, update, crate::util::now_ms()).await?;
+    let (after, outcome) = state.store.update_privacy(&ctx.user, update, crate::util::now_ms()).await?;
+    if let Some(hw) = outcome.written {
+        // The change reaches the user's other devices as a user event.
+        state.hint_user(&ctx.user, hw);
+    }
     if after.hide_presence != before.hide_presence {
         state.lane.privacy_changed(&ctx.user, after).await;
     }

@@ -13,10 +13,11 @@
 use serde_json::Value;
 use sha2::Digest;
 use tidemark_core::cursor::{DeviceCursor, DeviceState};
+use tidemark_core::snapshot::carries_privacy;
 use tidemark_core::token::{SnapshotClaims, TokenError};
 use tidemark_proto::{
-    canonical_item, ErrorCode, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem, SnapshotPageOk,
-    SnapshotPageReq,
+    canonical_item, ErrorCode, PrivacySnapshot, SnapshotAckOk, SnapshotAckReq, SnapshotBeginOk, SnapshotItem,
+    SnapshotPageOk, SnapshotPageReq,
 };
 use tidemark_store::{SnapshotConv, SnapshotViewPart, SNAPSHOT_CHUNKS_IN_FLIGHT};
 
@@ -148,10 +149,23 @@ pub async fn begin(state: &AppState, ctx: &AuthCtx) -> ApiResult<SnapshotBeginOk
             .await?;
         let mut pages = Pages::new(state.config.snapshot_page_items.max(1));
         while let Some(part) = rx.recv().await {
-            let SnapshotViewPart::Convs(convs) = part else {
-                return Err(ApiError::new(ErrorCode::Internal, "a snapshot view has one base"));
+            let values = match part {
+                SnapshotViewPart::Convs(convs) => items(convs)?,
+                // The user's switches at the base, before any conversation.
+                SnapshotViewPart::Privacy { privacy, version } if carries_privacy(version) => {
+                    vec![item(&SnapshotItem::Privacy(PrivacySnapshot {
+                        hide_presence: privacy.hide_presence,
+                        private_receipts: privacy.private_receipts,
+                        push_preview: privacy.push_preview.into(),
+                        version,
+                    }))?]
+                }
+                SnapshotViewPart::Privacy { .. } => Vec::new(),
+                SnapshotViewPart::Base(_) => {
+                    return Err(ApiError::new(ErrorCode::Internal, "a snapshot view has one base"));
+                }
             };
-            for value in items(convs)? {
+            for value in values {
                 if let Some((page, full)) = pages.push(canonical_item(&value)) {
                     state.store.add_snapshot_page(&snapshot_id, page, full).await?;
                 }
