@@ -36,7 +36,8 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, Device, PASSWORD};
 use super::proc::{
-    create_devices, create_users, open_files_soft_limit, pct, scrape, scrape_all, spawn_tidemark, ChildGuard, TokenMint,
+    create_devices, create_users, metric_value, open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard,
+    TokenMint,
 };
 use super::{init_logs, median, print_table, TempDir};
 
@@ -76,6 +77,9 @@ const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
 const STATEMENTS: &str = "tidemark_store_statements_total";
 const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
 const BACKLOG: &str = "tidemark_outbox_backlog";
+/// Typing and presence frames the server's writers sent (one series per
+/// kind; summed).
+const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
 
 #[derive(Debug, Clone, Serialize)]
 struct Round {
@@ -88,6 +92,11 @@ struct Round {
     requests_per_resume: f64,
     statements_per_resume: f64,
     read_statements_per_resume: f64,
+    /// Presence (and typing) frames the server sent over the storm, per
+    /// resume: every connect announces its user to the online members of
+    /// its groups, who answer with theirs, and every close announces it
+    /// offline.
+    ephemeral_frames_per_resume: f64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
@@ -96,7 +105,8 @@ struct Round {
 
 /// Connect, send the `auth` frame, wait for `auth.ok`.
 async fn bare_handshake(url: &str, token: &str) -> Result<()> {
-    let (ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
+    // The SDK's socket settings, so both phases' clients read alike.
+    let (ws, _) = tokio_tungstenite::connect_async_with_config(url, Some(tidemark_client::ws_config()), true).await?;
     let (mut sink, mut stream) = ws.split();
     let frame = serde_json::json!({ "t": op::AUTH, "rid": "a1", "token": token });
     sink.send(Message::Text(frame.to_string().into())).await?;
@@ -130,10 +140,18 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
     .context("log in")
 }
 
-/// The server's store statements (all, reads) from one read of `/metrics`.
-async fn statements(addr: SocketAddr) -> Result<(f64, f64)> {
-    let v = scrape_all(addr, &[STATEMENTS, READ_STATEMENTS]).await?;
-    Ok((v[0], v[1]))
+/// The server's store statements (all, reads) and ephemeral frames sent,
+/// from one read of `/metrics`.
+async fn statements(addr: SocketAddr) -> Result<(f64, f64, f64)> {
+    let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
+    let value = |name: &str| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"));
+    let (all, reads) = (value(STATEMENTS)?, value(READ_STATEMENTS)?);
+    let ephemeral = text
+        .lines()
+        .filter(|l| l.strip_prefix(EPHEMERAL_SENT).is_some_and(|rest| rest.starts_with([' ', '{'])))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    Ok((all, reads, ephemeral))
 }
 
 /// Every group gets `k` messages from the sender; returns once the server's
@@ -264,6 +282,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
             requests_per_resume: requests as f64 / n as f64,
             statements_per_resume: per(before.0, after.0),
             read_statements_per_resume: per(before.1, after.1),
+            ephemeral_frames_per_resume: per(before.2, after.2),
             baseline_all_handshakes_secs: baseline_secs,
             baseline_p50_ms: median(base_times.clone()),
             baseline_p99_ms: pct(&base_times, 0.99),
@@ -459,6 +478,7 @@ fn median_round(rounds: &[Round]) -> Round {
         requests_per_resume: med(|r| r.requests_per_resume),
         statements_per_resume: med(|r| r.statements_per_resume),
         read_statements_per_resume: med(|r| r.read_statements_per_resume),
+        ephemeral_frames_per_resume: med(|r| r.ephemeral_frames_per_resume),
         baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
@@ -498,6 +518,7 @@ fn report(
             "requests/resume",
             "SQL stmts/resume",
             "of them reads",
+            "eph frames/resume",
         ],
         &[
             vec![
@@ -509,6 +530,7 @@ fn report(
                 format!("{:.2}", s.requests_per_resume),
                 format!("{:.1}", s.statements_per_resume),
                 format!("{:.1}", s.read_statements_per_resume),
+                format!("{:.1}", s.ephemeral_frames_per_resume),
             ],
             vec![
                 "baseline: bare handshakes".into(),
@@ -519,12 +541,14 @@ fn report(
                 "1 (auth)".into(),
                 format!("{:.1}", s.baseline_statements_per_handshake),
                 String::new(),
+                String::new(),
             ],
             vec![
                 "ratio".into(),
                 ratio(s.all_caught_up_secs, s.baseline_all_handshakes_secs),
                 ratio(s.device_p50_ms, s.baseline_p50_ms),
                 ratio(s.device_p99_ms, s.baseline_p99_ms),
+                String::new(),
                 String::new(),
                 String::new(),
                 String::new(),
