@@ -48,6 +48,19 @@ pub enum ServerEvent {
 pub const EVENTS_MAX: usize = 1024;
 /// Outgoing frames queued before `request` waits.
 pub const OUTGOING_MAX: usize = 256;
+/// Read buffer of the SDK's WebSocket. tungstenite's default (128 KiB) is
+/// zero-filled up to its capacity before every socket read, however small
+/// the frame: in `tidemark bench reconnect` that `memset` and the fresh
+/// pages behind 128 KiB per connection were a tenth of all CPU samples
+/// (client and server together; docs/benchmarks.md, issue 19), and 10 000
+/// connections held 1.2 GiB. Frames larger than the buffer still arrive
+/// whole: it grows to the frame being read.
+pub const WS_READ_BUFFER_BYTES: usize = 8 * 1024;
+
+/// The SDK's WebSocket settings: tungstenite's defaults but the read buffer.
+pub fn ws_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig {
+    tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default().read_buffer_size(WS_READ_BUFFER_BYTES)
+}
 
 /// The requests waiting for their reply, and whether the connection has
 /// ended. Once it has, no request is admitted: its reply could only come
@@ -107,8 +120,9 @@ impl WsConn {
         let value = format!("Bearer {access_token}").parse().map_err(|_| ClientError::Transport("bad token".into()))?;
         request.headers_mut().insert("authorization", value);
         // Nagle off: requests are small frames that must leave at once.
-        let (socket, _) =
-            tokio_tungstenite::connect_async_with_config(request, None, true).await.map_err(upgrade_error)?;
+        let (socket, _) = tokio_tungstenite::connect_async_with_config(request, Some(ws_config()), true)
+            .await
+            .map_err(upgrade_error)?;
         let (mut sink, mut stream) = socket.split();
         let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTGOING_MAX);
         let (ev_tx, ev_rx) = mpsc::channel::<ServerEvent>(EVENTS_MAX);

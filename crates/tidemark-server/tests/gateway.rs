@@ -197,8 +197,8 @@ async fn malformed_frames_get_typed_errors_and_the_connection_survives() {
     ts.stop().await;
 }
 
-/// Frames far larger than the gateway's 8 KiB socket buffers
-/// (`WS_READ_BUFFER_BYTES`, `WS_WRITE_BUFFER_BYTES`) arrive whole both
+/// Frames far larger than the gateway's socket buffers (1 KiB
+/// `WS_READ_BUFFER_BYTES`, 8 KiB `WS_WRITE_BUFFER_BYTES`) arrive whole both
 /// ways: sends with content near the 64 KiB limit, and a sync page of
 /// several of them (hundreds of KiB in one frame).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -233,6 +233,58 @@ async fn frames_larger_than_the_socket_buffers_arrive_whole() {
         .map(|m| m.content["b"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(got, bodies);
+    ts.stop().await;
+}
+
+/// An idle connection holds only its small read buffer (1 KiB,
+/// `WS_READ_BUFFER_BYTES`: `tidemark bench connections`, issue 19), and
+/// loses nothing when it wakes: after sitting idle it is hinted at the
+/// head, its sync brings every message whole (bodies below, at and far
+/// above the buffer), and its own requests larger than the buffer, read in
+/// several socket reads, are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_that_wakes_gets_everything_whole() {
+    use tidemark_server::gateway::WS_READ_BUFFER_BYTES;
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let mut ben = ts.device("ben", "phone").await;
+    let start = ben.sync_batch(50).await;
+    ben.drain_events();
+    // Ben now sends nothing; ann's messages straddle his read buffer.
+    let sizes = [10, WS_READ_BUFFER_BYTES - 100, WS_READ_BUFFER_BYTES, WS_READ_BUFFER_BYTES + 1, 5_000, 40_000];
+    let mut head = start;
+    for (i, n) in sizes.iter().enumerate() {
+        let req = tidemark_client::proto::SendReq {
+            content: json!({ "cmid": format!("m{i}"), "b": "x".repeat(*n) }),
+            ..send_req(&conv, &format!("m{i}"))
+        };
+        let ok: SendOk = ann.ws.send(&req).await.unwrap();
+        assert!(!ok.duplicate);
+    }
+    // Woken by a hint (fan-out is async): bounded wait for the one that
+    // covers every message.
+    while head < start + sizes.len() as u64 {
+        head = ben.next_hint(Duration::from_secs(10)).await.expect("the idle connection is hinted");
+    }
+    ben.sync_until(ben.log.len() + sizes.len(), 2).await;
+    let got: Vec<(String, usize)> = ben
+        .log
+        .iter()
+        .filter_map(|e| e.message.as_ref())
+        .filter_map(|m| Some((m.content["cmid"].as_str()?.to_owned(), m.content["b"].as_str()?.len())))
+        .collect();
+    let want: Vec<(String, usize)> = sizes.iter().enumerate().map(|(i, n)| (format!("m{i}"), *n)).collect();
+    assert_eq!(got, want);
+    // And its own frame, many times its read buffer, is read whole.
+    let req = tidemark_client::proto::SendReq {
+        content: json!({ "cmid": "back", "b": "y".repeat(WS_READ_BUFFER_BYTES * 20) }),
+        ..send_req(&conv, "back")
+    };
+    let ok: SendOk = ben.ws.send(&req).await.unwrap();
+    assert!(!ok.duplicate);
     ts.stop().await;
 }
 

@@ -36,7 +36,8 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, Device, PASSWORD};
 use super::proc::{
-    create_devices, create_users, open_files_soft_limit, pct, scrape, scrape_all, spawn_tidemark, ChildGuard, TokenMint,
+    create_devices, create_users, metric_value, open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard,
+    TokenMint,
 };
 use super::{init_logs, median, print_table, TempDir};
 
@@ -76,6 +77,9 @@ const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
 const STATEMENTS: &str = "tidemark_store_statements_total";
 const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
 const BACKLOG: &str = "tidemark_outbox_backlog";
+/// Typing and presence frames the server's writers sent (one series per
+/// kind; summed).
+const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
 
 #[derive(Debug, Clone, Serialize)]
 struct Round {
@@ -88,6 +92,11 @@ struct Round {
     requests_per_resume: f64,
     statements_per_resume: f64,
     read_statements_per_resume: f64,
+    /// Presence (and typing) frames the server sent over the storm, per
+    /// resume: every connect announces its user to the online members of
+    /// its groups, who answer with theirs, and every close announces it
+    /// offline.
+    ephemeral_frames_per_resume: f64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
@@ -96,7 +105,8 @@ struct Round {
 
 /// Connect, send the `auth` frame, wait for `auth.ok`.
 async fn bare_handshake(url: &str, token: &str) -> Result<()> {
-    let (ws, _) = tokio_tungstenite::connect_async_with_config(url, None, true).await?;
+    // The SDK's socket settings, so both phases' clients read alike.
+    let (ws, _) = tokio_tungstenite::connect_async_with_config(url, Some(tidemark_client::ws_config()), true).await?;
     let (mut sink, mut stream) = ws.split();
     let frame = serde_json::json!({ "t": op::AUTH, "rid": "a1", "token": token });
     sink.send(Message::Text(frame.to_string().into())).await?;
@@ -130,10 +140,18 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
     .context("log in")
 }
 
-/// The server's store statements (all, reads) from one read of `/metrics`.
-async fn statements(addr: SocketAddr) -> Result<(f64, f64)> {
-    let v = scrape_all(addr, &[STATEMENTS, READ_STATEMENTS]).await?;
-    Ok((v[0], v[1]))
+/// The server's store statements (all, reads) and ephemeral frames sent,
+/// from one read of `/metrics`.
+async fn statements(addr: SocketAddr) -> Result<(f64, f64, f64)> {
+    let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
+    let value = |name: &str| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"));
+    let (all, reads) = (value(STATEMENTS)?, value(READ_STATEMENTS)?);
+    let ephemeral = text
+        .lines()
+        .filter(|l| l.strip_prefix(EPHEMERAL_SENT).is_some_and(|rest| rest.starts_with([' ', '{'])))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    Ok((all, reads, ephemeral))
 }
 
 /// Every group gets `k` messages from the sender; returns once the server's
@@ -264,6 +282,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
             requests_per_resume: requests as f64 / n as f64,
             statements_per_resume: per(before.0, after.0),
             read_statements_per_resume: per(before.1, after.1),
+            ephemeral_frames_per_resume: per(before.2, after.2),
             baseline_all_handshakes_secs: baseline_secs,
             baseline_p50_ms: median(base_times.clone()),
             baseline_p99_ms: pct(&base_times, 0.99),
@@ -369,6 +388,33 @@ struct Storm {
     requests: u64,
 }
 
+/// Connect attempts of one device in a storm: ten thousand connects at
+/// once overflow the listener's accept queue (`somaxconn` is 4 096 on the
+/// benchmark machine), and a connection dropped there fails its handshake
+/// in transport; a device retries, as the SDK's reconnect loop would.
+const CONNECT_ATTEMPTS_MAX: u64 = 5;
+const CONNECT_RETRY_AFTER: Duration = Duration::from_millis(200);
+
+/// Connects, retrying a transport failure (never a server's refusal);
+/// returns the connection, its events and how many attempts failed.
+async fn connect_retrying(
+    ws_url: &str,
+    token: &str,
+) -> Result<(WsConn, tokio::sync::mpsc::Receiver<tidemark_client::ServerEvent>, u64)> {
+    let mut failed = 0;
+    loop {
+        match WsConn::connect(ws_url, token).await {
+            Ok((ws, events)) => return Ok((ws, events, failed)),
+            Err(tidemark_client::ClientError::Transport(e)) if failed + 1 < CONNECT_ATTEMPTS_MAX => {
+                tracing::debug!(error = %e, "connect failed in transport; retrying");
+                failed += 1;
+                tokio::time::sleep(CONNECT_RETRY_AFTER).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// One resume storm: every device connects at the same moment and syncs
 /// until it holds its `k` new events. Updates `positions`.
 async fn resume_storm(
@@ -387,7 +433,7 @@ async fn resume_storm(
         tasks.push(tokio::spawn(async move {
             start.wait().await;
             let t = Instant::now();
-            let (ws, _events) = WsConn::connect(&ws_url, &token).await?;
+            let (ws, _events, retries) = connect_retrying(&ws_url, &token).await?;
             let mut dev = Device { ws, generation, applied, pages: 0, acks: 0 };
             let mut got = 0u64;
             while got < k {
@@ -403,7 +449,7 @@ async fn resume_storm(
             ensure!(got == k, "device got {got} of {k} events");
             dev.ws.close().await;
             pb.inc(1);
-            anyhow::Ok((ms, dev.pages, requests, (dev.generation, dev.applied)))
+            anyhow::Ok((ms, dev.pages, requests, retries, (dev.generation, dev.applied)))
         }));
     }
     start.wait().await;
@@ -411,13 +457,17 @@ async fn resume_storm(
     let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("resume timed out")??;
     let all_caught_up_secs = t.elapsed().as_secs_f64();
     let mut times = Vec::with_capacity(n);
-    let (mut pages, mut requests) = (0u64, 0u64);
+    let (mut pages, mut requests, mut connect_retries) = (0u64, 0u64, 0u64);
     for (i, r) in results.into_iter().enumerate() {
-        let (ms, p, q, pos) = r?;
+        let (ms, p, q, retries, pos) = r?;
         times.push(ms);
         pages += p;
         requests += q;
+        connect_retries += retries;
         positions[i] = pos;
+    }
+    if connect_retries > 0 {
+        eprintln!("{connect_retries} connects failed in transport and were retried (counted in their device's time)");
     }
     Ok(Storm { all_caught_up_secs, times, pages, requests })
 }
@@ -459,6 +509,7 @@ fn median_round(rounds: &[Round]) -> Round {
         requests_per_resume: med(|r| r.requests_per_resume),
         statements_per_resume: med(|r| r.statements_per_resume),
         read_statements_per_resume: med(|r| r.read_statements_per_resume),
+        ephemeral_frames_per_resume: med(|r| r.ephemeral_frames_per_resume),
         baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
@@ -498,6 +549,7 @@ fn report(
             "requests/resume",
             "SQL stmts/resume",
             "of them reads",
+            "eph frames/resume",
         ],
         &[
             vec![
@@ -509,6 +561,7 @@ fn report(
                 format!("{:.2}", s.requests_per_resume),
                 format!("{:.1}", s.statements_per_resume),
                 format!("{:.1}", s.read_statements_per_resume),
+                format!("{:.1}", s.ephemeral_frames_per_resume),
             ],
             vec![
                 "baseline: bare handshakes".into(),
@@ -519,12 +572,14 @@ fn report(
                 "1 (auth)".into(),
                 format!("{:.1}", s.baseline_statements_per_handshake),
                 String::new(),
+                String::new(),
             ],
             vec![
                 "ratio".into(),
                 ratio(s.all_caught_up_secs, s.baseline_all_handshakes_secs),
                 ratio(s.device_p50_ms, s.baseline_p50_ms),
                 ratio(s.device_p99_ms, s.baseline_p99_ms),
+                String::new(),
                 String::new(),
                 String::new(),
                 String::new(),

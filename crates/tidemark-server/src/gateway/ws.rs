@@ -50,12 +50,15 @@ use crate::metrics as m;
 use crate::ops::{self, AuthCtx};
 use crate::state::{AppState, UserConnSlot};
 
-/// Read buffer of a WebSocket. tungstenite's default (128 KiB) is read
-/// into whole, so every connection, idle or not, kept 128 KiB resident
-/// (`tidemark bench connections`: 136 KiB per idle connection). Frames
-/// larger than the buffer still arrive whole: the buffer grows as needed,
-/// up to the frame limit.
-pub const WS_READ_BUFFER_BYTES: usize = 8 * 1024;
+/// Read buffer of a WebSocket, which every connection holds resident,
+/// idle or not (tungstenite allocates it up front and zero-fills it to its
+/// capacity before each socket read). tungstenite's default, 128 KiB, cost
+/// 136 KiB per idle connection (`tidemark bench connections`); 8 KiB cost
+/// 16.9 KiB at 19 000 connections. A client's requests (`sync`, `ack`, a
+/// text `send`) are a few hundred bytes, so 1 KiB reads most in one call;
+/// frames larger than the buffer still arrive whole (it grows to the frame
+/// being read, up to the frame limit, in reads of this size).
+pub const WS_READ_BUFFER_BYTES: usize = 1024;
 /// Bytes queued before tungstenite writes to the socket (every frame is
 /// flushed anyway); its default is 128 KiB.
 pub const WS_WRITE_BUFFER_BYTES: usize = 8 * 1024;
