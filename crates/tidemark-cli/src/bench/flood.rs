@@ -11,7 +11,9 @@
 //!   and for names that do not exist;
 //! - `send flood`: one attacking account on one address of its own
 //!   (127.0.2.1) sends in `--attackers` concurrent closed loops, each on its
-//!   own device's WebSocket, ignoring `retry_after_ms`, and writes sends
+//!   own device's WebSocket, ignoring `retry_after_ms` (the account holds
+//!   at most 20 connections, `--ws-connections-per-user-max`; the other
+//!   loops' upgrades are refused), and a second account writes sends
 //!   without waiting for any reply on `--pipelined` more WebSockets; a
 //!   loop whose connection is closed (`kicked` `waits_ignored`, counted as
 //!   closed) reconnects at once and goes on (counted as reconnects; an
@@ -91,6 +93,10 @@ const HONEST_PASSWORD: &str = "honest password";
 const VICTIMS: usize = 8;
 /// The honest user's source address; the attackers' are 127.0.1.x.
 const HONEST_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+/// The pipelined writers' account (its own, so the per-user connection
+/// cap, which the closed loops' account already fills, does not keep them
+/// out).
+const PIPER: &str = "piper";
 /// The send flood's one address.
 const SEND_ATTACK_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 2, 1);
 
@@ -252,7 +258,7 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
     // Real Argon2 hashes: a known account's guess costs what a login costs.
     let honest_hash = tidemark_server::accounts::hash_password(HONEST_PASSWORD).map_err(anyhow::Error::msg)?;
     store.create_user(HONEST, &honest_hash, unix_ms()).await?;
-    for n in ["peer", "attacker"] {
+    for n in ["peer", "attacker", PIPER] {
         store.create_user(n, &honest_hash, unix_ms()).await?;
     }
     for i in 0..VICTIMS {
@@ -273,11 +279,15 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
     }
     let mut pipe_tokens = Vec::new();
     for t in 0..args.pipelined {
-        pipe_tokens.push(http.login("attacker", HONEST_PASSWORD, &format!("pipe{t}")).await?.access_token);
+        pipe_tokens.push(http.login(PIPER, HONEST_PASSWORD, &format!("pipe{t}")).await?.access_token);
     }
     let attacker_conv = {
         let (ws, _events) = WsConn::connect(&ws_url, &attacker_tokens[0]).await?;
         ws.conv_create_direct("peer").await?.conv
+    };
+    let piper_conv = match pipe_tokens.first() {
+        Some(token) => WsConn::connect(&ws_url, token).await?.0.conv_create_direct("peer").await?.conv,
+        None => String::new(),
     };
     let honest_client = client_from(HONEST_ADDRESS)?;
     let attack_clients: Vec<reqwest::Client> =
@@ -368,8 +378,7 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
                     }));
                 }
                 for (t, token) in pipe_tokens.iter().enumerate() {
-                    let (token, ws_url, conv, stop) =
-                        (token.clone(), ws_url.clone(), attacker_conv.clone(), stop.clone());
+                    let (token, ws_url, conv, stop) = (token.clone(), ws_url.clone(), piper_conv.clone(), stop.clone());
                     let (counts, requests) = (counts.clone(), attack_requests.clone());
                     attack.push(tokio::spawn(pipelined(t, token, ws_url, conv, stop, counts, requests)));
                 }
