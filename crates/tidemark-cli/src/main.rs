@@ -356,6 +356,33 @@ struct LimitArgs {
     /// login that waits longer than 2 s for one gets RATE_LIMITED.
     #[arg(long, default_value_t = limits::PASSWORD_HASHES_CONCURRENT_MAX)]
     password_hashes_max: usize,
+    /// Frames per second one WebSocket is read at, at most (checked before
+    /// a frame is parsed; past it the server stops reading the socket).
+    #[arg(long, default_value_t = limits::FRAMES_PER_CONNECTION_DEFAULT.per_second())]
+    frames_per_sec: u32,
+    /// Frames one WebSocket may send in a burst above that rate.
+    #[arg(long, default_value_t = limits::FRAMES_PER_CONNECTION_DEFAULT.burst)]
+    frames_burst: u32,
+    /// Frames per second across every WebSocket of one source address.
+    #[arg(long, default_value_t = limits::FRAMES_PER_ADDRESS_DEFAULT.per_second())]
+    address_frames_per_sec: u32,
+    /// Frames an address's WebSockets may send in a burst above that rate.
+    #[arg(long, default_value_t = limits::FRAMES_PER_ADDRESS_DEFAULT.burst)]
+    address_frames_burst: u32,
+    /// HTTP requests (WebSocket upgrades included) per second per source
+    /// address, refused with RATE_LIMITED before they are read.
+    #[arg(long, default_value_t = limits::REQUESTS_PER_ADDRESS_DEFAULT.per_second())]
+    address_requests_per_sec: u32,
+    /// HTTP requests an address may make in a burst above that rate.
+    #[arg(long, default_value_t = limits::REQUESTS_PER_ADDRESS_DEFAULT.burst)]
+    address_requests_burst: u32,
+    /// How long an address is refused after a connection of it was closed
+    /// for ignoring its waits (doubling with each further close).
+    #[arg(long, default_value_t = tidemark_core::throttle::RECONNECT_PENALTY.first_ms)]
+    reconnect_penalty_ms: u64,
+    /// The longest such refusal.
+    #[arg(long, default_value_t = tidemark_core::throttle::RECONNECT_PENALTY.max_ms)]
+    reconnect_penalty_max_ms: u64,
 }
 
 impl LimitArgs {
@@ -366,6 +393,14 @@ impl LimitArgs {
             sync_per_device: limits::Rate::new(self.sync_per_sec, self.sync_burst),
             login_per_address: limits::Rate::new(self.login_per_sec, self.login_burst),
             password_hashes_concurrent_max: self.password_hashes_max,
+            frames_per_connection: limits::Rate::new(self.frames_per_sec, self.frames_burst),
+            frames_per_address: limits::Rate::new(self.address_frames_per_sec, self.address_frames_burst),
+            requests_per_address: limits::Rate::new(self.address_requests_per_sec, self.address_requests_burst),
+            reconnect_penalty: tidemark_core::throttle::ReconnectPenalty {
+                first_ms: self.reconnect_penalty_ms,
+                max_ms: self.reconnect_penalty_max_ms.max(self.reconnect_penalty_ms),
+                ..tidemark_core::throttle::RECONNECT_PENALTY
+            },
             ..limits::LimitsConfig::default()
         }
     }

@@ -116,13 +116,55 @@ impl WsConn {
     /// Connects to `ws_url` (like `ws://127.0.0.1:8080/v1/ws`) with the
     /// access token in the `Authorization` header.
     pub async fn connect(ws_url: &str, access_token: &str) -> ClientResult<(WsConn, mpsc::Receiver<ServerEvent>)> {
+        WsConn::connect_via(ws_url, access_token, None).await
+    }
+
+    /// Like [`WsConn::connect`], from the local address `local` (a host
+    /// with several addresses; the tests and benchmarks of the server's
+    /// per-address limits speak from several loopback addresses).
+    pub async fn connect_from(
+        ws_url: &str,
+        access_token: &str,
+        local: std::net::IpAddr,
+    ) -> ClientResult<(WsConn, mpsc::Receiver<ServerEvent>)> {
+        WsConn::connect_via(ws_url, access_token, Some(local)).await
+    }
+
+    async fn connect_via(
+        ws_url: &str,
+        access_token: &str,
+        local: Option<std::net::IpAddr>,
+    ) -> ClientResult<(WsConn, mpsc::Receiver<ServerEvent>)> {
+        let transport = |e: std::io::Error| ClientError::Transport(e.to_string());
         let mut request = ws_url.into_client_request().map_err(|e| ClientError::Transport(e.to_string()))?;
         let value = format!("Bearer {access_token}").parse().map_err(|_| ClientError::Transport("bad token".into()))?;
         request.headers_mut().insert("authorization", value);
         // Nagle off: requests are small frames that must leave at once.
-        let (socket, _) = tokio_tungstenite::connect_async_with_config(request, Some(ws_config()), true)
-            .await
-            .map_err(upgrade_error)?;
+        let (socket, _) = match local {
+            None => tokio_tungstenite::connect_async_with_config(request, Some(ws_config()), true)
+                .await
+                .map_err(upgrade_error)?,
+            Some(local) => {
+                let host = request.uri().host().unwrap_or_default().trim_matches(['[', ']']).to_owned();
+                let port = request.uri().port_u16().unwrap_or(80);
+                let peer = tokio::net::lookup_host((host.as_str(), port))
+                    .await
+                    .map_err(transport)?
+                    .find(|a| a.is_ipv4() == local.is_ipv4())
+                    .ok_or_else(|| ClientError::Transport(format!("no address of {host} to reach from {local}")))?;
+                let socket =
+                    if local.is_ipv4() { tokio::net::TcpSocket::new_v4() } else { tokio::net::TcpSocket::new_v6() }
+                        .map_err(transport)?;
+                socket.bind(std::net::SocketAddr::new(local, 0)).map_err(transport)?;
+                let tcp = socket.connect(peer).await.map_err(transport)?;
+                tcp.set_nodelay(true).map_err(transport)?;
+                // Plain `ws://` only: the client is built without TLS.
+                let tcp = tokio_tungstenite::MaybeTlsStream::Plain(tcp);
+                tokio_tungstenite::client_async_with_config(request, tcp, Some(ws_config()))
+                    .await
+                    .map_err(upgrade_error)?
+            }
+        };
         let (mut sink, mut stream) = socket.split();
         let (out_tx, mut out_rx) = mpsc::channel::<Message>(OUTGOING_MAX);
         let (ev_tx, ev_rx) = mpsc::channel::<ServerEvent>(EVENTS_MAX);

@@ -33,3 +33,40 @@ async fn a_send_burst_over_the_quota_waits_as_told_and_loses_nothing() {
         .unwrap_or(0.0);
     assert!(limited >= 1.0, "the burst never met the limit");
 }
+
+/// The sum of the series of `family` whose labels contain `label`.
+fn metric_sum(text: &str, family: &str, label: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{family}{{")) && l.contains(label))
+        .filter_map(|l| l.rsplit(' ').next())
+        .map(|v| v.trim().parse::<f64>().unwrap())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_sdk_held_back_by_its_frame_budget_and_its_send_quota_loses_nothing() {
+    // The connection is read at 20 frames a second after a burst of ten
+    // (its syncs, ACKs and pings spend the budget too), and sends are
+    // limited as above: the SDK is slowed by both and must still deliver
+    // every message once, in order.
+    let limits = LimitsConfig {
+        frames_per_connection: Rate::new(20, 10),
+        send_per_device: Rate::new(10, 5),
+        ..LimitsConfig::default()
+    };
+    let h = Harness::start_with(ServerConfig { limits, ..ServerConfig::default() }).await;
+    h.user("alice").await;
+    h.user("bob").await;
+    let alice = h.ready("alice", "phone").await;
+    let bob = h.ready("bob", "phone").await;
+    let conv = alice.create_direct("bob").await.unwrap();
+    for i in 0..40 {
+        alice.send(&conv, serde_json::json!({ "text": format!("m{i}") })).await.unwrap();
+    }
+    let held = wait_messages(&bob, &conv, 40).await;
+    let texts: Vec<_> = held.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap().to_owned())).collect();
+    assert_eq!(texts, (0..40).map(|i| (i + 1, format!("m{i}"))).collect::<Vec<_>>(), "once each, in order");
+    let metrics = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
+    let paused = metric_sum(&metrics, "tidemark_frame_budget_pauses_total", "scope=\"connection\"");
+    assert!(paused >= 1.0, "the frame budget never held the SDK back");
+}

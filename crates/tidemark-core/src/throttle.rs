@@ -113,6 +113,67 @@ impl Strikes {
     }
 }
 
+/// How long an address is refused at connect after its connections were
+/// closed for ignoring their waits (`kicked` `waits_ignored`, issue 15).
+///
+/// A connection's [`Strikes`] start from nothing, so an attacker that
+/// reconnects at once after each close would get a fresh count every time;
+/// the address keeps a count of such closes instead. After the `n`-th close
+/// in a row, every upgrade and HTTP request from the address is refused
+/// with `RATE_LIMITED` for `first_ms`, doubling with each further close,
+/// up to `max_ms`. A close more than `forget_after_ms` after the previous
+/// one starts the count again. A client that waits as told is never closed,
+/// so never meets it; a person behind the attacker's NAT waits the period
+/// once per close, never longer than `max_ms`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReconnectPenalty {
+    /// The refusal after the first close.
+    pub first_ms: u64,
+    /// The refusal never grows past this.
+    pub max_ms: u64,
+    /// Closes this far apart are not counted together.
+    pub forget_after_ms: u64,
+}
+
+/// One second after the first close, doubling to five minutes; forgotten
+/// after half an hour without a close.
+pub const RECONNECT_PENALTY: ReconnectPenalty =
+    ReconnectPenalty { first_ms: 1_000, max_ms: 5 * 60 * 1_000, forget_after_ms: 30 * 60 * 1_000 };
+
+impl ReconnectPenalty {
+    /// The refusal period after `closes` closes in a row (0: none).
+    pub fn period_ms(&self, closes: u32) -> u64 {
+        if closes == 0 {
+            return 0;
+        }
+        let doublings = (closes - 1).min(63);
+        self.first_ms.saturating_mul(1u64 << doublings).min(self.max_ms)
+    }
+
+    /// The count after one more close at `now_ms`, given `closes` so far,
+    /// the last at `last_close_ms`.
+    pub fn closes_after(&self, closes: u32, last_close_ms: i64, now_ms: i64) -> u32 {
+        if self.forgotten(last_close_ms, now_ms) {
+            1
+        } else {
+            closes.saturating_add(1)
+        }
+    }
+
+    /// The refusal still owed at `now_ms` by an address with `closes`
+    /// closes in a row, the last at `last_close_ms` (0: admit).
+    pub fn wait_ms(&self, closes: u32, last_close_ms: i64, now_ms: i64) -> u64 {
+        let until = last_close_ms.saturating_add(self.period_ms(closes).min(i64::MAX as u64) as i64);
+        (until - now_ms).max(0) as u64
+    }
+
+    /// Whether a count whose last close was at `last_close_ms` is forgotten
+    /// at `now_ms`.
+    pub fn forgotten(&self, last_close_ms: i64, now_ms: i64) -> bool {
+        now_ms.saturating_sub(last_close_ms) >= self.forget_after_ms.min(i64::MAX as u64) as i64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -204,6 +265,52 @@ mod tests {
         ];
         for &(failures, last, now, expect) in cases {
             assert_eq!(POLICY.wait_ms(failures, last, now), expect, "{failures} failures, last {last}, now {now}");
+        }
+    }
+    const PENALTY: ReconnectPenalty = ReconnectPenalty { first_ms: 1_000, max_ms: 60_000, forget_after_ms: 600_000 };
+
+    #[test]
+    fn an_address_closed_for_ignored_waits_is_refused_for_a_period_that_doubles_up_to_the_cap() {
+        let cases: &[(u32, u64)] = &[
+            // closes in a row, period
+            (0, 0),
+            (1, 1_000),
+            (2, 2_000),
+            (3, 4_000),
+            (6, 32_000),
+            (7, 60_000),
+            (1_000, 60_000),
+            (u32::MAX, 60_000),
+        ];
+        for &(closes, period) in cases {
+            assert_eq!(PENALTY.period_ms(closes), period, "period after {closes} closes");
+        }
+    }
+
+    #[test]
+    fn the_refusal_runs_from_the_last_close_and_a_quiet_address_is_forgotten() {
+        let waits: &[(u32, i64, i64, u64)] = &[
+            // closes, last close at, now, wait owed
+            (1, 10_000, 10_000, 1_000),
+            (1, 10_000, 10_999, 1),
+            (1, 10_000, 11_000, 0),
+            (3, 10_000, 12_500, 1_500),
+            (0, 10_000, 10_000, 0),
+            (7, 0, 70_000, 0),
+        ];
+        for &(closes, last, now, expect) in waits {
+            assert_eq!(PENALTY.wait_ms(closes, last, now), expect, "{closes} closes, last {last}, now {now}");
+        }
+        let counts: &[(u32, i64, i64, u32)] = &[
+            // closes so far, last close at, this close at, count after it
+            (0, 0, 0, 1),
+            (1, 10_000, 12_000, 2),
+            (5, 10_000, 10_000 + 599_999, 6),
+            (5, 10_000, 10_000 + 600_000, 1),
+            (u32::MAX, 0, 1, u32::MAX),
+        ];
+        for &(closes, last, now, expect) in counts {
+            assert_eq!(PENALTY.closes_after(closes, last, now), expect, "{closes} closes, last {last}, now {now}");
         }
     }
 }

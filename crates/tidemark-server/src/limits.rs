@@ -14,6 +14,18 @@
 //! many addresses delays an honest login by a bounded number of hashes. Limiter state is swept periodically, so its
 //! memory is bounded by the keys active within a sweep period.
 //!
+//! A hostile client is bounded before its requests are parsed (issue 15):
+//! every WebSocket has a budget of frames (its own GCRA limiter, and one
+//! per source address across its connections) checked before a frame is
+//! parsed or its token looked at; a connection over it is not read until
+//! its budget refills (TCP backpressure makes the sender wait), so it costs
+//! at most the budget's frames a second, however fast it writes. Every
+//! HTTP request (WebSocket upgrades included) passes a per-address budget
+//! before its body or token is read. An address whose connections were
+//! closed for ignoring their waits is refused at connect for a period that
+//! grows with each close (`tidemark_core::throttle::ReconnectPenalty`), so
+//! reconnecting does not reset what ignoring waits costs.
+//!
 //! This module knows no operation's semantics and no storage.
 
 use std::collections::HashMap;
@@ -25,8 +37,10 @@ use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
 use governor::state::keyed::DefaultKeyedStateStore;
-use governor::{Quota, RateLimiter};
-use tidemark_core::throttle::{hash_lane, HashLane, LoginBackoff, SUSPECT_AFTER_FAILURES};
+use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
+use tidemark_core::throttle::{
+    hash_lane, HashLane, LoginBackoff, ReconnectPenalty, RECONNECT_PENALTY, SUSPECT_AFTER_FAILURES,
+};
 use tidemark_proto::{op, ErrorCode};
 use tokio::sync::{Semaphore, SemaphorePermit};
 
@@ -140,6 +154,18 @@ pub struct LimitsConfig {
     pub login_per_address: Rate,
     /// WebSocket upgrades per source address.
     pub connect_per_address: Rate,
+    /// Frames one WebSocket may send (any kind but close), checked before
+    /// a frame is parsed; past it the connection is not read until the
+    /// budget refills.
+    pub frames_per_connection: Rate,
+    /// The same, across every WebSocket of one source address.
+    pub frames_per_address: Rate,
+    /// HTTP requests (WebSocket upgrades included) per source address,
+    /// checked before the body or the token is read.
+    pub requests_per_address: Rate,
+    /// How long an address is refused after its connections were closed
+    /// for ignoring their waits.
+    pub reconnect_penalty: ReconnectPenalty,
     /// Password hashes (login, password change, user creation) running at
     /// once, and how long a login waits for one before `RATE_LIMITED`.
     pub password_hashes_concurrent_max: usize,
@@ -169,6 +195,23 @@ pub const EPHEMERAL_PER_DEVICE_DEFAULT: Rate = Rate::new(5, 20);
 /// Per address, so a NAT or a proxy's many users share it: generous.
 pub const LOGIN_PER_ADDRESS_DEFAULT: Rate = Rate::new(20, 200);
 pub const CONNECT_PER_ADDRESS_DEFAULT: Rate = Rate::new(100, 2000);
+/// Frames per WebSocket: above the sum of one device's operation quotas
+/// (225/s, bursts 1 020 together), so a client within its quotas is never
+/// held back by it; a flooder is read at this rate at most.
+pub const FRAMES_PER_CONNECTION_DEFAULT: Rate = Rate::new(250, 1_000);
+/// Frames per source address across its WebSockets: a NAT of a few
+/// hundred people chatting stays far below it (a person sends a frame or
+/// two a second); one attacking address is parsed at most this fast.
+pub const FRAMES_PER_ADDRESS_DEFAULT: Rate = Rate::new(1_000, 4_000);
+/// HTTP requests per source address, any route under `/v1`.
+pub const REQUESTS_PER_ADDRESS_DEFAULT: Rate = Rate::new(500, 2_000);
+/// The shortest pause of a WebSocket over its frame budget: a connection
+/// waiting for the next cell would otherwise wake once per cell (every
+/// millisecond at 1 000/s) and race its address's other connections for it.
+pub const FRAME_PAUSE_MIN: Duration = Duration::from_millis(20);
+/// Addresses whose closes for ignored waits are remembered at most (the
+/// stalest are forgotten first).
+pub const PENALTY_KEYS_MAX: usize = 100_000;
 /// How often idle limiter keys are forgotten.
 pub const LIMITS_SWEEP_EVERY: Duration = Duration::from_secs(60);
 /// Two hashes at once: one per core of the reference machine, ~38 MiB.
@@ -202,6 +245,10 @@ impl Default for LimitsConfig {
             ephemeral_per_device: EPHEMERAL_PER_DEVICE_DEFAULT,
             login_per_address: LOGIN_PER_ADDRESS_DEFAULT,
             connect_per_address: CONNECT_PER_ADDRESS_DEFAULT,
+            frames_per_connection: FRAMES_PER_CONNECTION_DEFAULT,
+            frames_per_address: FRAMES_PER_ADDRESS_DEFAULT,
+            requests_per_address: REQUESTS_PER_ADDRESS_DEFAULT,
+            reconnect_penalty: RECONNECT_PENALTY,
             password_hashes_concurrent_max: PASSWORD_HASHES_CONCURRENT_MAX,
             password_hash_wait: PASSWORD_HASH_WAIT,
             login_backoff_per_address: LOGIN_BACKOFF_PER_ADDRESS,
@@ -233,6 +280,10 @@ pub struct Limits {
     ephemeral_device: Keyed<(String, String)>,
     login_address: Keyed<IpAddr>,
     connect_address: Keyed<IpAddr>,
+    frames_address: Keyed<IpAddr>,
+    requests_address: Keyed<IpAddr>,
+    /// Closes for ignored waits of each address: count and last close.
+    penalties: Mutex<HashMap<IpAddr, Failures>>,
     hashes: Semaphore,
     /// Held by the one suspect check that may wait in `hashes`' queue.
     suspect_gate: Semaphore,
@@ -289,6 +340,9 @@ impl Limits {
             ephemeral_device: RateLimiter::keyed(config.ephemeral_per_device.quota()),
             login_address: RateLimiter::keyed(config.login_per_address.quota()),
             connect_address: RateLimiter::keyed(config.connect_per_address.quota()),
+            frames_address: RateLimiter::keyed(config.frames_per_address.quota()),
+            requests_address: RateLimiter::keyed(config.requests_per_address.quota()),
+            penalties: Mutex::new(HashMap::new()),
             hashes: Semaphore::new(config.password_hashes_concurrent_max.max(1)),
             suspect_gate: Semaphore::new(1),
             waiting: [AtomicUsize::new(0), AtomicUsize::new(0)],
@@ -335,6 +389,73 @@ impl Limits {
             return Ok(());
         }
         check(&self.connect_address, &address_key(ip), "connections from this address")
+    }
+
+    /// A new WebSocket's frame budget, its own and its address's.
+    pub fn frame_budget(&self, ip: IpAddr) -> FrameBudget {
+        FrameBudget { own: RateLimiter::direct(self.config.frames_per_connection.quota()), address: address_key(ip) }
+    }
+
+    /// Admits one more frame read from a WebSocket, or says how long to stop
+    /// reading it (at least [`FRAME_PAUSE_MIN`]) and whose budget ran out.
+    /// Checked before the frame is parsed.
+    pub fn admit_frame(&self, budget: &FrameBudget) -> Result<(), FramePause> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        let pause = |wait: Duration, scope| FramePause { wait: wait.max(FRAME_PAUSE_MIN), scope };
+        budget
+            .own
+            .check()
+            .map_err(|not_until| pause(not_until.wait_time_from(budget.own.clock().now()), FrameScope::Connection))?;
+        self.frames_address.check_key(&budget.address).map_err(|not_until| {
+            pause(not_until.wait_time_from(self.frames_address.clock().now()), FrameScope::Address)
+        })
+    }
+
+    /// Admits an HTTP request (a WebSocket upgrade included) from `ip`
+    /// before its body or token is read: refused while the address serves
+    /// its period for ignored waits, or over its request budget.
+    pub fn admit_request(&self, ip: IpAddr, now_ms: i64) -> Result<(), AddressRefusal> {
+        if !self.config.enabled {
+            return Ok(());
+        }
+        let ip = address_key(ip);
+        let owed = self
+            .penalties
+            .lock()
+            .expect("limits lock")
+            .get(&ip)
+            .map_or(0, |f| self.config.reconnect_penalty.wait_ms(f.count, f.last_ms, now_ms));
+        if owed > 0 {
+            let e = rate_limited(owed, "this address kept sending while told to wait");
+            return Err(AddressRefusal { error: e, reason: AddressRefusalReason::Penalty });
+        }
+        check(&self.requests_address, &ip, "requests from this address")
+            .map_err(|error| AddressRefusal { error, reason: AddressRefusalReason::Requests })
+    }
+
+    /// Records that a connection from `ip` was closed for ignoring its
+    /// waits at `now_ms`; returns the period the address is now refused for.
+    pub fn closed_for_ignored_waits(&self, ip: IpAddr, now_ms: i64) -> u64 {
+        if !self.config.enabled {
+            return 0;
+        }
+        let ip = address_key(ip);
+        let policy = self.config.reconnect_penalty;
+        let mut map = self.penalties.lock().expect("limits lock");
+        if !map.contains_key(&ip) && map.len() >= PENALTY_KEYS_MAX {
+            map.retain(|_, f| !policy.forgotten(f.last_ms, now_ms));
+            if map.len() >= PENALTY_KEYS_MAX {
+                if let Some(stalest) = map.iter().min_by_key(|(_, f)| f.last_ms).map(|(k, _)| *k) {
+                    map.remove(&stalest);
+                }
+            }
+        }
+        let entry = map.entry(ip).or_insert(Failures { count: 0, last_ms: now_ms });
+        entry.count = policy.closes_after(entry.count, entry.last_ms, now_ms);
+        entry.last_ms = now_ms;
+        policy.period_ms(entry.count)
     }
 
     /// Refuses a login of `account` from `ip` while its failed-login delay
@@ -481,10 +602,12 @@ impl Limits {
             l.retain_recent();
             l.shrink_to_fit();
         }
-        for l in [&self.login_address, &self.connect_address] {
+        for l in [&self.login_address, &self.connect_address, &self.frames_address, &self.requests_address] {
             l.retain_recent();
             l.shrink_to_fit();
         }
+        let policy = self.config.reconnect_penalty;
+        self.penalties.lock().expect("limits lock").retain(|_, f| !policy.forgotten(f.last_ms, now_ms));
         let forget_ms = self.config.login_failures_forget_after.as_millis() as i64;
         self.failures_by_address.lock().expect("limits lock").retain(|_, f| now_ms - f.last_ms < forget_ms);
         self.failures_by_account.lock().expect("limits lock").retain(|_, f| now_ms - f.last_ms < forget_ms);
@@ -501,10 +624,74 @@ impl Limits {
             + self.change_user.len()
             + self.login_address.len()
             + self.connect_address.len()
+            + self.frames_address.len()
+            + self.requests_address.len()
+            + self.penalties.lock().expect("limits lock").len()
             + self.failures_by_address.lock().expect("limits lock").len()
             + self.failures_by_account.lock().expect("limits lock").len()
             + self.failures_by_ip.lock().expect("limits lock").len()
     }
+}
+
+/// One WebSocket's frame budget: its own limiter (a few dozen bytes, gone
+/// with the connection) and the key of its address's.
+pub struct FrameBudget {
+    own: DefaultDirectRateLimiter,
+    address: IpAddr,
+}
+
+/// Whose frame budget ran out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameScope {
+    Connection,
+    Address,
+}
+
+impl FrameScope {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FrameScope::Connection => "connection",
+            FrameScope::Address => "address",
+        }
+    }
+}
+
+/// Values of the `scope` label of the frame-budget pauses.
+pub const FRAME_SCOPES: &[&str] = &["connection", "address"];
+
+/// A WebSocket over its frame budget: read nothing more from it for `wait`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FramePause {
+    pub wait: Duration,
+    pub scope: FrameScope,
+}
+
+/// Why a request was refused for its address before it was read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AddressRefusalReason {
+    /// The address serves its period after closes for ignored waits.
+    Penalty,
+    /// The address is over its request budget.
+    Requests,
+}
+
+impl AddressRefusalReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AddressRefusalReason::Penalty => "penalty",
+            AddressRefusalReason::Requests => "requests",
+        }
+    }
+}
+
+/// Values of the `reason` label of the address refusals.
+pub const ADDRESS_REFUSAL_REASONS: &[&str] = &["penalty", "requests"];
+
+/// A request refused for its address (`RATE_LIMITED`, `retry_after_ms`).
+#[derive(Debug)]
+pub struct AddressRefusal {
+    pub error: ApiError,
+    pub reason: AddressRefusalReason,
 }
 
 type HashJob = Box<dyn FnOnce() + Send>;
@@ -639,6 +826,78 @@ mod tests {
         limits.admit_op(op::SEND, "ben", "phone").unwrap();
         limits.admit_op(op::SYNC, "ann", "phone").unwrap();
         limits.admit_op(op::DEVICE_REVOKE, "ann", "phone").unwrap();
+    }
+
+    #[test]
+    fn a_frame_budget_holds_a_connection_and_its_address_and_says_how_long_to_stop_reading() {
+        // Nothing refills while the test runs.
+        let cell = Duration::from_secs(60);
+        let limits = Limits::new(LimitsConfig {
+            frames_per_connection: Rate::every(cell, 3),
+            frames_per_address: Rate::every(cell, 5),
+            ..Default::default()
+        });
+        let first = limits.frame_budget(ip("10.0.0.1"));
+        for _ in 0..3 {
+            limits.admit_frame(&first).unwrap();
+        }
+        let pause = limits.admit_frame(&first).unwrap_err();
+        assert_eq!(pause.scope, FrameScope::Connection);
+        assert!((FRAME_PAUSE_MIN..=cell).contains(&pause.wait), "{pause:?}");
+        // A second connection of the address has a budget of its own, but
+        // shares the address's: two frames of it are left.
+        let second = limits.frame_budget(ip("10.0.0.1"));
+        limits.admit_frame(&second).unwrap();
+        limits.admit_frame(&second).unwrap();
+        assert_eq!(limits.admit_frame(&second).unwrap_err().scope, FrameScope::Address);
+        // Reconnecting does not reset the address's budget; another address
+        // is not affected.
+        assert_eq!(limits.admit_frame(&limits.frame_budget(ip("10.0.0.1"))).unwrap_err().scope, FrameScope::Address);
+        limits.admit_frame(&limits.frame_budget(ip("10.0.0.2"))).unwrap();
+        // Off: nothing is held back.
+        let off = Limits::new(LimitsConfig { frames_per_connection: Rate::every(cell, 1), ..LimitsConfig::off() });
+        let budget = off.frame_budget(ip("10.0.0.1"));
+        for _ in 0..10 {
+            off.admit_frame(&budget).unwrap();
+        }
+    }
+
+    #[test]
+    fn an_address_closed_for_ignoring_waits_is_refused_for_its_period_then_admitted() {
+        let limits = Limits::new(LimitsConfig::default());
+        let (a, b) = (ip("10.0.0.1"), ip("10.0.0.2"));
+        limits.admit_request(a, 1_000).unwrap();
+        assert_eq!(limits.closed_for_ignored_waits(a, 1_000), RECONNECT_PENALTY.first_ms);
+        let refused = limits.admit_request(a, 1_400).unwrap_err();
+        assert_eq!(refused.reason, AddressRefusalReason::Penalty);
+        assert_eq!(refused.error.code, ErrorCode::RateLimited);
+        assert_eq!(refused.error.retry_after_ms, Some(600));
+        limits.admit_request(b, 1_400).unwrap();
+        limits.admit_request(a, 2_000).unwrap();
+        // Closed again: the period doubles.
+        assert_eq!(limits.closed_for_ignored_waits(a, 2_000), 2 * RECONNECT_PENALTY.first_ms);
+        assert_eq!(limits.admit_request(a, 3_999).unwrap_err().error.retry_after_ms, Some(1));
+        limits.admit_request(a, 4_000).unwrap();
+        // A quiet address is forgotten: its next close starts again.
+        let later = 2_000 + RECONNECT_PENALTY.forget_after_ms as i64;
+        limits.sweep(later);
+        assert_eq!(limits.penalties.lock().unwrap().len(), 0);
+        assert_eq!(limits.closed_for_ignored_waits(a, later), RECONNECT_PENALTY.first_ms);
+    }
+
+    #[test]
+    fn requests_from_an_address_over_its_budget_are_refused_before_they_are_read() {
+        let limits = Limits::new(LimitsConfig {
+            requests_per_address: Rate::every(Duration::from_secs(60), 2),
+            ..Default::default()
+        });
+        let a = ip("10.0.0.1");
+        limits.admit_request(a, 0).unwrap();
+        limits.admit_request(a, 0).unwrap();
+        let refused = limits.admit_request(a, 0).unwrap_err();
+        assert_eq!(refused.reason, AddressRefusalReason::Requests);
+        assert!(refused.error.retry_after_ms.is_some_and(|w| w > 0));
+        limits.admit_request(ip("10.0.0.2"), 0).unwrap();
     }
 
     #[test]

@@ -171,6 +171,13 @@ pub const SLOW_CONSUMERS: Metric = Metric::new("tidemark_slow_consumer_disconnec
 /// WebSocket connections closed for sending on while told to wait.
 pub const WAITS_IGNORED_CLOSED: Metric = Metric::new("tidemark_waits_ignored_disconnects_total", stage::GATEWAY);
 pub const WS_CONNECTIONS: Metric = Metric::new("tidemark_ws_connections", stage::GATEWAY);
+/// Times a WebSocket's reading was paused for its frame budget, by whose
+/// budget ran out (`connection`, `address`).
+pub const FRAME_BUDGET_PAUSES: Metric = Metric::new("tidemark_frame_budget_pauses_total", stage::GATEWAY);
+/// HTTP requests (upgrades included) refused for their source address
+/// before they were read, by reason (`penalty`: closed for ignoring waits;
+/// `requests`: over the address's request budget).
+pub const ADDRESS_REFUSALS: Metric = Metric::new("tidemark_address_refusals_total", stage::GATEWAY);
 /// This node's load level (0 normal, 1 behind, 2 overloaded), from the
 /// fan-out lag of the relay's last claim (seed §9.4).
 pub const LOAD_LEVEL: Metric = Metric::new("tidemark_load_level", stage::FANOUT);
@@ -388,6 +395,16 @@ pub const FAMILIES: &[Family] = &[
         "WebSocket connections closed for sending on while told to wait (RATE_LIMITED).",
     ),
     family(WS_CONNECTIONS, Kind::Gauge, "Open authenticated WebSocket connections."),
+    family(
+        FRAME_BUDGET_PAUSES,
+        Kind::CounterBy("scope", || crate::limits::FRAME_SCOPES.to_vec()),
+        "WebSocket reads paused for a frame budget, by whose budget ran out (connection, address).",
+    ),
+    family(
+        ADDRESS_REFUSALS,
+        Kind::CounterBy("reason", || crate::limits::ADDRESS_REFUSAL_REASONS.to_vec()),
+        "HTTP requests refused for their address before being read (penalty: closed for ignoring waits; requests: over budget).",
+    ),
     family(LOAD_LEVEL, Kind::Gauge, "Load level from the fan-out lag: 0 normal, 1 behind, 2 overloaded (seed 9.4)."),
     family(
         LOAD_CHANGES,

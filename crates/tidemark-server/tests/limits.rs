@@ -98,9 +98,252 @@ async fn a_connection_that_keeps_sending_while_told_to_wait_is_closed() {
         }
     };
     assert_eq!(reason, tidemark_client::proto::reason::WAITS_IGNORED);
-    // Reconnecting is allowed; the quota did not refill.
-    let again = ts.device("ann", "phone").await;
-    assert_eq!(refusal(again.ws.send(&send_req(&conv, "after")).await).0, ErrorCode::RateLimited);
+    // Reconnecting is allowed once the address's period ran out (the test
+    // below); the quota did not refill.
+    let again = reconnect_after_the_period(&ts, &ann.token, "127.0.0.1".parse().unwrap()).await;
+    assert_eq!(refusal(again.send(&send_req(&conv, "after")).await).0, ErrorCode::RateLimited);
+    ts.stop().await;
+}
+
+/// Connects `token` from `from` until the address is admitted again,
+/// checking each refusal says how long to wait.
+async fn reconnect_after_the_period(ts: &TestServer, token: &str, from: std::net::IpAddr) -> tidemark_client::WsConn {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match tidemark_client::WsConn::connect_from(&ts.ws_url(), token, from).await {
+            Ok((ws, _events)) => return ws,
+            Err(ClientError::Server(f)) if f.code == ErrorCode::RateLimited && Instant::now() < deadline => {
+                let wait = f.retry_after_ms.expect("a refusal says when to retry");
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+            }
+            Err(e) => panic!("reconnect from {from}: {e}"),
+        }
+    }
+}
+
+/// Sends on `ws` while told to wait until the server closes it with
+/// `kicked` `waits_ignored`; returns the refusals answered.
+async fn ignore_waits_until_closed(
+    ws: &tidemark_client::WsConn,
+    events: &mut tokio::sync::mpsc::Receiver<tidemark_client::ServerEvent>,
+    conv: &str,
+) -> u32 {
+    use tidemark_core::throttle::IGNORED_WAITS_MAX;
+    let mut refused = 0;
+    for i in 0..(IGNORED_WAITS_MAX + 50) {
+        match tokio::time::timeout(Duration::from_secs(5), ws.send(&send_req(conv, &format!("x-{i}")))).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(ClientError::Server(f))) if f.code == ErrorCode::RateLimited => refused += 1,
+            Ok(Err(_)) | Err(_) => break,
+        }
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        match tokio::time::timeout_at(deadline, events.recv()).await.expect("a kick in time") {
+            Some(tidemark_client::ServerEvent::Kicked { reason }) => {
+                assert_eq!(reason, tidemark_client::proto::reason::WAITS_IGNORED);
+                return refused;
+            }
+            Some(tidemark_client::ServerEvent::Closed) | None => panic!("closed without a kick"),
+            Some(_) => continue,
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_that_reconnects_after_a_waits_ignored_close_is_refused_until_its_period_ends() {
+    use tidemark_core::throttle::{ReconnectPenalty, RECONNECT_PENALTY};
+    let penalty = ReconnectPenalty { first_ms: 1_500, max_ms: 60_000, ..RECONNECT_PENALTY };
+    let limits = LimitsConfig {
+        send_per_device: Rate::every(Duration::from_secs(60), 5),
+        reconnect_penalty: penalty,
+        ..LimitsConfig::default()
+    };
+    let ts = TestServer::start_with(ServerConfig { limits, ..ServerConfig::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let attacker: std::net::IpAddr = "127.0.0.3".parse().unwrap();
+    let ann = ts.device("ann", "phone").await;
+    let ben = ts.device("ben", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let (ws, mut events) = tidemark_client::WsConn::connect_from(&ts.ws_url(), &ann.token, attacker).await.unwrap();
+    assert!(ignore_waits_until_closed(&ws, &mut events, &conv).await > 0);
+
+    // Closed once: the address is refused at connect, and its HTTP
+    // requests too, for the first period, before its token is looked at.
+    let t0 = Instant::now();
+    let refused = tidemark_client::WsConn::connect_from(&ts.ws_url(), &ann.token, attacker).await;
+    let (code, wait) = refusal(refused.map(|_| ()));
+    assert_eq!(code, ErrorCode::RateLimited);
+    let wait = wait.expect("retry_after_ms");
+    assert!((1..=penalty.first_ms).contains(&wait), "retry_after_ms {wait}");
+    let http = reqwest::Client::builder().local_address(attacker).build().unwrap();
+    let resp = http
+        .post(format!("{}/v1/login", ts.running().url()))
+        .json(&serde_json::json!({"user": "ann", "password": PASSWORD, "device_id": "laptop"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), reqwest::StatusCode::TOO_MANY_REQUESTS);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["code"], "RATE_LIMITED");
+    assert!(body["retry_after_ms"].as_u64().is_some_and(|w| (1..=penalty.first_ms).contains(&w)), "{body}");
+    // Another address connects and sends meanwhile.
+    let laptop = ts.device("ben", "laptop").await;
+    laptop.send(&conv, "ben-while-refused").await;
+    ben.send(&conv, "ben-phone-while-refused").await;
+
+    // Admitted once the period ran out, not before.
+    let again = reconnect_after_the_period(&ts, &ann.token, attacker).await;
+    assert!(t0.elapsed() + Duration::from_millis(2) >= Duration::from_millis(wait), "admitted before the period ended");
+    drop(again);
+    let m = common::exposition::scrape(&ts).await;
+    assert!(m.value("tidemark_address_refusals_total", &[("reason", "penalty")]) >= 2.0);
+    assert_eq!(m.value("tidemark_waits_ignored_disconnects_total", &[]), 1.0);
+
+    // Closed again: the period doubles.
+    let (ws, mut events) = tidemark_client::WsConn::connect_from(&ts.ws_url(), &ann.token, attacker).await.unwrap();
+    ignore_waits_until_closed(&ws, &mut events, &conv).await;
+    let (code, wait) =
+        refusal(tidemark_client::WsConn::connect_from(&ts.ws_url(), &ann.token, attacker).await.map(|_| ()));
+    assert_eq!(code, ErrorCode::RateLimited);
+    let wait = wait.unwrap();
+    assert!(wait > penalty.first_ms && wait <= 2 * penalty.first_ms, "the second period: retry_after_ms {wait}");
+    ts.stop().await;
+}
+
+/// One raw WebSocket of `token` that writes `frames` send frames as fast as
+/// the socket takes them, never waiting for a reply; counts the frames
+/// written and the replies read (accepted, `RATE_LIMITED`).
+struct Flooder {
+    written: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    limited: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    tasks: [tokio::task::JoinHandle<()>; 2],
+}
+
+impl Flooder {
+    async fn start(ts: &TestServer, token: &str, conv: &str, frames: u64) -> Flooder {
+        use futures_util::{SinkExt, StreamExt};
+        use std::sync::atomic::Ordering;
+        use tokio_tungstenite::tungstenite::Message;
+        let mut request =
+            tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(ts.ws_url()).unwrap();
+        request.headers_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+        let (ws, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+        let (mut sink, mut stream) = ws.split();
+        let counters = (0..3).map(|_| std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0))).collect::<Vec<_>>();
+        let (written, accepted, limited) = (counters[0].clone(), counters[1].clone(), counters[2].clone());
+        let writer = {
+            let (written, conv) = (written.clone(), conv.to_owned());
+            tokio::spawn(async move {
+                for i in 0..frames {
+                    let frame = serde_json::json!({"t": "send", "rid": format!("f{i}"), "conv": conv,
+                        "client_msg_id": format!("flood-{i}"), "kind": "text", "content": {"text": "flood"}});
+                    if sink.send(Message::Text(frame.to_string().into())).await.is_err() {
+                        return;
+                    }
+                    written.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        };
+        let reader = {
+            let (accepted, limited) = (accepted.clone(), limited.clone());
+            tokio::spawn(async move {
+                while let Some(Ok(msg)) = stream.next().await {
+                    let Message::Text(text) = msg else { continue };
+                    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+                    match (v["t"].as_str(), v["code"].as_str()) {
+                        (Some("send"), _) => accepted.fetch_add(1, Ordering::SeqCst),
+                        (Some("error"), Some("RATE_LIMITED")) => {
+                            assert!(v["retry_after_ms"].as_u64().is_some(), "{v}");
+                            limited.fetch_add(1, Ordering::SeqCst)
+                        }
+                        _ => continue,
+                    };
+                }
+            })
+        };
+        Flooder { written, accepted, limited, tasks: [writer, reader] }
+    }
+
+    fn counts(&self) -> (u64, u64, u64) {
+        use std::sync::atomic::Ordering;
+        (self.written.load(Ordering::SeqCst), self.accepted.load(Ordering::SeqCst), self.limited.load(Ordering::SeqCst))
+    }
+}
+
+impl Drop for Flooder {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flooding_connection_is_read_at_its_frame_budget_not_refused_frame_by_frame() {
+    // Ten frames a second after a burst of ten; the send quota (five, then
+    // none while the test runs) refuses what the budget lets through.
+    let (rate, burst) = (10u64, 10u64);
+    let limits = LimitsConfig {
+        frames_per_connection: Rate::new(rate as u32, burst as u32),
+        send_per_device: Rate::every(Duration::from_secs(600), 5),
+        ..LimitsConfig::default()
+    };
+    let ts = TestServer::start_with(ServerConfig { limits, ..ServerConfig::default() }).await;
+    ts.user("ann").await;
+    ts.user("ben").await;
+    let ann = ts.device("ann", "phone").await;
+    let ben = ts.device("ben", "phone").await;
+    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    // The WebSocket above spent one frame of its own budget; the flooder's
+    // connection (the same device, superseding it) has a fresh one.
+    let started = Instant::now();
+    let flood = Flooder::start(&ts, &ann.token, &conv, 5_000).await;
+    // The flooder writes far more than the budget lets the server read.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while flood.counts().0 < 20 * burst {
+        assert!(Instant::now() < deadline, "the flooder could not write: {:?}", flood.counts());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Meanwhile another user's sends go through, each answered (within
+    // ben's own device quota of five).
+    let mut ben_seqs = Vec::new();
+    for i in 0..5 {
+        ben_seqs.push(ben.send(&conv, &format!("ben-{i}")).await.msg_seq);
+    }
+    // Wait until the budget has held the flooder back at least once.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let m = common::exposition::scrape(&ts).await;
+        if m.value("tidemark_frame_budget_pauses_total", &[("scope", "connection")]) >= 1.0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the frame budget never paused the flooder");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (written, accepted, limited) = flood.counts();
+    let elapsed = started.elapsed().as_secs_f64();
+    // Answered: at most the burst plus the rate for the time that passed
+    // (and one frame being answered as the counts were read), however much
+    // more the flooder wrote.
+    let bound = burst + (rate as f64 * elapsed).ceil() as u64 + 1;
+    assert!(
+        accepted + limited <= bound,
+        "{} frames answered in {elapsed:.2} s (bound {bound}) of {written} written",
+        accepted + limited
+    );
+    assert!(written >= 4 * (accepted + limited), "{written} written, {} answered", accepted + limited);
+    // Nothing beyond the send quota was accepted, and what was accepted is
+    // exactly what the store holds beside ben's sends.
+    assert!(accepted <= 5, "{accepted} accepted beyond the quota of 5");
+    drop(flood);
+    let history = ben.ws.request_value("history", serde_json::json!({"conv": conv, "limit": 50})).await.unwrap();
+    let held = history["messages"].as_array().unwrap();
+    let sent_by = |who: &str| held.iter().filter(|m| m["sender"] == who).count() as u64;
+    assert!(sent_by("ann") <= 5, "{} flood messages stored", sent_by("ann"));
+    assert_eq!(sent_by("ben"), ben_seqs.len() as u64, "every send of ben's was stored");
     ts.stop().await;
 }
 

@@ -9,17 +9,28 @@
 //!   address (127.0.1.x, so the per-address quota alone does not stop
 //!   them), post wrong passwords in a closed loop for a few real accounts
 //!   and for names that do not exist;
-//! - `send flood`: one attacking account sends in `--attackers` concurrent
-//!   closed loops, each on its own device's WebSocket, ignoring
-//!   `retry_after_ms`; a loop whose connection is closed (`kicked`
-//!   `waits_ignored`) reconnects at once and goes on (counted as
-//!   reconnects; refused upgrades count as refusals).
+//! - `send flood`: one attacking account on one address of its own
+//!   (127.0.2.1) sends in `--attackers` concurrent closed loops, each on its
+//!   own device's WebSocket, ignoring `retry_after_ms` (the account holds
+//!   at most 20 connections, `--ws-connections-per-user-max`; the other
+//!   loops' upgrades are refused), and a second account writes sends
+//!   without waiting for any reply on `--pipelined` more WebSockets; a
+//!   loop whose connection is closed (`kicked` `waits_ignored`, counted as
+//!   closed) reconnects at once and goes on (counted as reconnects; an
+//!   upgrade refused with `RATE_LIMITED` counts as a connect refused, and
+//!   is retried at once).
+//!
+//! `--no-hostile-limits` lifts the frame and request budgets per
+//! connection and address and the reconnect penalty (the server before
+//! them) for a same-machine comparison.
 //!
 //! Measured per phase: the honest login's latency (until it succeeds,
 //! waits told by `RATE_LIMITED` included) and send latency, p50 and p99;
 //! the process's peak RSS (sampled every 20 ms; the attackers' own memory is
 //! small beside the server's Argon2 blocks); and the attack's answers
-//! (accepted, refused, `RATE_LIMITED`). Ratios are attack / quiet.
+//! (accepted, refused, `RATE_LIMITED`; the refusals answered a second,
+//! upgrades refused included; connections the server closed). Ratios are
+//! attack / quiet.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
@@ -61,6 +72,14 @@ pub struct FloodArgs {
     /// comparison).
     #[arg(long, default_value_t = tidemark_core::throttle::SUSPECT_AFTER_FAILURES)]
     pub suspect_after_failures: u32,
+    /// WebSockets of the send flood that write sends without waiting for
+    /// replies (besides the `--attackers` closed loops).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(0..=64))]
+    pub pipelined: u32,
+    /// Lift the frame budgets, the per-address request budget and the
+    /// reconnect penalty (the server before them), to compare.
+    #[arg(long)]
+    pub no_hostile_limits: bool,
     #[arg(long, default_value = "bench-results/flood.json")]
     pub out: PathBuf,
     /// Where the temporary store goes.
@@ -74,6 +93,12 @@ const HONEST_PASSWORD: &str = "honest password";
 const VICTIMS: usize = 8;
 /// The honest user's source address; the attackers' are 127.0.1.x.
 const HONEST_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 2);
+/// The pipelined writers' account (its own, so the per-user connection
+/// cap, which the closed loops' account already fills, does not keep them
+/// out).
+const PIPER: &str = "piper";
+/// The send flood's one address.
+const SEND_ATTACK_ADDRESS: Ipv4Addr = Ipv4Addr::new(127, 0, 2, 1);
 
 #[derive(Debug, Serialize)]
 struct Phase {
@@ -93,6 +118,13 @@ struct Phase {
     attack_rate_limited: u64,
     /// Connections the attacker opened again after the server closed one.
     attack_reconnects: u64,
+    /// Refusals the server answered a second: `RATE_LIMITED` and other
+    /// error replies, and refused upgrades.
+    attack_refusals_per_sec: f64,
+    /// The attacker's connections the server closed, and its upgrades it
+    /// refused (`RATE_LIMITED`).
+    attack_closed: u64,
+    attack_connects_refused: u64,
 }
 
 #[derive(Default)]
@@ -101,6 +133,8 @@ struct AttackCounts {
     refused: AtomicU64,
     limited: AtomicU64,
     reconnects: AtomicU64,
+    closed: AtomicU64,
+    connects_refused: AtomicU64,
 }
 
 fn ms(us: u64) -> f64 {
@@ -121,6 +155,14 @@ pub async fn run(args: FloodArgs) -> Result<()> {
     // source address.
     let mut config = ServerConfig::default();
     config.limits.login_suspect_after_failures = args.suspect_after_failures;
+    if args.no_hostile_limits {
+        let unbounded = tidemark_server::limits::Rate::new(u32::MAX, u32::MAX);
+        config.limits.frames_per_connection = unbounded;
+        config.limits.frames_per_address = unbounded;
+        config.limits.requests_per_address = unbounded;
+        config.limits.reconnect_penalty =
+            tidemark_core::throttle::ReconnectPenalty { first_ms: 0, max_ms: 0, ..config.limits.reconnect_penalty };
+    }
     let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await.context("start server")?;
     let result = phases(&args, &server, &*store).await;
     server.stop().await;
@@ -136,6 +178,8 @@ pub async fn run(args: FloodArgs) -> Result<()> {
                 format!("{:.0}", p.attack_requests_per_sec),
                 format!("{} / {} / {}", p.attack_accepted, p.attack_refused, p.attack_rate_limited),
                 p.attack_reconnects.to_string(),
+                format!("{:.0}", p.attack_refusals_per_sec),
+                format!("{} / {}", p.attack_closed, p.attack_connects_refused),
             ]
         })
         .collect();
@@ -148,6 +192,8 @@ pub async fn run(args: FloodArgs) -> Result<()> {
             "attack req/s",
             "attack ok/refused/limited",
             "attack reconnects",
+            "refusals/s",
+            "attack closed / connects refused",
         ],
         &rows,
     );
@@ -172,7 +218,8 @@ pub async fn run(args: FloodArgs) -> Result<()> {
         std::fs::create_dir_all(parent)?;
     }
     let report = json!({
-        "attackers": args.attackers, "suspect_after_failures": args.suspect_after_failures, "login_every_ms": args.login_every_ms, "send_every_ms": args.send_every_ms,
+        "attackers": args.attackers, "pipelined": args.pipelined, "hostile_limits": !args.no_hostile_limits,
+        "suspect_after_failures": args.suspect_after_failures, "login_every_ms": args.login_every_ms, "send_every_ms": args.send_every_ms,
         "phases": phases,
         "login_flood_login_p99_ratio": ratio(login.login_p99_ms, quiet.login_p99_ms),
         "login_flood_send_p99_ratio": ratio(login.send_p99_ms, quiet.send_p99_ms),
@@ -211,7 +258,7 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
     // Real Argon2 hashes: a known account's guess costs what a login costs.
     let honest_hash = tidemark_server::accounts::hash_password(HONEST_PASSWORD).map_err(anyhow::Error::msg)?;
     store.create_user(HONEST, &honest_hash, unix_ms()).await?;
-    for n in ["peer", "attacker"] {
+    for n in ["peer", "attacker", PIPER] {
         store.create_user(n, &honest_hash, unix_ms()).await?;
     }
     for i in 0..VICTIMS {
@@ -221,16 +268,26 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
     }
     let http = Http::new(&url);
     let honest_login = http.login(HONEST, HONEST_PASSWORD, "laptop").await?;
-    let (honest_ws, _honest_events) = WsConn::connect(&ws_url, &honest_login.access_token).await?;
+    // From its own address, as the attackers are from theirs.
+    let (honest_ws, _honest_events) =
+        WsConn::connect_from(&ws_url, &honest_login.access_token, IpAddr::V4(HONEST_ADDRESS)).await?;
     let direct = honest_ws.conv_create_direct("peer").await?.conv;
     // The send flood's devices, one per loop, logged in before any phase.
     let mut attacker_tokens = Vec::new();
     for t in 0..args.attackers {
         attacker_tokens.push(http.login("attacker", HONEST_PASSWORD, &format!("bot{t}")).await?.access_token);
     }
+    let mut pipe_tokens = Vec::new();
+    for t in 0..args.pipelined {
+        pipe_tokens.push(http.login(PIPER, HONEST_PASSWORD, &format!("pipe{t}")).await?.access_token);
+    }
     let attacker_conv = {
         let (ws, _events) = WsConn::connect(&ws_url, &attacker_tokens[0]).await?;
         ws.conv_create_direct("peer").await?.conv
+    };
+    let piper_conv = match pipe_tokens.first() {
+        Some(token) => WsConn::connect(&ws_url, token).await?.0.conv_create_direct("peer").await?.conv,
+        None => String::new(),
     };
     let honest_client = client_from(HONEST_ADDRESS)?;
     let attack_clients: Vec<reqwest::Client> =
@@ -278,10 +335,11 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
                         let mut first = true;
                         'connection: while !stop.load(Ordering::Relaxed) {
                             requests.fetch_add(1, Ordering::Relaxed);
-                            let ws = match WsConn::connect(&ws_url, &token).await {
+                            let from = IpAddr::V4(SEND_ATTACK_ADDRESS);
+                            let ws = match WsConn::connect_from(&ws_url, &token, from).await {
                                 Ok((ws, _events)) => ws,
                                 Err(ClientError::Server(f)) if f.code == ErrorCode::RateLimited => {
-                                    counts.limited.fetch_add(1, Ordering::Relaxed);
+                                    counts.connects_refused.fetch_add(1, Ordering::Relaxed);
                                     continue;
                                 }
                                 Err(_) => {
@@ -310,11 +368,19 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
                                     }
                                     Err(ClientError::Server(_)) => counts.refused.fetch_add(1, Ordering::Relaxed),
                                     // Closed by the server: connect again.
-                                    Err(_) => continue 'connection,
+                                    Err(_) => {
+                                        counts.closed.fetch_add(1, Ordering::Relaxed);
+                                        continue 'connection;
+                                    }
                                 };
                             }
                         }
                     }));
+                }
+                for (t, token) in pipe_tokens.iter().enumerate() {
+                    let (token, ws_url, conv, stop) = (token.clone(), ws_url.clone(), piper_conv.clone(), stop.clone());
+                    let (counts, requests) = (counts.clone(), attack_requests.clone());
+                    attack.push(tokio::spawn(pipelined(t, token, ws_url, conv, stop, counts, requests)));
                 }
             }
             _ => {}
@@ -382,8 +448,12 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
         }
         let seconds = started.elapsed().as_secs_f64();
         stop.store(true, Ordering::Relaxed);
-        for t in attack {
-            let _ = t.await;
+        for mut t in attack {
+            // A pipelined writer may be blocked on a socket the server
+            // reads no more of.
+            if tokio::time::timeout(Duration::from_secs(5), &mut t).await.is_err() {
+                t.abort();
+            }
         }
         let _ = sampler.await;
         let (login_h, waits) = honest_logins.await??;
@@ -404,7 +474,98 @@ async fn phases(args: &FloodArgs, server: &tidemark_server::RunningServer, store
             attack_refused: counts.refused.load(Ordering::Relaxed),
             attack_rate_limited: counts.limited.load(Ordering::Relaxed),
             attack_reconnects: counts.reconnects.load(Ordering::Relaxed),
+            attack_refusals_per_sec: (counts.limited.load(Ordering::Relaxed)
+                + counts.refused.load(Ordering::Relaxed)
+                + counts.connects_refused.load(Ordering::Relaxed)) as f64
+                / seconds,
+            attack_closed: counts.closed.load(Ordering::Relaxed),
+            attack_connects_refused: counts.connects_refused.load(Ordering::Relaxed),
         });
     }
     Ok(out)
+}
+
+/// One WebSocket of the send flood that writes sends as fast as its socket
+/// takes them, never waiting for a reply, from the attack address; a
+/// connection the server ends is opened again at once.
+async fn pipelined(
+    t: usize,
+    token: String,
+    ws_url: String,
+    conv: String,
+    stop: Arc<AtomicBool>,
+    counts: Arc<AttackCounts>,
+    requests: Arc<AtomicU64>,
+) {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Message;
+    let mut n = 0u64;
+    let mut first = true;
+    while !stop.load(Ordering::Relaxed) {
+        requests.fetch_add(1, Ordering::Relaxed);
+        let Ok(mut request) = ws_url.as_str().into_client_request() else { return };
+        let Ok(bearer) = format!("Bearer {token}").parse() else { return };
+        request.headers_mut().insert("authorization", bearer);
+        let connected = async {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind(std::net::SocketAddr::new(IpAddr::V4(SEND_ATTACK_ADDRESS), 0))?;
+            let addr = request.uri().authority().map(|a| a.as_str().to_owned()).unwrap_or_default();
+            let peer =
+                tokio::net::lookup_host(addr).await?.next().ok_or_else(|| std::io::Error::other("no address"))?;
+            let tcp = socket.connect(peer).await?;
+            tcp.set_nodelay(true)?;
+            Ok::<_, std::io::Error>(tcp)
+        };
+        let Ok(tcp) = connected.await else {
+            counts.refused.fetch_add(1, Ordering::Relaxed);
+            continue;
+        };
+        let ws = match tokio_tungstenite::client_async(request, tcp).await {
+            Ok((ws, _)) => ws,
+            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) if resp.status().as_u16() == 429 => {
+                counts.connects_refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            Err(_) => {
+                counts.refused.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+        };
+        if !std::mem::take(&mut first) {
+            counts.reconnects.fetch_add(1, Ordering::Relaxed);
+        }
+        let (mut sink, mut stream) = ws.split();
+        let reader = {
+            let counts = counts.clone();
+            async move {
+                while let Some(Ok(msg)) = stream.next().await {
+                    let Message::Text(text) = msg else { continue };
+                    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_default();
+                    match (v["t"].as_str(), v["code"].as_str()) {
+                        (Some("send"), _) => counts.accepted.fetch_add(1, Ordering::Relaxed),
+                        (Some("error"), Some("RATE_LIMITED")) => counts.limited.fetch_add(1, Ordering::Relaxed),
+                        (Some("error"), _) => counts.refused.fetch_add(1, Ordering::Relaxed),
+                        _ => continue,
+                    };
+                }
+            }
+        };
+        tokio::pin!(reader);
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            let frame = json!({"t": "send", "rid": format!("p{t}-{n}"), "conv": conv,
+                "client_msg_id": format!("pipe-{t}-{n}"), "kind": "text", "content": {"text": "flood"}});
+            n += 1;
+            tokio::select! {
+                // The server ended the connection.
+                _ = &mut reader => break,
+                sent = sink.send(Message::Text(frame.to_string().into())) => if sent.is_err() { break },
+            }
+            requests.fetch_add(1, Ordering::Relaxed);
+        }
+        counts.closed.fetch_add(1, Ordering::Relaxed);
+    }
 }

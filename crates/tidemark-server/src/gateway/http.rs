@@ -56,6 +56,24 @@ pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
+/// Refuses a request from an address over its request budget, or serving
+/// its period for ignored waits, with `RATE_LIMITED` before its body, its
+/// token or its route's handler is looked at (every route).
+pub async fn admit_address(
+    State(state): State<Arc<AppState>>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match state.limits.admit_request(peer.ip(), crate::util::now_ms()) {
+        Ok(()) => next.run(request).await,
+        Err(refusal) => {
+            m::ADDRESS_REFUSALS.add_by("reason", refusal.reason.as_str(), 1);
+            error_response(refusal.error)
+        }
+    }
+}
+
 /// Turns axum's plain-text rejections (body too large, bad method, no such
 /// route) into the contract's error object, so every 4xx carries a code.
 pub async fn contract_errors(response: Response) -> Response {

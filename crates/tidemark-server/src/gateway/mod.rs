@@ -38,6 +38,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/refresh", post(http::refresh))
         .route("/v1/rpc/{op}", post(http::rpc))
         .route("/v1/ws", get(ws::upgrade))
+        // Before the body limit, the timeouts and any handler: a request
+        // from an address over its budget is refused before it is read.
+        .route_layer(axum::middleware::from_fn_with_state(state.clone(), http::admit_address))
         .layer(DefaultBodyLimit::max(body_max))
         // A body that pauses too long (400) and a request, body included,
         // that takes too long (408) end the request; hyper then closes the

@@ -8,6 +8,12 @@
 //!   on; its other requests are unaffected.
 //! - At most `ws_inflight_max` requests run at once; past that the reader
 //!   stops reading (TCP backpressure).
+//! - Every frame read (any kind but close) spends the connection's frame
+//!   budget and its address's ([`crate::limits::Limits::admit_frame`])
+//!   before it is parsed, authenticated or answered; over budget, the frame
+//!   is held and the reader reads nothing more until the budget refills
+//!   (TCP backpressure again), so a flooder costs at most its budget's
+//!   frames a second and no refusal per excess frame.
 //! - Each request's future is polled once in the reader before it is
 //!   spawned; the store call is the first await point, so the writes of one
 //!   connection enter the store's queue in arrival order.
@@ -46,6 +52,7 @@ use crate::config::{WS_FULL_RETRY_AFTER_MS, WS_USER_FULL_RETRY_AFTER_MS};
 use crate::ephemeral::EphConn;
 use crate::error::{ApiError, ApiResult};
 use crate::hub::ConnEntry;
+use crate::limits::FrameBudget;
 use crate::metrics as m;
 use crate::ops::{self, AuthCtx};
 use crate::state::{AppState, UserConnSlot};
@@ -102,7 +109,7 @@ pub async fn upgrade(
         .write_buffer_size(WS_WRITE_BUFFER_BYTES)
         .on_upgrade(move |socket| async move {
             let _slot = slot;
-            connection(state, socket, pre_auth).await
+            connection(state, socket, pre_auth, peer).await
         })
 }
 
@@ -149,13 +156,26 @@ async fn first_frame_auth(
     state: &AppState,
     sink: &mut SplitSink<WebSocket, Message>,
     stream: &mut SplitStream<WebSocket>,
+    budget: &FrameBudget,
 ) -> Option<(AuthCtx, Option<String>)> {
     let deadline = tokio::time::Instant::now() + state.config.ws_auth_timeout;
     loop {
         let msg = tokio::time::timeout_at(deadline, stream.next()).await.ok()??.ok()?;
+        if let Message::Close(_) = msg {
+            return None;
+        }
+        // The budget before the token is looked at: guessed tokens cost
+        // what any frame costs.
+        while let Err(pause) = state.limits.admit_frame(budget) {
+            m::FRAME_BUDGET_PAUSES.add_by("scope", pause.scope.as_str(), 1);
+            let until = (tokio::time::Instant::now() + pause.wait).min(deadline);
+            tokio::time::sleep_until(until).await;
+            if until == deadline {
+                return None;
+            }
+        }
         let text = match msg {
             Message::Text(t) => t,
-            Message::Close(_) => return None,
             _ => continue,
         };
         let reply = match split_frame(&text) {
@@ -172,11 +192,17 @@ async fn first_frame_auth(
     }
 }
 
-async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(AuthCtx, UserConnSlot)>) {
+async fn connection(
+    state: Arc<AppState>,
+    socket: WebSocket,
+    pre_auth: Option<(AuthCtx, UserConnSlot)>,
+    peer: SocketAddr,
+) {
     let (mut sink, mut stream) = socket.split();
+    let budget = state.limits.frame_budget(peer.ip());
     let (ctx, auth_rid, _user_slot) = match pre_auth {
         Some((ctx, slot)) => (ctx, None, slot),
-        None => match first_frame_auth(&state, &mut sink, &mut stream).await {
+        None => match first_frame_auth(&state, &mut sink, &mut stream, &budget).await {
             Some((ctx, rid)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
                 Some(slot) => (ctx, Some(rid), slot),
                 None => {
@@ -239,22 +265,39 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
     let token_expiry = tokio::time::sleep(token_left);
     tokio::pin!(token_expiry);
     let mut strikes = tidemark_core::throttle::Strikes::default();
+    let conn = Conn { state: &state, ctx: &ctx, entry: &entry, out: &out_tx, peer };
+    // A frame read while the connection was over its frame budget, and
+    // when the budget is checked again: nothing more is read meanwhile.
+    let mut held: Option<Message> = None;
+    let resume = tokio::time::sleep(Duration::ZERO);
+    tokio::pin!(resume);
     loop {
         tokio::select! {
-            msg = stream.next() => {
+            msg = stream.next(), if held.is_none() => {
                 let Some(Ok(msg)) = msg else { break };
                 last_seen = Instant::now();
-                let text = match msg {
-                    Message::Text(t) => t,
-                    Message::Binary(_) => {
-                        push(&out_tx, &entry, error_text(ApiError::bad_request("binary frames are not supported"), None));
-                        continue;
-                    }
-                    Message::Close(_) => break,
-                    Message::Ping(_) | Message::Pong(_) => continue,
-                };
-                let Ok(permit) = inflight.clone().acquire_owned().await else { break };
-                handle_text(&state, &ctx, &entry, &out_tx, &mut tasks, text, permit, &mut strikes).await;
+                if let Message::Close(_) = msg {
+                    break;
+                }
+                if let Err(pause) = state.limits.admit_frame(&budget) {
+                    m::FRAME_BUDGET_PAUSES.add_by("scope", pause.scope.as_str(), 1);
+                    held = Some(msg);
+                    resume.as_mut().reset(tokio::time::Instant::now() + pause.wait);
+                    continue;
+                }
+                if !conn.frame(msg, &inflight, &mut tasks, &mut strikes).await {
+                    break;
+                }
+            }
+            _ = &mut resume, if held.is_some() => {
+                if let Err(pause) = state.limits.admit_frame(&budget) {
+                    resume.as_mut().reset(tokio::time::Instant::now() + pause.wait);
+                    continue;
+                }
+                let msg = held.take().expect("a held frame");
+                if !conn.frame(msg, &inflight, &mut tasks, &mut strikes).await {
+                    break;
+                }
             }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
             _ = kick.changed() => break,
@@ -284,18 +327,48 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
     tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket closed");
 }
 
-// The reader loop's state, passed apart so each borrow stays as narrow as it is.
-#[allow(clippy::too_many_arguments)]
+/// What the reader loop handles a frame with.
+struct Conn<'a> {
+    state: &'a Arc<AppState>,
+    ctx: &'a AuthCtx,
+    entry: &'a Arc<ConnEntry>,
+    out: &'a mpsc::Sender<String>,
+    peer: SocketAddr,
+}
+
+impl Conn<'_> {
+    /// Handles one frame the budget admitted; false: stop reading.
+    async fn frame(
+        &self,
+        msg: Message,
+        inflight: &Arc<Semaphore>,
+        tasks: &mut JoinSet<()>,
+        strikes: &mut tidemark_core::throttle::Strikes,
+    ) -> bool {
+        let text = match msg {
+            Message::Text(t) => t,
+            Message::Binary(_) => {
+                let e = ApiError::bad_request("binary frames are not supported");
+                push(self.out, self.entry, error_text(e, None));
+                return true;
+            }
+            Message::Close(_) => return false,
+            Message::Ping(_) | Message::Pong(_) => return true,
+        };
+        let Ok(permit) = inflight.clone().acquire_owned().await else { return false };
+        handle_text(self, tasks, text, permit, strikes).await;
+        true
+    }
+}
+
 async fn handle_text(
-    state: &Arc<AppState>,
-    ctx: &AuthCtx,
-    entry: &Arc<ConnEntry>,
-    out: &mpsc::Sender<String>,
+    conn: &Conn<'_>,
     tasks: &mut JoinSet<()>,
     text: Utf8Bytes,
     permit: tokio::sync::OwnedSemaphorePermit,
     strikes: &mut tidemark_core::throttle::Strikes,
 ) {
+    let Conn { state, ctx, entry, out, peer } = *conn;
     let frame = match split_frame(&text) {
         Ok(f) => f,
         Err((rid, m)) => return push(out, entry, error_text(ApiError::bad_request(m), rid)),
@@ -326,7 +399,11 @@ async fn handle_text(
             };
             push(out, entry, reply_text(&op, rid.as_deref(), result));
             if ignored {
-                tracing::warn!(stage = "gateway", device_hash = %state.log_id(&ctx.device), "websocket kept sending while told to wait; closing");
+                // The address is refused at connect for a while, so
+                // reconnecting does not start a fresh count.
+                let period_ms = state.limits.closed_for_ignored_waits(peer.ip(), crate::util::now_ms());
+                tracing::warn!(stage = "gateway", device_hash = %state.log_id(&ctx.device), period_ms,
+                    "websocket kept sending while told to wait; closing, address refused for the period");
                 m::WAITS_IGNORED_CLOSED.inc();
                 entry.kick(reason::WAITS_IGNORED);
             }
