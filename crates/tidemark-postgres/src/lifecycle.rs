@@ -424,8 +424,10 @@ pub(crate) async fn begin_recovery(
 
 /// A cumulative ACK: `decide_ack_with` on the locked device row and its
 /// open recovery session, then the write it decided (D4, D6).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn ack(
     c: &Conn,
+    connection_epoch: Option<u64>,
     user: &str,
     device: &str,
     generation: u64,
@@ -433,7 +435,22 @@ pub(crate) async fn ack(
     at: u64,
     now_ms: i64,
 ) -> R<AckResult> {
-    let cursor = device_cursor(c, user, device).await?;
+    // The locked cursor and the device's newest connection in one
+    // statement: the epoch fence (P2) costs no round trip of its own.
+    let row = query_opt(
+        c,
+        "SELECT sync_generation, acked_sync_seq, state, connection_epoch FROM devices
+         WHERE user_id = $1 AND device_id = $2 FOR UPDATE",
+        &[&user, &device],
+    )
+    .await?
+    .ok_or_else(|| StoreError::NotFound(format!("device {device}")))?;
+    let newest = seq(&row, 3)?;
+    if tidemark_core::session::frame_superseded(connection_epoch, newest) {
+        return Err(StoreError::Superseded(newest));
+    }
+    let state: String = col(&row, 2)?;
+    let cursor = crate::cursor_from_row(col(&row, 0)?, col(&row, 1)?, &state)?;
     let session = recovery_session(c, user, device).await?;
     let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), at, now_ms);
     let Some(after) = cursor::cursor_after_ack(cursor, decision) else {

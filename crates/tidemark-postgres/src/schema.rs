@@ -70,7 +70,51 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 10, name: "offline push targets", sql: PUSH_TARGETS },
     Migration { version: 11, name: "mentions", sql: MENTIONS },
     Migration { version: 12, name: "push preview preferences", sql: PUSH_PREVIEW_PREFERENCES },
+    Migration { version: 13, name: "per-frame connection epoch fence", sql: FRAME_FENCE },
 ];
+
+/// Step 13 (P2, issue 14): `tidemark_send_on`, the send of step 11 behind
+/// the frame's epoch fence, still one statement. With `p_epoch` (the
+/// WebSocket connection the send came on; NULL over HTTP: any epoch) older
+/// than the device's newest `connection_epoch`, it answers `superseded`
+/// with that epoch in `o_msg_seq` and writes nothing; the caller lets
+/// `tidemark_core::session::frame_superseded` decide and cross-checks. The
+/// device row is read without a lock: a send that read the older epoch is
+/// ordered before the newer connection opened (its bump was not yet
+/// committed), so only frames that arrive after the supersession are
+/// refused, which is what P2 asks; and the conversation side takes no
+/// user-side lock (the lock order of `lib.rs`).
+pub const FRAME_FENCE: &str = r#"
+CREATE FUNCTION tidemark_send_on(
+    p_conv TEXT, p_message_id TEXT, p_sender TEXT, p_sender_device TEXT, p_client_msg_id TEXT,
+    p_kind TEXT, p_content TEXT, p_state TEXT, p_quote_id TEXT, p_now BIGINT, p_outbox_kind TEXT,
+    p_control_kinds TEXT[], p_mentions TEXT[], p_mention_all BOOLEAN, p_mention_all_members_max BIGINT,
+    p_epoch BIGINT,
+    OUT o_status TEXT, OUT o_message_id TEXT, OUT o_conv_id TEXT, OUT o_msg_seq BIGINT, OUT o_created_at BIGINT,
+    OUT o_kind TEXT, OUT o_quote_kind TEXT, OUT o_quote_sees BOOLEAN,
+    OUT o_conv_kind TEXT, OUT o_owner TEXT, OUT o_members BIGINT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    v_newest BIGINT;
+BEGIN
+    IF p_epoch IS NOT NULL THEN
+        SELECT d.connection_epoch INTO v_newest FROM devices d
+         WHERE d.user_id = p_sender AND d.device_id = p_sender_device;
+        -- tidemark_core::session::frame_superseded
+        IF COALESCE(v_newest, 0) > p_epoch THEN
+            o_status := 'superseded';
+            o_msg_seq := v_newest;
+            RETURN;
+        END IF;
+    END IF;
+    SELECT * INTO o_status, o_message_id, o_conv_id, o_msg_seq, o_created_at, o_kind, o_quote_kind, o_quote_sees,
+                  o_conv_kind, o_owner, o_members
+      FROM tidemark_send(p_conv, p_message_id, p_sender, p_sender_device, p_client_msg_id, p_kind, p_content,
+                         p_state, p_quote_id, p_now, p_outbox_kind, p_control_kinds, p_mentions, p_mention_all,
+                         p_mention_all_members_max);
+END
+$fn$;
+"#;
 
 /// Step 12 (P4, issue 20): the user's push preview preference and the
 /// user's preference per conversation, beside `hide_presence` and `muted`.

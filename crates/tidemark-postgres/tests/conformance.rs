@@ -121,6 +121,7 @@ fn send_cmd(sender: &str, conv: &str, cmid: &str) -> SendCmd {
         quote_id: None,
         mentions: Vec::new(),
         mention_all: false,
+        connection_epoch: None,
         now_ms: 0,
     }
 }

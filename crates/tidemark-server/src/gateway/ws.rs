@@ -171,7 +171,7 @@ async fn first_frame_auth(
 
 async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(AuthCtx, UserConnSlot)>) {
     let (mut sink, mut stream) = socket.split();
-    let (ctx, auth_rid, _user_slot) = match pre_auth {
+    let (mut ctx, auth_rid, _user_slot) = match pre_auth {
         Some((ctx, slot)) => (ctx, None, slot),
         None => match first_frame_auth(&state, &mut sink, &mut stream).await {
             Some((ctx, rid)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
@@ -197,6 +197,8 @@ async fn connection(state: Arc<AppState>, socket: WebSocket, pre_auth: Option<(A
         }
     };
     let epoch = opened.connection_epoch;
+    // Every frame of this connection carries its epoch to the store (P2).
+    ctx.connection_epoch = Some(epoch);
     let issued_at_ms = state.token_issued_at_ms(ctx.expires_at_ms);
     let entry =
         state.hub.register(&ctx.user, &ctx.device, epoch, issued_at_ms, opened.acked_sync_seq, opened.high_watermark);
