@@ -71,7 +71,100 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 11, name: "mentions", sql: MENTIONS },
     Migration { version: 12, name: "push preview preferences", sql: PUSH_PREVIEW_PREFERENCES },
     Migration { version: 13, name: "per-frame connection epoch fence", sql: FRAME_FENCE },
+    Migration { version: 14, name: "ACK in one statement", sql: ACK_FUNCTION },
 ];
+
+/// Step 14 (D4, D6, issue 14): `tidemark_ack`, a cumulative ACK in one
+/// statement, so the writer pipelines the ACKs of a group commit with its
+/// sends (`Writer::write_statement`). It implements the table of
+/// `tidemark_core::cursor::decide_ack_with`, row for row, on the device row
+/// it locks (`FOR UPDATE`, the lock the multi-statement ACK took) and the
+/// device's open recovery session, and writes what
+/// `tidemark_core::cursor::cursor_after_ack` makes of the decision. It
+/// returns the facts it decided on and its decision; the caller
+/// (`lifecycle::decide_ack_row`) runs core's rule on those facts and undoes
+/// the request, answering `Internal`, were they ever to disagree: the rule
+/// lives in core, this is its transcription, keep them the same. Behind the
+/// frame's epoch fence of step 13 (`superseded`: nothing written).
+pub const ACK_FUNCTION: &str = r#"
+CREATE FUNCTION tidemark_ack(
+    p_user TEXT, p_device TEXT, p_generation BIGINT, p_token_session TEXT, p_seq BIGINT, p_now BIGINT,
+    p_epoch BIGINT,
+    OUT o_status TEXT, OUT o_generation BIGINT, OUT o_acked BIGINT, OUT o_state TEXT, OUT o_epoch BIGINT,
+    OUT o_session_id TEXT, OUT o_resume_from BIGINT, OUT o_session_hw BIGINT, OUT o_session_expires BIGINT,
+    OUT o_decision TEXT, OUT o_to BIGINT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    SELECT d.sync_generation, d.acked_sync_seq, d.state, d.connection_epoch
+      INTO o_generation, o_acked, o_state, o_epoch
+      FROM devices d WHERE d.user_id = p_user AND d.device_id = p_device FOR UPDATE;
+    IF NOT FOUND THEN
+        o_status := 'no_device';
+        RETURN;
+    END IF;
+    -- tidemark_core::session::frame_superseded
+    IF p_epoch IS NOT NULL AND o_epoch > p_epoch THEN
+        o_status := 'superseded';
+        RETURN;
+    END IF;
+    o_status := 'ok';
+    -- tidemark_core::cursor::decide_ack_with, in its order.
+    IF o_state = 'REVOKED' THEN
+        o_decision := 'revoked';
+        RETURN;
+    END IF;
+    IF p_generation <> o_generation THEN
+        o_decision := 'stale_generation';
+        RETURN;
+    END IF;
+    IF o_state IN ('RESETTING', 'NEW') THEN
+        o_decision := 'resetting';
+        RETURN;
+    END IF;
+    IF o_state = 'RECOVERING' THEN
+        SELECT r.session_id, r.resume_from, r.high_watermark, r.expires_at
+          INTO o_session_id, o_resume_from, o_session_hw, o_session_expires
+          FROM recovery_sessions r WHERE r.user_id = p_user AND r.device_id = p_device AND r.state = 'ACTIVE';
+        IF NOT FOUND OR o_session_id IS DISTINCT FROM p_token_session THEN
+            o_decision := 'unchanged';
+            RETURN;
+        END IF;
+        IF p_now >= o_session_expires THEN
+            o_decision := 'recovery_expired';
+            UPDATE recovery_sessions SET state = 'EXPIRED'
+             WHERE user_id = p_user AND device_id = p_device AND state = 'ACTIVE';
+            UPDATE devices SET sync_generation = o_generation + 1, state = 'RESETTING',
+                   row_version = row_version + 1, updated_at = p_now
+             WHERE user_id = p_user AND device_id = p_device;
+            RETURN;
+        END IF;
+        IF p_seq = o_session_hw THEN
+            o_decision := 'complete_recovery';
+            o_to := GREATEST(o_session_hw, o_acked);
+            UPDATE recovery_sessions SET state = 'COMPLETED'
+             WHERE user_id = p_user AND session_id = o_session_id AND state = 'ACTIVE';
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'the live recovery session % did not complete once', o_session_id;
+            END IF;
+            UPDATE devices SET acked_sync_seq = o_to, state = 'ACTIVE',
+                   row_version = row_version + 1, updated_at = p_now
+             WHERE user_id = p_user AND device_id = p_device;
+            RETURN;
+        END IF;
+        o_decision := 'unchanged';
+        RETURN;
+    END IF;
+    IF p_seq > o_acked THEN
+        o_decision := 'advance';
+        o_to := p_seq;
+        UPDATE devices SET acked_sync_seq = p_seq, row_version = row_version + 1, updated_at = p_now
+         WHERE user_id = p_user AND device_id = p_device;
+    ELSE
+        o_decision := 'unchanged';
+    END IF;
+END
+$fn$;
+"#;
 
 /// Step 13 (P2, issue 14): `tidemark_send_on`, the send of step 11 behind
 /// the frame's epoch fence, still one statement. With `p_epoch` (the
