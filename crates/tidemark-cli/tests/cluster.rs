@@ -728,17 +728,18 @@ async fn a_late_frame_on_a_node_that_never_heard_of_the_supersession_is_refused_
     }
     old.abort();
 
-    // Nothing of it is in the store: the key is new, no msg_seq was taken,
-    // the ACK and the read cursor did not move.
-    let first: SendOk = newer.send(&send("late")).await.unwrap();
-    assert!(!first.duplicate, "the late send on the superseded connection was accepted");
-    assert_eq!(first.msg_seq, hello.msg_seq + 1, "the late send took no msg_seq");
+    // Nothing of it is in the store: the ACK and the read cursor did not
+    // move (read before the newer connection sends: its own message moves
+    // ann's read cursor, R3), the key is new and no msg_seq was taken.
+    let list = newer.conv_list().await.unwrap();
+    let row = list.conversations.iter().find(|c| c.conv == conv).expect("ann's conversation");
+    assert_eq!((row.read_seq, row.unread), (0, 1), "the late read moved ann's read cursor");
     let req =
         SyncReq { sync_generation: Some(page.sync_generation), local_applied_sync_seq: Some(0), ..Default::default() };
     let fresh = newer.sync(&req).await.unwrap();
     assert_eq!(fresh.server_acked_sync_seq, 0, "the late ACK moved the device's cursor");
-    let list = newer.conv_list().await.unwrap();
-    let row = list.conversations.iter().find(|c| c.conv == conv).expect("ann's conversation");
-    assert_eq!((row.read_seq, row.unread), (0, 1), "the late read moved ann's read cursor");
+    let first: SendOk = newer.send(&send("late")).await.unwrap();
+    assert!(!first.duplicate, "the late send on the superseded connection was accepted");
+    assert_eq!(first.msg_seq, hello.msg_seq + 1, "the late send took no msg_seq");
     newer.close().await;
 }
