@@ -160,6 +160,11 @@ enum Command {
         /// Fault drill: accept messages but never fan them out.
         #[arg(long, hide = true)]
         hold_fanout: bool,
+        /// Fault drill: never reload the fences from the store (with a
+        /// bus that hears nothing, only the store's per-frame epoch fence
+        /// stops a superseded connection).
+        #[arg(long, hide = true)]
+        hold_fence_refresh: bool,
         /// Log line format on stderr: `text` for a person, `json` for one
         /// JSON object per line (seed §18.2 fields, hashed ids). The stage
         /// trace of each message is logged at debug level on the target
@@ -607,6 +612,7 @@ async fn main() -> Result<()> {
             timeouts,
             push,
             hold_fanout,
+            hold_fence_refresh,
             log_format,
         } => {
             init_logs_as("info", log_format);
@@ -641,6 +647,7 @@ async fn main() -> Result<()> {
                 replay_max_events,
                 gauges_every: std::time::Duration::from_secs(gauges_every_secs),
                 hold_fanout,
+                hold_fence_refresh,
                 hint_bus,
                 ws_connections_max,
                 ws_connections_per_user_max,

@@ -127,6 +127,7 @@ async fn admin_reconcile_reports_then_repairs_once() {
                 quote_id: None,
                 mentions: Vec::new(),
                 mention_all: false,
+                connection_epoch: None,
                 now_ms: 0,
             })
             .await

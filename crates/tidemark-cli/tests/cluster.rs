@@ -15,7 +15,9 @@
 //!   (another subject prefix): C learns it from the store, within
 //!   [`FENCE_WITHIN`];
 //! - a device connecting to node B supersedes its connection on node A, and
-//!   a frame sent late on A's socket has no effect;
+//!   a frame sent late on A's socket has no effect; also when A never hears
+//!   of it (deaf to the bus, no fence reload): the store refuses the frame
+//!   by its connection epoch;
 //! - an operator's logout through node A, and a password change through A,
 //!   end the sessions on B (kicked over the bus) and on C (learnt from the
 //!   store), within [`FENCE_WITHIN`]; so does a deactivation.
@@ -29,7 +31,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tidemark_client::proto::{SendOk, SendReq};
+use tidemark_client::proto::{ErrorCode, SendOk, SendReq, SyncReq};
 use tidemark_client::{Http, ServerEvent, WsConn};
 
 mod common;
@@ -107,8 +109,13 @@ impl Cluster {
     /// A node of the same database that hears nothing the others publish
     /// (its own subject prefix): as if the bus lost every message to it.
     fn deaf_node(&self) -> Node {
+        self.deaf_node_with(&[])
+    }
+
+    /// [`Cluster::deaf_node`] with more `serve` flags.
+    fn deaf_node_with(&self, extra: &[&str]) -> Node {
         let prefix = format!("tidemark-deaf.{}", self.schema);
-        let args: Vec<&str> = vec![
+        let mut args: Vec<&str> = vec![
             "--database",
             &self.pg,
             "--database-schema",
@@ -118,6 +125,7 @@ impl Cluster {
             "--nats-prefix",
             &prefix,
         ];
+        args.extend(extra);
         spawn_serve(&args, ADMIN)
     }
 }
@@ -650,5 +658,88 @@ async fn a_connection_on_node_b_supersedes_node_a_and_a_late_frame_on_a_has_no_e
     assert!(!first.duplicate, "the late frame on the superseded connection was accepted");
     assert_eq!(first.msg_seq, 1, "a direct conversation starts at 1: nothing else took a msg_seq");
     assert!(newer_events.try_recv().map_or(true, |e| !matches!(e, ServerEvent::Kicked { .. })), "newer one kept");
+    newer.close().await;
+}
+
+/// Issue 14: node A hears nothing of B (deaf to the bus, and it never
+/// reloads the fences from the store), so A's older connection of the phone
+/// stays open after the phone connected to B. Its late frames (a send, an
+/// ACK, a read) reach the store, which refuses them by their connection
+/// epoch (`StoreError::Superseded`, answered `UNAVAILABLE`): no message, no
+/// idempotency key, no cursor moved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_frame_on_a_node_that_never_heard_of_the_supersession_is_refused_by_the_store() {
+    let name = "a_late_frame_on_a_node_that_never_heard_of_the_supersession_is_refused_by_the_store";
+    let Some(services) = services(name).await else { return };
+    let cluster = Cluster::new(services);
+    let a = cluster.deaf_node_with(&["--hold-fence-refresh"]);
+    let b = cluster.node(&[]);
+    let (http_a, http_b) = (Http::new(&a.url), Http::new(&b.url));
+    for u in ["ann", "ben"] {
+        http_b.create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let phone = http_a.login("ann", "pw", "phone").await.unwrap().access_token;
+    let ben = http_b.login("ben", "pw", "phone").await.unwrap().access_token;
+    let conv: serde_json::Value =
+        http_b.rpc(&ben, "conv.create", &serde_json::json!({"kind": "direct", "members": ["ann"]})).await.unwrap();
+    let conv = conv["conv"].as_str().unwrap().to_owned();
+    let send = |cmid: &str| SendReq {
+        conv: conv.clone(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: serde_json::json!({"n": cmid}),
+        mentions: Vec::new(),
+        mention_all: false,
+    };
+    let hello: SendOk = http_b.rpc(&ben, "send", &send("hello")).await.unwrap();
+
+    // Once ben's message is in ann's log, the phone on A syncs it (its
+    // batch token is what a late ACK presents).
+    let start = Instant::now();
+    loop {
+        let list: tidemark_client::proto::ConvListOk =
+            http_a.rpc(&phone, "conv.list", &serde_json::json!({})).await.unwrap();
+        if list.conversations.iter().any(|c| c.conv == conv && c.unread == 1) {
+            break;
+        }
+        assert!(start.elapsed() < CONVERGE_WITHIN, "ben's message never reached ann's log");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (old, mut old_events) = WsConn::connect(&a.ws, &phone).await.unwrap();
+    let page = old.sync(&SyncReq::default()).await.unwrap();
+    assert!(page.events.iter().any(|e| e.conv == conv), "the first batch replays the whole log");
+    let (newer, _newer_events) = WsConn::connect(&b.ws, &phone).await.unwrap();
+    // Answered once B committed the newer epoch (before it reads a frame).
+    let _: serde_json::Value = newer.request("ping", &serde_json::json!({})).await.unwrap();
+
+    // A heard nothing: its connection is open, and its frames reach the store.
+    let unavailable = |what: &str, r: Result<serde_json::Value, tidemark_client::ClientError>| match r {
+        Err(e) => assert_eq!(e.code(), Some(ErrorCode::Unavailable), "{what}: {e}"),
+        Ok(v) => panic!("{what} on the superseded connection was answered: {v}"),
+    };
+    let late_send = old.send(&send("late")).await.map(|ok| serde_json::json!(ok.msg_seq));
+    unavailable("a late send", late_send);
+    let late_ack = old.ack(&page.batch_token, page.batch_high_watermark).await.map(|_| serde_json::json!("acked"));
+    unavailable("a late ack", late_ack);
+    let late_read = old.request("read", &serde_json::json!({"conv": conv, "read_to_seq": hello.msg_seq})).await;
+    unavailable("a late read", late_read);
+    while let Ok(e) = old_events.try_recv() {
+        assert!(!matches!(e, ServerEvent::Kicked { .. }), "node A learnt of the supersession: not under test");
+    }
+    old.abort();
+
+    // Nothing of it is in the store: the ACK and the read cursor did not
+    // move (read before the newer connection sends: its own message moves
+    // ann's read cursor, R3), the key is new and no msg_seq was taken.
+    let list = newer.conv_list().await.unwrap();
+    let row = list.conversations.iter().find(|c| c.conv == conv).expect("ann's conversation");
+    assert_eq!((row.read_seq, row.unread), (0, 1), "the late read moved ann's read cursor");
+    let req =
+        SyncReq { sync_generation: Some(page.sync_generation), local_applied_sync_seq: Some(0), ..Default::default() };
+    let fresh = newer.sync(&req).await.unwrap();
+    assert_eq!(fresh.server_acked_sync_seq, 0, "the late ACK moved the device's cursor");
+    let first: SendOk = newer.send(&send("late")).await.unwrap();
+    assert!(!first.duplicate, "the late send on the superseded connection was accepted");
+    assert_eq!(first.msg_seq, hello.msg_seq + 1, "the late send took no msg_seq");
     newer.close().await;
 }

@@ -21,9 +21,38 @@ pub fn alive(issued_at_ms: i64, fence: Fence) -> bool {
     !fence.user_deactivated && issued_at_ms > fence.user_ended_at_ms && issued_at_ms > fence.device_ended_at_ms
 }
 
+/// Whether a frame that came on the connection `frame_epoch` of a device
+/// may still act, the device's newest connection being `device_epoch`
+/// (P2, issue 14). A WebSocket frame carries its connection's epoch and is
+/// refused once a newer connection of the device opened on any node,
+/// whether or not this node has heard of it yet; an HTTP request belongs
+/// to no connection (`None`) and is fenced by its token only (`alive`).
+/// Both backends implement this comparison inside the statement that
+/// already reads the device row (SQLite `lifecycle::ack`,
+/// `events::connection_fence`; PostgreSQL `tidemark_send_on`,
+/// `tidemark_ack`, `tidemark_read`); keep them the same.
+pub fn frame_superseded(frame_epoch: Option<u64>, device_epoch: u64) -> bool {
+    frame_epoch.is_some_and(|e| e < device_epoch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_frame_of_an_older_connection_is_superseded_and_http_never_is() {
+        for (frame, device, expect) in [
+            (None, 0, false),
+            (None, 9, false),
+            (Some(0), 0, false),
+            (Some(3), 3, false),
+            (Some(4), 3, false),
+            (Some(2), 3, true),
+            (Some(0), 1, true),
+        ] {
+            assert_eq!(frame_superseded(frame, device), expect, "frame {frame:?}, device {device}");
+        }
+    }
 
     fn check(issued_at_ms: i64, fence: Fence, expect: bool) {
         assert_eq!(alive(issued_at_ms, fence), expect, "issued at {issued_at_ms}, {fence:?}");

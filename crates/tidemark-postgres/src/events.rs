@@ -158,8 +158,9 @@ pub(crate) async fn append_conv_event(
 /// `msg_seq` with the message and its outbox record. One statement, so
 /// the writer pipelines the sends of a batch (`Writer::write_statement`).
 /// The parameters are [`send_params`]; [`decide_send`] reads the outcome.
+/// Behind the frame's epoch fence, `tidemark_send_on` (step 14).
 pub(crate) const SEND_SQL: &str =
-    "SELECT * FROM tidemark_send($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
+    "SELECT * FROM tidemark_send_on($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
 
 /// A send whose kind `control::check_send_kind` refuses: the original on
 /// a retry of its key, else that refusal. Writes nothing.
@@ -192,6 +193,7 @@ pub(crate) fn send_params(cmd: &SendCmd) -> Vec<Param> {
         Box::new((!cmd.mentions.is_empty()).then(|| cmd.mentions.clone())),
         Box::new(cmd.mention_all),
         Box::new(mention::MENTION_ALL_MEMBERS_MAX as i64),
+        Box::new(cmd.connection_epoch.map(big)),
     ]
 }
 
@@ -223,6 +225,16 @@ pub(crate) fn decide_send(cmd: &SendCmd, rows: &[tokio_postgres::Row]) -> Decide
                     created_at_ms: col(r, 4)?,
                     duplicate: true,
                 }))
+            }
+            "superseded" => {
+                let newest = seq(r, 3)?;
+                if !tidemark_core::session::frame_superseded(cmd.connection_epoch, newest) {
+                    return Err(StoreError::Internal(format!(
+                        "tidemark_send_on refused epoch {:?} under {newest}, which frame_superseded accepts",
+                        cmd.connection_epoch
+                    )));
+                }
+                Decided::Answer(Err(StoreError::Superseded(newest)))
             }
             "no_conv" => Decided::Answer(Err(control::not_member(&cmd.conv, false).into())),
             "not_member" => Decided::Answer(Err(StoreError::NotMember)),
@@ -789,17 +801,46 @@ pub(crate) async fn recount_unread(c: &Conn, user: &str, conv: &str) -> R<(u64, 
     Ok((unread, mentions))
 }
 
-pub(crate) async fn mark_read(c: &Conn, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> R<ReadOutcome> {
+pub(crate) async fn mark_read(
+    c: &Conn,
+    user: &str,
+    conv: &str,
+    read_to_seq: u64,
+    on: Option<(&str, u64)>,
+    now_ms: i64,
+) -> R<ReadOutcome> {
     lock_user(c, user).await?;
+    // The device's newest connection is read by the same statement (P2).
+    let (device, epoch) = (on.map_or("", |(d, _)| d), on.map(|(_, e)| e));
     let row = query_opt(
         c,
-        "SELECT uc.read_seq, c.head, uc.unread, uc.mentions FROM user_convs uc
+        "SELECT uc.read_seq, c.head, uc.unread, uc.mentions,
+                COALESCE((SELECT d.connection_epoch FROM devices d WHERE d.user_id = $1 AND d.device_id = $3), 0)
+         FROM user_convs uc
          JOIN conversations c ON c.conv_id = uc.conv_id
          WHERE uc.user_id = $1 AND uc.conv_id = $2",
-        &[&user, &conv],
+        &[&user, &conv, &device],
     )
     .await?;
-    let Some(row) = row else { return Err(not_found_or_not_member(c, conv).await?) };
+    let Some(row) = row else {
+        if let Some(epoch) = epoch {
+            let newest: i64 = scalar(
+                c,
+                "SELECT connection_epoch FROM devices WHERE user_id = $1 AND device_id = $2",
+                &[&user, &device],
+            )
+            .await?
+            .unwrap_or(0);
+            if tidemark_core::session::frame_superseded(Some(epoch), newest.max(0) as u64) {
+                return Err(StoreError::Superseded(newest as u64));
+            }
+        }
+        return Err(not_found_or_not_member(c, conv).await?);
+    };
+    let newest = seq(&row, 4)?;
+    if tidemark_core::session::frame_superseded(epoch, newest) {
+        return Err(StoreError::Superseded(newest));
+    }
     let (read_seq, head) = (seq(&row, 0)?, seq(&row, 1)?);
     let Some(target) = projection::read_target(read_to_seq, head, read_seq) else {
         let (unread, mentions) =

@@ -1,18 +1,31 @@
 //! The fan-out transaction (F2–F4, R3): outbox items become user events.
 //!
-//! It runs in three steps inside one writer request:
+//! It runs in a fixed number of round trips inside one writer request,
+//! whatever the number of items and recipients (issue 14):
 //!
 //! 1. resolve every item's recipients from the membership periods covering
 //!    its `msg_seq` (F4), plus, for a recall, whoever could see the original
-//!    (E1). Reads only: the periods covering a committed `msg_seq` never
-//!    change (a later leave closes a period at a higher seq, a later join
-//!    opens one above), so no conversation lock is needed;
+//!    (E1): one statement reads every item's source row, one reads the
+//!    periods of every (conversation, `msg_seq`) the batch asks about
+//!    (`unnest` of arrays). Reads only: the periods covering a committed
+//!    `msg_seq` never change (a later leave closes a period at a higher
+//!    seq, a later join opens one above), so no conversation lock is
+//!    needed;
 //! 2. lock the head row of every recipient in `user_id` order, so two
 //!    fan-outs (on two nodes) touching the same users queue up instead of
-//!    deadlocking;
-//! 3. per item and recipient, skip what the log already holds (F3), else
-//!    append the event at `head + 1` and move the projections in the same
-//!    statement; then remove the outbox row.
+//!    deadlocking (two statements);
+//! 3. one statement finds what the logs already hold (F3); every remaining
+//!    (item, recipient) appends its event at `head + 1` and moves the
+//!    projections in one statement ([`DELIVER`]), all of them pipelined in
+//!    one round trip, in item order, so each user's events keep `msg_seq`
+//!    order; the recounts the deliveries asked for (the sender's own event,
+//!    a recall) run once per (user, conversation) after them, pipelined
+//!    too ([`RECOUNT`], from the facts, so the order does not matter);
+//!    then one statement removes the batch's outbox rows.
+//!
+//! So a batch costs 7 round trips (plus a quarantine insert and one marker
+//! publication per shared group it moved, when there are any), and its
+//! statements are those 7 plus one per delivery and one per recount.
 //!
 //! The idempotency key `UNIQUE (user_id, source_event_id, period_id)` is the
 //! last line of defence: if two writers ever delivered the same item at
@@ -27,69 +40,134 @@ use tidemark_core::SyncSeq;
 use tidemark_core::{mention, projection};
 use tidemark_store::*;
 
-use crate::db::{big, col, exec, query, query_one, seq, seq_opt, Conn};
+use tokio_postgres::types::ToSql;
+use tokio_postgres::Row;
+
+use crate::db::{self, big, col, exec, query, query_one, seq, seq_opt, Conn};
 use crate::events;
+use crate::writer::BoxFut;
 
 type R<T> = StoreResult<T>;
 
-async fn periods_covering(c: &Conn, conv: &str, at: u64) -> R<Vec<Period>> {
+/// The periods of `conv` covering `at`, for every `(conv, at)` of `asks`
+/// (index-aligned), in one statement.
+async fn periods_covering(c: &Conn, asks: &[(String, u64)]) -> R<Vec<Vec<Period>>> {
+    let mut out: Vec<Vec<Period>> = asks.iter().map(|_| Vec::new()).collect();
+    if asks.is_empty() {
+        return Ok(out);
+    }
+    let convs: Vec<&str> = asks.iter().map(|(c, _)| c.as_str()).collect();
+    let ats: Vec<i64> = asks.iter().map(|(_, at)| big(*at)).collect();
     let rows = query(
         c,
-        "SELECT period_id, user_id, join_seq, leave_seq FROM membership_periods
-         WHERE conv_id = $1 AND join_seq <= $2 AND (leave_seq IS NULL OR leave_seq >= $2)",
-        &[&conv, &big(at)],
+        "SELECT q.i, p.period_id, p.user_id, p.join_seq, p.leave_seq
+         FROM unnest($1::text[], $2::bigint[]) WITH ORDINALITY AS q(conv, at, i)
+         JOIN membership_periods p ON p.conv_id = q.conv AND p.join_seq <= q.at
+                                  AND (p.leave_seq IS NULL OR p.leave_seq >= q.at)
+         ORDER BY q.i, p.period_id",
+        &[&convs, &ats],
     )
     .await?;
-    rows.iter()
-        .map(|r| {
-            Ok(Period { period_id: col(r, 0)?, user: col(r, 1)?, join_seq: seq(r, 2)?, leave_seq: seq_opt(r, 3)? })
-        })
-        .collect()
+    for r in &rows {
+        let i = seq(r, 0)? as usize;
+        let slot = out.get_mut(i.wrapping_sub(1)).ok_or_else(|| StoreError::Internal(format!("period ask {i}")))?;
+        slot.push(Period { period_id: col(r, 1)?, user: col(r, 2)?, join_seq: seq(r, 3)?, leave_seq: seq_opt(r, 4)? });
+    }
+    Ok(out)
 }
 
-/// The recipients of one item (F4, E1, G2): the periods covering its
-/// `msg_seq` and, for a control event, those covering its target's, as
-/// `control_recipients` combines them; in a shared group, as
+/// One item's source facts, as [`resolve`] reads them.
+struct Source {
+    kind: String,
+    target_seq: Option<u64>,
+    route: Route,
+    seen: FannedOut,
+    mentions: Mentions,
+}
+
+/// The recipients of every item (F4, E1, G2), index-aligned: the periods
+/// covering its `msg_seq` and, for a control event, those covering its
+/// target's, as `control_recipients` combines them; in a shared group, as
 /// `large::route` decides (nobody, or the subject of a membership change).
-pub(crate) async fn resolve(c: &Conn, item: &OutboxItem) -> R<(Recipients, Route, FannedOut, Mentions)> {
-    let source = query_one(
+/// Two statements for the whole batch.
+pub(crate) async fn resolve(c: &Conn, items: &[OutboxItem]) -> R<Vec<(Recipients, Route, FannedOut, Mentions)>> {
+    if items.is_empty() {
+        return Ok(Vec::new());
+    }
+    let convs: Vec<&str> = items.iter().map(|i| i.conv.as_str()).collect();
+    let ids: Vec<&str> = items.iter().map(|i| i.source_event_id.as_str()).collect();
+    let rows = query(
         c,
-        "SELECT s.kind, t.msg_seq, cv.mode, cv.shared_from, cv.kind, s.mentions, s.mention_all FROM messages s
+        "SELECT q.i, s.kind, t.msg_seq, cv.mode, cv.shared_from, cv.kind, s.mentions, s.mention_all
+         FROM unnest($1::text[], $2::text[]) WITH ORDINALITY AS q(conv, id, i)
+         JOIN messages s ON s.conv_id = q.conv AND s.message_id = q.id
          JOIN conversations cv ON cv.conv_id = s.conv_id
-         LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id
-         WHERE s.conv_id = $1 AND s.message_id = $2",
-        &[&item.conv, &item.source_event_id],
+         LEFT JOIN messages t ON t.conv_id = s.conv_id AND t.message_id = s.target_id",
+        &[&convs, &ids],
     )
     .await?;
-    let kind: String = col(&source, 0)?;
-    let target_seq = seq_opt(&source, 1)?;
-    let mode: String = col(&source, 2)?;
-    let route = large::route(&mode, seq_opt(&source, 3)?, item.msg_seq, &kind);
-    let conv_kind: String = col(&source, 4)?;
-    let mentions =
-        Mentions { named: col::<Option<Vec<String>>>(&source, 5)?.unwrap_or_default(), all: col(&source, 6)? };
-    let mut seen = FannedOut {
-        source_event_id: item.source_event_id.clone(),
-        class: large::fanout_class(&conv_kind, route),
-        ..Default::default()
-    };
-    let periods = match route {
-        Route::Shared => return Ok((Recipients::default(), route, seen, mentions)),
-        Route::PerMember => periods_covering(c, &item.conv, item.msg_seq).await?,
-        // The period the change opened or closed at this msg_seq.
-        Route::Subject => periods_covering(c, &item.conv, item.msg_seq)
-            .await?
-            .into_iter()
-            .filter(|p| p.join_seq == item.msg_seq || p.leave_seq == Some(item.msg_seq))
-            .collect(),
-    };
-    seen.period_miss = large::period_miss(route, periods.len());
-    let at_event = recipients_at(&periods, item.msg_seq);
-    let holders = match target_seq {
-        Some(t) => Some(recipients_at(&periods_covering(c, &item.conv, t).await?, t)),
-        None => None,
-    };
-    Ok((control_recipients(at_event, holders, &kind), route, seen, mentions))
+    let mut sources: Vec<Option<Source>> = items.iter().map(|_| None).collect();
+    for r in &rows {
+        let i = seq(r, 0)? as usize;
+        let item = items.get(i.wrapping_sub(1)).ok_or_else(|| StoreError::Internal(format!("source row {i}")))?;
+        let kind: String = col(r, 1)?;
+        let mode: String = col(r, 3)?;
+        let route = large::route(&mode, seq_opt(r, 4)?, item.msg_seq, &kind);
+        let conv_kind: String = col(r, 5)?;
+        let seen = FannedOut {
+            source_event_id: item.source_event_id.clone(),
+            class: large::fanout_class(&conv_kind, route),
+            ..Default::default()
+        };
+        let mentions = Mentions { named: col::<Option<Vec<String>>>(r, 6)?.unwrap_or_default(), all: col(r, 7)? };
+        sources[i - 1] = Some(Source { kind, target_seq: seq_opt(r, 2)?, route, seen, mentions });
+    }
+    // The periods each item asks about: at its msg_seq (unless shared) and
+    // at its target's.
+    let mut asks: Vec<(String, u64)> = Vec::new();
+    let mut slots: Vec<(Option<usize>, Option<usize>)> = Vec::with_capacity(items.len());
+    for (item, source) in items.iter().zip(&sources) {
+        let source = source.as_ref().ok_or_else(|| {
+            StoreError::Internal(format!("outbox item {} has no source event {}", item.outbox_id, item.source_event_id))
+        })?;
+        if source.route == Route::Shared {
+            slots.push((None, None));
+            continue;
+        }
+        asks.push((item.conv.clone(), item.msg_seq));
+        let at = asks.len() - 1;
+        let target = source.target_seq.map(|t| {
+            asks.push((item.conv.clone(), t));
+            asks.len() - 1
+        });
+        slots.push((Some(at), target));
+    }
+    let mut periods = periods_covering(c, &asks).await?;
+    let mut out = Vec::with_capacity(items.len());
+    for ((item, source), (at, target)) in items.iter().zip(sources).zip(slots) {
+        let Source { kind, target_seq, route, mut seen, mentions } = source.expect("checked above");
+        let Some(at) = at else {
+            out.push((Recipients::default(), route, seen, mentions));
+            continue;
+        };
+        let covering = std::mem::take(&mut periods[at]);
+        let covering: Vec<Period> = match route {
+            // The period the change opened or closed at this msg_seq.
+            Route::Subject => covering
+                .into_iter()
+                .filter(|p| p.join_seq == item.msg_seq || p.leave_seq == Some(item.msg_seq))
+                .collect(),
+            _ => covering,
+        };
+        seen.period_miss = large::period_miss(route, covering.len());
+        let at_event = recipients_at(&covering, item.msg_seq);
+        let holders = match (target, target_seq) {
+            (Some(k), Some(t)) => Some(recipients_at(&std::mem::take(&mut periods[k]), t)),
+            _ => None,
+        };
+        out.push((control_recipients(at_event, holders, &kind), route, seen, mentions));
+    }
+    Ok(out)
 }
 
 /// What a fanned-out message mentions (issue 18), as stored with it.
@@ -171,6 +249,37 @@ const DELIVER: &str = "WITH h AS (
                  THEN 1 ELSE 0 END)
      SELECT sync_seq FROM e";
 
+/// Recounts one user's unread and mentions in one conversation from the
+/// facts (`events::recount_unread` in one statement: [`events::COUNT_UNREAD`]
+/// and [`events::COUNT_MENTIONS`] at the row's own `read_seq`).
+static RECOUNT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    format!(
+        "UPDATE user_convs u0 SET unread = ({}), mentions = ({}) WHERE u0.user_id = $1 AND u0.conv_id = $2",
+        events::COUNT_UNREAD.replace("$3", "u0.read_seq"),
+        events::COUNT_MENTIONS.replace("$3", "u0.read_seq"),
+    )
+});
+
+/// Runs `sql` once per parameter list, pipelined: every statement is sent
+/// before the first answer is awaited, so the whole list costs one round
+/// trip (one statement each in the counters). Answers in order; the first
+/// failure is the error (the caller's transaction is then aborted).
+async fn pipelined(c: &Conn, sql: &str, params: &[Vec<&(dyn ToSql + Sync)>]) -> R<Vec<Vec<Row>>> {
+    if params.is_empty() {
+        return Ok(Vec::new());
+    }
+    let stmt = c.prepare_cached(sql).await.map_err(db::error)?;
+    let stmt = &stmt;
+    let futures: Vec<BoxFut<'_, Result<Vec<Row>, tokio_postgres::Error>>> = params
+        .iter()
+        .map(|p| {
+            db::counted();
+            Box::pin(async move { c.query(stmt, p).await }) as BoxFut<'_, _>
+        })
+        .collect();
+    crate::writer::in_order(futures).await.into_iter().map(|r| r.map_err(db::error)).collect()
+}
+
 /// Claims up to `limit` pending outbox items for this transaction, oldest
 /// first, skipping what another transaction (another node's relay) holds.
 ///
@@ -206,8 +315,7 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
     // Shared groups this batch moved, with their highest msg_seq: one
     // marker publication each, whatever the number of items (G2).
     let mut moved: BTreeMap<String, u64> = BTreeMap::new();
-    for item in items {
-        let (recipients, route, mut seen, mentions) = resolve(c, item).await?;
+    for (item, (recipients, route, mut seen, mentions)) in items.iter().zip(resolve(c, items).await?) {
         if route != Route::PerMember {
             let seq = moved.entry(item.conv.clone()).or_default();
             *seq = (*seq).max(item.msg_seq);
@@ -221,70 +329,139 @@ pub(crate) async fn fan_out(c: &Conn, items: &[OutboxItem], now_ms: i64) -> R<Fa
     lock_heads(c, &users).await?;
 
     let mut report = FanoutReport::default();
-    let mut touched: BTreeMap<String, SyncSeq> = BTreeMap::new();
-    for (item, (recipients, mut seen, mentions)) in items.iter().zip(plans) {
-        for user in &recipients.quarantined {
-            exec(
-                c,
-                "INSERT INTO fanout_quarantine (user_id, source_event_id, conv_id, msg_seq, reason, created_at)
-                 VALUES ($1, $2, $3, $4, 'overlapping_membership_periods', $5)
-                 ON CONFLICT DO NOTHING",
-                &[&user, &item.source_event_id, &item.conv, &big(item.msg_seq), &now_ms],
-            )
-            .await?;
-            report.quarantined += 1;
-            tracing::error!(source_event_id = %item.source_event_id, conv = %item.conv, msg_seq = item.msg_seq,
-                "fan-out hit two membership periods of one user; quarantined");
+    // What the logs already hold of these items (F3), in one statement.
+    let mut asked: Vec<(String, String)> = plans
+        .iter()
+        .zip(items)
+        .flat_map(|((r, _, _), item)| r.deliver.iter().map(|(u, _)| (u.clone(), item.source_event_id.clone())))
+        .collect();
+    asked.sort();
+    asked.dedup();
+    let mut held: std::collections::HashSet<(String, String, i64)> = std::collections::HashSet::new();
+    if !asked.is_empty() {
+        let (us, ss): (Vec<&str>, Vec<&str>) = asked.iter().map(|(u, s)| (u.as_str(), s.as_str())).unzip();
+        let rows = query(
+            c,
+            "SELECT e.user_id, e.source_event_id, e.period_id FROM unnest($1::text[], $2::text[]) AS q(u, s)
+             JOIN user_events e ON e.user_id = q.u AND e.source_event_id = q.s",
+            &[&us, &ss],
+        )
+        .await?;
+        for r in &rows {
+            held.insert((col(r, 0)?, col(r, 1)?, col(r, 2)?));
         }
-        let targets: Vec<String> = recipients.deliver.iter().map(|(u, _)| u.clone()).collect();
-        let held = if targets.is_empty() {
-            Vec::new()
-        } else {
-            let rows = query(
-                c,
-                "SELECT user_id, period_id FROM user_events WHERE user_id = ANY($1) AND source_event_id = $2",
-                &[&targets, &item.source_event_id],
-            )
-            .await?;
-            rows.iter().map(|r| Ok((col::<String>(r, 0)?, col::<i64>(r, 1)?))).collect::<R<Vec<_>>>()?
-        };
+    }
+
+    // Every delivery of the batch, in item order; and the quarantined.
+    struct Delivery<'a> {
+        plan: usize,
+        user: &'a str,
+        item: &'a OutboxItem,
+        period_id: &'a i64,
+        d: projection::Delivery,
+        mentioned: bool,
+    }
+    let mut deliveries: Vec<Delivery<'_>> = Vec::new();
+    let mut quarantined: Vec<(&str, &OutboxItem)> = Vec::new();
+    for (k, (item, (recipients, _, mentions))) in items.iter().zip(&plans).enumerate() {
+        for user in &recipients.quarantined {
+            quarantined.push((user.as_str(), item));
+        }
         for (user, period_id) in &recipients.deliver {
-            if held.iter().any(|(u, p)| u == user && p == period_id) {
+            // Held by the log, or by an earlier item of this batch (the
+            // same event queued twice).
+            if !held.insert((user.clone(), item.source_event_id.clone(), *period_id)) {
                 report.duplicates_skipped += 1;
                 continue;
             }
             // Projections commit with the event: once per (user, event).
             let d = projection::delivery(&item.kind, user, &item.actor);
             let mentioned = d.counts_unread && mention::counts(user, &item.actor, &mentions.named, mentions.all);
-            let row = query_one(
-                c,
-                DELIVER,
-                &[
-                    &user,
-                    &item.kind,
-                    &item.conv,
-                    &big(item.msg_seq),
-                    &item.source_event_id,
-                    period_id,
-                    &now_ms,
-                    &d.own,
-                    &d.counts_unread,
-                    &mentioned,
-                ],
-            )
-            .await?;
-            let sync_seq = seq(&row, 0)?;
-            if d.recount {
-                events::recount_unread(c, user, &item.conv).await?;
-            }
-            report.events_written += 1;
-            touched.insert(user.clone(), sync_seq);
-            seen.deliveries.push((user.clone(), sync_seq));
+            deliveries.push(Delivery { plan: k, user, item, period_id, d, mentioned });
         }
-        report.items.push(seen);
-        exec(c, "DELETE FROM outbox WHERE conv_id = $1 AND outbox_id = $2", &[&item.conv, &item.outbox_id]).await?;
-        report.items_done += 1;
     }
+    if !quarantined.is_empty() {
+        let msg_seqs: Vec<i64> = quarantined.iter().map(|(_, item)| big(item.msg_seq)).collect();
+        let params: Vec<Vec<&(dyn ToSql + Sync)>> = quarantined
+            .iter()
+            .zip(&msg_seqs)
+            .map(|((user, item), msg_seq)| {
+                vec![user as &(dyn ToSql + Sync), &item.source_event_id, &item.conv, msg_seq, &now_ms]
+            })
+            .collect();
+        pipelined(
+            c,
+            "INSERT INTO fanout_quarantine (user_id, source_event_id, conv_id, msg_seq, reason, created_at)
+             VALUES ($1, $2, $3, $4, 'overlapping_membership_periods', $5)
+             ON CONFLICT DO NOTHING",
+            &params,
+        )
+        .await?;
+        for (_, item) in &quarantined {
+            report.quarantined += 1;
+            tracing::error!(source_event_id = %item.source_event_id, conv = %item.conv, msg_seq = item.msg_seq,
+                "fan-out hit two membership periods of one user; quarantined");
+        }
+    }
+    let msg_seqs: Vec<i64> = deliveries.iter().map(|x| big(x.item.msg_seq)).collect();
+    let params: Vec<Vec<&(dyn ToSql + Sync)>> = deliveries
+        .iter()
+        .zip(&msg_seqs)
+        .map(|(x, msg_seq)| {
+            vec![
+                &x.user as &(dyn ToSql + Sync),
+                &x.item.kind,
+                &x.item.conv,
+                msg_seq,
+                &x.item.source_event_id,
+                x.period_id,
+                &now_ms,
+                &x.d.own,
+                &x.d.counts_unread,
+                &x.mentioned,
+            ]
+        })
+        .collect();
+    let delivered = pipelined(c, DELIVER, &params).await?;
+    let mut touched: BTreeMap<String, SyncSeq> = BTreeMap::new();
+    let mut recounts: Vec<(&str, &str)> = Vec::new();
+    let mut per_plan: Vec<Vec<(String, SyncSeq)>> = plans.iter().map(|_| Vec::new()).collect();
+    for (x, rows) in deliveries.iter().zip(&delivered) {
+        let row = rows.first().ok_or_else(|| StoreError::Internal("a delivery returned no sync_seq".into()))?;
+        let sync_seq = seq(row, 0)?;
+        if x.d.recount && !recounts.contains(&(x.user, x.item.conv.as_str())) {
+            recounts.push((x.user, x.item.conv.as_str()));
+        }
+        report.events_written += 1;
+        touched.insert(x.user.to_owned(), sync_seq);
+        per_plan[x.plan].push((x.user.to_owned(), sync_seq));
+    }
+    drop(params);
+    let params: Vec<Vec<&(dyn ToSql + Sync)>> =
+        recounts.iter().map(|(user, conv)| vec![user as &(dyn ToSql + Sync), conv]).collect();
+    pipelined(c, &RECOUNT, &params).await?;
+    let (convs, ids): (Vec<&str>, Vec<i64>) = items.iter().map(|i| (i.conv.as_str(), i.outbox_id)).unzip();
+    if !items.is_empty() {
+        exec(
+            c,
+            "DELETE FROM outbox o USING unnest($1::text[], $2::bigint[]) AS q(conv, id)
+             WHERE o.conv_id = q.conv AND o.outbox_id = q.id",
+            &[&convs, &ids],
+        )
+        .await?;
+    }
+    drop(params);
+    drop(recounts);
+    drop(deliveries);
+    report.items_done = items.len() as u64;
+    report.items = plans
+        .into_iter()
+        .zip(per_plan)
+        .map(|((_, mut seen, _), delivered)| {
+            seen.deliveries = delivered;
+            seen
+        })
+        .collect();
     for (conv, max_seq) in moved {
         report.convs.push(publish_marker(c, &conv, max_seq).await?);
     }

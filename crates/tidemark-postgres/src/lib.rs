@@ -41,6 +41,16 @@
 //!   period_id)` (F3).
 //! - device cursors: `SELECT ... FOR UPDATE`, then `decide_ack` or the CAS
 //!   comparison, then the write, all in the writer's transaction (D4, D5).
+//!   An ACK does all of it in one statement, `tidemark_ack` (schema step
+//!   15, the table of `decide_ack_with` in PL/pgSQL, cross-checked against
+//!   core by `lifecycle::decide_ack_row`), pipelined like a send.
+//! - connection epochs (P2): a frame of a WebSocket connection carries its
+//!   epoch; the send (`tidemark_send_on`), the ACK (with its `FOR UPDATE`
+//!   of the device) and the read (with its `user_convs` read) compare it
+//!   with `devices.connection_epoch` in a statement they run anyway and
+//!   refuse an older one (`StoreError::Superseded`) before writing. The
+//!   send reads the device row without a lock: a send that saw the older
+//!   epoch is ordered before the newer connection's commit.
 //!
 //! Lock order inside one request:
 //!
@@ -65,7 +75,10 @@
 //! a lock cycle; both locks last until the claim's COMMIT or rollback.
 //!
 //! Fan-out reads the conversation side without locks (the periods covering
-//! a committed `msg_seq` never change) and deletes its outbox rows last. Because a batch holds the locks of all of its requests until its
+//! a committed `msg_seq` never change) and deletes its outbox rows last; a
+//! batch costs a fixed number of round trips whatever its size (arrays with
+//! `unnest`, its deliveries and recounts pipelined; `fanout`). Because a
+//! batch holds the locks of all of its requests until its
 //! COMMIT, two writers' batches can still form a cycle; PostgreSQL's
 //! deadlock detector then aborts one statement, whose request alone rolls
 //! back to its savepoint, while the rest of its batch commits; the writer
@@ -314,7 +327,7 @@ impl Drop for PgStore {
     }
 }
 
-fn cursor_from_row(generation: i64, acked: i64, state: &str) -> StoreResult<DeviceCursor> {
+pub(crate) fn cursor_from_row(generation: i64, acked: i64, state: &str) -> StoreResult<DeviceCursor> {
     let state = DeviceState::parse(state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
     Ok(DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state })
 }
@@ -654,10 +667,23 @@ impl Store for PgStore {
             .await
     }
 
-    async fn mark_read(&self, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> StoreResult<ReadOutcome> {
+    async fn mark_read_on(
+        &self,
+        user: &str,
+        conv: &str,
+        read_to_seq: u64,
+        on: Option<(&str, u64)>,
+        now_ms: i64,
+    ) -> StoreResult<ReadOutcome> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
+        let on = on.map(|(d, e)| (d.to_owned(), e));
         self.user_writer
-            .write(move |c| Box::pin(async move { events::mark_read(c, &user, &conv, read_to_seq, now_ms).await }))
+            .write(move |c| {
+                Box::pin(async move {
+                    let on = on.as_ref().map(|(d, e)| (d.as_str(), *e));
+                    events::mark_read(c, &user, &conv, read_to_seq, on, now_ms).await
+                })
+            })
             .await
     }
 
@@ -852,8 +878,9 @@ impl Store for PgStore {
             .await
     }
 
-    async fn ack(
+    async fn ack_on(
         &self,
+        connection_epoch: Option<u64>,
         user: &str,
         device: &str,
         generation: u64,
@@ -861,13 +888,21 @@ impl Store for PgStore {
         seq: SyncSeq,
         now_ms: i64,
     ) -> StoreResult<AckResult> {
-        let (user, device, session) = (user.to_owned(), device.to_owned(), token_session.map(str::to_owned));
+        let cmd = lifecycle::AckCmd {
+            connection_epoch,
+            user: user.to_owned(),
+            device: device.to_owned(),
+            generation,
+            token_session: token_session.map(str::to_owned),
+            seq,
+            now_ms,
+        };
+        let params = lifecycle::ack_params(&cmd);
+        let cmd = Arc::new(cmd);
+        // One statement, pipelined with the other one-statement requests of
+        // its group commit (sends, other ACKs).
         self.writer()
-            .write(move |c| {
-                Box::pin(
-                    async move { lifecycle::ack(c, &user, &device, generation, session.as_deref(), seq, now_ms).await },
-                )
-            })
+            .write_statement(lifecycle::ACK_SQL, params, move |rows| lifecycle::decide_ack_row(&cmd, rows))
             .await
     }
 

@@ -18,6 +18,7 @@ use tidemark_store::*;
 use tokio_postgres::Row;
 
 use crate::db::{big, col, exec, query, query_opt, seq, seq_opt, Conn};
+use crate::writer::Decided;
 use crate::{events, read, read_device, write_cursor, DEVICE_FOR_UPDATE_SQL};
 
 type R<T> = StoreResult<T>;
@@ -426,49 +427,106 @@ pub(crate) async fn begin_recovery(
     Ok((true, new))
 }
 
-/// A cumulative ACK: `decide_ack_with` on the locked device row and its
-/// open recovery session, then the write it decided (D4, D6).
-pub(crate) async fn ack(
-    c: &Conn,
-    user: &str,
-    device: &str,
-    generation: u64,
-    token_session: Option<&str>,
-    at: u64,
-    now_ms: i64,
-) -> R<AckResult> {
-    let cursor = device_cursor(c, user, device).await?;
-    let session = recovery_session(c, user, device).await?;
-    let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), at, now_ms);
-    let Some(after) = cursor::cursor_after_ack(cursor, decision) else {
-        return Ok(AckResult { decision, cursor });
-    };
-    match decision {
-        AckDecision::CompleteRecovery { .. } => {
-            // The session's own CAS: only the live session of this
-            // generation completes, and only here.
-            let s = session.as_ref().ok_or_else(|| StoreError::Internal("a completion without a session".into()))?;
-            let n = exec(
-                c,
-                "UPDATE recovery_sessions SET state = 'COMPLETED'
-                 WHERE user_id = $1 AND session_id = $2 AND state = 'ACTIVE'",
-                &[&user, &s.session_id],
-            )
-            .await?;
-            assert_eq!(n, 1, "the live session completes once");
+/// A cumulative ACK in one statement, `tidemark_ack` (schema step 15); the
+/// parameters are [`ack_params`], [`decide_ack_row`] reads the outcome.
+pub(crate) const ACK_SQL: &str = "SELECT * FROM tidemark_ack($1, $2, $3, $4, $5, $6, $7)";
+
+/// One ACK, as [`ACK_SQL`] takes it and [`decide_ack_row`] judges it.
+#[derive(Debug, Clone)]
+pub(crate) struct AckCmd {
+    pub connection_epoch: Option<u64>,
+    pub user: String,
+    pub device: String,
+    pub generation: u64,
+    pub token_session: Option<String>,
+    pub seq: u64,
+    pub now_ms: i64,
+}
+
+/// The parameters of [`ACK_SQL`] for `cmd`.
+pub(crate) fn ack_params(cmd: &AckCmd) -> Vec<crate::writer::Param> {
+    vec![
+        Box::new(cmd.user.clone()),
+        Box::new(cmd.device.clone()),
+        Box::new(big(cmd.generation)),
+        Box::new(cmd.token_session.clone()),
+        Box::new(big(cmd.seq)),
+        Box::new(cmd.now_ms),
+        Box::new(cmd.connection_epoch.map(big)),
+    ]
+}
+
+/// What `tidemark_core` makes of `tidemark_ack`'s row: the statement
+/// decided and wrote as `cursor::decide_ack_with` and `cursor_after_ack`
+/// do; here core decides again on the facts the statement read (the
+/// locked cursor, the open session), and a disagreement undoes the
+/// request and answers `Internal`, never committed against core's rule.
+pub(crate) fn decide_ack_row(cmd: &AckCmd, rows: &[Row]) -> Decided<AckResult> {
+    let decided = (|| -> R<Decided<AckResult>> {
+        let [r] = rows else {
+            return Err(StoreError::Internal(format!("tidemark_ack returned {} rows", rows.len())));
+        };
+        let status: String = col(r, 0)?;
+        match status.as_str() {
+            "no_device" => return Ok(Decided::Answer(Err(StoreError::NotFound(format!("device {}", cmd.device))))),
+            "superseded" => {
+                let newest = seq(r, 4)?;
+                if !tidemark_core::session::frame_superseded(cmd.connection_epoch, newest) {
+                    return Err(StoreError::Internal(format!(
+                        "tidemark_ack refused epoch {:?} under {newest}, which frame_superseded accepts",
+                        cmd.connection_epoch
+                    )));
+                }
+                return Ok(Decided::Answer(Err(StoreError::Superseded(newest))));
+            }
+            "ok" => {}
+            other => return Err(StoreError::Internal(format!("tidemark_ack status {other}"))),
         }
-        AckDecision::RecoveryExpired { .. } => {
-            exec(
-                c,
-                "UPDATE recovery_sessions SET state = 'EXPIRED' WHERE user_id = $1 AND device_id = $2 AND state = 'ACTIVE'",
-                &[&user, &device],
-            )
-            .await?;
+        let state: String = col(r, 3)?;
+        let cursor = crate::cursor_from_row(col(r, 1)?, col(r, 2)?, &state)?;
+        let session_id: Option<String> = col(r, 5)?;
+        let session = match session_id {
+            Some(session_id) => Some(RecoveryInfo {
+                session_id,
+                resume_from: seq(r, 6)?,
+                high_watermark: seq(r, 7)?,
+                expires_at_ms: col(r, 8)?,
+            }),
+            None => None,
+        };
+        let decision = decide_ack_with(
+            cursor,
+            cmd.generation,
+            cmd.token_session.as_deref(),
+            session.as_ref(),
+            cmd.seq,
+            cmd.now_ms,
+        );
+        let sql: String = col(r, 9)?;
+        let sql_to: Option<i64> = col(r, 10)?;
+        let agrees = match decision {
+            AckDecision::Advance { to } => sql == "advance" && sql_to == Some(big(to)),
+            AckDecision::CompleteRecovery { to } => sql == "complete_recovery" && sql_to == Some(big(to)),
+            AckDecision::Unchanged { .. } => sql == "unchanged",
+            AckDecision::StaleGeneration { .. } => sql == "stale_generation",
+            AckDecision::Resetting { .. } => sql == "resetting",
+            AckDecision::Revoked => sql == "revoked",
+            AckDecision::RecoveryExpired { .. } => sql == "recovery_expired",
+        };
+        if !agrees {
+            return Ok(Decided::Undo(StoreError::Internal(format!(
+                "tidemark_ack decided {sql} {sql_to:?} on {cursor:?}, where decide_ack_with decides {decision:?}"
+            ))));
         }
-        _ => {}
+        let after = cursor::cursor_after_ack(cursor, decision).unwrap_or(cursor);
+        Ok(Decided::Answer(Ok(AckResult { decision, cursor: after })))
+    })();
+    match decided {
+        Ok(d) => d,
+        // A row this build cannot read: whatever the statement wrote must
+        // not commit.
+        Err(e) => Decided::Undo(e),
     }
-    write_cursor(c, user, device, after, now_ms).await?;
-    Ok(AckResult { decision, cursor: after })
 }
 
 /// Message-history retention (L3), as in the SQLite backend: per

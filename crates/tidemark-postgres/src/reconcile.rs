@@ -78,7 +78,11 @@ pub(crate) async fn messages(c: &Conn, after: MessageCursor, limit: u32) -> R<Me
             pending,
         );
         if let Some(item) = item {
-            facts.recipients = fanout::resolve(c, &item).await?.0;
+            facts.recipients = fanout::resolve(c, std::slice::from_ref(&item))
+                .await?
+                .pop()
+                .ok_or_else(|| StoreError::Internal("resolve answered no item".into()))?
+                .0;
             facts.sender_covered = scalar(
                 c,
                 "SELECT EXISTS (SELECT 1 FROM membership_periods WHERE conv_id = $1 AND user_id = $2

@@ -71,6 +71,8 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 11, name: "mentions", sql: MENTIONS },
     Migration { version: 12, name: "push preview preferences", sql: PUSH_PREVIEW_PREFERENCES },
     Migration { version: 13, name: "privacy switch versions", sql: PRIVACY_VERSIONS },
+    Migration { version: 14, name: "per-frame connection epoch fence", sql: FRAME_FENCE },
+    Migration { version: 15, name: "ACK in one statement", sql: ACK_FUNCTION },
 ];
 
 /// Step 13 (issue 18): the switches' version, moved by each change, so a
@@ -79,6 +81,141 @@ pub const MIGRATIONS: &[Migration] = &[
 pub const PRIVACY_VERSIONS: &str = r#"
 ALTER TABLE user_privacy ADD COLUMN version BIGINT NOT NULL DEFAULT 0;
 UPDATE user_privacy SET version = 1;
+"#;
+
+/// Step 15 (D4, D6, issue 14): `tidemark_ack`, a cumulative ACK in one
+/// statement, so the writer pipelines the ACKs of a group commit with its
+/// sends (`Writer::write_statement`). It implements the table of
+/// `tidemark_core::cursor::decide_ack_with`, row for row, on the device row
+/// it locks (`FOR UPDATE`, the lock the multi-statement ACK took) and the
+/// device's open recovery session, and writes what
+/// `tidemark_core::cursor::cursor_after_ack` makes of the decision. It
+/// returns the facts it decided on and its decision; the caller
+/// (`lifecycle::decide_ack_row`) runs core's rule on those facts and undoes
+/// the request, answering `Internal`, were they ever to disagree: the rule
+/// lives in core, this is its transcription, keep them the same. Behind the
+/// frame's epoch fence of step 14 (`superseded`: nothing written).
+pub const ACK_FUNCTION: &str = r#"
+CREATE FUNCTION tidemark_ack(
+    p_user TEXT, p_device TEXT, p_generation BIGINT, p_token_session TEXT, p_seq BIGINT, p_now BIGINT,
+    p_epoch BIGINT,
+    OUT o_status TEXT, OUT o_generation BIGINT, OUT o_acked BIGINT, OUT o_state TEXT, OUT o_epoch BIGINT,
+    OUT o_session_id TEXT, OUT o_resume_from BIGINT, OUT o_session_hw BIGINT, OUT o_session_expires BIGINT,
+    OUT o_decision TEXT, OUT o_to BIGINT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+BEGIN
+    SELECT d.sync_generation, d.acked_sync_seq, d.state, d.connection_epoch
+      INTO o_generation, o_acked, o_state, o_epoch
+      FROM devices d WHERE d.user_id = p_user AND d.device_id = p_device FOR UPDATE;
+    IF NOT FOUND THEN
+        o_status := 'no_device';
+        RETURN;
+    END IF;
+    -- tidemark_core::session::frame_superseded
+    IF p_epoch IS NOT NULL AND o_epoch > p_epoch THEN
+        o_status := 'superseded';
+        RETURN;
+    END IF;
+    o_status := 'ok';
+    -- tidemark_core::cursor::decide_ack_with, in its order.
+    IF o_state = 'REVOKED' THEN
+        o_decision := 'revoked';
+        RETURN;
+    END IF;
+    IF p_generation <> o_generation THEN
+        o_decision := 'stale_generation';
+        RETURN;
+    END IF;
+    IF o_state IN ('RESETTING', 'NEW') THEN
+        o_decision := 'resetting';
+        RETURN;
+    END IF;
+    IF o_state = 'RECOVERING' THEN
+        SELECT r.session_id, r.resume_from, r.high_watermark, r.expires_at
+          INTO o_session_id, o_resume_from, o_session_hw, o_session_expires
+          FROM recovery_sessions r WHERE r.user_id = p_user AND r.device_id = p_device AND r.state = 'ACTIVE';
+        IF NOT FOUND OR o_session_id IS DISTINCT FROM p_token_session THEN
+            o_decision := 'unchanged';
+            RETURN;
+        END IF;
+        IF p_now >= o_session_expires THEN
+            o_decision := 'recovery_expired';
+            UPDATE recovery_sessions SET state = 'EXPIRED'
+             WHERE user_id = p_user AND device_id = p_device AND state = 'ACTIVE';
+            UPDATE devices SET sync_generation = o_generation + 1, state = 'RESETTING',
+                   row_version = row_version + 1, updated_at = p_now
+             WHERE user_id = p_user AND device_id = p_device;
+            RETURN;
+        END IF;
+        IF p_seq = o_session_hw THEN
+            o_decision := 'complete_recovery';
+            o_to := GREATEST(o_session_hw, o_acked);
+            UPDATE recovery_sessions SET state = 'COMPLETED'
+             WHERE user_id = p_user AND session_id = o_session_id AND state = 'ACTIVE';
+            IF NOT FOUND THEN
+                RAISE EXCEPTION 'the live recovery session % did not complete once', o_session_id;
+            END IF;
+            UPDATE devices SET acked_sync_seq = o_to, state = 'ACTIVE',
+                   row_version = row_version + 1, updated_at = p_now
+             WHERE user_id = p_user AND device_id = p_device;
+            RETURN;
+        END IF;
+        o_decision := 'unchanged';
+        RETURN;
+    END IF;
+    IF p_seq > o_acked THEN
+        o_decision := 'advance';
+        o_to := p_seq;
+        UPDATE devices SET acked_sync_seq = p_seq, row_version = row_version + 1, updated_at = p_now
+         WHERE user_id = p_user AND device_id = p_device;
+    ELSE
+        o_decision := 'unchanged';
+    END IF;
+END
+$fn$;
+"#;
+
+/// Step 14 (P2, issue 14): `tidemark_send_on`, the send of step 11 behind
+/// the frame's epoch fence, still one statement. With `p_epoch` (the
+/// WebSocket connection the send came on; NULL over HTTP: any epoch) older
+/// than the device's newest `connection_epoch`, it answers `superseded`
+/// with that epoch in `o_msg_seq` and writes nothing; the caller lets
+/// `tidemark_core::session::frame_superseded` decide and cross-checks. The
+/// device row is read without a lock: a send that read the older epoch is
+/// ordered before the newer connection opened (its bump was not yet
+/// committed), so only frames that arrive after the supersession are
+/// refused, which is what P2 asks; and the conversation side takes no
+/// user-side lock (the lock order of `lib.rs`).
+pub const FRAME_FENCE: &str = r#"
+CREATE FUNCTION tidemark_send_on(
+    p_conv TEXT, p_message_id TEXT, p_sender TEXT, p_sender_device TEXT, p_client_msg_id TEXT,
+    p_kind TEXT, p_content TEXT, p_state TEXT, p_quote_id TEXT, p_now BIGINT, p_outbox_kind TEXT,
+    p_control_kinds TEXT[], p_mentions TEXT[], p_mention_all BOOLEAN, p_mention_all_members_max BIGINT,
+    p_epoch BIGINT,
+    OUT o_status TEXT, OUT o_message_id TEXT, OUT o_conv_id TEXT, OUT o_msg_seq BIGINT, OUT o_created_at BIGINT,
+    OUT o_kind TEXT, OUT o_quote_kind TEXT, OUT o_quote_sees BOOLEAN,
+    OUT o_conv_kind TEXT, OUT o_owner TEXT, OUT o_members BIGINT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    v_newest BIGINT;
+BEGIN
+    IF p_epoch IS NOT NULL THEN
+        SELECT d.connection_epoch INTO v_newest FROM devices d
+         WHERE d.user_id = p_sender AND d.device_id = p_sender_device;
+        -- tidemark_core::session::frame_superseded
+        IF COALESCE(v_newest, 0) > p_epoch THEN
+            o_status := 'superseded';
+            o_msg_seq := v_newest;
+            RETURN;
+        END IF;
+    END IF;
+    SELECT * INTO o_status, o_message_id, o_conv_id, o_msg_seq, o_created_at, o_kind, o_quote_kind, o_quote_sees,
+                  o_conv_kind, o_owner, o_members
+      FROM tidemark_send(p_conv, p_message_id, p_sender, p_sender_device, p_client_msg_id, p_kind, p_content,
+                         p_state, p_quote_id, p_now, p_outbox_kind, p_control_kinds, p_mentions, p_mention_all,
+                         p_mention_all_members_max);
+END
+$fn$;
 "#;
 
 /// Step 12 (P4, issue 20): the user's push preview preference and the

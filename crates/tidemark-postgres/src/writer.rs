@@ -526,7 +526,7 @@ async fn run_pipelined(
 /// in index order on every wake-up, so what each sends on its first poll
 /// reaches the connection in index order (a `join_all` of many futures
 /// does not promise that order).
-async fn in_order<'c, T>(futures: Vec<BoxFut<'c, T>>) -> Vec<T> {
+pub(crate) async fn in_order<'c, T>(futures: Vec<BoxFut<'c, T>>) -> Vec<T> {
     let mut futures: Vec<Option<BoxFut<'c, T>>> = futures.into_iter().map(Some).collect();
     let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

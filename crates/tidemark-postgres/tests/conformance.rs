@@ -121,6 +121,7 @@ fn send_cmd(sender: &str, conv: &str, cmid: &str) -> SendCmd {
         quote_id: None,
         mentions: Vec::new(),
         mention_all: false,
+        connection_epoch: None,
         now_ms: 0,
     }
 }
@@ -930,4 +931,47 @@ async fn two_nodes_never_claim_one_push_target() {
     let mut got: Vec<String> = tasks.join_all().await.into_iter().flatten().collect();
     got.sort();
     assert_eq!(got, devices, "P4: every due target claimed exactly once across nodes");
+}
+
+/// Issue 14: a fan-out batch costs a fixed number of round trips whatever
+/// its size (`fanout` module docs): its statements are a fixed few plus one
+/// per delivery and one per recount, every delivery pipelined in one round
+/// trip. 16 messages to a group of 4 (every member, the sender included,
+/// gets each event; the sender's own events ask for one recount) cost 197
+/// statements before issue 14 (about 12 per message, each awaited: 2 to
+/// resolve, 1 for what the logs hold, 4 deliveries, 4 for the sender's
+/// recount, 1 delete) and 74 now: 9 fixed, 64 deliveries in one pipeline,
+/// 1 recount.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fan_out_batch_costs_fixed_statements_plus_one_per_delivery() {
+    let Some(url) = pg_url("a_fan_out_batch_costs_fixed_statements_plus_one_per_delivery") else { return };
+    let schemas = Schemas::new(url);
+    let store = schemas.fresh().await;
+    for u in ["a", "b", "c", "d"] {
+        assert!(store.create_user(u, "h", 0).await.unwrap());
+    }
+    store.create_group(ev("g", "a", "g-create"), vec!["b".into(), "c".into(), "d".into()]).await.unwrap();
+    store.fan_out(store.pending_outbox(100).await.unwrap(), 10).await.unwrap();
+    for i in 0..16 {
+        let mentions = if i % 2 == 0 { vec!["b".to_string()] } else { Vec::new() };
+        store.accept_send(SendCmd { mentions, ..send_cmd("a", "g", &format!("m{i}")) }).await.unwrap();
+    }
+    let items = store.pending_outbox(100).await.unwrap();
+    assert_eq!(items.len(), 16);
+    let before = store.stats().statements;
+    let report = store.fan_out(items, 10).await.unwrap();
+    let spent = store.stats().statements - before;
+    eprintln!("fan-out of 16 messages to a group of 4: {spent} statements, {} events", report.events_written);
+    assert_eq!(report.events_written, 64);
+    // BEGIN, COMMIT, 2 to resolve, 2 head locks, 1 for what the logs hold,
+    // 1 delete; then 64 deliveries and 1 recount (the sender's).
+    const FIXED: u64 = 10;
+    assert!(spent <= FIXED + 64 + 1, "a fan-out of 16 messages cost {spent} statements");
+    // The mention counts are main's: 8 of b's 16 unread mention b.
+    let b = store.list_conversations("b", None).await.unwrap();
+    let g = b.iter().find(|s| s.conv == "g").unwrap();
+    assert_eq!((g.unread, g.mentions), (16, 8));
+    let a = store.list_conversations("a", None).await.unwrap();
+    let g = a.iter().find(|s| s.conv == "g").unwrap();
+    assert_eq!((g.unread, g.mentions, g.read_seq), (0, 0, 17), "the sender's own events: read, recounted");
 }

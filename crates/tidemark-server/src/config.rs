@@ -149,6 +149,11 @@ pub struct ServerConfig {
     /// Test hook: accept sends but never fan out (the outbox keeps them).
     /// Used to prove that a crash before fan-out loses nothing.
     pub hold_fanout: bool,
+    /// Test hook: never reload the fences from the store (no
+    /// `fence::run_refresh`). With a bus that hears nothing, the node never
+    /// learns that another node superseded a connection, so only the
+    /// store's per-frame epoch fence (P2) stops that connection's frames.
+    pub hold_fence_refresh: bool,
     /// How hints reach the other nodes: in-process only (one node), or NATS.
     pub hint_bus: HintBusConfig,
     /// When a group leaves per-member fan-out for the shared log (G3).
@@ -199,6 +204,7 @@ impl Default for ServerConfig {
             retention_every: Duration::from_secs(60),
             reconcile_every: None,
             hold_fanout: false,
+            hold_fence_refresh: false,
             hint_bus: HintBusConfig::Local,
             group_policy: tidemark_core::large::GroupPolicy::default(),
             ephemeral: crate::ephemeral::EphemeralConfig::default(),

@@ -69,6 +69,12 @@ impl From<StoreError> for ApiError {
                 }
             }
             StoreError::Forbidden(m) => ApiError::new(ErrorCode::Forbidden, m),
+            // A frame of a connection the device has replaced (P2): nothing
+            // changed; the connection is being closed `superseded`.
+            StoreError::Superseded(_) => ApiError::new(
+                ErrorCode::Unavailable,
+                "this connection was superseded by a newer one of the device; nothing was done",
+            ),
             StoreError::CursorAhead(head) => {
                 ApiError::new(ErrorCode::CursorAhead, format!("after is beyond the conversation head {head}"))
             }

@@ -87,9 +87,11 @@ impl Server {
         // on the store by another process; in cluster mode also what the
         // bus lost) and, in cluster mode, on the bus (`fence`).
         let cluster = bus_pending.is_some();
-        let refresh =
-            spawn_fatal("fence refresh", crate::fence::run_refresh(state.clone(), shutdown_rx.clone(), cluster));
-        tasks.push(refresh);
+        if !state.config.hold_fence_refresh {
+            let refresh =
+                spawn_fatal("fence refresh", crate::fence::run_refresh(state.clone(), shutdown_rx.clone(), cluster));
+            tasks.push(refresh);
+        }
         if let Some(pending) = bus_pending {
             let to = crate::bus::Receivers {
                 hub: state.hub.clone(),

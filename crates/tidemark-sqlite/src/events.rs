@@ -536,17 +536,35 @@ pub(crate) fn recount_unread(c: &Connection, user: &str, conv: &str) -> R<(u64, 
     recount(c, user, conv)
 }
 
-pub(crate) fn mark_read(c: &Connection, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> R<ReadOutcome> {
-    let row: Option<(i64, i64)> = c
+pub(crate) fn mark_read(
+    c: &Connection,
+    user: &str,
+    conv: &str,
+    read_to_seq: u64,
+    on: Option<(&str, u64)>,
+    now_ms: i64,
+) -> R<ReadOutcome> {
+    // The device's newest connection is read by the same statement (P2).
+    let (device, epoch) = (on.map_or("", |(d, _)| d), on.map(|(_, e)| e));
+    let row: Option<(i64, i64, i64)> = c
         .prepare_cached(
-            "SELECT uc.read_seq, c.head FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
+            "SELECT uc.read_seq, c.head,
+                    COALESCE((SELECT d.connection_epoch FROM devices d WHERE d.user_id = ?1 AND d.device_id = ?3), 0)
+             FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
              WHERE uc.user_id = ?1 AND uc.conv_id = ?2",
         )
         .map_err(internal)?
-        .query_row(params![user, conv], |r| Ok((r.get(0)?, r.get(1)?)))
+        .query_row(params![user, conv, device], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
         .optional()
         .map_err(internal)?;
-    let Some((read_seq, head)) = row else { return Err(not_found_or_not_member(c, conv)?) };
+    if let Some((_, _, newest)) = row {
+        if tidemark_core::session::frame_superseded(epoch, newest.max(0) as u64) {
+            return Err(StoreError::Superseded(newest.max(0) as u64));
+        }
+    } else if let Some(epoch) = epoch {
+        connection_fence(c, user, device, Some(epoch))?;
+    }
+    let Some((read_seq, head, _)) = row else { return Err(not_found_or_not_member(c, conv)?) };
     let Some(target) = projection::read_target(read_to_seq, head as u64, read_seq as u64) else {
         let (unread, mentions) = crate::read::conv_rows(c, user, None, crate::read::Rows::One(conv))?
             .pop()
@@ -571,6 +589,27 @@ pub(crate) fn mark_read(c: &Connection, user: &str, conv: &str, read_to_seq: u64
     let source = projection::read_event_id(conv, target);
     let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms)?;
     Ok(ReadOutcome { read_seq: target, unread, mentions, written })
+}
+
+/// The epoch fence of a frame (P2, `tidemark_core::session::frame_superseded`)
+/// where no statement of the request reads the device row already: one
+/// indexed read, only for a frame of a WebSocket connection.
+pub(crate) fn connection_fence(c: &Connection, user: &str, device: &str, epoch: Option<u64>) -> R<()> {
+    if epoch.is_none() {
+        return Ok(());
+    }
+    let newest: i64 = c
+        .prepare_cached("SELECT connection_epoch FROM devices WHERE user_id = ?1 AND device_id = ?2")
+        .map_err(internal)?
+        .query_row(params![user, device], |r| r.get(0))
+        .optional()
+        .map_err(internal)?
+        .unwrap_or(0);
+    let newest = newest.max(0) as u64;
+    if tidemark_core::session::frame_superseded(epoch, newest) {
+        return Err(StoreError::Superseded(newest));
+    }
+    Ok(())
 }
 
 pub(crate) fn update_settings(

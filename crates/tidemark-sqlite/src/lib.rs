@@ -168,7 +168,7 @@ impl Drop for SqliteStore {
     }
 }
 
-fn cursor_from_row(generation: i64, acked: i64, state: &str) -> StoreResult<DeviceCursor> {
+pub(crate) fn cursor_from_row(generation: i64, acked: i64, state: &str) -> StoreResult<DeviceCursor> {
     let state = DeviceState::parse(state).ok_or_else(|| StoreError::Internal(format!("bad device state {state}")))?;
     Ok(DeviceCursor { generation: generation as u64, acked_sync_seq: acked as u64, state })
 }
@@ -212,6 +212,9 @@ pub(crate) fn write_cursor(
 }
 
 fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
+    // A frame of a superseded connection changes nothing, not even by
+    // answering a retry as a duplicate (P2).
+    events::connection_fence(conn, &cmd.sender, &cmd.sender_device, cmd.connection_epoch)?;
     if let Some((message_id, conv, msg_seq, created_at_ms)) =
         events::existing_event_of(conn, &cmd.sender, &cmd.client_msg_id, &cmd.conv, &[])?
     {
@@ -728,9 +731,21 @@ impl Store for SqliteStore {
         self.writer.write(move |c| events::react(c, &cmd, &id, &reaction, add)).await
     }
 
-    async fn mark_read(&self, user: &str, conv: &str, read_to_seq: u64, now_ms: i64) -> StoreResult<ReadOutcome> {
+    async fn mark_read_on(
+        &self,
+        user: &str,
+        conv: &str,
+        read_to_seq: u64,
+        on: Option<(&str, u64)>,
+        now_ms: i64,
+    ) -> StoreResult<ReadOutcome> {
         let (user, conv) = (user.to_owned(), conv.to_owned());
-        self.writer.write(move |c| events::mark_read(c, &user, &conv, read_to_seq, now_ms)).await
+        let on = on.map(|(d, e)| (d.to_owned(), e));
+        self.writer
+            .write(move |c| {
+                events::mark_read(c, &user, &conv, read_to_seq, on.as_ref().map(|(d, e)| (d.as_str(), *e)), now_ms)
+            })
+            .await
     }
 
     async fn update_settings(
@@ -1042,8 +1057,9 @@ impl Store for SqliteStore {
             .await
     }
 
-    async fn ack(
+    async fn ack_on(
         &self,
+        connection_epoch: Option<u64>,
         user: &str,
         device: &str,
         generation: u64,
@@ -1054,7 +1070,9 @@ impl Store for SqliteStore {
         let (user, device, session) = (user.to_owned(), device.to_owned(), token_session.map(str::to_owned));
         // Its reads and decision come before its first change: no savepoint.
         self.writer
-            .write_unguarded(move |c| lifecycle::ack(c, &user, &device, generation, session.as_deref(), seq, now_ms))
+            .write_unguarded(move |c| {
+                lifecycle::ack(c, connection_epoch, &user, &device, generation, session.as_deref(), seq, now_ms)
+            })
             .await
     }
 

@@ -424,8 +424,10 @@ pub(crate) fn begin_recovery(
     Ok((true, new))
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn ack(
     c: &Connection,
+    connection_epoch: Option<u64>,
     user: &str,
     device: &str,
     generation: u64,
@@ -433,7 +435,23 @@ pub(crate) fn ack(
     seq: u64,
     now_ms: i64,
 ) -> R<AckResult> {
-    let cursor = device_cursor(c, user, device)?;
+    // The cursor and the device's newest connection in one statement: the
+    // epoch fence (P2) costs no statement of its own.
+    let row: Option<(i64, i64, String, i64)> = c
+        .prepare_cached(
+            "SELECT sync_generation, acked_sync_seq, state, connection_epoch FROM devices
+             WHERE user_id = ?1 AND device_id = ?2",
+        )
+        .map_err(internal)?
+        .query_row(params![user, device], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .optional()
+        .map_err(internal)?;
+    let Some((g, a, state, newest)) = row else { return Err(StoreError::NotFound(format!("device {device}"))) };
+    let newest = newest.max(0) as u64;
+    if tidemark_core::session::frame_superseded(connection_epoch, newest) {
+        return Err(StoreError::Superseded(newest));
+    }
+    let cursor = crate::cursor_from_row(g, a, &state)?;
     let session = if cursor.state == DeviceState::Recovering { recovery_session(c, user, device)? } else { None };
     let decision = decide_ack_with(cursor, generation, token_session, session.as_ref(), seq, now_ms);
     let Some(after) = cursor::cursor_after_ack(cursor, decision) else {

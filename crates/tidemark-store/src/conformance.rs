@@ -29,6 +29,7 @@ fn send(sender: &str, conv: &str, cmid: &str) -> SendCmd {
         quote_id: None,
         mentions: Vec::new(),
         mention_all: false,
+        connection_epoch: None,
         now_ms: T0,
     }
 }
@@ -62,6 +63,7 @@ where
     history_retention_moves_the_boundary(&*fresh().await).await;
     sync_pages_read_their_facts_and_events_together(&*fresh().await).await;
     connection_epochs_are_per_device_and_durable(&*fresh().await).await;
+    frames_of_a_superseded_connection_change_nothing(&*fresh().await).await;
     devices_list_and_sessions_end_durably(&*fresh().await).await;
     fences_version_moves_with_every_fence(&*fresh().await).await;
     audit_log_is_queried_by_user_and_time_and_trimmed(&*fresh().await).await;
@@ -1409,6 +1411,59 @@ pub async fn privacy_changes_are_user_events_once_per_change(store: &dyn Store) 
         }
     }
     assert_eq!(seen, Some((both, 2)), "the view's switches are the last change's");
+}
+
+/// P2 (issue 14): a send, an ACK or a read that came on an older
+/// connection of the device than its newest is refused `Superseded` by the
+/// store itself and changes nothing: no `msg_seq`, no idempotency key, no
+/// cursor; the newest connection and HTTP (no epoch) go on.
+pub async fn frames_of_a_superseded_connection_change_nothing(store: &dyn Store) {
+    users(store, &["a", "b"]).await;
+    let a = store.login_device("a", "d1", "Phone", T0).await.unwrap();
+    store.login_device("b", "p", "Phone", T0).await.unwrap();
+    let (conv, _) = store.create_direct("a", "b", "c-fence", T0).await.unwrap();
+    for (user, device) in [("a", "d1"), ("b", "p")] {
+        assert_eq!(store.open_connection(user, device).await.unwrap().connection_epoch, 1);
+        assert_eq!(store.open_connection(user, device).await.unwrap().connection_epoch, 2);
+    }
+    let on = |epoch: Option<u64>, cmid: &str| SendCmd { connection_epoch: epoch, ..send("a", &conv, cmid) };
+    let late = store.accept_send(on(Some(1), "late")).await;
+    assert_eq!(late, Err(StoreError::Superseded(2)), "P2: a send of the older connection");
+    assert_eq!(store.conversation(&conv).await.unwrap().unwrap().head, 0, "it took no msg_seq");
+    let sent = store.accept_send(on(Some(2), "late")).await.unwrap();
+    assert_eq!((sent.msg_seq, sent.duplicate), (1, false), "the key is new: the late frame left nothing");
+    let retry = store.accept_send(on(None, "late")).await.unwrap();
+    assert!(retry.duplicate && retry.msg_seq == 1, "HTTP carries no epoch: {retry:?}");
+    assert_eq!(
+        store.accept_send(on(Some(1), "late")).await,
+        Err(StoreError::Superseded(2)),
+        "refused before the idempotency lookup too"
+    );
+    store.fan_out(store.pending_outbox(100).await.unwrap(), T0).await.unwrap();
+
+    // ACK: the cursor does not move on the older connection.
+    let active = DeviceCursor { generation: 1, acked_sync_seq: 0, state: DeviceState::Active };
+    assert!(store.cas_device_cursor("a", "d1", a.cursor, active, T0).await.unwrap().0);
+    let head = store.user_high_watermark("a").await.unwrap();
+    assert!(head > 0);
+    let late = store.ack_on(Some(1), "a", "d1", 1, None, head, T0).await;
+    assert_eq!(late, Err(StoreError::Superseded(2)), "P2: an ACK of the older connection");
+    assert_eq!(store.device("a", "d1").await.unwrap().unwrap().cursor, active, "the cursor did not move");
+    let acked = store.ack_on(Some(2), "a", "d1", 1, None, head, T0).await.unwrap();
+    assert_eq!(acked.cursor.acked_sync_seq, head, "the newest connection ACKs");
+
+    // Read: the read cursor and the unread count stay.
+    let unread = |s: Vec<ConvState>| s.into_iter().find(|s| s.conv == conv).map(|s| (s.read_seq, s.unread));
+    let late = store.mark_read_on("b", &conv, 1, Some(("p", 1)), T0).await;
+    assert_eq!(late, Err(StoreError::Superseded(2)), "P2: a read of the older connection");
+    assert_eq!(unread(store.list_conversations("b", None).await.unwrap()), Some((0, 1)), "nothing was read");
+    let head_b = store.user_high_watermark("b").await.unwrap();
+    let late = store.mark_read_on("b", "c-none", 1, Some(("p", 1)), T0).await;
+    assert_eq!(late, Err(StoreError::Superseded(2)), "refused before the membership check too");
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), head_b, "no read event was written");
+    let read = store.mark_read_on("b", &conv, 1, Some(("p", 2)), T0).await.unwrap();
+    assert_eq!((read.read_seq, read.unread), (1, 0), "the newest connection reads");
+    assert_eq!(unread(store.list_conversations("b", None).await.unwrap()), Some((1, 0)));
 }
 
 /// Issue 18: privacy switches are durable and written only on a change;

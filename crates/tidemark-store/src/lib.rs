@@ -67,6 +67,12 @@ pub enum StoreError {
     /// migrated it, and this one must not write to it.
     #[error("database schema version {found} is newer than this build knows ({known})")]
     SchemaTooNew { found: i64, known: i64 },
+    /// A frame of a WebSocket connection older than the device's newest
+    /// (`tidemark_core::session::frame_superseded`, P2): refused by the
+    /// statement that reads the device row, before anything changed. The
+    /// newest epoch is carried.
+    #[error("superseded by connection epoch {0}")]
+    Superseded(u64),
 }
 
 impl From<Refusal> for StoreError {
@@ -146,6 +152,10 @@ pub struct SendCmd {
     /// It mentions everyone: checked by `mention::check_mention_all` at
     /// the conversation's linearisation point, stored with the message.
     pub mention_all: bool,
+    /// The epoch of the WebSocket connection it came on; `None` over HTTP
+    /// (no connection: any epoch). A send of an older connection than the
+    /// device's newest is refused `Superseded` (P2).
+    pub connection_epoch: Option<u64>,
     pub now_ms: i64,
 }
 
@@ -837,7 +847,23 @@ pub trait Store: Send + Sync + 'static {
 
     /// Moves the user's read cursor to `read_to_seq` (never back), recounts
     /// unread from the user's own log, and writes a `read` user event (R1–R3).
-    async fn mark_read(&self, user: &str, conv: &str, read_to_seq: MsgSeq, now_ms: i64) -> StoreResult<ReadOutcome>;
+    /// This is [`Store::mark_read_on`] from no connection (HTTP).
+    async fn mark_read(&self, user: &str, conv: &str, read_to_seq: MsgSeq, now_ms: i64) -> StoreResult<ReadOutcome> {
+        self.mark_read_on(user, conv, read_to_seq, None, now_ms).await
+    }
+
+    /// [`Store::mark_read`] from a WebSocket connection, `on` = (device,
+    /// connection epoch); `None` over HTTP (any epoch). Refused
+    /// `Superseded`, with nothing changed, when the device has a newer
+    /// connection (P2).
+    async fn mark_read_on(
+        &self,
+        user: &str,
+        conv: &str,
+        read_to_seq: MsgSeq,
+        on: Option<(&str, u64)>,
+        now_ms: i64,
+    ) -> StoreResult<ReadOutcome>;
 
     /// Per-user conversation settings (E3): mute, pin and the push preview
     /// preference (`tidemark_core::projection::settings_after` decides).
@@ -1151,8 +1177,28 @@ pub trait Store: Send + Sync + 'static {
     /// with the device's open recovery session; `token_session` is the
     /// session bound into the batch token. Completing a recovery and
     /// expiring one (bump, `RESETTING`) happen here too (D6).
+    ///
+    /// This is [`Store::ack_on`] from no connection (HTTP: any epoch).
     async fn ack(
         &self,
+        user: &str,
+        device: &str,
+        generation: u64,
+        token_session: Option<&str>,
+        seq: SyncSeq,
+        now_ms: i64,
+    ) -> StoreResult<AckResult> {
+        self.ack_on(None, user, device, generation, token_session, seq, now_ms).await
+    }
+
+    /// [`Store::ack`] from the WebSocket connection `connection_epoch`
+    /// (`None`: HTTP, any epoch): refused `Superseded`, with nothing
+    /// changed, when the device has a newer connection (P2), compared in
+    /// the statement that reads the device row.
+    #[allow(clippy::too_many_arguments)]
+    async fn ack_on(
+        &self,
+        connection_epoch: Option<u64>,
         user: &str,
         device: &str,
         generation: u64,

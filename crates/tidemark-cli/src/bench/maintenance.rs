@@ -308,6 +308,7 @@ async fn phase(
                     quote_id: None,
                     mentions: Vec::new(),
                     mention_all: false,
+                    connection_epoch: None,
                     now_ms: unix_ms(),
                 };
                 let t = Instant::now();

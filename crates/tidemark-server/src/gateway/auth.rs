@@ -36,7 +36,12 @@ pub fn authenticate(state: &AppState, token: &str) -> ApiResult<AuthCtx> {
     if !state.session_alive(&claims.user, &claims.device, claims.expires_at_ms) {
         return Err(session_ended());
     }
-    Ok(AuthCtx { user: claims.user, device: claims.device, expires_at_ms: claims.expires_at_ms })
+    Ok(AuthCtx {
+        user: claims.user,
+        device: claims.device,
+        expires_at_ms: claims.expires_at_ms,
+        connection_epoch: None,
+    })
 }
 
 /// Signs an access token and stores a new refresh token in `family` (a

@@ -200,7 +200,7 @@ async fn connection(
 ) {
     let (mut sink, mut stream) = socket.split();
     let budget = state.limits.frame_budget(peer.ip());
-    let (ctx, auth_rid, _user_slot) = match pre_auth {
+    let (mut ctx, auth_rid, _user_slot) = match pre_auth {
         Some((ctx, slot)) => (ctx, None, slot),
         None => match first_frame_auth(&state, &mut sink, &mut stream, &budget).await {
             Some((ctx, rid)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
@@ -226,6 +226,8 @@ async fn connection(
         }
     };
     let epoch = opened.connection_epoch;
+    // Every frame of this connection carries its epoch to the store (P2).
+    ctx.connection_epoch = Some(epoch);
     let issued_at_ms = state.token_issued_at_ms(ctx.expires_at_ms);
     let entry =
         state.hub.register(&ctx.user, &ctx.device, epoch, issued_at_ms, opened.acked_sync_seq, opened.high_watermark);

@@ -261,7 +261,8 @@ pub async fn settings(state: &AppState, ctx: &AuthCtx, req: ConvSettingsReq) -> 
 
 pub async fn read(state: &AppState, ctx: &AuthCtx, req: ReadReq) -> ApiResult<ReadOk> {
     check_conv(&req.conv)?;
-    let r = state.store.mark_read(&ctx.user, &req.conv, req.read_to_seq, now_ms()).await?;
+    let on = ctx.connection_epoch.map(|e| (ctx.device.as_str(), e));
+    let r = state.store.mark_read_on(&ctx.user, &req.conv, req.read_to_seq, on, now_ms()).await?;
     if let Some(hw) = r.written {
         // The read cursor reaches the user's other devices as a user event (R2).
         state.hint_user(&ctx.user, hw);

@@ -32,6 +32,12 @@ pub struct AuthCtx {
     pub device: String,
     /// When the access token expires; a WebSocket is closed then.
     pub expires_at_ms: i64,
+    /// The WebSocket connection the request came on (its
+    /// `connection_epoch`, P2); `None` over HTTP, which belongs to no
+    /// connection. The store refuses a send, ACK or read of an older
+    /// connection than the device's newest (`StoreError::Superseded`),
+    /// whether or not this node has heard of the newer one yet.
+    pub connection_epoch: Option<u64>,
 }
 
 /// The caller's device cursor, as every sync and snapshot step reads it

@@ -62,6 +62,7 @@ async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Send
         quote_id,
         mentions,
         mention_all: req.mention_all,
+        connection_epoch: ctx.connection_epoch,
         now_ms: now_ms(),
     };
     let accepted = state.store.accept_send(cmd).await?;

@@ -321,7 +321,15 @@ pub async fn ack(state: &AppState, ctx: &AuthCtx, req: AckReq) -> ApiResult<AckO
     }
     let result = state
         .store
-        .ack(&ctx.user, &ctx.device, claims.generation, claims.recovery_session.as_deref(), req.sync_seq, now)
+        .ack_on(
+            ctx.connection_epoch,
+            &ctx.user,
+            &ctx.device,
+            claims.generation,
+            claims.recovery_session.as_deref(),
+            req.sync_seq,
+            now,
+        )
         .await?;
     m::ACKS.add_by("result", m::ack_result(&result.decision), 1);
     if let AckDecision::StaleGeneration { .. } = result.decision {
