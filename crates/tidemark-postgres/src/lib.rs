@@ -1581,14 +1581,11 @@ impl Store for PgStore {
 }
 
 /// The conversation partition of `conv` among `n` writers: FNV-1a of the
-/// id, stable across runs and builds (no random seed), so one conversation
+/// id (`tidemark_core::route::conv_hash`, the hash the cluster routes by),
+/// stable across runs and builds (no random seed), so one conversation
 /// always has one writer.
 fn conv_partition(conv: &str, n: usize) -> usize {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in conv.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    (h % n as u64) as usize
+    (tidemark_core::route::conv_hash(conv) % n as u64) as usize
 }
 
 /// Moves `meta.fences_version` (see `Store::fences_version`), inside the
