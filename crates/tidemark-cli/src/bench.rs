@@ -128,6 +128,12 @@ pub struct IngestArgs {
     /// events, node and backend CPU).
     #[arg(long, requires = "database", value_parser = clap::value_parser!(u16).range(1..=NODES_MAX as i64))]
     pub nodes: Option<u16>,
+    /// With --nodes: the nodes share this NATS server (a subject prefix per
+    /// round), so hints cross nodes and each send is routed to its
+    /// conversation's owner node (issue 14); without it every node writes
+    /// what it receives.
+    #[arg(long, requires = "nodes", value_name = "nats://…")]
+    pub nats: Option<String>,
 }
 
 /// Most `tidemark serve` processes `bench ingest --database --nodes` runs.
