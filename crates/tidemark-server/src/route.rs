@@ -250,7 +250,7 @@ fn send_cmd(s: BusSend) -> Option<SendCmd> {
         && ids::check_kind(&s.kind).is_ok()
         && s.content.len() <= CONTENT_BYTES_MAX
         && s.mentions.len() <= tidemark_core::mention::MENTIONS_MAX;
-    sound.then(|| SendCmd {
+    sound.then_some(SendCmd {
         sender: s.sender,
         sender_device: s.sender_device,
         conv: s.conv,
