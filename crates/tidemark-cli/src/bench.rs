@@ -128,6 +128,12 @@ pub struct IngestArgs {
     /// events, node and backend CPU).
     #[arg(long, requires = "database", value_parser = clap::value_parser!(u16).range(1..=NODES_MAX as i64))]
     pub nodes: Option<u16>,
+    /// With --nodes: the nodes share this NATS server (a subject prefix per
+    /// round), so hints cross nodes and each send is routed to its
+    /// conversation's owner node (issue 14); without it every node writes
+    /// what it receives.
+    #[arg(long, requires = "nodes", value_name = "nats://…")]
+    pub nats: Option<String>,
 }
 
 /// Most `tidemark serve` processes `bench ingest --database --nodes` runs.
@@ -520,9 +526,25 @@ async fn drive(
 ) -> Result<ServerRound> {
     let http = Http::new(&format!("http://{}", targets.addrs[0]));
     let node = |i: usize| targets.addrs[i % targets.addrs.len()];
-    try_join_all(topo.users.iter().map(|u| http.create_user(admin_token, u, PASSWORD)))
-        .await
-        .context("create users")?;
+    // The server bounds concurrent password hashes and answers RATE_LIMITED
+    // beyond its wait (a loaded machine hashes slowly): retry those.
+    try_join_all(topo.users.iter().map(|u| {
+        let http = &http;
+        async move {
+            let mut tries = 0;
+            loop {
+                match http.create_user(admin_token, u, PASSWORD).await {
+                    Err(e) if tries < 100 && e.to_string().contains("RATE_LIMITED") => {
+                        tries += 1;
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                    other => return other,
+                }
+            }
+        }
+    }))
+    .await
+    .context("create users")?;
     let devices: Vec<String> = (0..topo.senders.len()).map(Topology::device).collect();
     let logins = try_join_all(
         topo.senders.iter().zip(&devices).map(|(&(u, _), device)| http.login(&topo.users[u], PASSWORD, device)),

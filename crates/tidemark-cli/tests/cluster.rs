@@ -7,6 +7,9 @@
 //!   sent through two nodes at once with the same `client_msg_id`, keep
 //!   `msg_seq` contiguous and reach every device exactly once, in order;
 //! - a node SIGKILLed under load and restarted loses and duplicates nothing;
+//! - sends through every node are written by their conversation's owner
+//!   node (forwarded over NATS, issue 14), and the owner SIGKILLed mid-load
+//!   leaves the others writing, with nothing lost or duplicated;
 //! - a device on node B is hinted within [`HINT_WITHIN`] of a message sent
 //!   through node A, whose fan-out only A can do (B holds its relay), so the
 //!   hint can only have crossed over NATS;
@@ -370,6 +373,210 @@ async fn node_killed_under_load_loses_and_duplicates_nothing() {
         accepted.len(),
         started.elapsed()
     );
+}
+
+/// How long the nodes may take to hear each other (`route::NODE_LIVE_FOR`
+/// is 1.5 s) or to forget a killed one, with slack for a loaded machine.
+const ROUTES_WITHIN: Duration = Duration::from_secs(15);
+
+/// The sum of the series of `family` (any labels) in a node's `/metrics`;
+/// 0 while absent.
+async fn metric(node: &Node, family: &str) -> f64 {
+    let text = reqwest::get(format!("{}/metrics", node.url)).await.unwrap().text().await.unwrap();
+    text.lines()
+        .filter(|l| l.starts_with(family) && l[family.len()..].starts_with(['{', ' ']))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
+        .sum()
+}
+
+/// Waits until every node routes among `n` live nodes.
+async fn wait_live(nodes: &[&Node], n: f64) {
+    let deadline = Instant::now() + ROUTES_WITHIN;
+    for node in nodes {
+        while metric(node, "tidemark_route_nodes").await != n {
+            assert!(Instant::now() < deadline, "{} never saw {n} live nodes", node.url);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Issue 14: sends through every node to the same conversations are
+/// written by each conversation's owner node: every node forwards the
+/// sends it receives for conversations another node owns
+/// (`tidemark_route_forwarded_total` > 0 on each, so each is a non-owner of
+/// some), the owners write them (`tidemark_route_served_total`), and about
+/// two sends in three arrive at a non-owner. Some sends go through two
+/// nodes at once with the same `client_msg_id`; msg_seq stays contiguous,
+/// each message is stored once, and every device converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_through_every_node_are_written_by_the_conversations_owner() {
+    let test = "sends_through_every_node_are_written_by_the_conversations_owner";
+    let Some(services) = services(test).await else { return };
+    let cluster = Cluster::new(services);
+    let procs = [cluster.node(&[]), cluster.node(&[]), cluster.node(&[])];
+    let all: Vec<&Node> = procs.iter().collect();
+    wait_live(&all, 3.0).await;
+    let nodes: Vec<Http> = procs.iter().map(|n| Http::new(&n.url)).collect();
+    let users = ["u0", "u1", "u2", "u3"];
+    for u in users {
+        nodes[0].create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let mut tokens = Vec::new();
+    for (i, u) in users.iter().enumerate() {
+        tokens.push(nodes[i % 3].login(u, "pw", "sender").await.unwrap().access_token);
+    }
+    // Enough conversations that each node owns some and not others.
+    const CONVS: usize = 12;
+    let mut convs = Vec::new();
+    for c in 0..CONVS {
+        convs.push(create_group(&nodes[c % 3], &tokens[0], &users[1..]).await);
+    }
+    let per_member = 3;
+    let nodes = Arc::new(nodes);
+    let requests = Arc::new(AtomicUsize::new(0));
+    let mut sends = tokio::task::JoinSet::new();
+    for (c, conv) in convs.iter().enumerate() {
+        for (i, u) in users.iter().enumerate() {
+            let (nodes, token, conv, requests) = (nodes.clone(), tokens[i].clone(), conv.clone(), requests.clone());
+            let u = u.to_string();
+            sends.spawn(async move {
+                let mut oks = Vec::new();
+                for k in 0..per_member {
+                    let cmid = format!("{u}-{c}-{k}");
+                    let first = i + c + k;
+                    if k != 1 {
+                        requests.fetch_add(1, Ordering::Relaxed);
+                        oks.push(send_anywhere(&nodes, first, &token, &conv, &cmid).await);
+                        continue;
+                    }
+                    // A retry through another node before the first answer.
+                    requests.fetch_add(2, Ordering::Relaxed);
+                    let (a, b) = tokio::join!(
+                        send_anywhere(&nodes, first, &token, &conv, &cmid),
+                        send_anywhere(&nodes, first + 1, &token, &conv, &cmid)
+                    );
+                    assert_eq!((&a.message_id, a.msg_seq), (&b.message_id, b.msg_seq), "S1: {cmid} is one message");
+                    assert!(a.duplicate != b.duplicate, "S1: exactly one original for {cmid}: {a:?} {b:?}");
+                    oks.push(if a.duplicate { b } else { a });
+                }
+                oks
+            });
+        }
+    }
+    let accepted: Vec<SendOk> = sends.join_all().await.into_iter().flatten().collect();
+    assert_eq!(accepted.len(), CONVS * users.len() * per_member);
+    let expected = by_conv(&accepted);
+
+    let (mut forwarded, mut served, mut fell_back) = (0.0, 0.0, 0.0);
+    for node in &procs {
+        let f = metric(node, "tidemark_route_forwarded_total").await;
+        assert!(f > 0.0, "{} forwarded nothing: it owns every conversation?", node.url);
+        forwarded += f;
+        served += metric(node, "tidemark_route_served_total").await;
+        fell_back += metric(node, "tidemark_route_forward_fallbacks_total").await;
+    }
+    let requests = requests.load(Ordering::Relaxed) as f64;
+    eprintln!(
+        "{requests} send requests: {forwarded} forwarded, {served} written by their owner, {fell_back} fell back"
+    );
+    assert!(served >= forwarded, "every answered forward was written by its owner");
+    assert!(
+        forwarded + fell_back >= requests / 3.0,
+        "about two sends in three arrive at a non-owner, and each is forwarded (or falls back)"
+    );
+
+    let mut pulls = tokio::task::JoinSet::new();
+    for (i, u) in users.iter().enumerate() {
+        let (nodes, u, expected) = (nodes.clone(), u.to_string(), expected.clone());
+        pulls.spawn(async move {
+            let http = &nodes[(i + 1) % 3];
+            let token = http.login(&u, "pw", "device1").await.unwrap().access_token;
+            let count = expected.values().map(Vec::len).sum();
+            let seen = pull(http, &token, count).await;
+            check_converged(&format!("{u}/device1"), &seen, &expected);
+        });
+    }
+    pulls.join_all().await;
+}
+
+/// Issue 14: the owner of some conversations SIGKILLed mid-load leaves the
+/// other nodes writing: their forwards to it fall back to local writes
+/// (NATS answers "no responders" once its connection is gone), and once
+/// its heartbeats stop they route among themselves. Nothing is lost or
+/// duplicated, msg_seq stays contiguous and every device converges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_owner_killed_mid_load_leaves_the_others_writing() {
+    let Some(services) = services("the_owner_killed_mid_load_leaves_the_others_writing").await else { return };
+    let cluster = Cluster::new(services);
+    let mut a = cluster.node(&[]);
+    let (b, c) = (cluster.node(&[]), cluster.node(&[]));
+    wait_live(&[&a, &b, &c], 3.0).await;
+    // Senders use B and C only; A owns some of the conversations.
+    let nodes = Arc::new(vec![Http::new(&b.url), Http::new(&c.url)]);
+    let users = ["ann", "ben", "cat"];
+    for u in users {
+        nodes[0].create_user(ADMIN, u, "pw").await.unwrap();
+    }
+    let mut tokens = Vec::new();
+    for u in users {
+        tokens.push(nodes[0].login(u, "pw", "sender").await.unwrap().access_token);
+    }
+    // Enough that A owns some (each has a one-in-three chance).
+    const CONVS: usize = 20;
+    let mut convs = Vec::new();
+    for k in 0..CONVS {
+        convs.push(create_group(&nodes[k % 2], &tokens[0], &["ben", "cat"]).await);
+    }
+    let convs = Arc::new(convs);
+    let per_member = 60;
+    let kill_after = 40;
+    let accepted_so_far = Arc::new(AtomicUsize::new(0));
+    let mut sends = tokio::task::JoinSet::new();
+    for (i, token) in tokens.iter().enumerate() {
+        let (nodes, token, convs, counter) = (nodes.clone(), token.clone(), convs.clone(), accepted_so_far.clone());
+        sends.spawn(async move {
+            let mut oks = Vec::new();
+            for k in 0..per_member {
+                let conv = &convs[(i + k) % convs.len()];
+                oks.push(send_anywhere(&nodes, i + k, &token, conv, &format!("s{i}-{k}")).await);
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+            oks
+        });
+    }
+    let deadline = Instant::now() + CONVERGE_WITHIN;
+    while accepted_so_far.load(Ordering::Relaxed) < kill_after || metric(&a, "tidemark_route_served_total").await == 0.0
+    {
+        assert!(Instant::now() < deadline, "A never wrote a forwarded send");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    a.child.kill().expect("SIGKILL node A");
+    a.child.wait().unwrap();
+    let killed_at = accepted_so_far.load(Ordering::Relaxed);
+    assert!(killed_at < users.len() * per_member, "A was killed mid-load");
+    let accepted: Vec<SendOk> = sends.join_all().await.into_iter().flatten().collect();
+    assert_eq!(accepted.len(), users.len() * per_member);
+    let expected = by_conv(&accepted);
+    assert_eq!(expected.values().map(Vec::len).sum::<usize>(), users.len() * per_member, "S1: each send once");
+    // B and C route between themselves once A's heartbeats stop.
+    wait_live(&[&b, &c], 2.0).await;
+    let fell_back = metric(&b, "tidemark_route_forward_fallbacks_total").await
+        + metric(&c, "tidemark_route_forward_fallbacks_total").await;
+    eprintln!("A killed after {killed_at} accepted sends; {fell_back} sends fell back to a local write");
+
+    let mut pulls = tokio::task::JoinSet::new();
+    for u in users {
+        for (d, http) in nodes.iter().enumerate() {
+            let (http, expected) = (Http::new(http.base()), expected.clone());
+            let mine: BTreeMap<String, Vec<(u64, String)>> = expected.into_iter().collect();
+            pulls.spawn(async move {
+                let token = http.login(u, "pw", &format!("device{d}")).await.unwrap().access_token;
+                let seen = pull(&http, &token, users.len() * per_member).await;
+                check_converged(&format!("{u}/device{d}"), &seen, &mine);
+            });
+        }
+    }
+    pulls.join_all().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,6 +28,7 @@ pub mod push;
 pub mod reconcile;
 pub mod refresh;
 pub mod retention;
+pub mod route;
 pub mod session;
 pub mod snapshot;
 pub mod throttle;

@@ -77,9 +77,18 @@
 //! Fan-out reads the conversation side without locks (the periods covering
 //! a committed `msg_seq` never change) and deletes its outbox rows last; a
 //! batch costs a fixed number of round trips whatever its size (arrays with
-//! `unnest`, its deliveries and recounts pipelined; `fanout`). Because a
-//! batch holds the locks of all of its requests until its
-//! COMMIT, two writers' batches can still form a cycle; PostgreSQL's
+//! `unnest`, its deliveries and recounts pipelined; `fanout`).
+//!
+//! A batch holds the locks of all of its requests until its COMMIT, so the
+//! writer runs a batch in lock order (`writer::order_batch`): the
+//! conversation events first, by `conv_id` (byte order, the same on every
+//! node; a conversation's own requests in queue order), then the requests
+//! that lock no conversation row. Two batches therefore take conversation
+//! rows in one global order and cannot wait on each other in a cycle over
+//! them, however many writers and nodes send to the same conversations
+//! (*conformance::batches_naming_the_same_conversations_in_opposite_orders_never_deadlock*).
+//! Cycles over user-side rows (two fan-outs, a read and a fan-out, a
+//! membership change's `user_convs` row) are still possible; PostgreSQL's
 //! deadlock detector then aborts one statement, whose request alone rolls
 //! back to its savepoint, while the rest of its batch commits; the writer
 //! runs that request again in a later transaction, up to
@@ -605,21 +614,25 @@ impl Store for PgStore {
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         let policy = self.group_policy();
         self.conv_writer(&cmd.conv)
-            .write(move |c| Box::pin(async move { events::create_group(c, &cmd, &members, policy).await }))
+            .write_conv(cmd.conv.clone(), move |c| {
+                Box::pin(async move { events::create_group(c, &cmd, &members, policy).await })
+            })
             .await
     }
 
     async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
         let (target, policy) = (target.to_owned(), self.group_policy());
         self.conv_writer(&cmd.conv)
-            .write(move |c| Box::pin(async move { events::change_membership(c, &cmd, &target, change, policy).await }))
+            .write_conv(cmd.conv.clone(), move |c| {
+                Box::pin(async move { events::change_membership(c, &cmd, &target, change, policy).await })
+            })
             .await
     }
 
     async fn bump_epoch(&self, conv: &str) -> StoreResult<u64> {
         let conv = conv.to_owned();
         self.conv_writer(&conv)
-            .write(move |c| {
+            .write_conv(conv.clone(), move |c| {
                 Box::pin(async move {
                     let row = query_opt(
                         c,
@@ -638,7 +651,9 @@ impl Store for PgStore {
 
     async fn recall(&self, cmd: ConvEventCmd, message_id: &str) -> StoreResult<ControlOutcome> {
         let id = message_id.to_owned();
-        self.conv_writer(&cmd.conv).write(move |c| Box::pin(async move { events::recall(c, &cmd, &id).await })).await
+        self.conv_writer(&cmd.conv)
+            .write_conv(cmd.conv.clone(), move |c| Box::pin(async move { events::recall(c, &cmd, &id).await }))
+            .await
     }
 
     async fn edit(
@@ -650,7 +665,9 @@ impl Store for PgStore {
     ) -> StoreResult<ControlOutcome> {
         let (id, content) = (message_id.to_owned(), content.to_owned());
         self.conv_writer(&cmd.conv)
-            .write(move |c| Box::pin(async move { events::edit(c, &cmd, &id, &content, base_version).await }))
+            .write_conv(cmd.conv.clone(), move |c| {
+                Box::pin(async move { events::edit(c, &cmd, &id, &content, base_version).await })
+            })
             .await
     }
 
@@ -663,7 +680,9 @@ impl Store for PgStore {
     ) -> StoreResult<ControlOutcome> {
         let (id, reaction) = (message_id.to_owned(), reaction.to_owned());
         self.conv_writer(&cmd.conv)
-            .write(move |c| Box::pin(async move { events::react(c, &cmd, &id, &reaction, add).await }))
+            .write_conv(cmd.conv.clone(), move |c| {
+                Box::pin(async move { events::react(c, &cmd, &id, &reaction, add).await })
+            })
             .await
     }
 
@@ -741,7 +760,9 @@ impl Store for PgStore {
     async fn requeue_fanout(&self, conv: &str, message_id: &str, now_ms: i64) -> StoreResult<bool> {
         let (conv, id) = (conv.to_owned(), message_id.to_owned());
         self.conv_writer(&conv.clone())
-            .write(move |c| Box::pin(async move { reconcile::requeue_fanout(c, &conv, &id, now_ms).await }))
+            .write_conv(conv.clone(), move |c| {
+                Box::pin(async move { reconcile::requeue_fanout(c, &conv, &id, now_ms).await })
+            })
             .await
     }
 
@@ -782,13 +803,14 @@ impl Store for PgStore {
             // statement below is for the sends that may write.
             return self
                 .conv_writer(&cmd.conv)
-                .write(move |c| Box::pin(async move { events::reserved_send(c, &cmd).await }))
+                .write_conv(cmd.conv.clone(), move |c| Box::pin(async move { events::reserved_send(c, &cmd).await }))
                 .await;
         }
         let params = events::send_params(&cmd);
         let cmd = Arc::new(cmd);
-        self.conv_writer(&cmd.conv)
-            .write_statement(events::SEND_SQL, params, move |rows| events::decide_send(&cmd, rows))
+        let conv = cmd.conv.clone();
+        self.conv_writer(&conv)
+            .write_statement(Some(&conv), events::SEND_SQL, params, move |rows| events::decide_send(&cmd, rows))
             .await
     }
 
@@ -1058,6 +1080,7 @@ impl Store for PgStore {
         let params: Vec<writer::Param> = vec![Box::new(user), Box::new(device.clone())];
         self.writer()
             .write_statement(
+                None,
                 "UPDATE devices SET connection_epoch = connection_epoch + 1
                  WHERE user_id = $1 AND device_id = $2
                  RETURNING connection_epoch, acked_sync_seq,
@@ -1600,14 +1623,11 @@ impl Store for PgStore {
 }
 
 /// The conversation partition of `conv` among `n` writers: FNV-1a of the
-/// id, stable across runs and builds (no random seed), so one conversation
+/// id (`tidemark_core::route::conv_hash`, the hash the cluster routes by),
+/// stable across runs and builds (no random seed), so one conversation
 /// always has one writer.
 fn conv_partition(conv: &str, n: usize) -> usize {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in conv.bytes() {
-        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-    }
-    (h % n as u64) as usize
+    (tidemark_core::route::conv_hash(conv) % n as u64) as usize
 }
 
 /// Moves `meta.fences_version` (see `Store::fences_version`), inside the

@@ -111,6 +111,34 @@ enum Queued {
     Statement(Box<dyn PipedJob>),
 }
 
+/// A queued request with its place in the batch's lock order.
+struct Entry {
+    /// The conversation whose row the request locks first, if it is a
+    /// conversation event (see [`order_batch`]).
+    conv: Option<Arc<str>>,
+    job: Queued,
+}
+
+/// Puts a batch in the order that takes conversation row locks in one
+/// global order, so no two batches (of this store's writers or of other
+/// nodes) can wait on each other in a cycle over conversation rows: the
+/// requests of a conversation first, in `conv_id` byte order (the same
+/// order on every node), then every request that locks no conversation
+/// row (user-side and account writes, whose locks come after the
+/// conversation side in the crate's lock order). The sort is stable:
+/// requests on one conversation, and the unkeyed ones, keep their queue
+/// order. Every request of a batch is in flight at once (none is answered
+/// before COMMIT), so any order between requests on different rows is one
+/// their callers could have seen.
+fn order_batch(batch: &mut [Entry]) {
+    batch.sort_by(|a, b| match (&a.conv, &b.conv) {
+        (Some(x), Some(y)) => x.as_bytes().cmp(y.as_bytes()),
+        (Some(_), None) => std::cmp::Ordering::Less,
+        (None, Some(_)) => std::cmp::Ordering::Greater,
+        (None, None) => std::cmp::Ordering::Equal,
+    });
+}
+
 impl Queued {
     fn fail(self, e: StoreError) {
         match self {
@@ -253,7 +281,7 @@ pub struct WriterStats {
 
 #[derive(Clone)]
 pub(crate) struct Writer {
-    jobs: mpsc::Sender<Queued>,
+    jobs: mpsc::Sender<Entry>,
     /// The `writer` label of its conflict metrics: `conv` or `user`
     /// (`metric_names::WRITERS`).
     role: &'static str,
@@ -265,7 +293,7 @@ impl Writer {
     /// Starts the writer task on `pool` (a pool of one connection). The task
     /// ends once every `Writer` clone is gone and the queue is drained.
     pub(crate) fn start(pool: Pool, role: &'static str) -> (Writer, tokio::task::JoinHandle<()>) {
-        let (tx, rx) = mpsc::channel::<Queued>(WRITE_QUEUE_MAX);
+        let (tx, rx) = mpsc::channel::<Entry>(WRITE_QUEUE_MAX);
         let stats = Arc::new(WriterStats::default());
         let failure = Arc::new(WriteFailure::default());
         abort_on_writer_panic();
@@ -293,7 +321,19 @@ impl Writer {
         T: Send + 'static,
         F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Clone + Send + 'static,
     {
-        self.retrying(|reply| Queued::Body(Box::new(Request { f: f.clone(), reply }))).await
+        self.retrying(None, |reply| Queued::Body(Box::new(Request { f: f.clone(), reply }))).await
+    }
+
+    /// [`Writer::write`] for a request that locks `conv`'s row first (a
+    /// conversation event): it runs in its batch's conversation lock order
+    /// (see [`order_batch`]).
+    pub(crate) async fn write_conv<T, F>(&self, conv: String, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, StoreResult<T>> + Clone + Send + 'static,
+    {
+        let conv: Arc<str> = conv.into();
+        self.retrying(Some(conv), |reply| Queued::Body(Box::new(Request { f: f.clone(), reply }))).await
     }
 
     /// Runs one statement (`sql` with `params`) in the next group-committed
@@ -304,13 +344,21 @@ impl Writer {
     /// its last answer counts. Retried on lock conflicts as [`Writer::write`].
     /// The statement must refuse without an error (by what it returns) or
     /// leave the transaction usable only through its savepoint.
-    pub(crate) async fn write_statement<T, D>(&self, sql: &'static str, params: Vec<Param>, decide: D) -> StoreResult<T>
+    /// `conv`: the conversation whose row the statement locks first, if any
+    /// (see [`order_batch`]).
+    pub(crate) async fn write_statement<T, D>(
+        &self,
+        conv: Option<&str>,
+        sql: &'static str,
+        params: Vec<Param>,
+        decide: D,
+    ) -> StoreResult<T>
     where
         T: Send + 'static,
         D: Fn(&[Row]) -> Decided<T> + Clone + Send + 'static,
     {
         let params = Arc::new(params);
-        self.retrying(|reply| {
+        self.retrying(conv.map(Arc::from), |reply| {
             Queued::Statement(Box::new(Piped {
                 sql,
                 params: params.clone(),
@@ -324,10 +372,14 @@ impl Writer {
 
     /// Queues the request `make` builds until it is answered other than by
     /// a lock conflict, or [`WRITE_ATTEMPTS_MAX`] runs.
-    async fn retrying<T>(&self, make: impl Fn(oneshot::Sender<StoreResult<T>>) -> Queued) -> StoreResult<T> {
+    async fn retrying<T>(
+        &self,
+        conv: Option<Arc<str>>,
+        make: impl Fn(oneshot::Sender<StoreResult<T>>) -> Queued,
+    ) -> StoreResult<T> {
         let mut attempt = 1;
         loop {
-            let result = self.write_once(&make).await;
+            let result = self.write_once(&conv, &make).await;
             match result {
                 Err(e) if db::is_lock_conflict(&e) => {
                     if attempt >= WRITE_ATTEMPTS_MAX {
@@ -349,9 +401,14 @@ impl Writer {
     }
 
     /// One run of a request in the next batch.
-    async fn write_once<T>(&self, make: &impl Fn(oneshot::Sender<StoreResult<T>>) -> Queued) -> StoreResult<T> {
+    async fn write_once<T>(
+        &self,
+        conv: &Option<Arc<str>>,
+        make: &impl Fn(oneshot::Sender<StoreResult<T>>) -> Queued,
+    ) -> StoreResult<T> {
         let (reply, rx) = oneshot::channel::<StoreResult<T>>();
-        self.jobs.send(make(reply)).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
+        let entry = Entry { conv: conv.clone(), job: make(reply) };
+        self.jobs.send(entry).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
         rx.await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?
     }
 }
@@ -559,8 +616,8 @@ pub(crate) async fn in_order<'c, T>(futures: Vec<BoxFut<'c, T>>) -> Vec<T> {
 /// of the string is skipped.
 const COMMIT_SQL: &str = "SELECT 1; COMMIT";
 
-async fn run(pool: Pool, mut rx: mpsc::Receiver<Queued>, stats: Arc<WriterStats>, failure: Arc<WriteFailure>) {
-    let mut batch: Vec<Queued> = Vec::with_capacity(WRITE_BATCH_MAX);
+async fn run(pool: Pool, mut rx: mpsc::Receiver<Entry>, stats: Arc<WriterStats>, failure: Arc<WriteFailure>) {
+    let mut batch: Vec<Entry> = Vec::with_capacity(WRITE_BATCH_MAX);
     let pause = Duration::from_millis(WRITER_RETRY_PAUSE_MS);
     while let Some(first) = rx.recv().await {
         batch.push(first);
@@ -571,6 +628,7 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Queued>, stats: Arc<WriterStats>
             }
         }
         let size = batch.len() as u64;
+        order_batch(&mut batch);
         // The pool holds the single writer connection; it hands back a fresh
         // one if the previous one died.
         let conn = match pool.get().await {
@@ -596,7 +654,7 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Queued>, stats: Arc<WriterStats>
         // Whether an earlier request (or run of statements) of this
         // transaction left its savepoint open.
         let mut after_savepoint = false;
-        let mut queued = batch.drain(..).peekable();
+        let mut queued = batch.drain(..).map(|entry| entry.job).peekable();
         while let Some(next) = queued.next() {
             if let Some(e) = &broken {
                 next.fail(e.clone());
@@ -653,9 +711,9 @@ async fn run(pool: Pool, mut rx: mpsc::Receiver<Queued>, stats: Arc<WriterStats>
     }
 }
 
-fn fail_all(batch: &mut Vec<Queued>, e: StoreError) {
-    for job in batch.drain(..) {
-        job.fail(e.clone());
+fn fail_all(batch: &mut Vec<Entry>, e: StoreError) {
+    for entry in batch.drain(..) {
+        entry.job.fail(e.clone());
     }
 }
 
@@ -719,7 +777,7 @@ mod tests {
             let queue = writer.clone();
             requests.push(tokio::spawn(async move {
                 queue
-                    .write_statement(WRITE_SQL, vec![Box::new(v)], move |rows| {
+                    .write_statement(None, WRITE_SQL, vec![Box::new(v)], move |rows| {
                         let q: i32 = rows[0].get(0);
                         if v == 3 {
                             Decided::Undo(StoreError::Invalid("three is refused after writing".into()))

@@ -845,6 +845,112 @@ async fn two_writers_hammering_the_same_rows_retry_deadlocks() {
     );
 }
 
+/// Polls `futures` in index order on every wake-up, so what each sends on
+/// its first poll (a store request entering its writer's queue) is queued
+/// in index order.
+async fn join_in_order<T>(futures: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + '_>>>) -> Vec<T> {
+    let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
+    let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if let Some(f) = future {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(out) => {
+                        *output = Some(out);
+                        *future = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().map(|o| o.expect("polled to completion")).collect()
+}
+
+/// Issue 14: a group-commit batch takes its conversation row locks in one
+/// global order (`conv_id`), so two writers (two stores on one database, as
+/// two nodes) whose batches name the same conversations in opposite orders
+/// never deadlock. Each store sends waves of one message to each of the
+/// same conversations, queued in ascending order on the first store and
+/// descending on the second; each wave's requests share a batch, whose
+/// locks it holds until COMMIT. Ran in queue order those batches form a
+/// cycle on nearly every wave (the deadlock detector aborts one request,
+/// which the writer runs again, counted by `conflict_retries`); in the
+/// batch's lock order they only queue. Sends only: the user-side writer
+/// stays idle, so any conflict counted is one between conversation writers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_naming_the_same_conversations_in_opposite_orders_never_deadlock() {
+    let test = "batches_naming_the_same_conversations_in_opposite_orders_never_deadlock";
+    let Some(url) = pg_url(test) else { return };
+    let schemas = Schemas::new(url);
+    let name = schemas.fresh_name();
+    // A cycle is found after `deadlock_timeout` (1 s by default); a shorter
+    // one keeps a failing run short.
+    let sep = if schemas.url.contains('?') { '&' } else { '?' };
+    let config =
+        PgConfig { url: format!("{}{sep}options=-c%20deadlock_timeout%3D100", schemas.url), ..schemas.config(&name) };
+    let stores = [PgStore::open(config.clone()).await.unwrap(), PgStore::open(config).await.unwrap()];
+    const CONVS: usize = 8;
+    const WAVES: usize = 25;
+    stores[0].create_user("u0", "x", 0).await.unwrap();
+    let mut convs = Vec::new();
+    for i in 1..=CONVS {
+        let peer = format!("u{i}");
+        stores[0].create_user(&peer, "x", 0).await.unwrap();
+        let (conv, _) = stores[0].create_direct("u0", &peer, &format!("c{i:02}"), 0).await.unwrap();
+        convs.push(conv);
+    }
+    let convs = Arc::new(convs);
+    let mut tasks = tokio::task::JoinSet::new();
+    for (s, store) in stores.iter().enumerate() {
+        let (store, convs) = (store.clone(), convs.clone());
+        tasks.spawn(async move {
+            for w in 0..WAVES {
+                let mut order: Vec<&String> = convs.iter().collect();
+                if s == 1 {
+                    order.reverse();
+                }
+                let sends = order
+                    .into_iter()
+                    .map(|conv| {
+                        let cmid = format!("s{s}w{w}{conv}");
+                        store.accept_send(send_cmd("u0", conv, &cmid))
+                    })
+                    .collect();
+                for answer in join_in_order(sends).await {
+                    let accepted = answer.expect("a send between two writers");
+                    assert!(!accepted.duplicate);
+                }
+            }
+        });
+    }
+    tasks.join_all().await;
+    let (retries, give_ups): (u64, u64) =
+        stores.iter().map(|s| s.conflict_retries()).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    assert_eq!((retries, give_ups), (0, 0), "no batch was a deadlock victim (conflict retries, give-ups)");
+
+    let raw = schemas.raw(&name).await;
+    let one = |sql: &'static str| {
+        let raw = &raw;
+        async move { raw.query_one(sql, &[]).await.unwrap().get::<_, i64>(0) }
+    };
+    assert_eq!(one("SELECT COUNT(*) FROM messages").await as usize, 2 * WAVES * CONVS, "S1: each send is one message");
+    assert_eq!(
+        one("SELECT COUNT(*) FROM conversations c WHERE c.head <> (SELECT COUNT(*) FROM messages m WHERE m.conv_id = c.conv_id)
+                 OR c.head <> COALESCE((SELECT MAX(msg_seq) FROM messages m WHERE m.conv_id = c.conv_id), 0)")
+        .await,
+        0,
+        "S2: every conversation's msg_seq is 1..=head"
+    );
+}
+
 /// O3 (the shared check): the drift is planted through a plain connection
 /// on the store's schema.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1417,6 +1417,68 @@ pub struct BusKick {
     pub ended_at_ms: i64,
 }
 
+/// A node's heartbeat on the route subjects (issue 14): every node of a
+/// cluster publishes its id periodically, and each node routes
+/// conversations among the nodes it heard recently
+/// (`tidemark_core::route`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusNode {
+    pub node: String,
+}
+
+/// A send forwarded over the bus to the node that owns its conversation
+/// (issue 14), as the receiving node validated it: the store command's
+/// fields, ids and time included, so the owner writes exactly what the
+/// receiving node would have written (and a fallback write of the same
+/// command after a lost answer finds it by `(sender, client_msg_id)`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusSend {
+    pub sender: String,
+    pub sender_device: String,
+    pub conv: String,
+    pub client_msg_id: String,
+    pub kind: String,
+    /// The content, serialized as stored.
+    pub content: String,
+    pub message_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quote_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub mentions: Vec<String>,
+    #[serde(default)]
+    pub mention_all: bool,
+    pub now_ms: i64,
+    /// The epoch of the WebSocket connection the send came on (absent:
+    /// HTTP, any epoch); the owner's store refuses it when the device has
+    /// a newer connection (P2), as the forwarding node's store would.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection_epoch: Option<u64>,
+}
+
+/// The owner's answer to a [`BusSend`]: the `send.ok` it committed, or its
+/// refusal; neither when it did not take the request (too busy), and the
+/// forwarding node then writes it itself.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusSendReply {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ok: Option<SendOk>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<BusRefusal>,
+}
+
+/// A refusal carried back over the bus, relayed to the client as is.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct BusRefusal {
+    pub code: ErrorCode,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_after_ms: Option<u64>,
+}
+
 /// `GET /healthz` while the store answers.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]

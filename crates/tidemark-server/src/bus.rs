@@ -235,6 +235,12 @@ pub async fn connect(config: &HintBusConfig) -> Result<(HintBus, Option<Pending>
 }
 
 impl Pending {
+    /// The NATS connection and subject prefix the routing of sends shares
+    /// (`route`).
+    pub fn route_bus(&self) -> (async_nats::Client, &str) {
+        (self.client.clone(), &self.prefix)
+    }
+
     /// Starts the publishers (hints, ephemeral signals) and the
     /// subscriber; all stop on `shutdown`.
     pub fn spawn(self, to: Receivers, shutdown: watch::Receiver<bool>) -> Vec<JoinHandle<()>> {

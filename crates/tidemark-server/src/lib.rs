@@ -12,6 +12,8 @@
 //! - [`hub`]: live connections per user, coalesced hints, kicks, re-hints.
 //! - [`bus`]: the hint bus carrying hints to the other nodes (NATS), or
 //!   nowhere when the node runs alone.
+//! - [`route`]: in cluster mode, sends forwarded over the bus to their
+//!   conversation's owner node, which writes them (issue 14).
 //! - [`fence`]: revocation and superseding on every node: applied at once
 //!   where they commit, carried by the bus, reloaded from the store.
 //! - [`ephemeral`]: typing and presence of this node's connections,
@@ -55,6 +57,7 @@ pub mod ops;
 pub mod push;
 pub mod reconcile;
 pub mod relay;
+pub mod route;
 pub mod server;
 pub mod sessions;
 pub mod state;

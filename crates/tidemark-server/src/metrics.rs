@@ -147,6 +147,16 @@ pub const HINTS_REHINTED: Metric = Metric::new("tidemark_hints_rehinted_total", 
 pub const HINTS_BUS_PUBLISHED: Metric = Metric::new("tidemark_hints_bus_published_total", stage::PUSH);
 pub const HINTS_BUS_RECEIVED: Metric = Metric::new("tidemark_hints_bus_received_total", stage::PUSH);
 pub const HINTS_BUS_DROPPED: Metric = Metric::new("tidemark_hints_bus_dropped_total", stage::PUSH);
+/// Sends forwarded to their conversation's owner node and answered by it
+/// (issue 14, `route`).
+pub const ROUTE_FORWARDED: Metric = Metric::new("tidemark_route_forwarded_total", stage::ACCEPT);
+/// Sends this node wrote itself although another node owns the
+/// conversation, by reason (`route::fallback`).
+pub const ROUTE_FALLBACKS: Metric = Metric::new("tidemark_route_forward_fallbacks_total", stage::ACCEPT);
+/// Forwarded sends this node wrote for other nodes.
+pub const ROUTE_SERVED: Metric = Metric::new("tidemark_route_served_total", stage::ACCEPT);
+/// Live nodes this node routes among, itself included.
+pub const ROUTE_NODES: Metric = Metric::new("tidemark_route_nodes", stage::ACCEPT);
 pub const HINTS_GROUP: Metric = Metric::new("tidemark_hints_group_queued_total", stage::PUSH);
 pub const MARKERS_PUBLISHED: Metric = Metric::new("tidemark_group_markers_published_total", stage::PUSH);
 pub const MARKER_CLEARS: Metric = Metric::new("tidemark_group_marker_clears_total", stage::PUSH);
@@ -376,6 +386,14 @@ pub const FAMILIES: &[Family] = &[
     family(HINTS_BUS_PUBLISHED, Kind::Counter, "Hints published to the other nodes (NATS hint bus)."),
     family(HINTS_BUS_RECEIVED, Kind::Counter, "Hints received from the other nodes (NATS hint bus)."),
     family(HINTS_BUS_DROPPED, Kind::Counter, "Hints not published: queue full or NATS error (only latency is lost)."),
+    family(ROUTE_FORWARDED, Kind::Counter, "Sends forwarded to their conversation's owner node and answered by it."),
+    family(
+        ROUTE_FALLBACKS,
+        Kind::CounterBy("reason", || crate::route::fallback::ALL.to_vec()),
+        "Sends written here although another node owns the conversation (owner silent, gone or busy), by reason.",
+    ),
+    family(ROUTE_SERVED, Kind::Counter, "Forwarded sends this node wrote for other nodes."),
+    family(ROUTE_NODES, Kind::Gauge, "Live nodes this node routes sends among, itself included (0 without the bus)."),
     family(HINTS_GROUP, Kind::Counter, "Large-group hints queued on connections (coalesced per connection and group)."),
     family(MARKERS_PUBLISHED, Kind::Counter, "Large-group marker publications (one per group per relay batch)."),
     family(

@@ -36,6 +36,13 @@ impl Server {
         let sessions = Arc::new(crate::sessions::Sessions::from_store(store.session_fences().await.map_err(io)?));
         let fences = Arc::new(crate::fence::Fences::new(hub.clone(), sessions.clone(), revoked));
         let (bus, bus_pending) = crate::bus::connect(&config.hint_bus).await.map_err(std::io::Error::other)?;
+        let router = match &bus_pending {
+            Some(pending) => {
+                let (client, prefix) = pending.route_bus();
+                crate::route::Router::on_bus(client, prefix)
+            }
+            None => crate::route::Router::local(),
+        };
         let (shutdown_tx, shutdown_rx) = watch::channel(false);
         let ws_slots = ConnSlots::new(config.ws_connections_max);
         let ws_user_slots = UserConnSlots::new(config.ws_connections_per_user_max);
@@ -54,6 +61,7 @@ impl Server {
             hub,
             groups,
             bus,
+            router,
             relay_wake: Notify::new(),
             push_wake: Notify::new(),
             push_sealer,
@@ -99,6 +107,9 @@ impl Server {
                 groups: state.groups.clone(),
                 lane: state.lane.clone(),
             };
+            let route_tasks =
+                crate::route::Router::start(state.clone(), shutdown_rx.clone()).await.map_err(std::io::Error::other)?;
+            tasks.extend(route_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("route", t))));
             let bus_tasks = pending.spawn(to, shutdown_rx);
             tasks.extend(bus_tasks.into_iter().map(|t| tokio::spawn(fatal_on_panic("hint bus", t))));
         }

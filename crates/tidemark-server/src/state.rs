@@ -24,6 +24,9 @@ pub struct AppState {
     pub hub: Arc<Hub>,
     /// Carries this node's hints to the other nodes' hubs.
     pub bus: HintBus,
+    /// Where this node's sends are written: here, or forwarded to their
+    /// conversation's owner node (cluster mode, issue 14).
+    pub router: crate::route::Router,
     /// Wakes the outbox relay after a send commits (a hint: it also polls).
     pub relay_wake: Notify,
     /// Wakes the push worker after a fan-out committed (a hint: it polls).

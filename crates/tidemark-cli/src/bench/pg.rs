@@ -581,9 +581,10 @@ async fn nodes_phase(
     let conv_writers = args.conv_writers.to_string();
     let token_path = token_file.display().to_string();
     let mut nodes = Vec::with_capacity(usize::from(n));
+    let prefix = format!("tidemark-bench.{schema}");
     for _ in 0..n {
         // The first node migrates the schema; the others find it done.
-        let node = super::proc::spawn_server(&[
+        let mut serve = vec![
             "serve",
             "--listen",
             "127.0.0.1:0",
@@ -596,12 +597,25 @@ async fn nodes_phase(
             "--admin-token-file",
             &token_path,
             "--no-rate-limits",
-        ])
-        .context("start a tidemark serve node")?;
+        ];
+        if let Some(nats) = &args.nats {
+            serve.extend(["--nats", nats, "--nats-prefix", &prefix]);
+        }
+        let node = super::proc::spawn_server(&serve).context("start a tidemark serve node")?;
         nodes.push(node);
     }
     let _ = std::fs::remove_file(&token_file);
     let addrs: Vec<std::net::SocketAddr> = nodes.iter().map(|(_, a)| *a).collect();
+    if args.nats.is_some() {
+        // Routing starts once every node hears the others (issue 14).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        for a in &addrs {
+            while super::proc::scrape(*a, "tidemark_route_nodes").await? != f64::from(n) {
+                anyhow::ensure!(Instant::now() < deadline, "node {a} never saw {n} live nodes on the bus");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
     let pids: Vec<u32> = nodes.iter().map(|(c, _)| c.pid()).collect();
     let node_ticks = move || pids.iter().filter_map(|p| cpu_ticks(*p)).sum::<u64>();
     let targets = Targets {
@@ -653,6 +667,17 @@ async fn nodes_phase(
         }
     };
     let result = drive(args, topo, &targets, &admin_token, round, pb, tag, Some(&hook)).await;
+    if args.nats.is_some() {
+        // Where the sends were written: forwarded to their owner, or here.
+        let (mut forwarded, mut served) = (0.0, 0.0);
+        for a in &targets.addrs {
+            let v =
+                super::proc::scrape_all(*a, &["tidemark_route_forwarded_total", "tidemark_route_served_total"]).await?;
+            forwarded += v[0];
+            served += v[1];
+        }
+        pb.println(format!("  routing: {forwarded} sends forwarded to their owner node, {served} written there"));
+    }
     let taken = before.lock().expect("not poisoned").take();
     let evidence = match taken {
         Some((w, conns, waits, ticks0, t0)) => {

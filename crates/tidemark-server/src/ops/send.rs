@@ -65,6 +65,16 @@ async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Send
         connection_epoch: ctx.connection_epoch,
         now_ms: now_ms(),
     };
+    // Cluster mode: the conversation's owner node writes it (issue 14).
+    match state.router.forward_send(&cmd).await {
+        crate::route::Forwarded::Answer(answer) => answer,
+        crate::route::Forwarded::Local => write(state, cmd).await,
+    }
+}
+
+/// Writes a validated send through this node's store: a send received
+/// here, or one another node forwarded (`route`).
+pub(crate) async fn write(state: &AppState, cmd: SendCmd) -> ApiResult<SendOk> {
     let accepted = state.store.accept_send(cmd).await?;
     if accepted.duplicate {
         m::SENDS_DUPLICATE.inc();
