@@ -924,7 +924,7 @@ impl Store for PgStore {
         // One statement, pipelined with the other one-statement requests of
         // its group commit (sends, other ACKs).
         self.writer()
-            .write_statement(lifecycle::ACK_SQL, params, move |rows| lifecycle::decide_ack_row(&cmd, rows))
+            .write_statement(None, lifecycle::ACK_SQL, params, move |rows| lifecycle::decide_ack_row(&cmd, rows))
             .await
     }
 
