@@ -24,23 +24,8 @@ async fn a_send_burst_over_the_quota_waits_as_told_and_loses_nothing() {
     let held = wait_messages(&bob, &conv, 30).await;
     let texts: Vec<_> = held.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap().to_owned())).collect();
     assert_eq!(texts, (0..30).map(|i| (i + 1, format!("m{i}"))).collect::<Vec<_>>(), "once each, in order");
-    let metrics = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
-    let limited = metrics
-        .lines()
-        .filter(|l| l.starts_with("tidemark_refusals_total{") && l.contains("code=\"RATE_LIMITED\""))
-        .find_map(|l| l.rsplit(' ').next())
-        .map(|v| v.trim().parse::<f64>().unwrap())
-        .unwrap_or(0.0);
+    let limited = h.metric("tidemark_refusals_total", "code=\"RATE_LIMITED\"").await;
     assert!(limited >= 1.0, "the burst never met the limit");
-}
-
-/// The sum of the series of `family` whose labels contain `label`.
-fn metric_sum(text: &str, family: &str, label: &str) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{family}{{")) && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next())
-        .map(|v| v.trim().parse::<f64>().unwrap())
-        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -66,7 +51,6 @@ async fn an_sdk_held_back_by_its_frame_budget_and_its_send_quota_loses_nothing()
     let held = wait_messages(&bob, &conv, 40).await;
     let texts: Vec<_> = held.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap().to_owned())).collect();
     assert_eq!(texts, (0..40).map(|i| (i + 1, format!("m{i}"))).collect::<Vec<_>>(), "once each, in order");
-    let metrics = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
-    let paused = metric_sum(&metrics, "tidemark_frame_budget_pauses_total", "scope=\"connection\"");
+    let paused = h.metric("tidemark_frame_budget_pauses_total", "scope=\"connection\"").await;
     assert!(paused >= 1.0, "the frame budget never held the SDK back");
 }

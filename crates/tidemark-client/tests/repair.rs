@@ -14,26 +14,6 @@ use common::*;
 use tidemark_client::{Change, Client, ConnState, FaultAction, FaultPoint};
 use tidemark_server::ServerConfig;
 
-/// The value of the one series of `family` (or of `family`'s histogram
-/// `_count`) in the server's exposition; 0 while absent.
-async fn metric(h: &Harness, series: &str) -> f64 {
-    let text = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(series) && l[series.len()..].starts_with(['{', ' ']))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
-        .sum()
-}
-
-/// The value of `series` restricted to the series whose labels include
-/// `label` (such as `kind="hole"`); 0 while absent.
-async fn metric_of(h: &Harness, series: &str, label: &str) -> f64 {
-    let text = reqwest::get(format!("{}/metrics", h.server().url())).await.unwrap().text().await.unwrap();
-    text.lines()
-        .filter(|l| l.starts_with(series) && l[series.len()..].starts_with('{') && l.contains(label))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
-        .sum()
-}
-
 fn texts(msgs: &[tidemark_client::Message]) -> Vec<(u64, String)> {
     msgs.iter().map(|m| (m.msg_seq, m.content["text"].as_str().unwrap_or_default().to_owned())).collect()
 }
@@ -141,8 +121,8 @@ async fn a_local_row_that_contradicts_the_server_is_repaired_from_the_conversati
     const REPAIRED: &str = "tidemark_sdk_gaps_repaired_total";
     const REPORTS: &str = "tidemark_sdk_repairs_pending_conversations_count";
     const TOOK: &str = "tidemark_sdk_gap_repair_seconds_count";
-    let before = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric(&h, REPORTS).await);
-    let took_before = metric_of(&h, TOOK, r#"kind="repair""#).await;
+    let before = (h.metric(DETECTED, "").await, h.metric(REPAIRED, "").await, h.metric(REPORTS, "").await);
+    let took_before = h.metric(TOOK, r#"kind="repair""#).await;
     let phone = Client::open(h.config("bob", "phone")).unwrap();
     let mut changes = phone.subscribe();
     phone.start().await.unwrap();
@@ -152,7 +132,7 @@ async fn a_local_row_that_contradicts_the_server_is_repaired_from_the_conversati
     // server cannot see either), in a report of its own.
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let now = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric(&h, REPORTS).await);
+        let now = (h.metric(DETECTED, "").await, h.metric(REPAIRED, "").await, h.metric(REPORTS, "").await);
         if now.0 >= before.0 + 1.0 && now.1 >= before.1 + 1.0 && now.2 > before.2 {
             break;
         }
@@ -161,7 +141,7 @@ async fn a_local_row_that_contradicts_the_server_is_repaired_from_the_conversati
     }
     // And how long the repair took: one sample of kind `repair`.
     let deadline = tokio::time::Instant::now() + WAIT;
-    while metric_of(&h, TOOK, r#"kind="repair""#).await < took_before + 1.0 {
+    while h.metric(TOOK, r#"kind="repair""#).await < took_before + 1.0 {
         assert!(tokio::time::Instant::now() < deadline, "no repair duration was reported");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
@@ -193,8 +173,8 @@ async fn a_hole_in_a_conversation_is_one_gap_detected_and_repaired_with_its_dura
     let alice = h.ready("alice", "phone").await;
     let bob = h.ready("bob", "phone").await;
     let conv = alice.create_direct("bob").await.unwrap();
-    let before = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric_of(&h, TOOK, HOLE).await);
-    let sum_before = metric_of(&h, TOOK_SUM, HOLE).await;
+    let before = (h.metric(DETECTED, "").await, h.metric(REPAIRED, "").await, h.metric(TOOK, HOLE).await);
+    let sum_before = h.metric(TOOK_SUM, HOLE).await;
     send_ok(&alice, &conv, "one").await;
     assert_eq!(send_ok(&bob, &conv, "two").await, (2, false));
     assert_eq!(send_ok(&bob, &conv, "three").await, (3, false));
@@ -203,11 +183,11 @@ async fn a_hole_in_a_conversation_is_one_gap_detected_and_repaired_with_its_dura
 
     // The open hole is reported as detected (the server cannot see it).
     let deadline = tokio::time::Instant::now() + WAIT;
-    while metric(&h, DETECTED).await < before.0 + 1.0 {
+    while h.metric(DETECTED, "").await < before.0 + 1.0 {
         assert!(tokio::time::Instant::now() < deadline, "the open hole was never reported");
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    assert_eq!(metric(&h, REPAIRED).await, before.1, "not repaired yet");
+    assert_eq!(h.metric(REPAIRED, "").await, before.1, "not repaired yet");
 
     // Fan-out resumes; a sync brings msg_seq 1 and the cursor is whole.
     h.restart_server(ServerConfig::default()).await;
@@ -216,7 +196,7 @@ async fn a_hole_in_a_conversation_is_one_gap_detected_and_repaired_with_its_dura
         .unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let now = (metric(&h, DETECTED).await, metric(&h, REPAIRED).await, metric_of(&h, TOOK, HOLE).await);
+        let now = (h.metric(DETECTED, "").await, h.metric(REPAIRED, "").await, h.metric(TOOK, HOLE).await);
         if now.1 >= before.1 + 1.0 && now.2 >= before.2 + 1.0 {
             // One hole: widened by the second send, still one gap.
             assert_eq!(now, (before.0 + 1.0, before.1 + 1.0, before.2 + 1.0), "from {before:?}");
@@ -226,7 +206,7 @@ async fn a_hole_in_a_conversation_is_one_gap_detected_and_repaired_with_its_dura
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
     // It was open across a server restart: its duration is not zero.
-    assert!(metric_of(&h, TOOK_SUM, HOLE).await > sum_before, "the sample records the time the hole was open");
+    assert!(h.metric(TOOK_SUM, HOLE).await > sum_before, "the sample records the time the hole was open");
     bob.stop().await;
     alice.stop().await;
 }

@@ -84,12 +84,7 @@ pub(crate) async fn set_privacy(
         &[&user, &next.hide_presence, &next.private_receipts, &next.push_preview.as_str(), &now_ms, &v],
     )
     .await?;
-    let data = tidemark_proto::content::PrivacyData {
-        hide_presence: next.hide_presence,
-        private_receipts: next.private_receipts,
-        push_preview: next.push_preview.into(),
-        version,
-    };
+    let data = tidemark_proto::content::PrivacyData::of(next, version);
     use tidemark_proto::content::Payload;
     let written = crate::events::append_user_event(
         c,

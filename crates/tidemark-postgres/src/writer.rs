@@ -98,7 +98,7 @@ fn abort_on_writer_panic() {
 }
 
 /// A boxed future borrowing the connection.
-pub(crate) type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
+pub type BoxFut<'c, T> = Pin<Box<dyn Future<Output = T> + Send + 'c>>;
 
 /// Completes one request once the batch's commit outcome is known.
 type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
@@ -582,8 +582,9 @@ async fn run_pipelined(
 /// Runs `futures` on this task to completion, polling each unfinished one
 /// in index order on every wake-up, so what each sends on its first poll
 /// reaches the connection in index order (a `join_all` of many futures
-/// does not promise that order).
-pub(crate) async fn in_order<'c, T>(futures: Vec<BoxFut<'c, T>>) -> Vec<T> {
+/// does not promise that order). Public for the tests that queue store
+/// requests in a known order.
+pub async fn in_order<'c, T>(futures: Vec<BoxFut<'c, T>>) -> Vec<T> {
     let mut futures: Vec<Option<BoxFut<'c, T>>> = futures.into_iter().map(Some).collect();
     let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
     std::future::poll_fn(|cx| {

@@ -845,35 +845,6 @@ async fn two_writers_hammering_the_same_rows_retry_deadlocks() {
     );
 }
 
-/// Polls `futures` in index order on every wake-up, so what each sends on
-/// its first poll (a store request entering its writer's queue) is queued
-/// in index order.
-async fn join_in_order<T>(futures: Vec<std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + '_>>>) -> Vec<T> {
-    let mut futures: Vec<_> = futures.into_iter().map(Some).collect();
-    let mut outputs: Vec<Option<T>> = futures.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
-            if let Some(f) = future {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(out) => {
-                        *output = Some(out);
-                        *future = None;
-                    }
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    outputs.into_iter().map(|o| o.expect("polled to completion")).collect()
-}
-
 /// Issue 14: a group-commit batch takes its conversation row locks in one
 /// global order (`conv_id`), so two writers (two stores on one database, as
 /// two nodes) whose batches name the same conversations in opposite orders
@@ -924,7 +895,7 @@ async fn batches_naming_the_same_conversations_in_opposite_orders_never_deadlock
                         store.accept_send(send_cmd("u0", conv, &cmid))
                     })
                     .collect();
-                for answer in join_in_order(sends).await {
+                for answer in tidemark_postgres::writer::in_order(sends).await {
                     let accepted = answer.expect("a send between two writers");
                     assert!(!accepted.duplicate);
                 }

@@ -193,6 +193,19 @@ pub fn parse_mentions(stored: &str) -> Result<Vec<String>, String> {
 impl Payload for ReadData {}
 impl Payload for SettingsData {}
 impl Payload for PrivacyData {}
+
+impl PrivacyData {
+    /// The data of the `privacy` user event that records the switches `p`
+    /// at `version` (issue 18): what both backends write with the change.
+    pub fn of(p: tidemark_core::ephemeral::Privacy, version: u64) -> PrivacyData {
+        PrivacyData {
+            hide_presence: p.hide_presence,
+            private_receipts: p.private_receipts,
+            push_preview: p.push_preview.into(),
+            version,
+        }
+    }
+}
 impl Payload for DeletedData<'_> {}
 
 #[cfg(test)]

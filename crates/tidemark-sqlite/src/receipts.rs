@@ -80,12 +80,7 @@ pub(crate) fn set_privacy(
         version as i64
     ])
     .map_err(internal)?;
-    let data = tidemark_proto::content::PrivacyData {
-        hide_presence: next.hide_presence,
-        private_receipts: next.private_receipts,
-        push_preview: next.push_preview.into(),
-        version,
-    };
+    let data = tidemark_proto::content::PrivacyData::of(next, version);
     use tidemark_proto::content::Payload;
     let written = crate::events::append_user_event(
         c,

@@ -43,6 +43,17 @@ impl Harness {
         self.server.as_ref().expect("server running")
     }
 
+    /// The sum of the series of `family` in the server's `/metrics` whose
+    /// line contains `label` (`""`: every series, such as `kind="hole"`
+    /// for one); 0 while absent.
+    pub async fn metric(&self, family: &str, label: &str) -> f64 {
+        let text = reqwest::get(format!("{}/metrics", self.server().url())).await.unwrap().text().await.unwrap();
+        text.lines()
+            .filter(|l| l.starts_with(family) && l[family.len()..].starts_with(['{', ' ']) && l.contains(label))
+            .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<f64>().ok())
+            .sum()
+    }
+
     /// Stops the server (its connections get `kicked shutdown`).
     pub async fn stop_server(&mut self) {
         if let Some(s) = self.server.take() {
