@@ -39,6 +39,7 @@ use super::proc::{
     create_devices, create_users, metric_value, open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard,
     TokenMint,
 };
+use super::stores::{Schemas, StoreAt};
 use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -65,6 +66,11 @@ pub struct ReconnectArgs {
     /// Where the temporary store goes (must be a real disk).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Run `tidemark serve` on the PostgreSQL store at this URL instead (a
+    /// fresh schema for the run, dropped afterwards); SIGKILL and restart
+    /// as on the embedded store.
+    #[arg(long, value_name = "postgres://…")]
+    pub database: Option<String>,
 }
 
 const SETUP_CONCURRENCY: usize = 64;
@@ -141,11 +147,12 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
 }
 
 /// The server's store statements (all, reads) and ephemeral frames sent,
-/// from one read of `/metrics`.
+/// from one read of `/metrics`. A store that does not tell reads apart
+/// (PostgreSQL) has no read counter: NaN.
 async fn statements(addr: SocketAddr) -> Result<(f64, f64, f64)> {
     let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
-    let value = |name: &str| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"));
-    let (all, reads) = (value(STATEMENTS)?, value(READ_STATEMENTS)?);
+    let all = metric_value(&text, STATEMENTS).with_context(|| format!("{STATEMENTS} not in /metrics"))?;
+    let reads = metric_value(&text, READ_STATEMENTS).unwrap_or(f64::NAN);
     let ephemeral = text
         .lines()
         .filter(|l| l.strip_prefix(EPHEMERAL_SENT).is_some_and(|rest| rest.starts_with([' ', '{'])))
@@ -188,19 +195,15 @@ async fn send_while_away(addr: SocketAddr, convs: &[String], k: u64, round: u32)
     Ok(())
 }
 
-/// SIGKILLs the server and starts it again on the same directory, on the
+/// SIGKILLs the server and starts it again on the same store, on the
 /// same port if it is free. Returns the new server and the seconds until
 /// it listened.
-fn kill_and_restart(
-    server: ChildGuard,
-    addr: SocketAddr,
-    data: &std::path::Path,
-) -> Result<(ChildGuard, SocketAddr, f64)> {
+fn kill_and_restart(server: ChildGuard, addr: SocketAddr, at: &StoreAt) -> Result<(ChildGuard, SocketAddr, f64)> {
     drop(server);
     let t = Instant::now();
-    let (child, addr) = match spawn_tidemark(data, &addr.to_string()) {
+    let (child, addr) = match spawn_tidemark(at, &addr.to_string()) {
         Ok(s) => s,
-        Err(_) => spawn_tidemark(data, "127.0.0.1:0")?,
+        Err(_) => spawn_tidemark(at, "127.0.0.1:0")?,
     };
     Ok((child, addr, t.elapsed().as_secs_f64()))
 }
@@ -218,11 +221,25 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
             devices = cap;
         }
     }
-    let n = devices as usize;
-    let k = u64::from(args.events);
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = TempDir::create(&parent)?;
+    match &args.database {
+        None => run_on(&args, devices, soft, &StoreAt::Dir(dir.0.clone())).await,
+        Some(url) => {
+            let schemas = Schemas::connect(url).await?;
+            let schemas = &schemas;
+            let args = &args;
+            schemas
+                .run("reconnect", |schema| async move { run_on(args, devices, soft, &schemas.at(&schema)).await })
+                .await
+        }
+    }
+}
 
+/// Setup and the rounds on the store `at`.
+async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &StoreAt) -> Result<()> {
+    let n = devices as usize;
+    let k = u64::from(args.events);
     let Setup {
         mut server,
         mut addr,
@@ -234,7 +251,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
         mut positions,
         setup_secs,
         phases,
-    } = setup(&args, n, &dir).await?;
+    } = setup(args, n, at).await?;
     let mut rounds = Vec::new();
     for round in 1..=args.rounds {
         let pb = bar(n as u64 * 2, "devices");
@@ -250,7 +267,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
         // ------------------------------------------------------ restart
         pb.set_message(format!("round {round}: SIGKILL and restart"));
         let restart_secs;
-        (server, addr, restart_secs) = kill_and_restart(server, addr, &dir.0)?;
+        (server, addr, restart_secs) = kill_and_restart(server, addr, at)?;
         let ws_url = format!("ws://{addr}/v1/ws");
 
         // ------------------------------------------------------ resume storm
@@ -297,7 +314,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     drop(server);
 
     let summary = median_round(&rounds);
-    report(&args, devices, convs.len(), soft, (setup_secs, &phases), &summary, &rounds)
+    report(args, at.backend(), devices, convs.len(), soft, (setup_secs, &phases), &summary, &rounds)
 }
 
 /// What setup leaves for the rounds.
@@ -319,7 +336,7 @@ struct Setup {
 /// The users and their devices (through the store, their access tokens
 /// signed here), the sender, `tidemark serve`, the groups, and each device
 /// connected once and brought to its head.
-async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
+async fn setup(args: &ReconnectArgs, n: usize, at: &StoreAt) -> Result<Setup> {
     let setup = Instant::now();
     let mut phases = Vec::new();
     let mut phase = |name: &'static str, since: &mut Instant| {
@@ -332,12 +349,12 @@ async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
     let pb = bar(n as u64 * 2, "setup steps");
     pb.set_message("setup: users and devices");
     let users: Vec<String> = (0..n).map(|i| format!("rc-u{i}")).collect();
-    create_users(&dir.0, &["rc-sender".to_owned()], &indicatif::ProgressBar::hidden()).await?;
-    let mint = create_devices(&dir.0, &users, DEVICE, &pb).await?;
+    create_users(at, &["rc-sender".to_owned()], &indicatif::ProgressBar::hidden()).await?;
+    let mint = create_devices(at, &users, DEVICE, &pb).await?;
     let tokens: Vec<String> = users.iter().map(|u| mint.access(u, DEVICE)).collect();
     let logged_in = Instant::now();
     phase("users and devices (store)", &mut step);
-    let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
+    let (server, addr) = spawn_tidemark(at, "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: groups");
     let sender_login = http.login("rc-sender", PASSWORD, "desk").await.context("sender login")?;
@@ -518,8 +535,10 @@ fn median_round(rounds: &[Round]) -> Round {
 }
 
 /// Prints the summary and per-round tables and writes the JSON.
+#[allow(clippy::too_many_arguments)]
 fn report(
     args: &ReconnectArgs,
+    backend: &str,
     devices: u32,
     groups: usize,
     soft: Option<u64>,
@@ -528,8 +547,10 @@ fn report(
     rounds: &[Round],
 ) -> Result<()> {
     println!(
-        "tidemark bench reconnect: {} devices in {} groups, each {} events behind, `tidemark serve` SIGKILLed and \
-         restarted on the same data dir (median {:.2} s), all reconnect at once; pages of {}; median of {} rounds\n",
+        "tidemark bench reconnect ({} store): {} devices in {} groups, each {} events behind, `tidemark serve` \
+         SIGKILLed and restarted on the same store (median {:.2} s), all reconnect at once; pages of {}; median of \
+         {} rounds\n",
+        backend,
         devices,
         groups,
         args.events,
@@ -560,7 +581,11 @@ fn report(
                 format!("{:.2}", s.pages_per_resume),
                 format!("{:.2}", s.requests_per_resume),
                 format!("{:.1}", s.statements_per_resume),
-                format!("{:.1}", s.read_statements_per_resume),
+                if s.read_statements_per_resume.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{:.1}", s.read_statements_per_resume)
+                },
                 format!("{:.1}", s.ephemeral_frames_per_resume),
             ],
             vec![
@@ -610,10 +635,12 @@ fn report(
     }
     let json = serde_json::json!({
         "scenario": "reconnect",
+        "store": backend,
         "note": "server = `tidemark serve` child process, SIGKILLed and restarted before each round's storm; \
                  baseline = WebSocket connect + auth frame of the same devices at once against the same restarted \
-                 server; statements = SQLite statements started by the server's store connections (its \
-                 /metrics gauges), delta over the storm / devices; summary = median of the rounds",
+                 server; statements = statements the server's store connections ran (its /metrics counters: \
+                 SQLite counts every statement started, PostgreSQL every statement sent, BEGIN/COMMIT included, \
+                 and has no read counter), delta over the storm / devices; summary = median of the rounds",
         "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": groups,
         "open_files_soft_limit": soft, "setup_secs": setup_secs,
         "setup_phases_secs": phases.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
