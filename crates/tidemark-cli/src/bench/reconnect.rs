@@ -36,8 +36,7 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, Device, PASSWORD};
 use super::proc::{
-    create_devices, create_users, metric_value, open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard,
-    TokenMint,
+    create_devices, create_users, metric_value, open_files_soft_limit, pct, spawn_tidemark, ChildGuard, TokenMint,
 };
 use super::stores::{Schemas, StoreAt};
 use super::{init_logs, median, print_table, TempDir};
@@ -82,7 +81,6 @@ const DEVICE: &str = "phone";
 const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
 const STATEMENTS: &str = "tidemark_store_statements_total";
 const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
-const BACKLOG: &str = "tidemark_outbox_backlog";
 /// Typing and presence frames the server's writers sent (one series per
 /// kind; summed).
 const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
@@ -103,6 +101,9 @@ struct Round {
     /// its groups, who answer with theirs, and every close announces it
     /// offline.
     ephemeral_frames_per_resume: f64,
+    /// Syncs and ACKs run again after a "retry later" answer
+    /// (`UNAVAILABLE`: a store pool wait ran out), over all devices.
+    retries: u64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
@@ -148,11 +149,12 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
 
 /// The server's store statements (all, reads) and ephemeral frames sent,
 /// from one read of `/metrics`. A store that does not tell reads apart
-/// (PostgreSQL) has no read counter: NaN.
-async fn statements(addr: SocketAddr) -> Result<(f64, f64, f64)> {
+/// (PostgreSQL, `reads` false) has no read figure: NaN.
+async fn statements(addr: SocketAddr, reads: bool) -> Result<(f64, f64, f64)> {
     let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
-    let all = metric_value(&text, STATEMENTS).with_context(|| format!("{STATEMENTS} not in /metrics"))?;
-    let reads = metric_value(&text, READ_STATEMENTS).unwrap_or(f64::NAN);
+    let value = |name: &str| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"));
+    let all = value(STATEMENTS)?;
+    let reads = if reads { value(READ_STATEMENTS)? } else { f64::NAN };
     let ephemeral = text
         .lines()
         .filter(|l| l.strip_prefix(EPHEMERAL_SENT).is_some_and(|rest| rest.starts_with([' ', '{'])))
@@ -188,11 +190,20 @@ async fn send_while_away(addr: SocketAddr, convs: &[String], k: u64, round: u32)
     .context("send")?;
     sender.close().await;
     let drained = Instant::now();
-    while scrape(addr, BACKLOG).await? > 0.0 {
+    while outbox_backlog(addr).await? > 0 {
         ensure!(drained.elapsed() < DRAIN_TIMEOUT, "fan-out did not drain");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
+}
+
+/// The outbox records not fanned out yet, read from the store now
+/// (`/healthz`; the `/metrics` gauge may be up to `--gauges-every-secs` old,
+/// and a PostgreSQL fan-out of the away messages takes longer than that).
+async fn outbox_backlog(addr: SocketAddr) -> Result<u64> {
+    let health: tidemark_client::proto::HealthOk =
+        reqwest::get(format!("http://{addr}/healthz")).await?.error_for_status()?.json().await?;
+    Ok(health.outbox_backlog)
 }
 
 /// SIGKILLs the server and starts it again on the same store, on the
@@ -240,6 +251,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
 async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &StoreAt) -> Result<()> {
     let n = devices as usize;
     let k = u64::from(args.events);
+    let reads = matches!(at, StoreAt::Dir(_));
     let Setup {
         mut server,
         mut addr,
@@ -272,20 +284,20 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
 
         // ------------------------------------------------------ resume storm
         pb.set_message(format!("round {round}: resume, all devices at once"));
-        let before = statements(addr).await?;
+        let before = statements(addr, reads).await?;
         let storm = resume_storm(&ws_url, &tokens, &mut positions, k, args.limit, &pb).await?;
-        let after = statements(addr).await?;
+        let after = statements(addr, reads).await?;
 
         // ------------------------------------------------------ baseline
         pb.set_message(format!("round {round}: baseline, bare handshakes"));
         // Let the server finish closing the resumed connections first.
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let base_before = statements(addr).await?;
+        let base_before = statements(addr, reads).await?;
         let (baseline_secs, mut base_times) = handshakes(&ws_url, &tokens, &pb).await?;
-        let base_after = statements(addr).await?;
+        let base_after = statements(addr, reads).await?;
         pb.finish_and_clear();
 
-        let Storm { all_caught_up_secs, mut times, pages, requests } = storm;
+        let Storm { all_caught_up_secs, mut times, pages, requests, retries } = storm;
         times.sort_by(f64::total_cmp);
         base_times.sort_by(f64::total_cmp);
         let per = |a: f64, b: f64| (b - a) / n as f64;
@@ -300,6 +312,7 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
             statements_per_resume: per(before.0, after.0),
             read_statements_per_resume: per(before.1, after.1),
             ephemeral_frames_per_resume: per(before.2, after.2),
+            retries,
             baseline_all_handshakes_secs: baseline_secs,
             baseline_p50_ms: median(base_times.clone()),
             baseline_p99_ms: pct(&base_times, 0.99),
@@ -403,6 +416,7 @@ struct Storm {
     times: Vec<f64>,
     pages: u64,
     requests: u64,
+    retries: u64,
 }
 
 /// Connect attempts of one device in a storm: ten thousand connects at
@@ -451,7 +465,7 @@ async fn resume_storm(
             start.wait().await;
             let t = Instant::now();
             let (ws, _events, retries) = connect_retrying(&ws_url, &token).await?;
-            let mut dev = Device { ws, generation, applied, pages: 0, acks: 0 };
+            let mut dev = Device::at(ws, generation, applied);
             let mut got = 0u64;
             while got < k {
                 dev.catch_up(limit, |ev| {
@@ -466,7 +480,7 @@ async fn resume_storm(
             ensure!(got == k, "device got {got} of {k} events");
             dev.ws.close().await;
             pb.inc(1);
-            anyhow::Ok((ms, dev.pages, requests, retries, (dev.generation, dev.applied)))
+            anyhow::Ok((ms, dev.pages, requests, (retries, dev.retries), (dev.generation, dev.applied)))
         }));
     }
     start.wait().await;
@@ -474,19 +488,25 @@ async fn resume_storm(
     let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("resume timed out")??;
     let all_caught_up_secs = t.elapsed().as_secs_f64();
     let mut times = Vec::with_capacity(n);
-    let (mut pages, mut requests, mut connect_retries) = (0u64, 0u64, 0u64);
+    let (mut pages, mut requests, mut connect_retries, mut retries) = (0u64, 0u64, 0u64, 0u64);
     for (i, r) in results.into_iter().enumerate() {
-        let (ms, p, q, retries, pos) = r?;
+        let (ms, p, q, (connects, requests_again), pos) = r?;
         times.push(ms);
         pages += p;
         requests += q;
-        connect_retries += retries;
+        connect_retries += connects;
+        retries += requests_again;
         positions[i] = pos;
     }
     if connect_retries > 0 {
         eprintln!("{connect_retries} connects failed in transport and were retried (counted in their device's time)");
     }
-    Ok(Storm { all_caught_up_secs, times, pages, requests })
+    if retries > 0 {
+        eprintln!(
+            "{retries} syncs and ACKs were answered 'retry later' and run again (counted in their device's time)"
+        );
+    }
+    Ok(Storm { all_caught_up_secs, times, pages, requests, retries })
 }
 
 /// The baseline: the same devices' bare handshakes at the same moment.
@@ -527,6 +547,7 @@ fn median_round(rounds: &[Round]) -> Round {
         statements_per_resume: med(|r| r.statements_per_resume),
         read_statements_per_resume: med(|r| r.read_statements_per_resume),
         ephemeral_frames_per_resume: med(|r| r.ephemeral_frames_per_resume),
+        retries: med(|r| r.retries as f64) as u64,
         baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
@@ -614,7 +635,16 @@ fn report(
     );
     println!("\nper round:");
     print_table(
-        &["round", "restart s", "all done s", "device p50 ms", "device p99 ms", "stmts/resume", "handshakes s"],
+        &[
+            "round",
+            "restart s",
+            "all done s",
+            "device p50 ms",
+            "device p99 ms",
+            "stmts/resume",
+            "retries",
+            "handshakes s",
+        ],
         &rounds
             .iter()
             .map(|r| {
@@ -625,6 +655,7 @@ fn report(
                     format!("{:.1}", r.device_p50_ms),
                     format!("{:.1}", r.device_p99_ms),
                     format!("{:.1}", r.statements_per_resume),
+                    r.retries.to_string(),
                     format!("{:.3}", r.baseline_all_handshakes_secs),
                 ]
             })
