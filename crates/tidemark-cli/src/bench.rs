@@ -42,6 +42,7 @@ mod presence;
 mod proc;
 mod push;
 mod reconnect;
+mod stores;
 
 #[derive(clap::Subcommand)]
 pub enum BenchCommand {
@@ -467,7 +468,7 @@ async fn server_round(
 
 /// Waits until nothing holds the store and its writer has folded the WAL
 /// back, so the baseline that follows does not share the disk with it.
-async fn wait_store_closed(store: Weak<SqliteStore>, dir: &Path) {
+async fn wait_store_closed<S: ?Sized>(store: Weak<S>, dir: &Path) {
     let wal = dir.join(format!("{}-wal", tidemark_sqlite::DB_FILE));
     let deadline = Instant::now() + STORE_CLOSE_TIMEOUT;
     while Instant::now() < deadline {

@@ -870,10 +870,12 @@ async fn a_connection_on_node_b_supersedes_node_a_and_a_late_frame_on_a_has_no_e
 
 /// Issue 14: node A hears nothing of B (deaf to the bus, and it never
 /// reloads the fences from the store), so A's older connection of the phone
-/// stays open after the phone connected to B. Its late frames (a send, an
-/// ACK, a read) reach the store, which refuses them by their connection
-/// epoch (`StoreError::Superseded`, answered `UNAVAILABLE`): no message, no
-/// idempotency key, no cursor moved.
+/// stays open after the phone connected to B, until its next frame. Each
+/// late frame (a send, an ACK, a read, each on its own superseded
+/// connection) reaches the store, which refuses it by its connection epoch
+/// (`StoreError::Superseded`, answered `UNAVAILABLE`), and A ends that
+/// connection at once on the refusal, `kicked` `superseded`: nothing else
+/// could tell A. No message, no idempotency key, no cursor moved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_frame_on_a_node_that_never_heard_of_the_supersession_is_refused_by_the_store() {
     let name = "a_late_frame_on_a_node_that_never_heard_of_the_supersession_is_refused_by_the_store";
@@ -912,37 +914,50 @@ async fn a_late_frame_on_a_node_that_never_heard_of_the_supersession_is_refused_
         assert!(start.elapsed() < CONVERGE_WITHIN, "ben's message never reached ann's log");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (old, mut old_events) = WsConn::connect(&a.ws, &phone).await.unwrap();
-    let page = old.sync(&SyncReq::default()).await.unwrap();
-    assert!(page.events.iter().any(|e| e.conv == conv), "the first batch replays the whole log");
-    let (newer, _newer_events) = WsConn::connect(&b.ws, &phone).await.unwrap();
-    // Answered once B committed the newer epoch (before it reads a frame).
-    let _: serde_json::Value = newer.request("ping", &serde_json::json!({})).await.unwrap();
+    let mut generation = None;
+    for late in ["send", "ack", "read"] {
+        let (old, mut old_events) = WsConn::connect(&a.ws, &phone).await.unwrap();
+        // From nothing applied: the batch replays the whole log.
+        let req = SyncReq { sync_generation: generation, local_applied_sync_seq: Some(0), ..Default::default() };
+        let page = old.sync(&req).await.unwrap();
+        assert!(page.events.iter().any(|e| e.conv == conv), "the batch replays the whole log");
+        generation = Some(page.sync_generation);
+        let (newer, _newer_events) = WsConn::connect(&b.ws, &phone).await.unwrap();
+        // Answered once B committed the newer epoch (before it reads a frame).
+        let _: serde_json::Value = newer.request("ping", &serde_json::json!({})).await.unwrap();
+        while let Ok(e) = old_events.try_recv() {
+            assert!(!matches!(e, ServerEvent::Kicked { .. }), "node A learnt of the supersession: not under test");
+        }
 
-    // A heard nothing: its connection is open, and its frames reach the store.
-    let unavailable = |what: &str, r: Result<serde_json::Value, tidemark_client::ClientError>| match r {
-        Err(e) => assert_eq!(e.code(), Some(ErrorCode::Unavailable), "{what}: {e}"),
-        Ok(v) => panic!("{what} on the superseded connection was answered: {v}"),
-    };
-    let late_send = old.send(&send("late")).await.map(|ok| serde_json::json!(ok.msg_seq));
-    unavailable("a late send", late_send);
-    let late_ack = old.ack(&page.batch_token, page.batch_high_watermark).await.map(|_| serde_json::json!("acked"));
-    unavailable("a late ack", late_ack);
-    let late_read = old.request("read", &serde_json::json!({"conv": conv, "read_to_seq": hello.msg_seq})).await;
-    unavailable("a late read", late_read);
-    while let Ok(e) = old_events.try_recv() {
-        assert!(!matches!(e, ServerEvent::Kicked { .. }), "node A learnt of the supersession: not under test");
+        // A heard nothing: its connection is open, and the frame reaches the
+        // store. Its answer is UNAVAILABLE, or none if the kick closes the
+        // socket first; never a success.
+        let answer = match late {
+            "send" => old.send(&send("late")).await.map(|ok| serde_json::json!(ok.msg_seq)),
+            "ack" => old.ack(&page.batch_token, page.batch_high_watermark).await.map(|_| serde_json::json!("acked")),
+            _ => old.request("read", &serde_json::json!({"conv": conv, "read_to_seq": hello.msg_seq})).await,
+        };
+        match answer {
+            Err(e) => assert!(
+                matches!(e, tidemark_client::ClientError::Closed) || e.code() == Some(ErrorCode::Unavailable),
+                "a late {late}: {e}"
+            ),
+            Ok(v) => panic!("a late {late} on the superseded connection was answered: {v}"),
+        }
+        let reason = kicked_within(&mut old_events, &format!("the connection of the late {late} on node A")).await;
+        assert_eq!(reason, "superseded", "a late {late}");
+        old.abort();
+        newer.close().await;
     }
-    old.abort();
 
     // Nothing of it is in the store: the ACK and the read cursor did not
     // move (read before the newer connection sends: its own message moves
     // ann's read cursor, R3), the key is new and no msg_seq was taken.
+    let (newer, _newer_events) = WsConn::connect(&b.ws, &phone).await.unwrap();
     let list = newer.conv_list().await.unwrap();
     let row = list.conversations.iter().find(|c| c.conv == conv).expect("ann's conversation");
     assert_eq!((row.read_seq, row.unread), (0, 1), "the late read moved ann's read cursor");
-    let req =
-        SyncReq { sync_generation: Some(page.sync_generation), local_applied_sync_seq: Some(0), ..Default::default() };
+    let req = SyncReq { sync_generation: generation, local_applied_sync_seq: Some(0), ..Default::default() };
     let fresh = newer.sync(&req).await.unwrap();
     assert_eq!(fresh.server_acked_sync_seq, 0, "the late ACK moved the device's cursor");
     let first: SendOk = newer.send(&send("late")).await.unwrap();

@@ -755,6 +755,9 @@ pub(crate) async fn append_user_event(
 /// or below what fan-out delivered (`last_msg_seq`), inside the user's
 /// periods, from others, neither recalled nor deleted for the user. Only
 /// conversation facts count, never the user log, which retention trims.
+/// `tidemark_read` (schema step 16) counts the same in its own SQL: a
+/// change here is a new schema step replacing that function (the
+/// conformance suite compares both with SQLite read by read).
 pub(crate) const COUNT_UNREAD: &str = "SELECT COUNT(*) FROM messages m JOIN user_convs uc
        ON uc.user_id = $1 AND uc.conv_id = m.conv_id
      WHERE m.conv_id = $2 AND m.msg_seq > $3 AND m.msg_seq <= uc.last_msg_seq
@@ -862,6 +865,106 @@ pub(crate) async fn mark_read(
     let source = projection::read_event_id(conv, target);
     let written = append_user_event(c, user, EVENT_READ, conv, Some(target), &source, &data, now_ms).await?;
     Ok(ReadOutcome { read_seq: target, unread, mentions, written })
+}
+
+/// A `read` in one statement, `tidemark_read` (schema step 16); the
+/// parameters are [`read_params`], [`decide_read_row`] reads the outcome.
+pub(crate) const READ_SQL: &str = "SELECT * FROM tidemark_read($1, $2, $3, $4, $5, $6)";
+
+/// One `read`, as [`READ_SQL`] takes it and [`decide_read_row`] judges it.
+#[derive(Debug, Clone)]
+pub(crate) struct ReadCmd {
+    pub user: String,
+    pub conv: String,
+    pub read_to_seq: u64,
+    /// The WebSocket connection it came on: `(device, connection_epoch)`.
+    pub on: Option<(String, u64)>,
+    pub now_ms: i64,
+}
+
+/// The parameters of [`READ_SQL`] for `cmd`.
+pub(crate) fn read_params(cmd: &ReadCmd) -> Vec<Param> {
+    let (device, epoch) = match &cmd.on {
+        Some((d, e)) => (d.clone(), Some(big(*e))),
+        None => (String::new(), None),
+    };
+    vec![
+        Box::new(cmd.user.clone()),
+        Box::new(cmd.conv.clone()),
+        Box::new(big(cmd.read_to_seq)),
+        Box::new(device),
+        Box::new(epoch),
+        Box::new(cmd.now_ms),
+    ]
+}
+
+/// What `tidemark_read` answered: the read, or a shared large group, which
+/// the multi-statement [`mark_read`] serves (its unread above the switch
+/// follows core's marker rules).
+#[derive(Debug)]
+pub(crate) enum ReadRow {
+    Done(ReadOutcome),
+    Shared,
+}
+
+/// What `tidemark_core` and `tidemark_proto` make of `tidemark_read`'s row:
+/// core's rules decide again on the facts the statement read (the epoch
+/// fence, `projection::read_target` on the cursor and the head), and the
+/// event's key and data must be what core and the proto build for that
+/// decision; a disagreement undoes the request and answers `Internal`,
+/// never committed against them.
+pub(crate) fn decide_read_row(cmd: &ReadCmd, rows: &[tokio_postgres::Row]) -> Decided<ReadRow> {
+    let decided = (|| -> R<Decided<ReadRow>> {
+        let [r] = rows else {
+            return Err(StoreError::Internal(format!("tidemark_read returned {} rows", rows.len())));
+        };
+        let status: String = col(r, 0)?;
+        let epoch = cmd.on.as_ref().map(|(_, e)| *e);
+        match status.as_str() {
+            "superseded" => {
+                let newest = seq(r, 1)?;
+                if !tidemark_core::session::frame_superseded(epoch, newest) {
+                    return Err(StoreError::Internal(format!(
+                        "tidemark_read refused epoch {epoch:?} under {newest}, which frame_superseded accepts"
+                    )));
+                }
+                return Ok(Decided::Answer(Err(StoreError::Superseded(newest))));
+            }
+            "not_member" => return Ok(Decided::Answer(Err(control::not_member(&cmd.conv, true).into()))),
+            "not_found" => return Ok(Decided::Answer(Err(control::not_member(&cmd.conv, false).into()))),
+            "shared" => return Ok(Decided::Answer(Ok(ReadRow::Shared))),
+            "ok" => {}
+            other => return Err(StoreError::Internal(format!("tidemark_read status {other}"))),
+        }
+        let (read_seq, head) = (seq(r, 2)?, seq(r, 3)?);
+        let (unread, mentions) = (seq(r, 5)?, seq(r, 6)?);
+        let target: Option<i64> = col(r, 4)?;
+        let decided = projection::read_target(cmd.read_to_seq, head, read_seq);
+        if decided.map(big) != target {
+            return Ok(Decided::Undo(StoreError::Internal(format!(
+                "tidemark_read moved the read cursor to {target:?} where read_target decides {decided:?}"
+            ))));
+        }
+        let Some(target) = decided else {
+            return Ok(Decided::Answer(Ok(ReadRow::Done(ReadOutcome { read_seq, unread, mentions, written: None }))));
+        };
+        let (source, data): (String, String) = (col(r, 7)?, col(r, 8)?);
+        let (want_source, want_data) =
+            (projection::read_event_id(&cmd.conv, target), content::ReadData { read_seq: target, unread }.to_json());
+        if (source.as_str(), data.as_str()) != (want_source.as_str(), want_data.as_str()) {
+            return Ok(Decided::Undo(StoreError::Internal(format!(
+                "tidemark_read wrote event {source} {data} where core and the proto build {want_source} {want_data}"
+            ))));
+        }
+        let written = seq_opt(r, 9)?;
+        Ok(Decided::Answer(Ok(ReadRow::Done(ReadOutcome { read_seq: target, unread, mentions, written }))))
+    })();
+    match decided {
+        Ok(d) => d,
+        // A row this build cannot read: whatever the statement wrote must
+        // not commit.
+        Err(e) => Decided::Undo(e),
+    }
 }
 
 /// The user's row of `conv` in the conversation list, as `list_conversations`

@@ -44,6 +44,12 @@
 //!   An ACK does all of it in one statement, `tidemark_ack` (schema step
 //!   15, the table of `decide_ack_with` in PL/pgSQL, cross-checked against
 //!   core by `lifecycle::decide_ack_row`), pipelined like a send.
+//! - read cursors: a `read` locks the user's head, moves `read_seq` where
+//!   `projection::read_target` says, recounts and appends its `read` event
+//!   in one statement, `tidemark_read` (schema step 16, cross-checked
+//!   against core and the proto by `events::decide_read_row`), pipelined
+//!   on the user writer; a shared large group's read runs as
+//!   `events::mark_read`, statement by statement.
 //! - connection epochs (P2): a frame of a WebSocket connection carries its
 //!   epoch; the send (`tidemark_send_on`), the ACK (with its `FOR UPDATE`
 //!   of the device) and the read (with its `user_convs` read) compare it
@@ -694,16 +700,36 @@ impl Store for PgStore {
         on: Option<(&str, u64)>,
         now_ms: i64,
     ) -> StoreResult<ReadOutcome> {
-        let (user, conv) = (user.to_owned(), conv.to_owned());
-        let on = on.map(|(d, e)| (d.to_owned(), e));
-        self.user_writer
-            .write(move |c| {
-                Box::pin(async move {
-                    let on = on.as_ref().map(|(d, e)| (d.as_str(), *e));
-                    events::mark_read(c, &user, &conv, read_to_seq, on, now_ms).await
-                })
-            })
-            .await
+        let cmd = events::ReadCmd {
+            user: user.to_owned(),
+            conv: conv.to_owned(),
+            read_to_seq,
+            on: on.map(|(d, e)| (d.to_owned(), e)),
+            now_ms,
+        };
+        let params = events::read_params(&cmd);
+        let cmd = Arc::new(cmd);
+        // One statement, pipelined with the other one-statement requests of
+        // the user writer's group commit; it locks no conversation row.
+        let decide = {
+            let cmd = cmd.clone();
+            move |rows: &[tokio_postgres::Row]| events::decide_read_row(&cmd, rows)
+        };
+        match self.user_writer.write_statement(None, events::READ_SQL, params, decide).await? {
+            events::ReadRow::Done(outcome) => Ok(outcome),
+            // A shared large group: the read of several statements, whose
+            // unread above the switch follows core's marker rules.
+            events::ReadRow::Shared => {
+                self.user_writer
+                    .write(move |c| {
+                        Box::pin(async move {
+                            let on = cmd.on.as_ref().map(|(d, e)| (d.as_str(), *e));
+                            events::mark_read(c, &cmd.user, &cmd.conv, cmd.read_to_seq, on, cmd.now_ms).await
+                        })
+                    })
+                    .await
+            }
+        }
     }
 
     async fn update_settings(

@@ -73,7 +73,101 @@ pub const MIGRATIONS: &[Migration] = &[
     Migration { version: 13, name: "privacy switch versions", sql: PRIVACY_VERSIONS },
     Migration { version: 14, name: "per-frame connection epoch fence", sql: FRAME_FENCE },
     Migration { version: 15, name: "ACK in one statement", sql: ACK_FUNCTION },
+    Migration { version: 16, name: "read in one statement", sql: READ_FUNCTION },
 ];
+
+/// Step 16 (R1, R3, issue 14): `tidemark_read`, a `read` in one statement,
+/// so the user writer pipelines the reads of a group commit
+/// (`Writer::write_statement`) instead of awaiting 13 statements
+/// each. In the order of the multi-statement read (`events::mark_read`):
+/// it locks the user's head (the first lock of every per-user write),
+/// reads the user's row of the conversation, the head and the device's
+/// newest `connection_epoch` (refusing an older frame, `superseded`, before
+/// anything is written: `tidemark_core::session::frame_superseded`),
+/// moves the read cursor where `tidemark_core::projection::read_target`
+/// says, recounts unread and mentions from the facts (the counts of
+/// `events::COUNT_UNREAD` and `COUNT_MENTIONS`) and appends the `read`
+/// user event under its key (`projection::read_event_id`) with its data
+/// (`content::ReadData`) unless that key is already in the log. It returns
+/// the facts it decided on and what it wrote; the caller
+/// (`events::decide_read_row`) decides again with core's rule
+/// and the proto's data shape and undoes the request, answering
+/// `Internal`, were they ever to disagree: the rules live in core and the
+/// wire shape in proto, this is their transcription, keep them the same.
+/// A shared large group (`conversations.mode = 'shared'`), whose unread
+/// above the switch is counted from the log through core's marker rules,
+/// is answered `shared` with nothing written beyond the head lock: the
+/// caller runs the multi-statement read for it.
+pub const READ_FUNCTION: &str = r#"
+CREATE FUNCTION tidemark_read(
+    p_user TEXT, p_conv TEXT, p_read_to BIGINT, p_device TEXT, p_epoch BIGINT, p_now BIGINT,
+    OUT o_status TEXT, OUT o_newest BIGINT, OUT o_read_seq BIGINT, OUT o_head BIGINT, OUT o_target BIGINT,
+    OUT o_unread BIGINT, OUT o_mentions BIGINT, OUT o_source TEXT, OUT o_data TEXT, OUT o_sync_seq BIGINT)
+LANGUAGE plpgsql VOLATILE AS $fn$
+DECLARE
+    v_mode TEXT;
+    v_member BOOLEAN;
+BEGIN
+    -- events::lock_user
+    INSERT INTO user_heads AS h (user_id, high_watermark) VALUES (p_user, 0)
+    ON CONFLICT (user_id) DO UPDATE SET high_watermark = h.high_watermark;
+    SELECT uc.read_seq, c.head, uc.unread, uc.mentions, c.mode
+      INTO o_read_seq, o_head, o_unread, o_mentions, v_mode
+      FROM user_convs uc JOIN conversations c ON c.conv_id = uc.conv_id
+     WHERE uc.user_id = p_user AND uc.conv_id = p_conv;
+    v_member := FOUND;
+    IF p_epoch IS NOT NULL THEN
+        o_newest := COALESCE((SELECT d.connection_epoch FROM devices d
+                               WHERE d.user_id = p_user AND d.device_id = p_device), 0);
+        -- tidemark_core::session::frame_superseded
+        IF o_newest > p_epoch THEN
+            o_status := 'superseded';
+            RETURN;
+        END IF;
+    END IF;
+    IF NOT v_member THEN
+        o_status := CASE WHEN EXISTS (SELECT 1 FROM conversations WHERE conv_id = p_conv)
+                         THEN 'not_member' ELSE 'not_found' END;
+        RETURN;
+    END IF;
+    IF v_mode = 'shared' THEN
+        o_status := 'shared';
+        RETURN;
+    END IF;
+    o_status := 'ok';
+    -- tidemark_core::projection::read_target
+    IF LEAST(p_read_to, o_head) <= o_read_seq THEN
+        RETURN;
+    END IF;
+    o_target := LEAST(p_read_to, o_head);
+    UPDATE user_convs SET read_seq = o_target WHERE user_id = p_user AND conv_id = p_conv;
+    -- events::COUNT_UNREAD and COUNT_MENTIONS above the new cursor.
+    SELECT COUNT(*), COUNT(*) FILTER (WHERE m.mention_all OR p_user = ANY (m.mentions))
+      INTO o_unread, o_mentions
+      FROM messages m JOIN user_convs uc ON uc.user_id = p_user AND uc.conv_id = m.conv_id
+     WHERE m.conv_id = p_conv AND m.msg_seq > o_target AND m.msg_seq <= uc.last_msg_seq
+       AND m.sender <> p_user AND m.state <> 'recalled'
+       AND m.kind NOT IN ('conv.created', 'member.join', 'member.leave', 'recall', 'edit', 'reaction')
+       AND EXISTS (SELECT 1 FROM membership_periods p WHERE p.conv_id = m.conv_id AND p.user_id = p_user
+                   AND p.join_seq <= m.msg_seq AND (p.leave_seq IS NULL OR m.msg_seq <= p.leave_seq))
+       AND NOT EXISTS (SELECT 1 FROM user_deleted d WHERE d.user_id = p_user AND d.message_id = m.message_id);
+    UPDATE user_convs SET unread = o_unread, mentions = o_mentions WHERE user_id = p_user AND conv_id = p_conv;
+    -- projection::read_event_id and content::ReadData
+    o_source := 'read:' || p_conv || ':' || o_target;
+    o_data := '{"read_seq":' || o_target || ',"unread":' || o_unread || '}';
+    -- events::append_user_event, in the per-user scope (period 0)
+    IF EXISTS (SELECT 1 FROM user_events WHERE user_id = p_user AND source_event_id = o_source AND period_id = 0) THEN
+        RETURN;
+    END IF;
+    INSERT INTO user_heads AS h (user_id, high_watermark) VALUES (p_user, 1)
+    ON CONFLICT (user_id) DO UPDATE SET high_watermark = h.high_watermark + 1
+    RETURNING high_watermark INTO o_sync_seq;
+    INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id, period_id,
+                             data, created_at)
+    VALUES (p_user, o_sync_seq, 'read', p_conv, o_target, NULL, o_source, 0, o_data, p_now);
+END
+$fn$;
+"#;
 
 /// Step 13 (issue 18): the switches' version, moved by each change, so a
 /// change is one `privacy` user event (`privacy:<version>`) in the user's

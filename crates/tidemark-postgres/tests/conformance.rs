@@ -1052,3 +1052,52 @@ async fn a_fan_out_batch_costs_fixed_statements_plus_one_per_delivery() {
     let g = a.iter().find(|s| s.conv == "g").unwrap();
     assert_eq!((g.unread, g.mentions, g.read_seq), (0, 0, 17), "the sender's own events: read, recounted");
 }
+
+/// A read is one statement on PostgreSQL (`tidemark_read`, schema step 16),
+/// pipelined in the user writer's group commit: BEGIN, the savepoint sent
+/// with it, the statement, COMMIT, whatever it writes (the cursor, the
+/// recount of unread and mentions, the `read` event). The read of several
+/// statements it replaced cost 13 here (head lock, the row, the cursor,
+/// the recount's four, the list row, the event's check and insert, and the
+/// transaction's own), awaited one by one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_costs_one_statement_in_its_group_commit() {
+    let Some(url) = pg_url("a_read_costs_one_statement_in_its_group_commit") else { return };
+    let schemas = Schemas::new(url);
+    let store = schemas.fresh().await;
+    for u in ["a", "b"] {
+        assert!(store.create_user(u, "h", 0).await.unwrap());
+    }
+    let (conv, _) = store.create_direct("a", "b", "c", 0).await.unwrap();
+    for i in 0..4 {
+        let mentions = if i % 2 == 0 { vec!["a".to_string()] } else { Vec::new() };
+        store.accept_send(SendCmd { mentions, ..send_cmd("b", &conv, &format!("m{i}")) }).await.unwrap();
+    }
+    store.fan_out(store.pending_outbox(100).await.unwrap(), 10).await.unwrap();
+    let head = store.conversation(&conv).await.unwrap().unwrap().head;
+
+    // Up to the second-last message: one unread left, a mention (the
+    // last-but-one of four, mentioned at 0 and 2, is read).
+    let before = store.stats().statements;
+    let read = store.mark_read("a", &conv, head - 1, 7).await.unwrap();
+    let spent = store.stats().statements - before;
+    eprintln!("a read that moves the cursor: {spent} statements");
+    assert!(spent <= 4, "a read cost {spent} statements");
+    assert_eq!((read.read_seq, read.unread, read.mentions), (head - 1, 1, 0));
+    let written = read.written.expect("the read event is written");
+    let page = store.read_user_events("a", written - 1, written, 10).await.unwrap();
+    let event = page.iter().find(|e| e.sync_seq == written).expect("the read event in a's log");
+    assert_eq!(event.kind, "read");
+    assert_eq!(event.data.as_deref(), Some(format!("{{\"read_seq\":{},\"unread\":1}}", head - 1).as_str()));
+
+    // Not forward: nothing moves, nothing written, one statement again.
+    let before = store.stats().statements;
+    let again = store.mark_read("a", &conv, 1, 8).await.unwrap();
+    let spent = store.stats().statements - before;
+    assert!(spent <= 4, "a read that moves nothing cost {spent} statements");
+    assert_eq!((again.read_seq, again.unread, again.mentions, again.written), (head - 1, 1, 0, None));
+    // Refusals come from the same statement.
+    assert!(matches!(store.mark_read("a", "nope", 1, 9).await, Err(StoreError::NotFound(_))));
+    assert!(store.create_user("c", "h", 0).await.unwrap());
+    assert!(matches!(store.mark_read("c", &conv, 1, 9).await, Err(StoreError::NotMember)));
+}

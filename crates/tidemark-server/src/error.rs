@@ -9,11 +9,16 @@ pub struct ApiError {
     pub message: String,
     pub retry_after_ms: Option<u64>,
     pub sync_generation: Option<u64>,
+    /// The store refused a frame of an older connection of the device
+    /// (`StoreError::Superseded`, P2): the device's newest connection
+    /// epoch. Not on the wire; the WebSocket gateway ends the connection
+    /// on it (`gateway::ws`).
+    pub superseded_by: Option<u64>,
 }
 
 impl ApiError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> ApiError {
-        ApiError { code, message: message.into(), retry_after_ms: None, sync_generation: None }
+        ApiError { code, message: message.into(), retry_after_ms: None, sync_generation: None, superseded_by: None }
     }
 
     pub fn bad_request(message: impl Into<String>) -> ApiError {
@@ -71,10 +76,13 @@ impl From<StoreError> for ApiError {
             StoreError::Forbidden(m) => ApiError::new(ErrorCode::Forbidden, m),
             // A frame of a connection the device has replaced (P2): nothing
             // changed; the connection is being closed `superseded`.
-            StoreError::Superseded(_) => ApiError::new(
-                ErrorCode::Unavailable,
-                "this connection was superseded by a newer one of the device; nothing was done",
-            ),
+            StoreError::Superseded(newest) => ApiError {
+                superseded_by: Some(newest),
+                ..ApiError::new(
+                    ErrorCode::Unavailable,
+                    "this connection was superseded by a newer one of the device; nothing was done",
+                )
+            },
             StoreError::CursorAhead(head) => {
                 ApiError::new(ErrorCode::CursorAhead, format!("after is beyond the conversation head {head}"))
             }

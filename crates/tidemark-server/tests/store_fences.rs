@@ -46,3 +46,33 @@ async fn ends_written_on_the_store_by_another_process_reach_a_running_single_nod
     assert!(ts.running().state.fences.is_revoked("ben", "laptop"));
     ts.stop().await;
 }
+
+/// A frame the store refuses because the device opened a newer connection
+/// this node never registered (P2) ends its connection at once, `kicked`
+/// `superseded`. The newer epoch is committed here by another process's
+/// store on the same files, as another node would: a single node reloads
+/// no connection epochs, so nothing but the refusal ends the connection.
+#[tokio::test]
+async fn a_frame_the_store_refuses_as_superseded_ends_its_connection_at_once() {
+    let ts = TestServer::start_with(ServerConfig::default()).await;
+    for u in ["ann", "ben"] {
+        ts.user(u).await;
+    }
+    let mut phone = ts.device("ann", "phone").await;
+    let laptop = ts.device("ben", "laptop").await;
+    let conv = phone.ws.conv_create_direct("ben").await.unwrap().conv;
+    let other = SqliteStore::open(ts.dir.path()).unwrap();
+    other.open_connection("ann", "phone").await.unwrap();
+    drop(other);
+
+    let late = phone.ws.send(&send_req(&conv, "late")).await;
+    assert!(late.is_err(), "a send of the superseded connection was answered: {late:?}");
+    assert_eq!(kicked(&mut phone, Duration::from_secs(5)).await.as_deref(), Some("superseded"));
+    // Nothing of it is in the store: ben's first message takes the first
+    // msg_seq after the creation, and the late key is still new.
+    let first = laptop.send(&conv, "after").await;
+    let again = ts.device("ann", "tablet").await.send(&conv, "late").await;
+    assert!(!again.duplicate, "the refused send's idempotency key was taken");
+    assert_eq!(again.msg_seq, first.msg_seq + 1, "the refused send took a msg_seq");
+    ts.stop().await;
+}

@@ -29,6 +29,7 @@ use tokio_tungstenite::WebSocketStream;
 
 use super::device::bar;
 use super::proc::{create_users, open_files_soft_limit, rss_kib, spawn_server, spawn_tidemark};
+use super::stores::StoreAt;
 use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -204,8 +205,8 @@ pub async fn run(args: ConnectionsArgs) -> Result<()> {
     // Users with a cheap password hash, written before the server starts.
     pb.set_message("setup: users");
     let users: Vec<String> = (0..m).map(|i| format!("cn-u{i}")).collect();
-    create_users(&dir.0, &users, &indicatif::ProgressBar::hidden()).await?;
-    let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
+    create_users(&StoreAt::Dir(dir.0.clone()), &users, &indicatif::ProgressBar::hidden()).await?;
+    let (server, addr) = spawn_tidemark(&StoreAt::Dir(dir.0.clone()), "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: logins");
     let tokens = super::reconnect::log_in(&http, &users, &pb).await?;
@@ -221,7 +222,7 @@ pub async fn run(args: ConnectionsArgs) -> Result<()> {
         let (mut tidemark, mut baseline) = (None, None);
         for is_tidemark in order {
             if is_tidemark {
-                let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
+                let (server, addr) = spawn_tidemark(&StoreAt::Dir(dir.0.clone()), "127.0.0.1:0")?;
                 tidemark = Some(measure("tidemark", server.pid(), addr, &tokens, &args, &pb).await?);
             } else {
                 let (base, base_addr) = spawn_server(&["bench", "connections", "--serve-baseline"])?;

@@ -7,7 +7,6 @@
 //! is an index range read.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -17,9 +16,8 @@ use tidemark_client::proto::SyncReq;
 use tidemark_client::{Http, WsConn};
 use tidemark_core::cursor::{DeviceCursor, DeviceState};
 use tidemark_server::{Server, ServerConfig};
-use tidemark_sqlite::SqliteStore;
-use tidemark_store::Store;
 
+use super::stores::{Schemas, StoreAt};
 use super::{median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -41,6 +39,11 @@ pub struct DepthArgs {
     /// Where the temporary stores go (must be a real disk).
     #[arg(long)]
     pub dir: Option<std::path::PathBuf>,
+    /// Run the server on the PostgreSQL store at this URL instead, each
+    /// log in a fresh schema (dropped afterwards), its rows written by
+    /// `INSERT … SELECT generate_series`.
+    #[arg(long, value_name = "postgres://…")]
+    pub database: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -91,10 +94,80 @@ fn populate(dir: &Path, conv: &str, events: u64) -> Result<()> {
     Ok(())
 }
 
-async fn measure(parent: &Path, events: u64, args: &DepthArgs) -> Result<DepthRun> {
-    let dir = TempDir::create(parent)?;
+/// Writes `events` messages and the matching user events for `bob` into
+/// the PostgreSQL schema `schema`, each table in one statement.
+async fn populate_pg(admin: &tokio_postgres::Client, schema: &str, conv: &str, events: u64) -> Result<()> {
+    let n = events as i64;
+    let id = "'m' || lpad(g::text, 12, '0')";
+    admin
+        .execute(
+            &format!(
+                "INSERT INTO {schema}.messages (message_id, conv_id, msg_seq, sender, sender_device, client_msg_id, kind,
+                                               content, state, created_at)
+                 SELECT {id}, $1, g, 'alice', 'd', {id}, 'text', '{{\"text\":\"a chat line of ordinary length\"}}',
+                        'normal', 0
+                 FROM generate_series(1, $2::bigint) AS g"
+            ),
+            &[&conv, &n],
+        )
+        .await
+        .context("write the messages")?;
+    admin
+        .execute(
+            &format!(
+                "INSERT INTO {schema}.user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id,
+                                                  period_id, created_at)
+                 SELECT 'bob', g, 'message', $1, g, {id}, {id}, 1, 0 FROM generate_series(1, $2::bigint) AS g"
+            ),
+            &[&conv, &n],
+        )
+        .await
+        .context("write the user events")?;
+    admin.execute(&format!("UPDATE {schema}.conversations SET head = $2 WHERE conv_id = $1"), &[&conv, &n]).await?;
+    admin
+        .execute(
+            &format!(
+                "INSERT INTO {schema}.user_heads (user_id, high_watermark) VALUES ('bob', $1)
+                 ON CONFLICT (user_id) DO UPDATE SET high_watermark = excluded.high_watermark"
+            ),
+            &[&n],
+        )
+        .await?;
+    // Vacuumed, with fresh statistics, as a long-lived log is: the pages are
+    // not measured beside autovacuum's first pass over the new rows, nor
+    // setting their hint bits. VACUUM runs outside a transaction, one
+    // table per statement.
+    for table in ["messages", "user_events"] {
+        admin.batch_execute(&format!("VACUUM (ANALYZE) {schema}.{table}")).await?;
+    }
+    Ok(())
+}
+
+/// One log of `events`: on a fresh embedded store, or on a fresh schema of
+/// `schemas`' database.
+async fn measure(parent: &Path, schemas: Option<&Schemas>, events: u64, args: &DepthArgs) -> Result<DepthRun> {
+    match schemas {
+        None => {
+            let dir = TempDir::create(parent)?;
+            measure_on(&StoreAt::Dir(dir.0.clone()), None, events, args).await
+        }
+        Some(s) => {
+            s.run(&format!("e{events}"), |schema| async move {
+                measure_on(&s.at(&schema), Some(s.admin()), events, args).await
+            })
+            .await
+        }
+    }
+}
+
+async fn measure_on(
+    at: &StoreAt,
+    admin: Option<&tokio_postgres::Client>,
+    events: u64,
+    args: &DepthArgs,
+) -> Result<DepthRun> {
     let built = Instant::now();
-    let store = SqliteStore::open(&dir.0)?;
+    let store = at.open().await?;
     store
         .create_user("alice", &tidemark_server::accounts::hash_password(PASSWORD).map_err(anyhow::Error::msg)?, 0)
         .await?;
@@ -102,10 +175,13 @@ async fn measure(parent: &Path, events: u64, args: &DepthArgs) -> Result<DepthRu
         .create_user("bob", &tidemark_server::accounts::hash_password(PASSWORD).map_err(anyhow::Error::msg)?, 0)
         .await?;
     let (conv, _) = store.create_direct("alice", "bob", "c-depth", 0).await?;
-    {
-        let dir = dir.0.clone();
-        let conv = conv.clone();
-        tokio::task::spawn_blocking(move || populate(&dir, &conv, events)).await??;
+    match (at, admin) {
+        (StoreAt::Dir(dir), _) => {
+            let (dir, conv) = (dir.clone(), conv.clone());
+            tokio::task::spawn_blocking(move || populate(&dir, &conv, events)).await??;
+        }
+        (StoreAt::Postgres { schema, .. }, Some(admin)) => populate_pg(admin, schema, &conv, events).await?,
+        (StoreAt::Postgres { .. }, None) => anyhow::bail!("no connection to write the PostgreSQL log with"),
     }
     let build_secs = built.elapsed().as_secs_f64();
     let config = ServerConfig {
@@ -114,7 +190,7 @@ async fn measure(parent: &Path, events: u64, args: &DepthArgs) -> Result<DepthRu
         limits: tidemark_server::limits::LimitsConfig::off(),
         ..ServerConfig::default()
     };
-    let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await?;
+    let server = Server::start("127.0.0.1:0", store.clone(), config).await?;
     let http = Http::new(&server.url());
     let login = http.login("bob", PASSWORD, "phone").await.context("login")?;
     // Put the device near the head, as a device that was online recently.
@@ -140,6 +216,7 @@ async fn measure(parent: &Path, events: u64, args: &DepthArgs) -> Result<DepthRu
     }
     drop(ws);
     server.stop().await;
+    at.close(store).await;
     let mean = ms.iter().sum::<f64>() / ms.len().max(1) as f64;
     let mut sorted = ms.clone();
     sorted.sort_by(f64::total_cmp);
@@ -149,12 +226,17 @@ async fn measure(parent: &Path, events: u64, args: &DepthArgs) -> Result<DepthRu
 
 pub async fn run(args: DepthArgs) -> Result<()> {
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
-    eprintln!("building a log of {} events and one of {} events…", args.small, args.large);
-    let small = measure(&parent, args.small, &args).await?;
-    let large = measure(&parent, args.large, &args).await?;
+    let schemas = match &args.database {
+        Some(url) => Some(Schemas::connect(url).await?),
+        None => None,
+    };
+    let backend = if schemas.is_some() { "postgres" } else { "sqlite" };
+    eprintln!("building a log of {} events and one of {} events ({backend})…", args.small, args.large);
+    let small = measure(&parent, schemas.as_ref(), args.small, &args).await?;
+    let large = measure(&parent, schemas.as_ref(), args.large, &args).await?;
     let ratio = large.page_p50_ms / small.page_p50_ms.max(f64::MIN_POSITIVE);
     println!(
-        "tidemark bench depth: {} pages of {} events near the head, same run, same disk\n",
+        "tidemark bench depth ({backend} store): {} pages of {} events near the head, same run, same disk\n",
         args.pages, args.limit
     );
     let row = |r: &DepthRun| {
@@ -173,6 +255,7 @@ pub async fn run(args: DepthArgs) -> Result<()> {
     }
     let json = serde_json::json!({
         "scenario": "depth",
+        "store": backend,
         "note": "the shallow log is the baseline measured in the same run on the same disk",
         "pages": args.pages, "limit": args.limit,
         "shallow": small, "deep": large, "ratio_p50_deep_over_shallow": ratio,

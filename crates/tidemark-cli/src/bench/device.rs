@@ -5,7 +5,7 @@
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use tidemark_client::proto::{SyncReq, UserEvent};
-use tidemark_client::WsConn;
+use tidemark_client::{policy, ClientError, WsConn};
 
 /// Every bench user's password.
 pub(super) const PASSWORD: &str = "bench-password";
@@ -34,19 +34,58 @@ pub(super) fn bar(len: u64, unit: &str) -> ProgressBar {
     pb
 }
 
+/// Most runs of one sync or ACK a [`Device`] makes while the server answers
+/// it "retry later" (`UNAVAILABLE`, `RATE_LIMITED`).
+const RETRY_ATTEMPTS_MAX: u32 = 20;
+
 /// A device's sync position and its connection, synced the way the SDK
-/// does: a batch from its first page to `has_more: false`, each page ACKed.
+/// does: a batch from its first page to `has_more: false`, each page ACKed,
+/// and a request the server answers "retry later" run again after the wait
+/// the SDK's policy gives it (`policy::action_for`, `Backoff::delay_after`).
 pub(super) struct Device {
     pub ws: WsConn,
     pub generation: Option<u64>,
     pub applied: u64,
     pub pages: u64,
     pub acks: u64,
+    /// Requests run again after a "retry later" answer.
+    pub retries: u64,
 }
 
 impl Device {
     pub(super) fn new(ws: WsConn) -> Device {
-        Device { ws, generation: None, applied: 0, pages: 0, acks: 0 }
+        Device::at(ws, None, 0)
+    }
+
+    /// A device that already applied its log up to `applied` under
+    /// `generation`.
+    pub(super) fn at(ws: WsConn, generation: Option<u64>, applied: u64) -> Device {
+        Device { ws, generation, applied, pages: 0, acks: 0, retries: 0 }
+    }
+
+    /// Runs `request` until it is answered other than "retry later", or
+    /// [`RETRY_ATTEMPTS_MAX`] runs.
+    async fn retrying<T, F, Fut>(&mut self, op: policy::Op, mut request: F) -> Result<T, ClientError>
+    where
+        F: FnMut(WsConn) -> Fut,
+        Fut: std::future::Future<Output = Result<T, ClientError>>,
+    {
+        let backoff = policy::Backoff::default();
+        let mut attempt = 0;
+        loop {
+            match request(self.ws.clone()).await {
+                Err(e) if attempt + 1 < RETRY_ATTEMPTS_MAX => match policy::action_for(op, &e) {
+                    policy::Action::Retry { retry_after } => {
+                        let wait = backoff.delay_after(retry_after, attempt, rand::random());
+                        tokio::time::sleep(wait).await;
+                        attempt += 1;
+                        self.retries += 1;
+                    }
+                    _ => return Err(e),
+                },
+                other => return other,
+            }
+        }
     }
 
     /// One sync batch; `on_event` sees every event not applied before.
@@ -57,7 +96,9 @@ impl Device {
             limit: Some(limit),
             ..SyncReq::default()
         };
-        let mut page = self.ws.sync(&first).await.context("sync")?;
+        let first = &first;
+        let mut page =
+            self.retrying(policy::Op::Sync, |ws| async move { ws.sync(first).await }).await.context("sync")?;
         let token = page.batch_token.clone();
         let mut acked = page.resume_from;
         if self.generation != Some(page.sync_generation) {
@@ -75,7 +116,8 @@ impl Device {
             }
             let ack_to = if page.has_more { top } else { page.batch_high_watermark.max(top) };
             if ack_to > acked {
-                self.ws.ack(&token, ack_to).await.context("ack")?;
+                let token = &token;
+                self.retrying(policy::Op::Ack, |ws| async move { ws.ack(token, ack_to).await }).await.context("ack")?;
                 self.acks += 1;
                 acked = ack_to;
             }
@@ -89,7 +131,11 @@ impl Device {
                 limit: Some(limit),
                 ..SyncReq::default()
             };
-            page = self.ws.sync(&next).await.context("sync next page")?;
+            let next = &next;
+            page = self
+                .retrying(policy::Op::Sync, |ws| async move { ws.sync(next).await })
+                .await
+                .context("sync next page")?;
         }
     }
 }

@@ -59,7 +59,6 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -72,13 +71,12 @@ use serde::Serialize;
 use tidemark_client::proto::{op, ConvCreateOk, ConvCreateReq, SendReq};
 use tidemark_client::{Change, Client, ClientConfig, ConnState, Http, WsConn};
 use tidemark_server::{Server, ServerConfig};
-use tidemark_sqlite::SqliteStore;
-use tidemark_store::Store;
 use tokio::net::TcpListener;
 use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, cheap_hash, PASSWORD};
-use super::{init_logs, median, print_table, wait_store_closed, TempDir};
+use super::stores::{Schemas, StoreAt};
+use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct FanoutArgs {
@@ -119,6 +117,11 @@ pub struct FanoutArgs {
     /// the server's rows written per message without device work.
     #[arg(long, default_value_t = 20)]
     pub probe_messages: u32,
+    /// Run the Tidemark side on the PostgreSQL store at this URL (each run
+    /// in a fresh schema, dropped afterwards) instead of the embedded one;
+    /// the receivers' local stores and the baseline are unchanged.
+    #[arg(long, value_name = "postgres://…", conflicts_with = "large")]
+    pub database: Option<String>,
 }
 
 pub(super) const TEXT: &str = "The quick brown fox jumps over the lazy dog; benchmark payload.";
@@ -248,12 +251,38 @@ async fn observe(
     Ok(seen)
 }
 
-async fn tidemark_run(parent: &Path, members: u32, args: &FanoutArgs, pb: &ProgressBar) -> Result<Run> {
+/// One Tidemark run: on a fresh embedded store, or on a fresh schema of
+/// `schemas`' database.
+async fn tidemark_run(
+    parent: &Path,
+    schemas: Option<&Schemas>,
+    label: &str,
+    members: u32,
+    args: &FanoutArgs,
+    pb: &ProgressBar,
+) -> Result<Run> {
     let dir = TempDir::create(parent)?;
-    let server_dir = dir.0.join("server");
+    match schemas {
+        None => tidemark_run_on(&dir, &StoreAt::Dir(dir.0.join("server")), members, args, pb).await,
+        Some(schemas) => {
+            let dir = &dir;
+            schemas
+                .run(label, |schema| async move { tidemark_run_on(dir, &schemas.at(&schema), members, args, pb).await })
+                .await
+        }
+    }
+}
+
+async fn tidemark_run_on(
+    dir: &TempDir,
+    at: &StoreAt,
+    members: u32,
+    args: &FanoutArgs,
+    pb: &ProgressBar,
+) -> Result<Run> {
     let devices_dir = dir.0.join("devices");
     std::fs::create_dir_all(&devices_dir)?;
-    let store = SqliteStore::open(&server_dir)?;
+    let store = at.open().await?;
     let hash = cheap_hash()?;
     let users: Vec<String> = (0..members).map(|i| format!("fan-u{i}")).collect();
     for u in &users {
@@ -264,14 +293,12 @@ async fn tidemark_run(parent: &Path, members: u32, args: &FanoutArgs, pb: &Progr
         limits: tidemark_server::limits::LimitsConfig::off(),
         ..ServerConfig::default()
     };
-    let server = Server::start("127.0.0.1:0", store.clone() as Arc<dyn Store>, config).await?;
+    let server = Server::start("127.0.0.1:0", store.clone(), config).await?;
     let url = server.url();
     let ws_url = format!("ws://{}/v1/ws", server.addr);
     let result = tidemark_measure(&url, &ws_url, &users, &devices_dir, members, args, pb).await;
     server.stop().await;
-    let weak = Arc::downgrade(&store);
-    drop(store);
-    wait_store_closed(weak, &server_dir).await;
+    at.close(store).await;
     result
 }
 
@@ -712,6 +739,10 @@ pub async fn run(args: FanoutArgs) -> Result<()> {
         tidemark_client::proto::SYNC_LIMIT_MAX
     );
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
+    let schemas = match &args.database {
+        Some(url) => Some(Schemas::connect(url).await?),
+        None => None,
+    };
     let per_round: u64 = args.groups.iter().map(|&m| 2 * u64::from(m - 1) * u64::from(args.messages)).sum();
     let pb = bar(per_round * u64::from(args.rounds), "deliveries");
     let mut runs: Vec<RoundRun> = Vec::new();
@@ -725,7 +756,8 @@ pub async fn run(args: FanoutArgs) -> Result<()> {
             for side in 0..2 {
                 if (side == 0) == tidemark_first {
                     pb.set_message(format!("round {round}: tidemark, {members}"));
-                    tidemark = Some(tidemark_run(&parent, members, &args, &pb).await?);
+                    let label = format!("r{round}_m{members}");
+                    tidemark = Some(tidemark_run(&parent, schemas.as_ref(), &label, members, &args, &pb).await?);
                 } else {
                     pb.set_message(format!("round {round}: baseline, {members}"));
                     baseline = Some(baseline_run(&parent, members, &args, &pb).await?);
@@ -743,8 +775,10 @@ pub async fn run(args: FanoutArgs) -> Result<()> {
         .map(|&m| summarize(m, &runs.iter().filter(|r| r.members == m).collect::<Vec<_>>()))
         .collect();
 
+    let backend = if schemas.is_some() { "postgres" } else { "sqlite" };
     println!(
-        "tidemark bench fanout: one sender, {} messages per group (closed loop), every other member one device \
+        "tidemark bench fanout ({backend} server store): one sender, {} messages per group (closed loop), every \
+         other member one device \
          with its own local SQLite store (WAL, synchronous=FULL); tidemark receivers are SDK clients (sync on \
          hint, one transaction per page, ACK after commit), baseline receivers commit each batch of frames \
          received together in one transaction; latency = sender's send start -> receiving device's local \
@@ -801,6 +835,7 @@ pub async fn run(args: FanoutArgs) -> Result<()> {
     }
     let json = serde_json::json!({
         "scenario": "fanout",
+        "server_store": backend,
         "note": "every receiving device commits to its own local SQLite (WAL, synchronous=FULL) before a delivery \
                  counts; tidemark receivers are tidemark_client::Client (one transaction per sync page, time stamp \
                  at Change::PageApplied, send start read back from the committed content); baseline = bare \

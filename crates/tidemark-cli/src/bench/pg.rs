@@ -35,7 +35,9 @@ use serde::Serialize;
 use tidemark_postgres::{PgConfig, PgStore};
 use tidemark_server::{Server, ServerConfig};
 use tidemark_store::Store;
-use tokio_postgres::{Client, NoTls};
+use tokio_postgres::Client;
+
+use super::stores::{connect, Schemas};
 
 use super::{
     client_msg_id, content, drive, hex_id, init_logs, median, print_table, ratio, unix_ms, IngestArgs, ServerRound,
@@ -283,14 +285,6 @@ fn with_param(url: &str, key: &str, value: &str) -> String {
     }
 }
 
-async fn connect(url: &str) -> Result<Client> {
-    let (client, conn) = tokio_postgres::connect(url, NoTls).await.context("connect to PostgreSQL")?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(client)
-}
-
 async fn wal(admin: &Client) -> Result<Wal> {
     let r = admin
         .query_one("SELECT wal_records, wal_bytes::bigint, wal_write, wal_sync FROM pg_stat_wal", &[])
@@ -363,17 +357,13 @@ fn phase(wal: Wal, messages: u64, connections_peak: u64) -> PgPhase {
 
 pub(super) async fn ingest(args: IngestArgs, url: &str) -> Result<()> {
     init_logs();
-    let scheme = url.split(':').next().unwrap_or("");
-    ensure!(matches!(scheme, "postgres" | "postgresql"), "--database wants a postgres:// URL");
+    let schemas = Schemas::connect(url).await?;
     let topo = Arc::new(Topology::new(args.senders as usize, args.conversations as usize));
     let per_round = u64::from(args.senders) * u64::from(args.messages());
-    let admin = connect(url).await?;
-    let setting = |name: &'static str| {
-        let admin = &admin;
-        async move {
-            let v: String = admin.query_one(&format!("SHOW {name}"), &[]).await?.get(0);
-            anyhow::Ok(v)
-        }
+    let admin = schemas.admin();
+    let setting = |name: &'static str| async move {
+        let v: String = admin.query_one(&format!("SHOW {name}"), &[]).await?.get(0);
+        anyhow::Ok(v)
     };
     let params = PgParams {
         senders: args.senders,
@@ -395,17 +385,16 @@ pub(super) async fn ingest(args: IngestArgs, url: &str) -> Result<()> {
     );
     pb.enable_steady_tick(Duration::from_millis(200));
 
-    let run_id: u32 = rand::rng().random();
     let mut rounds = Vec::with_capacity(args.rounds as usize);
     for round in 1..=args.rounds {
         let tag = format!("round {round}/{}", args.rounds);
-        let schema = format!("tidemark_bench_{}_{run_id:08x}_r{round}", std::process::id());
-        let result = pg_round(&args, url, &admin, &topo, &schema, round, &pb, &tag).await;
-        // The schema goes, whatever happened.
-        if let Err(e) = admin.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await {
-            eprintln!("warning: could not drop schema {schema}: {e}");
-        }
-        let r = result?;
+        // A fresh schema per round, dropped whatever happened.
+        let (args, topo, pb, tag) = (&args, &topo, &pb, &tag);
+        let r = schemas
+            .run(&format!("r{round}"), |schema| async move {
+                pg_round(args, url, admin, topo, &schema, round, pb, tag).await
+            })
+            .await?;
         pb.suspend(|| {
             eprintln!(
                 "{tag}: {:.0} msgs/s, p50 {:.2} ms, p99 {:.2} ms, {:.1} msgs/WAL flush, {} conns; \

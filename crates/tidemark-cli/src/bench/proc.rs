@@ -11,6 +11,8 @@ use std::process::{Child, Command, Stdio};
 
 use anyhow::{Context, Result};
 
+use super::stores::StoreAt;
+
 /// Kills (SIGKILL) and reaps the child when dropped.
 pub(super) struct ChildGuard(pub Child);
 
@@ -45,12 +47,14 @@ pub(super) fn spawn_server(args: &[&str]) -> Result<(ChildGuard, SocketAddr)> {
     Ok((child, addr))
 }
 
-/// `tidemark serve` on `data`, listening on `listen`.
-pub(super) fn spawn_tidemark(data: &std::path::Path, listen: &str) -> Result<(ChildGuard, SocketAddr)> {
-    let data = data.display().to_string();
+/// `tidemark serve` on the store `at`, listening on `listen`.
+pub(super) fn spawn_tidemark(at: &StoreAt, listen: &str) -> Result<(ChildGuard, SocketAddr)> {
+    let store = at.serve_args();
     // Benchmarks measure the node itself: rate limits off (ten thousand
     // devices log in from a handful of loopback addresses).
-    spawn_server(&["serve", "--listen", listen, "--data", &data, "--no-rate-limits"])
+    let mut args = vec!["serve", "--listen", listen, "--no-rate-limits"];
+    args.extend(store.iter().map(String::as_str));
+    spawn_server(&args)
 }
 
 pub(super) fn rss_kib(pid: u32) -> Result<u64> {
@@ -88,12 +92,11 @@ pub(super) async fn scrape_all(addr: SocketAddr, names: &[&str]) -> Result<Vec<f
     names.iter().map(|name| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"))).collect()
 }
 
-/// Writes `users` (cheap password hash, 64 at a time) into the SQLite
-/// store in `dir` before any server starts, then closes the store.
-pub(super) async fn create_users(dir: &std::path::Path, users: &[String], pb: &indicatif::ProgressBar) -> Result<()> {
+/// Writes `users` (cheap password hash, 64 at a time) into the store `at`
+/// before any server starts, then closes the store.
+pub(super) async fn create_users(at: &StoreAt, users: &[String], pb: &indicatif::ProgressBar) -> Result<()> {
     use futures_util::{StreamExt, TryStreamExt};
-    use tidemark_store::Store;
-    let store = tidemark_sqlite::SqliteStore::open(dir)?;
+    let store = at.open().await?;
     let hash = super::device::cheap_hash()?;
     futures_util::stream::iter(users.iter().map(|u| {
         let (store, hash, pb) = (store.clone(), hash.clone(), pb.clone());
@@ -105,9 +108,7 @@ pub(super) async fn create_users(dir: &std::path::Path, users: &[String], pb: &i
     .buffer_unordered(64)
     .try_collect::<Vec<_>>()
     .await?;
-    let weak = std::sync::Arc::downgrade(&store);
-    drop(store);
-    super::wait_store_closed(weak, dir).await;
+    at.close(store).await;
     Ok(())
 }
 
@@ -130,20 +131,19 @@ impl TokenMint {
 }
 
 /// Writes `users` (cheap password hash) and, for each, `device` as a login
-/// registers it, into the SQLite store in `dir` before any server starts,
+/// registers it, into the store `at` before any server starts,
 /// many at once so the writer batches them, then closes the store. Returns
 /// the signer of their access tokens: setting up thousands of devices
 /// costs no login (a password hash, a refresh token and two audit entries
 /// each, one after the other), and nothing measured logs in.
 pub(super) async fn create_devices(
-    dir: &std::path::Path,
+    at: &StoreAt,
     users: &[String],
     device: &str,
     pb: &indicatif::ProgressBar,
 ) -> Result<TokenMint> {
     use futures_util::{StreamExt, TryStreamExt};
-    use tidemark_store::Store;
-    let store = tidemark_sqlite::SqliteStore::open(dir)?;
+    let store = at.open().await?;
     let hash = super::device::cheap_hash()?;
     futures_util::stream::iter(users.iter().map(|u| {
         let (store, hash, pb) = (store.clone(), hash.clone(), pb.clone());
@@ -158,9 +158,7 @@ pub(super) async fn create_devices(
     .try_collect::<Vec<_>>()
     .await?;
     let mint = TokenMint(tidemark_core::token::TokenKeys::from_secret(&store.server_secret().await?));
-    let weak = std::sync::Arc::downgrade(&store);
-    drop(store);
-    super::wait_store_closed(weak, dir).await;
+    at.close(store).await;
     Ok(mint)
 }
 

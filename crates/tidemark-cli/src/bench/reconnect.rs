@@ -36,9 +36,9 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, Device, PASSWORD};
 use super::proc::{
-    create_devices, create_users, metric_value, open_files_soft_limit, pct, scrape, spawn_tidemark, ChildGuard,
-    TokenMint,
+    create_devices, create_users, metric_value, open_files_soft_limit, pct, spawn_tidemark, ChildGuard, TokenMint,
 };
+use super::stores::{Schemas, StoreAt};
 use super::{init_logs, median, print_table, TempDir};
 
 #[derive(clap::Args, Debug, Clone)]
@@ -65,6 +65,11 @@ pub struct ReconnectArgs {
     /// Where the temporary store goes (must be a real disk).
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    /// Run `tidemark serve` on the PostgreSQL store at this URL instead (a
+    /// fresh schema for the run, dropped afterwards); SIGKILL and restart
+    /// as on the embedded store.
+    #[arg(long, value_name = "postgres://…")]
+    pub database: Option<String>,
 }
 
 const SETUP_CONCURRENCY: usize = 64;
@@ -76,7 +81,6 @@ const DEVICE: &str = "phone";
 const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
 const STATEMENTS: &str = "tidemark_store_statements_total";
 const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
-const BACKLOG: &str = "tidemark_outbox_backlog";
 /// Typing and presence frames the server's writers sent (one series per
 /// kind; summed).
 const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
@@ -97,6 +101,9 @@ struct Round {
     /// its groups, who answer with theirs, and every close announces it
     /// offline.
     ephemeral_frames_per_resume: f64,
+    /// Syncs and ACKs run again after a "retry later" answer
+    /// (`UNAVAILABLE`: a store pool wait ran out), over all devices.
+    retries: u64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
@@ -141,11 +148,13 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
 }
 
 /// The server's store statements (all, reads) and ephemeral frames sent,
-/// from one read of `/metrics`.
-async fn statements(addr: SocketAddr) -> Result<(f64, f64, f64)> {
+/// from one read of `/metrics`. A store that does not tell reads apart
+/// (PostgreSQL, `reads` false) has no read figure: NaN.
+async fn statements(addr: SocketAddr, reads: bool) -> Result<(f64, f64, f64)> {
     let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
     let value = |name: &str| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"));
-    let (all, reads) = (value(STATEMENTS)?, value(READ_STATEMENTS)?);
+    let all = value(STATEMENTS)?;
+    let reads = if reads { value(READ_STATEMENTS)? } else { f64::NAN };
     let ephemeral = text
         .lines()
         .filter(|l| l.strip_prefix(EPHEMERAL_SENT).is_some_and(|rest| rest.starts_with([' ', '{'])))
@@ -181,26 +190,31 @@ async fn send_while_away(addr: SocketAddr, convs: &[String], k: u64, round: u32)
     .context("send")?;
     sender.close().await;
     let drained = Instant::now();
-    while scrape(addr, BACKLOG).await? > 0.0 {
+    while outbox_backlog(addr).await? > 0 {
         ensure!(drained.elapsed() < DRAIN_TIMEOUT, "fan-out did not drain");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok(())
 }
 
-/// SIGKILLs the server and starts it again on the same directory, on the
+/// The outbox records not fanned out yet, read from the store now
+/// (`/healthz`; the `/metrics` gauge may be up to `--gauges-every-secs` old,
+/// and a PostgreSQL fan-out of the away messages takes longer than that).
+async fn outbox_backlog(addr: SocketAddr) -> Result<u64> {
+    let health: tidemark_client::proto::HealthOk =
+        reqwest::get(format!("http://{addr}/healthz")).await?.error_for_status()?.json().await?;
+    Ok(health.outbox_backlog)
+}
+
+/// SIGKILLs the server and starts it again on the same store, on the
 /// same port if it is free. Returns the new server and the seconds until
 /// it listened.
-fn kill_and_restart(
-    server: ChildGuard,
-    addr: SocketAddr,
-    data: &std::path::Path,
-) -> Result<(ChildGuard, SocketAddr, f64)> {
+fn kill_and_restart(server: ChildGuard, addr: SocketAddr, at: &StoreAt) -> Result<(ChildGuard, SocketAddr, f64)> {
     drop(server);
     let t = Instant::now();
-    let (child, addr) = match spawn_tidemark(data, &addr.to_string()) {
+    let (child, addr) = match spawn_tidemark(at, &addr.to_string()) {
         Ok(s) => s,
-        Err(_) => spawn_tidemark(data, "127.0.0.1:0")?,
+        Err(_) => spawn_tidemark(at, "127.0.0.1:0")?,
     };
     Ok((child, addr, t.elapsed().as_secs_f64()))
 }
@@ -218,11 +232,26 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
             devices = cap;
         }
     }
-    let n = devices as usize;
-    let k = u64::from(args.events);
     let parent = args.dir.clone().unwrap_or_else(std::env::temp_dir);
     let dir = TempDir::create(&parent)?;
+    match &args.database {
+        None => run_on(&args, devices, soft, &StoreAt::Dir(dir.0.clone())).await,
+        Some(url) => {
+            let schemas = Schemas::connect(url).await?;
+            let schemas = &schemas;
+            let args = &args;
+            schemas
+                .run("reconnect", |schema| async move { run_on(args, devices, soft, &schemas.at(&schema)).await })
+                .await
+        }
+    }
+}
 
+/// Setup and the rounds on the store `at`.
+async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &StoreAt) -> Result<()> {
+    let n = devices as usize;
+    let k = u64::from(args.events);
+    let reads = matches!(at, StoreAt::Dir(_));
     let Setup {
         mut server,
         mut addr,
@@ -234,7 +263,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
         mut positions,
         setup_secs,
         phases,
-    } = setup(&args, n, &dir).await?;
+    } = setup(args, n, at).await?;
     let mut rounds = Vec::new();
     for round in 1..=args.rounds {
         let pb = bar(n as u64 * 2, "devices");
@@ -250,25 +279,25 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
         // ------------------------------------------------------ restart
         pb.set_message(format!("round {round}: SIGKILL and restart"));
         let restart_secs;
-        (server, addr, restart_secs) = kill_and_restart(server, addr, &dir.0)?;
+        (server, addr, restart_secs) = kill_and_restart(server, addr, at)?;
         let ws_url = format!("ws://{addr}/v1/ws");
 
         // ------------------------------------------------------ resume storm
         pb.set_message(format!("round {round}: resume, all devices at once"));
-        let before = statements(addr).await?;
+        let before = statements(addr, reads).await?;
         let storm = resume_storm(&ws_url, &tokens, &mut positions, k, args.limit, &pb).await?;
-        let after = statements(addr).await?;
+        let after = statements(addr, reads).await?;
 
         // ------------------------------------------------------ baseline
         pb.set_message(format!("round {round}: baseline, bare handshakes"));
         // Let the server finish closing the resumed connections first.
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let base_before = statements(addr).await?;
+        let base_before = statements(addr, reads).await?;
         let (baseline_secs, mut base_times) = handshakes(&ws_url, &tokens, &pb).await?;
-        let base_after = statements(addr).await?;
+        let base_after = statements(addr, reads).await?;
         pb.finish_and_clear();
 
-        let Storm { all_caught_up_secs, mut times, pages, requests } = storm;
+        let Storm { all_caught_up_secs, mut times, pages, requests, retries } = storm;
         times.sort_by(f64::total_cmp);
         base_times.sort_by(f64::total_cmp);
         let per = |a: f64, b: f64| (b - a) / n as f64;
@@ -283,6 +312,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
             statements_per_resume: per(before.0, after.0),
             read_statements_per_resume: per(before.1, after.1),
             ephemeral_frames_per_resume: per(before.2, after.2),
+            retries,
             baseline_all_handshakes_secs: baseline_secs,
             baseline_p50_ms: median(base_times.clone()),
             baseline_p99_ms: pct(&base_times, 0.99),
@@ -297,7 +327,7 @@ pub async fn run(args: ReconnectArgs) -> Result<()> {
     drop(server);
 
     let summary = median_round(&rounds);
-    report(&args, devices, convs.len(), soft, (setup_secs, &phases), &summary, &rounds)
+    report(args, at.backend(), devices, convs.len(), soft, (setup_secs, &phases), &summary, &rounds)
 }
 
 /// What setup leaves for the rounds.
@@ -319,7 +349,7 @@ struct Setup {
 /// The users and their devices (through the store, their access tokens
 /// signed here), the sender, `tidemark serve`, the groups, and each device
 /// connected once and brought to its head.
-async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
+async fn setup(args: &ReconnectArgs, n: usize, at: &StoreAt) -> Result<Setup> {
     let setup = Instant::now();
     let mut phases = Vec::new();
     let mut phase = |name: &'static str, since: &mut Instant| {
@@ -332,12 +362,12 @@ async fn setup(args: &ReconnectArgs, n: usize, dir: &TempDir) -> Result<Setup> {
     let pb = bar(n as u64 * 2, "setup steps");
     pb.set_message("setup: users and devices");
     let users: Vec<String> = (0..n).map(|i| format!("rc-u{i}")).collect();
-    create_users(&dir.0, &["rc-sender".to_owned()], &indicatif::ProgressBar::hidden()).await?;
-    let mint = create_devices(&dir.0, &users, DEVICE, &pb).await?;
+    create_users(at, &["rc-sender".to_owned()], &indicatif::ProgressBar::hidden()).await?;
+    let mint = create_devices(at, &users, DEVICE, &pb).await?;
     let tokens: Vec<String> = users.iter().map(|u| mint.access(u, DEVICE)).collect();
     let logged_in = Instant::now();
     phase("users and devices (store)", &mut step);
-    let (server, addr) = spawn_tidemark(&dir.0, "127.0.0.1:0")?;
+    let (server, addr) = spawn_tidemark(at, "127.0.0.1:0")?;
     let http = Http::new(&format!("http://{addr}"));
     pb.set_message("setup: groups");
     let sender_login = http.login("rc-sender", PASSWORD, "desk").await.context("sender login")?;
@@ -386,6 +416,7 @@ struct Storm {
     times: Vec<f64>,
     pages: u64,
     requests: u64,
+    retries: u64,
 }
 
 /// Connect attempts of one device in a storm: ten thousand connects at
@@ -434,7 +465,7 @@ async fn resume_storm(
             start.wait().await;
             let t = Instant::now();
             let (ws, _events, retries) = connect_retrying(&ws_url, &token).await?;
-            let mut dev = Device { ws, generation, applied, pages: 0, acks: 0 };
+            let mut dev = Device::at(ws, generation, applied);
             let mut got = 0u64;
             while got < k {
                 dev.catch_up(limit, |ev| {
@@ -449,7 +480,7 @@ async fn resume_storm(
             ensure!(got == k, "device got {got} of {k} events");
             dev.ws.close().await;
             pb.inc(1);
-            anyhow::Ok((ms, dev.pages, requests, retries, (dev.generation, dev.applied)))
+            anyhow::Ok((ms, dev.pages, requests, (retries, dev.retries), (dev.generation, dev.applied)))
         }));
     }
     start.wait().await;
@@ -457,19 +488,25 @@ async fn resume_storm(
     let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("resume timed out")??;
     let all_caught_up_secs = t.elapsed().as_secs_f64();
     let mut times = Vec::with_capacity(n);
-    let (mut pages, mut requests, mut connect_retries) = (0u64, 0u64, 0u64);
+    let (mut pages, mut requests, mut connect_retries, mut retries) = (0u64, 0u64, 0u64, 0u64);
     for (i, r) in results.into_iter().enumerate() {
-        let (ms, p, q, retries, pos) = r?;
+        let (ms, p, q, (connects, requests_again), pos) = r?;
         times.push(ms);
         pages += p;
         requests += q;
-        connect_retries += retries;
+        connect_retries += connects;
+        retries += requests_again;
         positions[i] = pos;
     }
     if connect_retries > 0 {
         eprintln!("{connect_retries} connects failed in transport and were retried (counted in their device's time)");
     }
-    Ok(Storm { all_caught_up_secs, times, pages, requests })
+    if retries > 0 {
+        eprintln!(
+            "{retries} syncs and ACKs were answered 'retry later' and run again (counted in their device's time)"
+        );
+    }
+    Ok(Storm { all_caught_up_secs, times, pages, requests, retries })
 }
 
 /// The baseline: the same devices' bare handshakes at the same moment.
@@ -510,6 +547,7 @@ fn median_round(rounds: &[Round]) -> Round {
         statements_per_resume: med(|r| r.statements_per_resume),
         read_statements_per_resume: med(|r| r.read_statements_per_resume),
         ephemeral_frames_per_resume: med(|r| r.ephemeral_frames_per_resume),
+        retries: med(|r| r.retries as f64) as u64,
         baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
@@ -518,8 +556,10 @@ fn median_round(rounds: &[Round]) -> Round {
 }
 
 /// Prints the summary and per-round tables and writes the JSON.
+#[allow(clippy::too_many_arguments)]
 fn report(
     args: &ReconnectArgs,
+    backend: &str,
     devices: u32,
     groups: usize,
     soft: Option<u64>,
@@ -528,8 +568,10 @@ fn report(
     rounds: &[Round],
 ) -> Result<()> {
     println!(
-        "tidemark bench reconnect: {} devices in {} groups, each {} events behind, `tidemark serve` SIGKILLed and \
-         restarted on the same data dir (median {:.2} s), all reconnect at once; pages of {}; median of {} rounds\n",
+        "tidemark bench reconnect ({} store): {} devices in {} groups, each {} events behind, `tidemark serve` \
+         SIGKILLed and restarted on the same store (median {:.2} s), all reconnect at once; pages of {}; median of \
+         {} rounds\n",
+        backend,
         devices,
         groups,
         args.events,
@@ -560,7 +602,11 @@ fn report(
                 format!("{:.2}", s.pages_per_resume),
                 format!("{:.2}", s.requests_per_resume),
                 format!("{:.1}", s.statements_per_resume),
-                format!("{:.1}", s.read_statements_per_resume),
+                if s.read_statements_per_resume.is_nan() {
+                    "-".into()
+                } else {
+                    format!("{:.1}", s.read_statements_per_resume)
+                },
                 format!("{:.1}", s.ephemeral_frames_per_resume),
             ],
             vec![
@@ -589,7 +635,16 @@ fn report(
     );
     println!("\nper round:");
     print_table(
-        &["round", "restart s", "all done s", "device p50 ms", "device p99 ms", "stmts/resume", "handshakes s"],
+        &[
+            "round",
+            "restart s",
+            "all done s",
+            "device p50 ms",
+            "device p99 ms",
+            "stmts/resume",
+            "retries",
+            "handshakes s",
+        ],
         &rounds
             .iter()
             .map(|r| {
@@ -600,6 +655,7 @@ fn report(
                     format!("{:.1}", r.device_p50_ms),
                     format!("{:.1}", r.device_p99_ms),
                     format!("{:.1}", r.statements_per_resume),
+                    r.retries.to_string(),
                     format!("{:.3}", r.baseline_all_handshakes_secs),
                 ]
             })
@@ -610,10 +666,12 @@ fn report(
     }
     let json = serde_json::json!({
         "scenario": "reconnect",
+        "store": backend,
         "note": "server = `tidemark serve` child process, SIGKILLed and restarted before each round's storm; \
                  baseline = WebSocket connect + auth frame of the same devices at once against the same restarted \
-                 server; statements = SQLite statements started by the server's store connections (its \
-                 /metrics gauges), delta over the storm / devices; summary = median of the rounds",
+                 server; statements = statements the server's store connections ran (its /metrics counters: \
+                 SQLite counts every statement started, PostgreSQL every statement sent, BEGIN/COMMIT included, \
+                 and has no read counter), delta over the storm / devices; summary = median of the rounds",
         "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": groups,
         "open_files_soft_limit": soft, "setup_secs": setup_secs,
         "setup_phases_secs": phases.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),

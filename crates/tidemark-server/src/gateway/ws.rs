@@ -133,6 +133,28 @@ fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<tidemark_proto::Raw
     }
 }
 
+/// Queues the reply to `op`. A frame the store refused because the device
+/// has a newer connection (P2; this node may not have heard of it: the bus
+/// message is late or lost and the fence reload has not run yet) ends this
+/// connection at once, `superseded`, with the device's other older
+/// connections here, as the bus or the reload would have.
+fn answer(
+    state: &AppState,
+    entry: &ConnEntry,
+    out: &mpsc::Sender<String>,
+    op: &str,
+    rid: Option<&str>,
+    result: ApiResult<tidemark_proto::RawJson>,
+) {
+    let superseded_by = result.as_ref().err().and_then(|e| e.superseded_by);
+    push(out, entry, reply_text(op, rid, result));
+    if let Some(newest) = superseded_by {
+        tracing::debug!(device_hash = %state.log_id(&entry.device), epoch = entry.epoch, newest,
+            "frame refused by the store as superseded; closing");
+        state.fences.supersede(&entry.user, &entry.device, newest);
+    }
+}
+
 /// Queues a frame for the writer; a full queue means the client is not
 /// reading, and the connection is ended rather than a frame dropped.
 fn push(out: &mpsc::Sender<String>, entry: &ConnEntry, text: String) {
@@ -399,7 +421,7 @@ async fn handle_text(
                 ),
                 _ => false,
             };
-            push(out, entry, reply_text(&op, rid.as_deref(), result));
+            answer(state, entry, out, &op, rid.as_deref(), result);
             if ignored {
                 // The address is refused at connect for a while, so
                 // reconnecting does not start a fresh count.
@@ -411,10 +433,10 @@ async fn handle_text(
             }
         }
         Poll::Pending => {
-            let (out, entry) = (out.clone(), entry.clone());
+            let (state, out, entry) = (state.clone(), out.clone(), entry.clone());
             tasks.spawn(async move {
                 let result = fut.await;
-                push(&out, &entry, reply_text(&op, rid.as_deref(), result));
+                answer(&state, &entry, &out, &op, rid.as_deref(), result);
                 drop(permit);
             });
         }
