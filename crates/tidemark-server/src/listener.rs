@@ -28,7 +28,12 @@
 //! [`OverConnectionCap`]), and closed; or, once its address has
 //! [`crate::limits::LimitsConfig::connection_refusals_per_address_max`]
 //! such refusals in progress, closed at once: dropped where it was
-//! accepted, before a task, a buffer or a timer is spent on it.
+//! accepted, before a task, a buffer or a timer is spent on it. The accept
+//! itself is the standard library's on a listener the runtime only watches
+//! for readiness ([`Acceptor`]), so a connection closed at once is an
+//! `accept4` and a `close` and never enters the runtime's reactor (tokio's
+//! own accept registers every socket with epoll, and its drop deregisters
+//! it: two more system calls and a reactor slot per refused connection).
 
 use std::convert::Infallible;
 use std::io;
@@ -66,6 +71,13 @@ pub async fn serve(
     conns: Arc<AddressConns>,
     mut shutdown: watch::Receiver<bool>,
 ) {
+    let listener = match Acceptor::new(listener) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(error = %e, "the listener cannot be watched");
+            return;
+        }
+    };
     let mut tasks = JoinSet::new();
     loop {
         let (tcp, peer) = tokio::select! {
@@ -90,6 +102,13 @@ pub async fn serve(
                 continue;
             }
         };
+        let tcp = match tcp.set_nonblocking(true).and_then(|()| TcpStream::from_std(tcp)) {
+            Ok(tcp) => tcp,
+            Err(e) => {
+                tracing::debug!(error = %e, "an accepted connection could not be registered");
+                continue;
+            }
+        };
         // Replies and hints are small frames that must leave at once: with
         // Nagle on, a reply queued behind a hint waits for the peer's
         // delayed ACK (~40 ms) and senders stall instead of batching.
@@ -98,6 +117,46 @@ pub async fn serve(
     }
     drop(listener);
     while tasks.join_next().await.is_some() {}
+}
+
+/// The listening socket: accepts with the standard library, so a socket is
+/// handed to the runtime (and its reactor) only once the caller keeps it.
+struct Acceptor {
+    #[cfg(unix)]
+    inner: tokio::io::unix::AsyncFd<std::net::TcpListener>,
+    #[cfg(not(unix))]
+    inner: TcpListener,
+}
+
+impl Acceptor {
+    fn new(listener: TcpListener) -> io::Result<Acceptor> {
+        #[cfg(unix)]
+        // SAFETY: the standard library's listener owns its descriptor, which
+        // stays open and the same until the `AsyncFd` (its owner) drops.
+        let inner = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(listener.into_std()?, tokio::io::Interest::READABLE)?
+        };
+        #[cfg(not(unix))]
+        let inner = listener;
+        Ok(Acceptor { inner })
+    }
+
+    /// The next connection, not yet registered with the runtime (blocking
+    /// mode, as the standard library accepts it).
+    async fn accept(&self) -> io::Result<(std::net::TcpStream, SocketAddr)> {
+        #[cfg(unix)]
+        loop {
+            let mut ready = self.inner.readable().await?;
+            if let Ok(accepted) = ready.try_io(|listener| listener.get_ref().accept()) {
+                return accepted;
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let (tcp, peer) = self.inner.accept().await?;
+            Ok((tcp.into_std()?, peer))
+        }
+    }
 }
 
 fn is_connection_error(e: &io::Error) -> bool {
