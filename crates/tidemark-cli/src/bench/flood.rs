@@ -245,6 +245,28 @@ struct AttackCounts {
 }
 
 impl AttackCounts {
+    /// Counts one connection attempt: refused (`Err(true)`: told to wait,
+    /// `RATE_LIMITED`), failed otherwise, or open (a reconnect after the
+    /// first); the connection when it opened.
+    fn connected<T>(&self, first: &mut bool, attempt: Result<T, bool>) -> Option<T> {
+        match attempt {
+            Ok(conn) => {
+                if !std::mem::take(first) {
+                    self.reconnects.fetch_add(1, Ordering::Relaxed);
+                }
+                Some(conn)
+            }
+            Err(true) => {
+                self.connects_refused.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+            Err(false) => {
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
     fn report(&self, cpu_secs: f64) -> AttackReport {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         AttackReport {
@@ -258,6 +280,18 @@ impl AttackCounts {
             closed_at_once: get(&self.closed_at_once),
             cpu_secs,
         }
+    }
+}
+
+/// A text `send` of `text` into `conv`.
+fn text_send(conv: &str, client_msg_id: String, text: &str) -> SendReq {
+    SendReq {
+        conv: conv.to_owned(),
+        client_msg_id,
+        kind: "text".into(),
+        content: json!({"text": text}),
+        mentions: Vec::new(),
+        mention_all: false,
     }
 }
 
@@ -447,29 +481,13 @@ async fn send_loop(
     'connection: while !stop.load(Ordering::Relaxed) {
         counts.requests.fetch_add(1, Ordering::Relaxed);
         let from = IpAddr::V4(SEND_ATTACK_ADDRESS);
-        let ws = match WsConn::connect_from(&ws_url, &token, from).await {
-            Ok((ws, _events)) => ws,
-            Err(ClientError::Server(f)) if f.code == ErrorCode::RateLimited => {
-                counts.connects_refused.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            Err(_) => {
-                counts.refused.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-        };
-        if !std::mem::take(&mut first) {
-            counts.reconnects.fetch_add(1, Ordering::Relaxed);
-        }
+        let connected = WsConn::connect_from(&ws_url, &token, from).await.map_err(|e| match e {
+            ClientError::Server(f) => f.code == ErrorCode::RateLimited,
+            _ => false,
+        });
+        let Some((ws, _events)) = counts.connected(&mut first, connected) else { continue };
         while !stop.load(Ordering::Relaxed) {
-            let req = SendReq {
-                conv: conv.clone(),
-                client_msg_id: format!("flood-{t}-{n}"),
-                kind: "text".into(),
-                content: json!({"text": "flood"}),
-                mentions: Vec::new(),
-                mention_all: false,
-            };
+            let req = text_send(&conv, format!("flood-{t}-{n}"), "flood");
             n += 1;
             counts.requests.fetch_add(1, Ordering::Relaxed);
             match ws.send(&req).await {
@@ -903,14 +921,7 @@ async fn phases(args: &FloodArgs, server: &ChildGuard, addr: std::net::SocketAdd
         while started.elapsed() < Duration::from_secs(args.seconds) {
             tokio::time::sleep_until(next.into()).await;
             next += every;
-            let req = SendReq {
-                conv: direct.clone(),
-                client_msg_id: format!("honest-{phase}-{n}"),
-                kind: "text".into(),
-                content: json!({"text": "hello"}),
-                mentions: Vec::new(),
-                mention_all: false,
-            };
+            let req = text_send(&direct, format!("honest-{phase}-{n}"), "hello");
             let t = Instant::now();
             honest_ws.send(&req).await.context("the honest send")?;
             send_h.record((t.elapsed().as_micros() as u64).clamp(1, LATENCY_MAX_US))?;
@@ -988,20 +999,11 @@ async fn pipelined(
             counts.refused.fetch_add(1, Ordering::Relaxed);
             continue;
         };
-        let ws = match tokio_tungstenite::client_async(request, tcp).await {
-            Ok((ws, _)) => ws,
-            Err(tokio_tungstenite::tungstenite::Error::Http(resp)) if resp.status().as_u16() == 429 => {
-                counts.connects_refused.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            Err(_) => {
-                counts.refused.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-        };
-        if !std::mem::take(&mut first) {
-            counts.reconnects.fetch_add(1, Ordering::Relaxed);
-        }
+        let upgraded = tokio_tungstenite::client_async(request, tcp).await.map_err(|e| match e {
+            tokio_tungstenite::tungstenite::Error::Http(resp) => resp.status().as_u16() == 429,
+            _ => false,
+        });
+        let Some((ws, _)) = counts.connected(&mut first, upgraded) else { continue };
         let (mut sink, mut stream) = ws.split();
         let reader = {
             let counts = counts.clone();
