@@ -76,6 +76,9 @@ pub enum BenchCommand {
     /// p99 and the server's peak RSS under attack, beside a quiet phase of
     /// the same run.
     Flood(flood::FloodArgs),
+    /// Internal: the attacker's process of `bench flood`.
+    #[command(hide = true)]
+    FloodAttack(flood::AttackArgs),
     /// Maintenance off the critical path (issue 16): a send's p99 while
     /// the retention pass, the unread rebuild and reconciliation run in
     /// their bounded chunks on a large population, beside a quiet phase of
@@ -161,6 +164,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Connections(args) => connections::run(args).await,
         BenchCommand::Presence(args) => presence::run(args).await,
         BenchCommand::Flood(args) => flood::run(args).await,
+        BenchCommand::FloodAttack(args) => flood::attack(args).await,
         BenchCommand::Maintenance(args) => maintenance::run(args).await,
         BenchCommand::Push(args) => push::run(args).await,
     }

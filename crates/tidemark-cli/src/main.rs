@@ -388,6 +388,16 @@ struct LimitArgs {
     /// The longest such refusal.
     #[arg(long, default_value_t = tidemark_core::throttle::RECONNECT_PENALTY.max_ms)]
     reconnect_penalty_max_ms: u64,
+    /// TCP connections one source address (IPv6: its /64) holds open at
+    /// once, WebSockets included; past it a few are answered RATE_LIMITED
+    /// and the rest are closed at the accept.
+    #[arg(long, default_value_t = limits::CONNECTIONS_PER_ADDRESS_MAX_DEFAULT)]
+    connections_per_address: usize,
+    /// Failed logins from one address (any account) within the failure
+    /// window before its password checks wait in the suspect lane, behind
+    /// every clean login.
+    #[arg(long, default_value_t = tidemark_core::throttle::SUSPECT_AFTER_FAILURES)]
+    login_suspect_after_failures: u32,
 }
 
 impl LimitArgs {
@@ -406,6 +416,8 @@ impl LimitArgs {
                 max_ms: self.reconnect_penalty_max_ms.max(self.reconnect_penalty_ms),
                 ..tidemark_core::throttle::RECONNECT_PENALTY
             },
+            connections_per_address_max: self.connections_per_address,
+            login_suspect_after_failures: self.login_suspect_after_failures,
             ..limits::LimitsConfig::default()
         }
     }

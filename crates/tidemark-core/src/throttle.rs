@@ -86,6 +86,39 @@ pub fn admits_connection(user_live: usize, device_live: usize, max: usize) -> bo
     device_live > 0 || user_live < max
 }
 
+/// What the listener does with a TCP connection just accepted from an
+/// address (its /64 for IPv6) that already holds `served` connections being
+/// served (WebSockets included: a socket keeps its place through the
+/// upgrade) and `answering` connections kept only to answer a refusal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AddressConnection {
+    /// Under the cap: served like any connection.
+    Serve,
+    /// Over the cap: its first request (an upgrade included) is answered
+    /// `RATE_LIMITED` with `retry_after_ms` and the connection is closed, so
+    /// a client that reads its replies learns when to come back.
+    Refuse,
+    /// Over the cap with the address's refusals already being answered:
+    /// closed at once, before any task or buffer is spent on it.
+    Close,
+}
+
+/// The rule for one more connection of an address: served while it holds
+/// fewer than `max`; past that, at most `answered_max` at a time are read
+/// only to be refused; the rest are closed at the accept. A flood of
+/// connections from one address so costs the node at most `max` served
+/// connections, `answered_max` refusals in progress and an accept and a
+/// close per further attempt.
+pub fn address_connection(served: usize, answering: usize, max: usize, answered_max: usize) -> AddressConnection {
+    if served < max {
+        AddressConnection::Serve
+    } else if answering < answered_max {
+        AddressConnection::Refuse
+    } else {
+        AddressConnection::Close
+    }
+}
+
 /// Requests a connection may send while told to wait (`RATE_LIMITED`,
 /// before its `retry_after_ms` passed) before the server closes it: a
 /// client that obeys the wait never gets near it; one that ignores it
@@ -177,6 +210,30 @@ impl ReconnectPenalty {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_address_over_its_connection_cap_is_refused_then_closed_at_the_accept() {
+        use AddressConnection::*;
+        let cases: &[(usize, usize, usize, usize, AddressConnection)] = &[
+            // served, answering, max, answered max, what
+            (0, 0, 3, 2, Serve),
+            (2, 0, 3, 2, Serve),
+            (2, 2, 3, 2, Serve),
+            (3, 0, 3, 2, Refuse),
+            (3, 1, 3, 2, Refuse),
+            (3, 2, 3, 2, Close),
+            (9, 9, 3, 2, Close),
+            (3, 0, 3, 0, Close),
+            (0, 0, 0, 1, Refuse),
+        ];
+        for &(served, answering, max, answered_max, what) in cases {
+            assert_eq!(
+                address_connection(served, answering, max, answered_max),
+                what,
+                "{served} served, {answering} answering, cap {max}, answered at most {answered_max}"
+            );
+        }
+    }
 
     #[test]
     fn a_connection_that_ignores_its_waits_is_closed_and_one_that_waits_never() {

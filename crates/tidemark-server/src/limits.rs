@@ -24,7 +24,12 @@
 //! before its body or token is read. An address whose connections were
 //! closed for ignoring their waits is refused at connect for a period that
 //! grows with each close (`tidemark_core::throttle::ReconnectPenalty`), so
-//! reconnecting does not reset what ignoring waits costs.
+//! reconnecting does not reset what ignoring waits costs. An address holds
+//! at most a named number of TCP connections at once (WebSockets included:
+//! a socket keeps its place through the upgrade, [`AddressConns`]); past
+//! it a few connections at a time are read only to be answered
+//! `RATE_LIMITED`, and the rest are closed at the accept, before a task or
+//! a buffer is spent on them (`tidemark_core::throttle::address_connection`).
 //!
 //! This module knows no operation's semantics and no storage.
 
@@ -32,14 +37,15 @@ use std::collections::HashMap;
 use std::net::IpAddr;
 use std::num::NonZeroU32;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
 use governor::state::keyed::DefaultKeyedStateStore;
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use tidemark_core::throttle::{
-    hash_lane, HashLane, LoginBackoff, ReconnectPenalty, RECONNECT_PENALTY, SUSPECT_AFTER_FAILURES,
+    address_connection, hash_lane, AddressConnection, HashLane, LoginBackoff, ReconnectPenalty, RECONNECT_PENALTY,
+    SUSPECT_AFTER_FAILURES,
 };
 use tidemark_proto::{op, ErrorCode};
 use tokio::sync::{Semaphore, SemaphorePermit};
@@ -166,6 +172,12 @@ pub struct LimitsConfig {
     /// How long an address is refused after its connections were closed
     /// for ignoring their waits.
     pub reconnect_penalty: ReconnectPenalty,
+    /// TCP connections one source address (IPv6: its /64) holds open at
+    /// once, WebSockets included ([`AddressConns`]).
+    pub connections_per_address_max: usize,
+    /// Connections past that cap read at once, per address, only to answer
+    /// their first request `RATE_LIMITED`; the rest are closed at the accept.
+    pub connection_refusals_per_address_max: usize,
     /// Password hashes (login, password change, user creation) running at
     /// once, and how long a login waits for one before `RATE_LIMITED`.
     pub password_hashes_concurrent_max: usize,
@@ -205,6 +217,19 @@ pub const FRAMES_PER_CONNECTION_DEFAULT: Rate = Rate::new(250, 1_000);
 pub const FRAMES_PER_ADDRESS_DEFAULT: Rate = Rate::new(1_000, 4_000);
 /// HTTP requests per source address, any route under `/v1`.
 pub const REQUESTS_PER_ADDRESS_DEFAULT: Rate = Rate::new(500, 2_000);
+/// TCP connections one source address holds at once, WebSockets included:
+/// a NAT of a few hundred people (a WebSocket each, an HTTP request now and
+/// then) stays below it; one address holds at most this many descriptors
+/// and, as idle WebSockets (~16 KiB each, `tidemark bench connections`),
+/// about 8 MiB.
+pub const CONNECTIONS_PER_ADDRESS_MAX_DEFAULT: usize = 512;
+/// Connections over an address's cap being answered `RATE_LIMITED` at once;
+/// the address's further connections are closed at the accept unanswered.
+pub const CONNECTION_REFUSALS_PER_ADDRESS_MAX: usize = 8;
+/// `retry_after_ms` of a request refused for its address's connection cap
+/// (a slot frees when one of its connections ends: an HTTP one within its
+/// idle timeout).
+pub const CONNECTIONS_PER_ADDRESS_RETRY_AFTER_MS: u64 = 1_000;
 /// The shortest pause of a WebSocket over its frame budget: a connection
 /// waiting for the next cell would otherwise wake once per cell (every
 /// millisecond at 1 000/s) and race its address's other connections for it.
@@ -249,6 +274,8 @@ impl Default for LimitsConfig {
             frames_per_address: FRAMES_PER_ADDRESS_DEFAULT,
             requests_per_address: REQUESTS_PER_ADDRESS_DEFAULT,
             reconnect_penalty: RECONNECT_PENALTY,
+            connections_per_address_max: CONNECTIONS_PER_ADDRESS_MAX_DEFAULT,
+            connection_refusals_per_address_max: CONNECTION_REFUSALS_PER_ADDRESS_MAX,
             password_hashes_concurrent_max: PASSWORD_HASHES_CONCURRENT_MAX,
             password_hash_wait: PASSWORD_HASH_WAIT,
             login_backoff_per_address: LOGIN_BACKOFF_PER_ADDRESS,
@@ -284,6 +311,8 @@ pub struct Limits {
     requests_address: Keyed<IpAddr>,
     /// Closes for ignored waits of each address: count and last close.
     penalties: Mutex<HashMap<IpAddr, Failures>>,
+    /// Open TCP connections of each address (the listener's).
+    conns: Arc<AddressConns>,
     hashes: Semaphore,
     /// Held by the one suspect check that may wait in `hashes`' queue.
     suspect_gate: Semaphore,
@@ -343,6 +372,12 @@ impl Limits {
             frames_address: RateLimiter::keyed(config.frames_per_address.quota()),
             requests_address: RateLimiter::keyed(config.requests_per_address.quota()),
             penalties: Mutex::new(HashMap::new()),
+            conns: Arc::new(AddressConns {
+                live: Mutex::new(HashMap::new()),
+                max: config.connections_per_address_max,
+                answered_max: config.connection_refusals_per_address_max,
+                enabled: config.enabled,
+            }),
             hashes: Semaphore::new(config.password_hashes_concurrent_max.max(1)),
             suspect_gate: Semaphore::new(1),
             waiting: [AtomicUsize::new(0), AtomicUsize::new(0)],
@@ -413,12 +448,23 @@ impl Limits {
         })
     }
 
+    /// The open TCP connections per address, for the listener.
+    pub fn address_conns(&self) -> Arc<AddressConns> {
+        self.conns.clone()
+    }
+
     /// Admits an HTTP request (a WebSocket upgrade included) from `ip`
-    /// before its body or token is read: refused while the address serves
-    /// its period for ignored waits, or over its request budget.
-    pub fn admit_request(&self, ip: IpAddr, now_ms: i64) -> Result<(), AddressRefusal> {
+    /// before its body or token is read: refused when its connection is
+    /// over its address's connection cap (`over_cap`, set by the listener),
+    /// while the address serves its period for ignored waits, or over its
+    /// request budget.
+    pub fn admit_request(&self, ip: IpAddr, over_cap: bool, now_ms: i64) -> Result<(), AddressRefusal> {
         if !self.config.enabled {
             return Ok(());
+        }
+        if over_cap {
+            let e = rate_limited(CONNECTIONS_PER_ADDRESS_RETRY_AFTER_MS, "connections from this address");
+            return Err(AddressRefusal { error: e, reason: AddressRefusalReason::Connections });
         }
         let ip = address_key(ip);
         let owed = self
@@ -640,6 +686,117 @@ pub struct FrameBudget {
     address: IpAddr,
 }
 
+/// Counts each source address's open TCP connections against
+/// [`LimitsConfig::connections_per_address_max`] (IPv6 by /64). The listener
+/// takes a place at the accept and the connection's socket holds it until
+/// it closes, through a WebSocket upgrade (the place rides in the socket
+/// hyper hands over). Only addresses with an open connection have an entry.
+#[derive(Debug)]
+pub struct AddressConns {
+    live: Mutex<HashMap<IpAddr, Held>>,
+    max: usize,
+    answered_max: usize,
+    enabled: bool,
+}
+
+/// An address's connections: being served, and being refused.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Held {
+    pub served: usize,
+    pub answering: usize,
+}
+
+/// What to do with a connection just accepted.
+#[derive(Debug)]
+pub enum Accepted {
+    /// Serve it; the place is given back when the slot drops.
+    Serve(AddressSlot),
+    /// Answer its first request `RATE_LIMITED`, then close it.
+    Refuse(AddressSlot),
+    /// Close it now.
+    Close,
+}
+
+impl AddressConns {
+    /// A place for one more connection from `ip`, or the refusal
+    /// (`tidemark_core::throttle::address_connection`). With limits off,
+    /// every connection is served and nothing is counted.
+    pub fn accept(self: &Arc<Self>, ip: IpAddr) -> Accepted {
+        if !self.enabled {
+            return Accepted::Serve(AddressSlot { conns: None, ip, refusing: false });
+        }
+        let ip = address_key(ip);
+        let mut live = self.live.lock().expect("address connections lock");
+        let held = live.entry(ip).or_default();
+        let what = address_connection(held.served, held.answering, self.max, self.answered_max);
+        let slot = |refusing| AddressSlot { conns: Some(self.clone()), ip, refusing };
+        match what {
+            AddressConnection::Serve => {
+                held.served += 1;
+                Accepted::Serve(slot(false))
+            }
+            AddressConnection::Refuse => {
+                held.answering += 1;
+                Accepted::Refuse(slot(true))
+            }
+            AddressConnection::Close => {
+                if *held == Held::default() {
+                    live.remove(&ip);
+                }
+                Accepted::Close
+            }
+        }
+    }
+
+    /// The connections `ip`'s address holds now.
+    pub fn held(&self, ip: IpAddr) -> Held {
+        self.live.lock().expect("address connections lock").get(&address_key(ip)).copied().unwrap_or_default()
+    }
+
+    /// Addresses holding a connection now.
+    pub fn addresses(&self) -> usize {
+        self.live.lock().expect("address connections lock").len()
+    }
+}
+
+/// One TCP connection's place under its address's cap; dropping it (the
+/// socket closed) gives the place back.
+#[derive(Debug)]
+pub struct AddressSlot {
+    conns: Option<Arc<AddressConns>>,
+    ip: IpAddr,
+    refusing: bool,
+}
+
+impl AddressSlot {
+    /// Whether the connection is over the cap, kept only to be refused.
+    pub fn refusing(&self) -> bool {
+        self.refusing
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let Some(conns) = &self.conns else { return };
+        let mut live = conns.live.lock().expect("address connections lock");
+        if let Some(held) = live.get_mut(&self.ip) {
+            if self.refusing {
+                held.answering = held.answering.saturating_sub(1);
+            } else {
+                held.served = held.served.saturating_sub(1);
+            }
+            if *held == Held::default() {
+                live.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// Marks a request that arrived on a connection over its address's cap
+/// (a request extension set by the listener).
+#[derive(Debug, Clone, Copy)]
+pub struct OverConnectionCap;
+
 /// Whose frame budget ran out.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FrameScope {
@@ -673,6 +830,12 @@ pub enum AddressRefusalReason {
     Penalty,
     /// The address is over its request budget.
     Requests,
+    /// The request came on a connection over the address's connection
+    /// cap (answered, then the connection closes).
+    Connections,
+    /// A connection over the cap closed at the accept, unanswered (counted
+    /// by the listener; no request was read).
+    ConnectionsClosed,
 }
 
 impl AddressRefusalReason {
@@ -680,12 +843,14 @@ impl AddressRefusalReason {
         match self {
             AddressRefusalReason::Penalty => "penalty",
             AddressRefusalReason::Requests => "requests",
+            AddressRefusalReason::Connections => "connections",
+            AddressRefusalReason::ConnectionsClosed => "connections_closed",
         }
     }
 }
 
 /// Values of the `reason` label of the address refusals.
-pub const ADDRESS_REFUSAL_REASONS: &[&str] = &["penalty", "requests"];
+pub const ADDRESS_REFUSAL_REASONS: &[&str] = &["penalty", "requests", "connections", "connections_closed"];
 
 /// A request refused for its address (`RATE_LIMITED`, `retry_after_ms`).
 #[derive(Debug)]
@@ -866,23 +1031,68 @@ mod tests {
     fn an_address_closed_for_ignoring_waits_is_refused_for_its_period_then_admitted() {
         let limits = Limits::new(LimitsConfig::default());
         let (a, b) = (ip("10.0.0.1"), ip("10.0.0.2"));
-        limits.admit_request(a, 1_000).unwrap();
+        limits.admit_request(a, false, 1_000).unwrap();
         assert_eq!(limits.closed_for_ignored_waits(a, 1_000), RECONNECT_PENALTY.first_ms);
-        let refused = limits.admit_request(a, 1_400).unwrap_err();
+        let refused = limits.admit_request(a, false, 1_400).unwrap_err();
         assert_eq!(refused.reason, AddressRefusalReason::Penalty);
         assert_eq!(refused.error.code, ErrorCode::RateLimited);
         assert_eq!(refused.error.retry_after_ms, Some(600));
-        limits.admit_request(b, 1_400).unwrap();
-        limits.admit_request(a, 2_000).unwrap();
+        limits.admit_request(b, false, 1_400).unwrap();
+        limits.admit_request(a, false, 2_000).unwrap();
         // Closed again: the period doubles.
         assert_eq!(limits.closed_for_ignored_waits(a, 2_000), 2 * RECONNECT_PENALTY.first_ms);
-        assert_eq!(limits.admit_request(a, 3_999).unwrap_err().error.retry_after_ms, Some(1));
-        limits.admit_request(a, 4_000).unwrap();
+        assert_eq!(limits.admit_request(a, false, 3_999).unwrap_err().error.retry_after_ms, Some(1));
+        limits.admit_request(a, false, 4_000).unwrap();
         // A quiet address is forgotten: its next close starts again.
         let later = 2_000 + RECONNECT_PENALTY.forget_after_ms as i64;
         limits.sweep(later);
         assert_eq!(limits.penalties.lock().unwrap().len(), 0);
         assert_eq!(limits.closed_for_ignored_waits(a, later), RECONNECT_PENALTY.first_ms);
+    }
+
+    #[test]
+    fn an_address_holds_its_cap_of_connections_and_a_closed_one_gives_its_place_back() {
+        let limits = Limits::new(LimitsConfig {
+            connections_per_address_max: 2,
+            connection_refusals_per_address_max: 1,
+            ..Default::default()
+        });
+        let conns = limits.address_conns();
+        let (a, a_same_64, b) = (ip("2001:db8:1:2::1"), ip("2001:db8:1:2::9"), ip("10.0.0.2"));
+        let Accepted::Serve(first) = conns.accept(a) else { panic!("the first is served") };
+        let Accepted::Serve(second) = conns.accept(a_same_64) else { panic!("the second is served") };
+        // The /64 is full: one refusal is answered, the next closed at once.
+        let Accepted::Refuse(refusing) = conns.accept(a) else { panic!("one over the cap is answered") };
+        assert!(refusing.refusing());
+        assert!(matches!(conns.accept(a), Accepted::Close));
+        assert_eq!(conns.held(a), Held { served: 2, answering: 1 });
+        // Another address is not affected.
+        let Accepted::Serve(other) = conns.accept(b) else { panic!("another address is served") };
+        // The refusal ends: another can be answered; a served one ends: one
+        // more is served.
+        drop(refusing);
+        assert!(matches!(conns.accept(a), Accepted::Refuse(_)));
+        drop(first);
+        assert!(matches!(conns.accept(a), Accepted::Serve(_)));
+        assert_eq!(conns.held(a), Held { served: 1, answering: 0 }, "dropped slots gave their places back");
+        drop(other);
+        drop(second);
+        assert_eq!(conns.addresses(), 0, "an address with nothing open is forgotten");
+        // Limits off: nothing counted, nothing refused.
+        let off = Limits::new(LimitsConfig { connections_per_address_max: 0, ..LimitsConfig::off() });
+        let held: Vec<_> = (0..10).map(|_| off.address_conns().accept(a)).collect();
+        assert!(held.iter().all(|h| matches!(h, Accepted::Serve(_))));
+        assert_eq!(off.address_conns().addresses(), 0);
+    }
+
+    #[test]
+    fn a_request_on_a_connection_over_the_cap_is_rate_limited_before_anything_else() {
+        let limits = Limits::new(LimitsConfig::default());
+        let refused = limits.admit_request(ip("10.0.0.1"), true, 0).unwrap_err();
+        assert_eq!(refused.reason, AddressRefusalReason::Connections);
+        assert_eq!(refused.error.code, ErrorCode::RateLimited);
+        assert_eq!(refused.error.retry_after_ms, Some(CONNECTIONS_PER_ADDRESS_RETRY_AFTER_MS));
+        limits.admit_request(ip("10.0.0.1"), false, 0).unwrap();
     }
 
     #[test]
@@ -892,12 +1102,12 @@ mod tests {
             ..Default::default()
         });
         let a = ip("10.0.0.1");
-        limits.admit_request(a, 0).unwrap();
-        limits.admit_request(a, 0).unwrap();
-        let refused = limits.admit_request(a, 0).unwrap_err();
+        limits.admit_request(a, false, 0).unwrap();
+        limits.admit_request(a, false, 0).unwrap();
+        let refused = limits.admit_request(a, false, 0).unwrap_err();
         assert_eq!(refused.reason, AddressRefusalReason::Requests);
         assert!(refused.error.retry_after_ms.is_some_and(|w| w > 0));
-        limits.admit_request(ip("10.0.0.2"), 0).unwrap();
+        limits.admit_request(ip("10.0.0.2"), false, 0).unwrap();
     }
 
     #[test]

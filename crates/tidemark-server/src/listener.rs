@@ -19,6 +19,21 @@
 //! socket over), and with it every HTTP timeout. On shutdown the loop stops
 //! accepting, asks every connection to end after its current request, and
 //! waits for them.
+//!
+//! Each accepted connection takes a place under its source address's cap
+//! ([`AddressConns`]) before anything else: the place rides in the socket
+//! ([`Stamped`]), so a WebSocket keeps it until it closes. Over the cap, a
+//! connection is either served one request, answered `RATE_LIMITED` by
+//! [`crate::gateway::http::admit_address`] (it carries
+//! [`OverConnectionCap`]), and closed; or, once its address has
+//! [`crate::limits::LimitsConfig::connection_refusals_per_address_max`]
+//! such refusals in progress, closed at once: dropped where it was
+//! accepted, before a task, a buffer or a timer is spent on it. The accept
+//! itself is the standard library's on a listener the runtime only watches
+//! for readiness ([`Acceptor`]), so a connection closed at once is an
+//! `accept4` and a `close` and never enters the runtime's reactor (tokio's
+//! own accept registers every socket with epoll, and its drop deregisters
+//! it: two more system calls and a reactor slot per refused connection).
 
 use std::convert::Infallible;
 use std::io;
@@ -40,15 +55,30 @@ use tokio::task::JoinSet;
 use tokio::time::Instant;
 
 use crate::config::HttpTimeouts;
+use crate::limits::{Accepted, AddressConns, AddressRefusalReason, AddressSlot, OverConnectionCap};
 
 /// The wait before accepting again after an accept error other than a
 /// refused handshake, typically `EMFILE`: the process is out of file
 /// descriptors, and the idle timeouts free some.
 pub const ACCEPT_RETRY_AFTER: Duration = Duration::from_millis(100);
 
-/// Serves `app` on `listener` until `shutdown` is set.
-pub async fn serve(listener: TcpListener, app: Router, timeouts: HttpTimeouts, mut shutdown: watch::Receiver<bool>) {
-    let mut conns = JoinSet::new();
+/// Serves `app` on `listener` until `shutdown` is set, holding each source
+/// address to its cap of open connections (`conns`).
+pub async fn serve(
+    listener: TcpListener,
+    app: Router,
+    timeouts: HttpTimeouts,
+    conns: Arc<AddressConns>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let listener = match Acceptor::new(listener) {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::error!(error = %e, "the listener cannot be watched");
+            return;
+        }
+    };
+    let mut tasks = JoinSet::new();
     loop {
         let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -61,17 +91,72 @@ pub async fn serve(listener: TcpListener, app: Router, timeouts: HttpTimeouts, m
                     continue;
                 }
             },
-            Some(_) = conns.join_next(), if !conns.is_empty() => continue,
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => continue,
             _ = crate::util::stopped(&mut shutdown) => break,
+        };
+        let slot = match conns.accept(peer.ip()) {
+            Accepted::Serve(slot) | Accepted::Refuse(slot) => slot,
+            Accepted::Close => {
+                crate::metrics::ADDRESS_REFUSALS.add_by("reason", AddressRefusalReason::ConnectionsClosed.as_str(), 1);
+                drop(tcp);
+                continue;
+            }
+        };
+        let tcp = match tcp.set_nonblocking(true).and_then(|()| TcpStream::from_std(tcp)) {
+            Ok(tcp) => tcp,
+            Err(e) => {
+                tracing::debug!(error = %e, "an accepted connection could not be registered");
+                continue;
+            }
         };
         // Replies and hints are small frames that must leave at once: with
         // Nagle on, a reply queued behind a hint waits for the peer's
         // delayed ACK (~40 ms) and senders stall instead of batching.
         let _ = tcp.set_nodelay(true);
-        conns.spawn(connection(tcp, peer, app.clone(), timeouts, shutdown.clone()));
+        tasks.spawn(connection(tcp, peer, slot, app.clone(), timeouts, shutdown.clone()));
     }
     drop(listener);
-    while conns.join_next().await.is_some() {}
+    while tasks.join_next().await.is_some() {}
+}
+
+/// The listening socket: accepts with the standard library, so a socket is
+/// handed to the runtime (and its reactor) only once the caller keeps it.
+struct Acceptor {
+    #[cfg(unix)]
+    inner: tokio::io::unix::AsyncFd<std::net::TcpListener>,
+    #[cfg(not(unix))]
+    inner: TcpListener,
+}
+
+impl Acceptor {
+    fn new(listener: TcpListener) -> io::Result<Acceptor> {
+        #[cfg(unix)]
+        // SAFETY: the standard library's listener owns its descriptor, which
+        // stays open and the same until the `AsyncFd` (its owner) drops.
+        let inner = unsafe {
+            tokio::io::unix::AsyncFd::register_with_interest(listener.into_std()?, tokio::io::Interest::READABLE)?
+        };
+        #[cfg(not(unix))]
+        let inner = listener;
+        Ok(Acceptor { inner })
+    }
+
+    /// The next connection, not yet registered with the runtime (blocking
+    /// mode, as the standard library accepts it).
+    async fn accept(&self) -> io::Result<(std::net::TcpStream, SocketAddr)> {
+        #[cfg(unix)]
+        loop {
+            let mut ready = self.inner.readable().await?;
+            if let Ok(accepted) = ready.try_io(|listener| listener.get_ref().accept()) {
+                return accepted;
+            }
+        }
+        #[cfg(not(unix))]
+        {
+            let (tcp, peer) = self.inner.accept().await?;
+            Ok((tcp.into_std()?, peer))
+        }
+    }
 }
 
 fn is_connection_error(e: &io::Error) -> bool {
@@ -81,20 +166,26 @@ fn is_connection_error(e: &io::Error) -> bool {
     )
 }
 
-/// One connection: HTTP/1 with upgrades, ended when idle or at shutdown.
+/// One connection: HTTP/1 with upgrades, ended when idle or at shutdown;
+/// over its address's cap, ended after its first response.
 async fn connection(
     tcp: TcpStream,
     peer: SocketAddr,
+    slot: AddressSlot,
     app: Router,
     timeouts: HttpTimeouts,
     mut shutdown: watch::Receiver<bool>,
 ) {
     let started = Instant::now();
     let activity = Arc::new(Activity { started, last_ms: AtomicU64::new(0), in_progress: AtomicUsize::new(0) });
-    let io = TokioIo::new(Stamped { inner: tcp, activity: activity.clone() });
+    let refusing = slot.refusing();
+    let io = TokioIo::new(Stamped { inner: tcp, activity: activity.clone(), _slot: slot });
     let counter = activity.clone();
     let service = hyper::service::service_fn(move |mut req: hyper::Request<Incoming>| {
         req.extensions_mut().insert(ConnectInfo(peer));
+        if refusing {
+            req.extensions_mut().insert(OverConnectionCap);
+        }
         let guard = InProgress::start(counter.clone());
         let reply = tower_service::Service::call(&mut app.clone(), req);
         async move {
@@ -106,7 +197,7 @@ async fn connection(
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(timeouts.header)
-        .keep_alive(true)
+        .keep_alive(!refusing)
         .serve_connection(io, service)
         .with_upgrades();
     tokio::pin!(conn);
@@ -180,10 +271,13 @@ impl Drop for InProgress {
 }
 
 /// A TCP stream that stamps its connection's [`Activity`] on every read
-/// that returns bytes.
+/// that returns bytes, and holds the connection's place under its
+/// address's cap for as long as the socket lives (an upgraded WebSocket's
+/// too: hyper hands this stream over).
 struct Stamped {
     inner: TcpStream,
     activity: Arc<Activity>,
+    _slot: AddressSlot,
 }
 
 impl AsyncRead for Stamped {

@@ -186,7 +186,10 @@ pub const WS_CONNECTIONS: Metric = Metric::new("tidemark_ws_connections", stage:
 pub const FRAME_BUDGET_PAUSES: Metric = Metric::new("tidemark_frame_budget_pauses_total", stage::GATEWAY);
 /// HTTP requests (upgrades included) refused for their source address
 /// before they were read, by reason (`penalty`: closed for ignoring waits;
-/// `requests`: over the address's request budget).
+/// `requests`: over the address's request budget; `connections`: on a
+/// connection over the address's connection cap, answered and closed;
+/// `connections_closed`: connections over the cap closed at the accept,
+/// unread and unanswered).
 pub const ADDRESS_REFUSALS: Metric = Metric::new("tidemark_address_refusals_total", stage::GATEWAY);
 /// This node's load level (0 normal, 1 behind, 2 overloaded), from the
 /// fan-out lag of the relay's last claim (seed §9.4).
@@ -421,7 +424,7 @@ pub const FAMILIES: &[Family] = &[
     family(
         ADDRESS_REFUSALS,
         Kind::CounterBy("reason", || crate::limits::ADDRESS_REFUSAL_REASONS.to_vec()),
-        "HTTP requests refused for their address before being read (penalty: closed for ignoring waits; requests: over budget).",
+        "HTTP requests and connections refused for their address before being read (penalty: closed for ignoring waits; requests: over budget; connections: over the connection cap, answered; connections_closed: over it, closed at the accept).",
     ),
     family(LOAD_LEVEL, Kind::Gauge, "Load level from the fan-out lag: 0 normal, 1 behind, 2 overloaded (seed 9.4)."),
     family(

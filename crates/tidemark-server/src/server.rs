@@ -80,8 +80,11 @@ impl Server {
         let listener = bind(listen).await?;
         let addr = listener.local_addr()?;
         let app = crate::gateway::router(state.clone());
-        let http =
-            spawn_fatal("http", crate::listener::serve(listener, app, state.config.http_timeouts, shutdown_rx.clone()));
+        let conns = state.limits.address_conns();
+        let http = spawn_fatal(
+            "http",
+            crate::listener::serve(listener, app, state.config.http_timeouts, conns, shutdown_rx.clone()),
+        );
         let relay = spawn_fatal("relay", crate::relay::run(state.clone(), shutdown_rx.clone()));
         let rehint = spawn_fatal("rehint", crate::relay::run_rehint(state.clone(), shutdown_rx.clone()));
         let retention = spawn_fatal("retention", crate::relay::run_retention(state.clone(), shutdown_rx.clone()));

@@ -402,3 +402,95 @@ async fn a_throttled_sync_or_ack_moves_no_cursor() {
     assert_eq!(ok.acked_sync_seq, 3);
     ts.stop().await;
 }
+
+/// A TCP connection to the test server from `from`.
+async fn tcp_from(ts: &TestServer, from: std::net::IpAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
+    socket.connect(ts.running().addr).await.unwrap()
+}
+
+/// Polls `cond` every few milliseconds for at most 10 s.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "not reached within 10 s: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_address_over_its_connection_cap_is_refused_then_closed_while_another_is_served() {
+    use tidemark_server::limits::{Held, CONNECTIONS_PER_ADDRESS_RETRY_AFTER_MS};
+    use tokio::io::AsyncReadExt;
+    let cap = 3;
+    let limits =
+        LimitsConfig { connections_per_address_max: cap, connection_refusals_per_address_max: 1, ..Default::default() };
+    // Long HTTP timeouts: a silent connection is closed by the cap, or not at all.
+    let timeouts = tidemark_server::config::HttpTimeouts {
+        header: Duration::from_secs(120),
+        idle: Duration::from_secs(120),
+        ..Default::default()
+    };
+    let ts = TestServer::start_with(ServerConfig { limits, http_timeouts: timeouts, ..ServerConfig::default() }).await;
+    ts.user("ann").await;
+    let crowded: std::net::IpAddr = "127.0.0.5".parse().unwrap();
+    let other: std::net::IpAddr = "127.0.0.6".parse().unwrap();
+    let conns = ts.running().state.limits.address_conns();
+    let mut tokens = Vec::new();
+    for d in 0..cap + 2 {
+        tokens.push(ts.http.login("ann", PASSWORD, &format!("d{d}")).await.unwrap().access_token);
+    }
+
+    // The cap's WebSockets from one address.
+    let mut open = Vec::new();
+    for token in &tokens[..cap] {
+        let (ws, events) = tidemark_client::WsConn::connect_from(&ts.ws_url(), token, crowded).await.unwrap();
+        ws.request_value("ping", serde_json::json!({})).await.unwrap();
+        open.push((ws, events));
+    }
+    assert_eq!(conns.held(crowded), Held { served: cap, answering: 0 });
+
+    // One more upgrade: RATE_LIMITED, told when to retry; its connection
+    // closes and gives its place back.
+    let (code, wait) =
+        refusal(tidemark_client::WsConn::connect_from(&ts.ws_url(), &tokens[cap], crowded).await.map(|_| ()));
+    assert_eq!(code, ErrorCode::RateLimited);
+    assert_eq!(wait, Some(CONNECTIONS_PER_ADDRESS_RETRY_AFTER_MS));
+    until("the refused upgrade's place given back", || conns.held(crowded).answering == 0).await;
+    // An HTTP request too, before its route is looked at.
+    let http = reqwest::Client::builder().local_address(crowded).build().unwrap();
+    let resp = http.get(format!("{}/healthz", ts.running().url())).send().await.unwrap();
+    assert_eq!(resp.status(), reqwest::StatusCode::TOO_MANY_REQUESTS);
+    let body: serde_json::Value = resp.json().await.unwrap();
+    assert_eq!(body["code"], "RATE_LIMITED");
+    assert_eq!(body["retry_after_ms"], CONNECTIONS_PER_ADDRESS_RETRY_AFTER_MS);
+    drop(http);
+    until("the refused request's place given back", || conns.held(crowded).answering == 0).await;
+
+    // A silent connection over the cap holds the one refusal in progress;
+    // the next is closed at the accept: no byte, just the end.
+    let _silent = tcp_from(&ts, crowded).await;
+    until("the silent connection counted", || conns.held(crowded).answering == 1).await;
+    let mut closed = tcp_from(&ts, crowded).await;
+    let mut buf = [0u8; 64];
+    let read = tokio::time::timeout(Duration::from_secs(10), closed.read(&mut buf)).await;
+    assert!(matches!(read, Ok(Ok(0)) | Ok(Err(_))), "a connection past the refusals was not closed at once: {read:?}");
+    assert_eq!(conns.held(crowded), Held { served: cap, answering: 1 }, "the closed one holds nothing");
+    let m = common::exposition::scrape(&ts).await;
+    assert!(m.value("tidemark_address_refusals_total", &[("reason", "connections")]) >= 2.0);
+    assert!(m.value("tidemark_address_refusals_total", &[("reason", "connections_closed")]) >= 1.0);
+
+    // Another address is served meanwhile.
+    let (ws, _events) = tidemark_client::WsConn::connect_from(&ts.ws_url(), &tokens[cap + 1], other).await.unwrap();
+    ws.request_value("ping", serde_json::json!({})).await.unwrap();
+
+    // A closed WebSocket frees its place: the address connects again.
+    let (first, _) = open.remove(0);
+    first.close().await;
+    until("the closed WebSocket's place given back", || conns.held(crowded).served == cap - 1).await;
+    let (again, _events) = tidemark_client::WsConn::connect_from(&ts.ws_url(), &tokens[cap], crowded).await.unwrap();
+    again.request_value("ping", serde_json::json!({})).await.unwrap();
+    assert_eq!(conns.held(crowded).served, cap);
+    ts.stop().await;
+}

@@ -32,12 +32,17 @@ impl Drop for ChildGuard {
 /// Starts `<this executable> args…` and reads its first stdout line, which
 /// must end with the listening address.
 pub(super) fn spawn_server(args: &[&str]) -> Result<(ChildGuard, SocketAddr)> {
+    // The server logs every login at info level.
+    spawn_server_logging(args, "warn")
+}
+
+/// [`spawn_server`], logging at `level` unless RUST_LOG says otherwise.
+pub(super) fn spawn_server_logging(args: &[&str], level: &str) -> Result<(ChildGuard, SocketAddr)> {
     let exe = std::env::current_exe()?;
     let mut cmd = Command::new(exe);
     cmd.args(args).stdout(Stdio::piped()).stderr(Stdio::inherit());
     if std::env::var_os("RUST_LOG").is_none() {
-        // The server logs every login at info level.
-        cmd.env("RUST_LOG", "warn");
+        cmd.env("RUST_LOG", level);
     }
     let mut child = ChildGuard(cmd.spawn()?);
     let stdout = child.0.stdout.take().context("stdout")?;

@@ -56,16 +56,18 @@ pub(super) fn bearer(headers: &HeaderMap) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
 }
 
-/// Refuses a request from an address over its request budget, or serving
-/// its period for ignored waits, with `RATE_LIMITED` before its body, its
-/// token or its route's handler is looked at (every route).
+/// Refuses a request on a connection over its address's connection cap,
+/// from an address over its request budget, or serving its period for
+/// ignored waits, with `RATE_LIMITED` before its body, its token or its
+/// route's handler is looked at (every route, WebSocket upgrades included).
 pub async fn admit_address(
     State(state): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     request: axum::extract::Request,
     next: axum::middleware::Next,
 ) -> Response {
-    match state.limits.admit_request(peer.ip(), crate::util::now_ms()) {
+    let over_cap = request.extensions().get::<crate::limits::OverConnectionCap>().is_some();
+    match state.limits.admit_request(peer.ip(), over_cap, crate::util::now_ms()) {
         Ok(()) => next.run(request).await,
         Err(refusal) => {
             m::ADDRESS_REFUSALS.add_by("reason", refusal.reason.as_str(), 1);
