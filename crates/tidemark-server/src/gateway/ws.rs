@@ -28,6 +28,10 @@
 //!   hints, then, if no reply is left, the ephemeral frames) into the
 //!   socket's write buffer and flushes once, so a storm of small frames
 //!   costs one `sendto` per wake and buffer rather than one per frame.
+//! - A connection that opted in to `presence.batch` (`?presence_batch=true`
+//!   on the upgrade, or `presence_batch` in its `auth` frame) gets the
+//!   presence entries waiting at a wake as one batch frame
+//!   ([`EphConn::take_written`]), not one frame each.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -37,12 +41,12 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::extract::{ConnectInfo, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use tidemark_proto::{op, reason, split_frame, AuthOk, AuthReq, ErrorCode, Hint, Kicked, ServerFrame};
+use tidemark_proto::{op, reason, split_frame, AuthOk, AuthReq, ErrorCode, Hint, Kicked, ServerFrame, WsQuery};
 use tokio::sync::{mpsc, watch, Semaphore};
 use tokio::task::JoinSet;
 
@@ -83,11 +87,15 @@ pub async fn upgrade(
     State(state): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
+    query: Result<Query<WsQuery>, axum::extract::rejection::QueryRejection>,
     ws: WebSocketUpgrade,
 ) -> Response {
     if let Err(e) = state.limits.admit_connect(peer.ip()) {
         return error_response(e);
     }
+    let Ok(Query(query)) = query else {
+        return error_response(ApiError::bad_request("presence_batch must be true or false"));
+    };
     let Some(slot) = state.ws_slots.try_take() else {
         let full = ApiError::new(ErrorCode::Unavailable, "this node holds its most WebSocket connections");
         return error_response(ApiError { retry_after_ms: Some(WS_FULL_RETRY_AFTER_MS), ..full });
@@ -109,7 +117,7 @@ pub async fn upgrade(
         .write_buffer_size(WS_WRITE_BUFFER_BYTES)
         .on_upgrade(move |socket| async move {
             let _slot = slot;
-            connection(state, socket, pre_auth, peer).await
+            connection(state, socket, pre_auth, peer, query.presence_batch.unwrap_or(false)).await
         })
 }
 
@@ -151,13 +159,15 @@ async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *fut).poll(cx))).await
 }
 
-/// Reads frames until a valid `auth` frame arrives (errors for the rest).
+/// Reads frames until a valid `auth` frame arrives (errors for the rest);
+/// returns who it authenticates, its `rid` and whether it opts in to
+/// `presence.batch`.
 async fn first_frame_auth(
     state: &AppState,
     sink: &mut SplitSink<WebSocket, Message>,
     stream: &mut SplitStream<WebSocket>,
     budget: &FrameBudget,
-) -> Option<(AuthCtx, Option<String>)> {
+) -> Option<(AuthCtx, Option<String>, bool)> {
     let deadline = tokio::time::Instant::now() + state.config.ws_auth_timeout;
     loop {
         let msg = tokio::time::timeout_at(deadline, stream.next()).await.ok()??.ok()?;
@@ -183,8 +193,10 @@ async fn first_frame_auth(
             Ok(f) if f.t != op::AUTH => {
                 error_text(ApiError::new(ErrorCode::Unauthenticated, "send an auth frame first"), f.rid)
             }
-            Ok(f) => match ops::parse::<AuthReq>(f.body).and_then(|a| auth::authenticate(state, &a.token)) {
-                Ok(ctx) => return Some((ctx, f.rid)),
+            Ok(f) => match ops::parse::<AuthReq>(f.body)
+                .and_then(|a| auth::authenticate(state, &a.token).map(|ctx| (ctx, a.presence_batch.unwrap_or(false))))
+            {
+                Ok((ctx, batch)) => return Some((ctx, f.rid, batch)),
                 Err(e) => error_text(e, f.rid),
             },
         };
@@ -197,14 +209,18 @@ async fn connection(
     socket: WebSocket,
     pre_auth: Option<(AuthCtx, UserConnSlot)>,
     peer: SocketAddr,
+    mut presence_batch: bool,
 ) {
     let (mut sink, mut stream) = socket.split();
     let budget = state.limits.frame_budget(peer.ip());
     let (mut ctx, auth_rid, _user_slot) = match pre_auth {
         Some((ctx, slot)) => (ctx, None, slot),
         None => match first_frame_auth(&state, &mut sink, &mut stream, &budget).await {
-            Some((ctx, rid)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
-                Some(slot) => (ctx, Some(rid), slot),
+            Some((ctx, rid, batch)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
+                Some(slot) => {
+                    presence_batch |= batch;
+                    (ctx, Some(rid), slot)
+                }
                 None => {
                     let _ = sink.send(Message::Text(error_text(user_full(), rid).into())).await;
                     let _ = sink.send(Message::Close(None)).await;
@@ -241,7 +257,7 @@ async fn connection(
         push(&out_tx, &entry, tidemark_proto::reply_frame(op::AUTH, rid.as_deref(), v).to_string());
     }
     // The ephemeral lane (issue 18): presence and typing of this connection.
-    let eph = state.lane.attach(&ctx.user, &ctx.device, entry.epoch);
+    let eph = state.lane.attach(&ctx.user, &ctx.device, entry.epoch, presence_batch);
     let device_hash = state.log_id(&ctx.device);
     let mut writer = tokio::spawn(write_loop(
         device_hash,
@@ -466,11 +482,16 @@ async fn feed_hints(
 }
 
 /// Feeds the ephemeral frames waiting for this connection (issue 18), each
-/// the bytes serialised once for all its receivers (no flush).
+/// the bytes serialised once for all its receivers, or presence entries
+/// spliced into `presence.batch` frames where the connection opted in
+/// (no flush).
 async fn feed_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn) -> Result<(), axum::Error> {
-    for frame in eph.take(crate::util::now_ms()) {
-        m::EPHEMERAL_SENT.add_by("kind", frame.kind(), 1);
-        sink.feed(Message::Text(frame.text.clone())).await?;
+    for frame in eph.take_written(crate::util::now_ms()) {
+        m::EPHEMERAL_SENT.add_by("kind", frame.kind, 1);
+        if frame.batched > 0 {
+            m::EPHEMERAL_PRESENCE_BATCHED.add(frame.batched as u64);
+        }
+        sink.feed(Message::Text(frame.text)).await?;
     }
     Ok(())
 }
