@@ -259,10 +259,12 @@ impl EphConn {
 
     /// Empties the slots: the frames to send now, presence first; typing
     /// starts gone stale while waiting are dropped.
+    /// The slots' maps are taken whole, so an emptied connection holds no
+    /// table (a storm's grown one included) while it idles (issue 19).
     pub fn take(&self, now_ms: i64) -> Vec<Arc<Outgoing>> {
-        let mut slots = self.slots.lock().expect("slots lock");
-        let mut out: Vec<Arc<Outgoing>> = slots.presence.drain().map(|(_, w)| w.frame).collect();
-        for (_, w) in slots.typing.drain() {
+        let Slots { typing, presence } = std::mem::take(&mut *self.slots.lock().expect("slots lock"));
+        let mut out: Vec<Arc<Outgoing>> = presence.into_values().map(|w| w.frame).collect();
+        for w in typing.into_values() {
             if w.stale_at_ms.is_some_and(|at| at <= now_ms) {
                 m::EPHEMERAL_DROPPED.add_by("reason", "expired", 1);
             } else {
@@ -761,6 +763,8 @@ mod tests {
         assert_eq!(frames[0], presence("ann", "online"), "presence first, the latest only");
         assert_eq!(&frames[1..], &[typing("g1", "ann", false)], "g2's start went stale at 50 while waiting");
         assert!(!c.pending() && c.take(60).is_empty());
+        let slots = c.slots.lock().unwrap();
+        assert_eq!((slots.presence.capacity(), slots.typing.capacity()), (0, 0), "emptied slots hold no table");
     }
 
     /// A signal's frame is one serialisation shared by every slot it waits

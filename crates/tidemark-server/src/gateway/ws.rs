@@ -47,11 +47,12 @@ use axum::response::Response;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
 use tidemark_proto::{op, reason, split_frame, AuthOk, AuthReq, ErrorCode, Hint, Kicked, ServerFrame, WsQuery};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
 use super::auth;
 use super::http::{bearer, error_response};
+use super::replies::{PushError, Replies};
 use crate::config::{WS_FULL_RETRY_AFTER_MS, WS_USER_FULL_RETRY_AFTER_MS};
 use crate::ephemeral::EphConn;
 use crate::error::{ApiError, ApiResult};
@@ -104,7 +105,9 @@ pub async fn upgrade(
         None => None,
         Some(token) => match auth::authenticate(&state, token) {
             Ok(ctx) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
-                Some(user_slot) => Some((ctx, user_slot)),
+                // Boxed: the upgrade's future and the connection's each
+                // hold this argument for the connection's whole life.
+                Some(user_slot) => Some(Box::new((ctx, user_slot))),
                 None => return error_response(user_full()),
             },
             Err(e) => return error_response(e),
@@ -115,9 +118,16 @@ pub async fn upgrade(
         .max_frame_size(max)
         .read_buffer_size(WS_READ_BUFFER_BYTES)
         .write_buffer_size(WS_WRITE_BUFFER_BYTES)
-        .on_upgrade(move |socket| async move {
-            let _slot = slot;
-            connection(state, socket, pre_auth, peer, query.presence_batch.unwrap_or(false)).await
+        .on_upgrade(move |socket| {
+            // Split before the connection's future is made: a `WebSocket`
+            // (370 bytes) taken by an async block or function stays in its
+            // state for the connection's whole life, idle or not (issue
+            // 19); its halves are a pointer each.
+            let (sink, stream) = socket.split();
+            async move {
+                let _slot = slot;
+                connection(state, (sink, stream), pre_auth, peer, query.presence_batch.unwrap_or(false)).await
+            }
         })
 }
 
@@ -143,15 +153,15 @@ fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<tidemark_proto::Raw
 
 /// Queues a frame for the writer; a full queue means the client is not
 /// reading, and the connection is ended rather than a frame dropped.
-fn push(out: &mpsc::Sender<String>, entry: &ConnEntry, text: String) {
-    match out.try_send(text) {
+fn push(out: &Replies, entry: &ConnEntry, text: String) {
+    match out.push(text) {
         Ok(()) => {}
-        Err(mpsc::error::TrySendError::Full(_)) => {
+        Err(PushError::Full) => {
             m::SLOW_CONSUMERS.inc();
             tracing::warn!(stage = "gateway", epoch = entry.epoch, "send queue full; disconnecting slow consumer");
             entry.kick(reason::SLOW_CONSUMER);
         }
-        Err(mpsc::error::TrySendError::Closed(_)) => {}
+        Err(PushError::Closed) => {}
     }
 }
 
@@ -206,16 +216,17 @@ async fn first_frame_auth(
 
 async fn connection(
     state: Arc<AppState>,
-    socket: WebSocket,
-    pre_auth: Option<(AuthCtx, UserConnSlot)>,
+    (mut sink, mut stream): (SplitSink<WebSocket, Message>, SplitStream<WebSocket>),
+    pre_auth: Option<Box<(AuthCtx, UserConnSlot)>>,
     peer: SocketAddr,
     mut presence_batch: bool,
 ) {
-    let (mut sink, mut stream) = socket.split();
     let budget = state.limits.frame_budget(peer.ip());
-    let (mut ctx, auth_rid, _user_slot) = match pre_auth {
+    let (mut ctx, auth_rid, _user_slot) = match pre_auth.map(|b| *b) {
         Some((ctx, slot)) => (ctx, None, slot),
-        None => match first_frame_auth(&state, &mut sink, &mut stream, &budget).await {
+        // Boxed, as the frames below: the connection's future holds the
+        // largest of what it awaits for its whole life (issue 19).
+        None => match Box::pin(first_frame_auth(&state, &mut sink, &mut stream, &budget)).await {
             Some((ctx, rid, batch)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
                 Some(slot) => {
                     presence_batch |= batch;
@@ -250,7 +261,7 @@ async fn connection(
     // The other nodes end their older connections of this device.
     state.bus.publish_kick(&ctx.user, &ctx.device, reason::SUPERSEDED, epoch);
     tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket connected");
-    let (out_tx, out_rx) = mpsc::channel::<String>(state.config.ws_send_queue_max);
+    let out_tx = Arc::new(Replies::new(state.config.ws_send_queue_max));
     if let Some(rid) = auth_rid {
         let ok = AuthOk { user: ctx.user.clone(), device_id: ctx.device.clone(), connection_epoch: entry.epoch };
         let v = serde_json::to_value(ok).expect("auth.ok serializes");
@@ -262,7 +273,7 @@ async fn connection(
     let mut writer = tokio::spawn(write_loop(
         device_hash,
         sink,
-        out_rx,
+        out_tx.clone(),
         entry.clone(),
         eph.clone(),
         state.config.ws_ping,
@@ -274,7 +285,6 @@ async fn connection(
         let (state, eph) = (state.clone(), eph.clone());
         tasks.spawn(async move { state.lane.connected(&eph).await });
     }
-    let mut kick = entry.kick_watch();
     let mut last_seen = Instant::now();
     let silent_max = state.config.ws_ping * 3;
     let mut liveness = tokio::time::interval(state.config.ws_ping);
@@ -286,9 +296,8 @@ async fn connection(
     let conn = Conn { state: &state, ctx: &ctx, entry: &entry, out: &out_tx, peer };
     // A frame read while the connection was over its frame budget, and
     // when the budget is checked again: nothing more is read meanwhile.
-    let mut held: Option<Message> = None;
-    let resume = tokio::time::sleep(Duration::ZERO);
-    tokio::pin!(resume);
+    // Boxed: only a paused connection holds the timer.
+    let mut held: Option<(Message, Pin<Box<tokio::time::Sleep>>)> = None;
     loop {
         tokio::select! {
             msg = stream.next(), if held.is_none() => {
@@ -299,26 +308,25 @@ async fn connection(
                 }
                 if let Err(pause) = state.limits.admit_frame(&budget) {
                     m::FRAME_BUDGET_PAUSES.add_by("scope", pause.scope.as_str(), 1);
-                    held = Some(msg);
-                    resume.as_mut().reset(tokio::time::Instant::now() + pause.wait);
+                    held = Some((msg, Box::pin(tokio::time::sleep(pause.wait))));
                     continue;
                 }
-                if !conn.frame(msg, &inflight, &mut tasks, &mut strikes).await {
+                if !Box::pin(conn.frame(msg, &inflight, &mut tasks, &mut strikes)).await {
                     break;
                 }
             }
-            _ = &mut resume, if held.is_some() => {
+            _ = async { held.as_mut().expect("a held frame").1.as_mut().await }, if held.is_some() => {
                 if let Err(pause) = state.limits.admit_frame(&budget) {
-                    resume.as_mut().reset(tokio::time::Instant::now() + pause.wait);
+                    held.as_mut().expect("a held frame").1.as_mut().reset(tokio::time::Instant::now() + pause.wait);
                     continue;
                 }
-                let msg = held.take().expect("a held frame");
-                if !conn.frame(msg, &inflight, &mut tasks, &mut strikes).await {
+                let (msg, _) = held.take().expect("a held frame");
+                if !Box::pin(conn.frame(msg, &inflight, &mut tasks, &mut strikes)).await {
                     break;
                 }
             }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-            _ = kick.changed() => break,
+            _ = entry.kicked_reader.notified() => break,
             // Short-lived tokens (P1) bound a connection's life too.
             _ = &mut token_expiry => entry.kick(reason::TOKEN_EXPIRED),
             _ = &mut writer => {
@@ -336,7 +344,7 @@ async fn connection(
     // Let requests already accepted finish (their writes are queued anyway).
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, async { while tasks.join_next().await.is_some() {} }).await;
     tasks.shutdown().await;
-    drop(out_tx);
+    out_tx.close();
     if !writer_done && tokio::time::timeout(KICK_FLUSH_TIMEOUT * 2, &mut writer).await.is_err() {
         writer.abort();
     }
@@ -350,7 +358,7 @@ struct Conn<'a> {
     state: &'a Arc<AppState>,
     ctx: &'a AuthCtx,
     entry: &'a Arc<ConnEntry>,
-    out: &'a mpsc::Sender<String>,
+    out: &'a Arc<Replies>,
     peer: SocketAddr,
 }
 
@@ -502,7 +510,7 @@ async fn feed_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn)
 async fn write_batch(
     sink: &mut SplitSink<WebSocket, Message>,
     wake: Wake,
-    out: &mut mpsc::Receiver<String>,
+    out: &Replies,
     entry: &ConnEntry,
     eph: &EphConn,
     device_hash: &str,
@@ -517,7 +525,7 @@ async fn write_batch(
         Wake::Hints | Wake::Ephemeral => {}
     }
     while replies < WS_FRAMES_PER_FLUSH_MAX {
-        let Ok(text) = out.try_recv() else { break };
+        let Some(text) = out.pop() else { break };
         sink.feed(Message::Text(text.into())).await?;
         replies += 1;
     }
@@ -530,14 +538,28 @@ async fn write_batch(
 
 async fn write_loop(
     device_hash: String,
+    sink: SplitSink<WebSocket, Message>,
+    out: Arc<Replies>,
+    entry: Arc<ConnEntry>,
+    eph: Arc<EphConn>,
+    ping: Duration,
+    shutdown: watch::Receiver<bool>,
+) {
+    write_frames(device_hash, sink, &out, entry, eph, ping, shutdown).await;
+    // Nothing more is written: a reply queued from now on is dropped, not
+    // counted against the client as a slow consumer.
+    out.close();
+}
+
+async fn write_frames(
+    device_hash: String,
     mut sink: SplitSink<WebSocket, Message>,
-    mut out: mpsc::Receiver<String>,
+    out: &Replies,
     entry: Arc<ConnEntry>,
     eph: Arc<EphConn>,
     ping: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut kick = entry.kick_watch();
     let mut ticker = tokio::time::interval(ping);
     ticker.tick().await;
     loop {
@@ -546,7 +568,7 @@ async fn write_loop(
         }
         let wake = tokio::select! {
             biased;
-            _ = kick.changed() => continue,
+            _ = entry.kicked_writer.notified() => continue,
             _ = crate::util::stopped(&mut shutdown) => return send_kicked(&mut sink, reason::SHUTDOWN).await,
             msg = out.recv() => match msg {
                 Some(text) => Wake::Reply(text),
@@ -558,7 +580,9 @@ async fn write_loop(
             _ = eph.wake.notified(), if out.is_empty() => Wake::Ephemeral,
             _ = ticker.tick() => Wake::Ping,
         };
-        if write_batch(&mut sink, wake, &mut out, &entry, &eph, &device_hash).await.is_err() {
+        // Boxed: the writer's future would otherwise hold a batch's state
+        // (about 450 bytes) while the connection idles (issue 19).
+        if Box::pin(write_batch(&mut sink, wake, out, &entry, &eph, &device_hash)).await.is_err() {
             return;
         }
     }
