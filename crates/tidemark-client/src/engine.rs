@@ -38,7 +38,7 @@ use crate::store::{
     StoreError, StoreResult,
 };
 use crate::types::{Change, ClientConfig, ConnState, Exit, SdkError};
-use crate::{ClientError, ClientResult, Http, ServerEvent, WsConn};
+use crate::{ClientError, ClientResult, Http, ServerEvent, WsConn, WsOptions};
 
 /// Commands from the app to the engine waiting to be served.
 pub(crate) const COMMANDS_MAX: usize = 64;
@@ -284,7 +284,8 @@ fn refuse_offline(cmd: Command) {
 /// An access token (refreshing or logging in as needed) and a WebSocket.
 async fn connect(inner: &Arc<Inner>, auth: &mut Auth) -> Result<(WsConn, mpsc::Receiver<ServerEvent>), End> {
     let token = access_token(inner, auth).await?;
-    match inner.call(WsConn::connect(&inner.ws_url, &token)).await {
+    let options = WsOptions { presence_batch: inner.config.presence_batch, ..WsOptions::default() };
+    match inner.call(WsConn::connect_with(&inner.ws_url, &token, options)).await {
         Ok(conn) => Ok(conn),
         Err(e) => {
             tracing::debug!(error = %e, "connect failed");

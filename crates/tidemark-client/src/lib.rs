@@ -139,7 +139,7 @@ pub use store::{
 };
 pub use tidemark_proto as proto;
 pub use types::{Change, ClientConfig, ConnState, Exit, FaultHook, SdkError};
-pub use ws::{ws_config, ServerEvent, WsConn, WS_READ_BUFFER_BYTES};
+pub use ws::{ws_config, ServerEvent, WsConn, WsOptions, WS_READ_BUFFER_BYTES};
 
 use tidemark_proto::{ErrorCode, ErrorFrame};
 

@@ -35,6 +35,10 @@ pub struct ClientConfig {
     pub sync_page_limit: u32,
     /// A request without a reply for this long counts as a dead connection.
     pub request_timeout: Duration,
+    /// Ask the server for `presence.batch` frames ([`crate::WsOptions`]);
+    /// what the app sees ([`Change::Presence`](crate::Change)) is the same
+    /// either way. Default on.
+    pub presence_batch: bool,
     pub fault: Option<FaultHook>,
 }
 
@@ -50,6 +54,7 @@ impl ClientConfig {
             periodic_sync: Duration::from_secs(30),
             sync_page_limit: tidemark_proto::SYNC_LIMIT_DEFAULT,
             request_timeout: Duration::from_secs(30),
+            presence_batch: true,
             fault: None,
         }
     }

@@ -62,6 +62,28 @@ pub fn ws_config() -> tokio_tungstenite::tungstenite::protocol::WebSocketConfig 
     tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default().read_buffer_size(WS_READ_BUFFER_BYTES)
 }
 
+/// How [`WsConn::connect_with`] connects.
+#[derive(Debug, Clone, Copy)]
+pub struct WsOptions {
+    /// Speak from this local address (a host with several; the tests and
+    /// benchmarks of the server's per-address limits use several loopback
+    /// addresses). `None`: the system's choice.
+    pub local: Option<std::net::IpAddr>,
+    /// Ask for `presence.batch` frames (`?presence_batch=true` on the
+    /// upgrade, docs/protocol.md §4.5): the presence entries waiting for
+    /// this connection come in one frame, which the reader hands on as one
+    /// [`ServerEvent::Presence`] per entry, exactly as single frames. A
+    /// server that does not know the parameter ignores it and sends single
+    /// frames. On by default.
+    pub presence_batch: bool,
+}
+
+impl Default for WsOptions {
+    fn default() -> WsOptions {
+        WsOptions { local: None, presence_batch: true }
+    }
+}
+
 /// The requests waiting for their reply, and whether the connection has
 /// ended. Once it has, no request is admitted: its reply could only come
 /// through a reader that is gone, so it would wait forever (a request sent
@@ -116,7 +138,7 @@ impl WsConn {
     /// Connects to `ws_url` (like `ws://127.0.0.1:8080/v1/ws`) with the
     /// access token in the `Authorization` header.
     pub async fn connect(ws_url: &str, access_token: &str) -> ClientResult<(WsConn, mpsc::Receiver<ServerEvent>)> {
-        WsConn::connect_via(ws_url, access_token, None).await
+        WsConn::connect_with(ws_url, access_token, WsOptions::default()).await
     }
 
     /// Like [`WsConn::connect`], from the local address `local` (a host
@@ -127,16 +149,24 @@ impl WsConn {
         access_token: &str,
         local: std::net::IpAddr,
     ) -> ClientResult<(WsConn, mpsc::Receiver<ServerEvent>)> {
-        WsConn::connect_via(ws_url, access_token, Some(local)).await
+        WsConn::connect_with(ws_url, access_token, WsOptions { local: Some(local), ..WsOptions::default() }).await
     }
 
-    async fn connect_via(
+    /// Like [`WsConn::connect`], as `options` say.
+    pub async fn connect_with(
         ws_url: &str,
         access_token: &str,
-        local: Option<std::net::IpAddr>,
+        options: WsOptions,
     ) -> ClientResult<(WsConn, mpsc::Receiver<ServerEvent>)> {
         let transport = |e: std::io::Error| ClientError::Transport(e.to_string());
-        let mut request = ws_url.into_client_request().map_err(|e| ClientError::Transport(e.to_string()))?;
+        let local = options.local;
+        let url = if options.presence_batch {
+            let sep = if ws_url.contains('?') { '&' } else { '?' };
+            format!("{ws_url}{sep}presence_batch=true")
+        } else {
+            ws_url.to_owned()
+        };
+        let mut request = url.into_client_request().map_err(|e| ClientError::Transport(e.to_string()))?;
         let value = format!("Bearer {access_token}").parse().map_err(|_| ClientError::Transport("bad token".into()))?;
         request.headers_mut().insert("authorization", value);
         // Nagle off: requests are small frames that must leave at once.
@@ -213,6 +243,12 @@ impl WsConn {
                     }
                     Ok(ServerFrame::Presence(p)) => {
                         let _ = ev_tx.try_send(ServerEvent::Presence(p));
+                    }
+                    // The same entries as single frames, in order.
+                    Ok(ServerFrame::PresenceBatch(b)) => {
+                        for p in b.presence {
+                            let _ = ev_tx.try_send(ServerEvent::Presence(p));
+                        }
                     }
                     Err(_) => {}
                 }

@@ -30,6 +30,9 @@ pub const TYPING_RENEW_MIN_MS: u64 = 1_000;
 /// current conversation with the subject, sorted; beyond it they learn it
 /// on their own next connection).
 pub const PRESENCE_AUDIENCE_MAX: u32 = 10_000;
+/// Entries one `presence.batch` frame carries at most (a whole audience:
+/// the answer to a new connection fits one frame unless its bytes do not).
+pub const PRESENCE_BATCH_ENTRIES_MAX: usize = PRESENCE_AUDIENCE_MAX as usize;
 /// Members one `conv.receipts` reply lists at most.
 pub const RECEIPTS_MEMBERS_MAX: usize = 1_000;
 
@@ -134,6 +137,46 @@ pub fn effective_presence(devices: impl IntoIterator<Item = Presence>, hidden: b
 /// nothing.
 pub fn presence_changed(announced: Option<Presence>, now: Presence) -> bool {
     announced.unwrap_or(Presence::Offline) != now
+}
+
+/// Whether a connection's waiting presence entries go out as one
+/// `presence.batch` frame (per wake of its writer) rather than one
+/// `presence` frame each: only on a connection that opted in (old clients
+/// are unchanged), and only when more than one entry waits (a lone entry
+/// is the single frame, the same bytes every receiver shares).
+pub fn presence_batched(opted_in: bool, entries: usize) -> bool {
+    opted_in && entries > 1
+}
+
+/// Splits presence entries, in order, into `presence.batch` frames: each
+/// frame holds at most `entries_max` entries and its JSON text at most
+/// `bytes_max` bytes, counted as `overhead` (the frame's own text around
+/// the list) plus each entry's `entry_bytes` plus one comma between two
+/// entries. An entry that alone is over the bound goes alone (nothing is
+/// dropped here; entries are bounded where they are built). Returns the
+/// ranges of `entry_bytes` each frame takes, covering it without gaps.
+pub fn presence_batches(
+    entry_bytes: &[usize],
+    overhead: usize,
+    bytes_max: usize,
+    entries_max: usize,
+) -> Vec<std::ops::Range<usize>> {
+    let entries_max = entries_max.max(1);
+    let mut frames = Vec::new();
+    let (mut start, mut bytes) = (0, overhead);
+    for (i, &len) in entry_bytes.iter().enumerate() {
+        let comma = usize::from(i > start);
+        if i > start && (i - start >= entries_max || bytes + comma + len > bytes_max) {
+            frames.push(start..i);
+            (start, bytes) = (i, overhead + len);
+        } else {
+            bytes += comma + len;
+        }
+    }
+    if start < entry_bytes.len() {
+        frames.push(start..entry_bytes.len());
+    }
+    frames
 }
 
 /// A user's privacy switches (durable, per user).
@@ -335,6 +378,52 @@ mod tests {
             assert_eq!(Presence::parse(p.as_str()), Some(p));
         }
         assert_eq!(Presence::parse("away"), None);
+    }
+
+    #[test]
+    fn presence_is_batched_only_when_opted_in_and_more_than_one_waits() {
+        fn check(input: (bool, usize), expect: bool) {
+            assert_eq!(presence_batched(input.0, input.1), expect, "{input:?}");
+        }
+        check((false, 0), false);
+        check((false, 99), false);
+        check((true, 0), false);
+        check((true, 1), false);
+        check((true, 2), true);
+        check((true, PRESENCE_BATCH_ENTRIES_MAX + 1), true);
+    }
+
+    #[test]
+    fn presence_batches_split_by_entries_and_bytes() {
+        /// `expect`: each frame's entries as `(start, end)`.
+        fn check(input: (&[usize], usize, usize, usize), expect: &[(usize, usize)]) {
+            let got: Vec<(usize, usize)> =
+                presence_batches(input.0, input.1, input.2, input.3).into_iter().map(|r| (r.start, r.end)).collect();
+            assert_eq!(got, expect, "{input:?}");
+        }
+        check((&[], 10, 100, 5), &[]);
+        check((&[5], 10, 100, 5), &[(0, 1)]);
+        // 10 + 5 + 1 + 5 = 21 fits 21 exactly; one more byte does not.
+        check((&[5, 5], 10, 21, 5), &[(0, 2)]);
+        check((&[5, 5], 10, 20, 5), &[(0, 1), (1, 2)]);
+        check((&[5, 5, 5, 5, 5], 10, 1000, 2), &[(0, 2), (2, 4), (4, 5)]);
+        // An entry over the bound alone still goes, alone.
+        check((&[3, 50, 3], 10, 20, 5), &[(0, 1), (1, 2), (2, 3)]);
+        check((&[4, 4, 4, 4], 0, 9, 5), &[(0, 2), (2, 4)]);
+        // A bound of no entries still moves one entry a frame.
+        check((&[4, 4, 4], 0, 100, 0), &[(0, 1), (1, 2), (2, 3)]);
+        // Every entry is covered once, in order, and every frame within
+        // the bounds unless it is one entry.
+        let lens: Vec<usize> = (0..PRESENCE_BATCH_ENTRIES_MAX * 2 + 7).map(|i| 30 + i % 40).collect();
+        let frames = presence_batches(&lens, 40, 64 * 1024, PRESENCE_BATCH_ENTRIES_MAX);
+        let mut next = 0;
+        for f in &frames {
+            assert_eq!(f.start, next);
+            next = f.end;
+            let bytes = 40 + lens[f.clone()].iter().sum::<usize>() + f.len() - 1;
+            assert!(f.len() <= PRESENCE_BATCH_ENTRIES_MAX && bytes <= 64 * 1024, "{f:?}: {bytes}");
+        }
+        assert_eq!(next, lens.len());
     }
 
     #[test]

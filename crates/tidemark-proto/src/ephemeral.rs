@@ -204,6 +204,56 @@ pub struct PresenceFrame {
     pub last_seen: Option<i64>,
 }
 
+/// Server frame `presence.batch`: `presence` entries (each exactly the
+/// fields of a [`PresenceFrame`]) for a connection that opted in; a client
+/// applies them in order as it would that many `presence` frames. At most
+/// [`tidemark_core::ephemeral::PRESENCE_BATCH_ENTRIES_MAX`] entries and
+/// [`crate::FRAME_BYTES_MAX`] bytes of JSON a frame; more go in further
+/// frames.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct PresenceBatchFrame {
+    pub presence: Vec<PresenceFrame>,
+}
+
+/// The text of a `presence.batch` frame around its entries: the bytes a
+/// frame costs besides its entries' [`presence_fields`] and the comma and
+/// `{` each entry adds (the `overhead` of
+/// [`tidemark_core::ephemeral::presence_batches`]).
+pub const PRESENCE_BATCH_FRAME_OVERHEAD: usize = PRESENCE_BATCH_HEAD.len() + PRESENCE_BATCH_TAIL.len();
+/// Bytes one entry costs in a batch besides its [`presence_fields`]: its
+/// opening `{`.
+pub const PRESENCE_BATCH_ENTRY_OVERHEAD: usize = 1;
+const PRESENCE_BATCH_HEAD: &str = r#"{"t":"presence.batch","presence":["#;
+const PRESENCE_BATCH_TAIL: &str = "]}";
+/// How a `presence` frame's text begins: the internally tagged
+/// [`crate::ServerFrame`] writes its tag first.
+const PRESENCE_FRAME_HEAD: &str = r#"{"t":"presence","#;
+
+/// The fields of a `presence` frame's text after its tag (`"user":…}`),
+/// which a `presence.batch` splices in as one entry, so an entry costs no
+/// serialisation or copy beyond the frame's own (shared by every
+/// receiver); `None` for the text of another frame.
+pub fn presence_fields(frame_text: &str) -> Option<&str> {
+    frame_text.strip_prefix(PRESENCE_FRAME_HEAD)
+}
+
+/// A `presence.batch` frame's text from its entries' [`presence_fields`],
+/// spliced in verbatim: the same JSON as serialising
+/// `ServerFrame::PresenceBatch` of those entries.
+pub fn presence_batch_text<'a>(fields: impl IntoIterator<Item = &'a str>) -> String {
+    let mut out = String::from(PRESENCE_BATCH_HEAD);
+    for (i, f) in fields.into_iter().enumerate() {
+        if i > 0 {
+            out.push(',');
+        }
+        out.push('{');
+        out.push_str(f);
+    }
+    out.push_str(PRESENCE_BATCH_TAIL);
+    out
+}
+
 /// What an ephemeral signal carries between nodes (cluster mode), inside a
 /// [`crate::BusHint`]: the frame for the users `to` on whichever node holds
 /// their connections.
@@ -218,4 +268,61 @@ pub struct BusEphemeral {
     /// online or idle (and not hidden) answers with its own presence.
     #[serde(default)]
     pub answer: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ServerFrame;
+
+    fn entry(user: &str, state: &str, last_seen: Option<i64>) -> PresenceFrame {
+        PresenceFrame { user: user.into(), state: state.into(), last_seen }
+    }
+
+    /// The spliced text is the typed frame's JSON, and parses back to it;
+    /// the overhead is what the frame costs besides its entries.
+    #[test]
+    fn presence_batch_text_is_the_typed_frame_spliced() {
+        for entries in [
+            vec![],
+            vec![entry("ann", "online", None)],
+            vec![
+                entry("ann", "online", None),
+                entry("b\"en\u{e9}", "idle", Some(5)),
+                entry("cat", "offline", Some(-1)),
+            ],
+        ] {
+            let texts: Vec<String> =
+                entries.iter().map(|e| serde_json::to_string(&ServerFrame::Presence(e.clone())).unwrap()).collect();
+            let fields: Vec<&str> = texts.iter().map(|t| presence_fields(t).expect("a presence frame")).collect();
+            let spliced = presence_batch_text(fields.iter().copied());
+            let frame = ServerFrame::PresenceBatch(PresenceBatchFrame { presence: entries.clone() });
+            assert_eq!(spliced, serde_json::to_string(&frame).unwrap());
+            assert_eq!(serde_json::from_str::<ServerFrame>(&spliced).unwrap(), frame);
+            let commas = fields.len().saturating_sub(1);
+            let entry_bytes: usize = fields.iter().map(|f| f.len() + PRESENCE_BATCH_ENTRY_OVERHEAD).sum();
+            assert_eq!(spliced.len(), PRESENCE_BATCH_FRAME_OVERHEAD + entry_bytes + commas);
+        }
+        let typing =
+            ServerFrame::Typing(TypingFrame { conv: "c".into(), user: "u".into(), typing: true, timeout_ms: 1 });
+        assert_eq!(presence_fields(&serde_json::to_string(&typing).unwrap()), None);
+        let v =
+            serde_json::json!({"t": "presence.batch", "presence": [{"user": "ann", "state": "idle", "last_seen": 3}]});
+        assert_eq!(
+            serde_json::from_value::<ServerFrame>(v).unwrap(),
+            ServerFrame::PresenceBatch(PresenceBatchFrame { presence: vec![entry("ann", "idle", Some(3))] })
+        );
+    }
+
+    /// Opting in is optional in both places: old clients send neither.
+    #[test]
+    fn opting_in_is_an_optional_field() {
+        let old: crate::AuthReq = serde_json::from_str(r#"{"token":"x"}"#).unwrap();
+        assert_eq!(old.presence_batch, None);
+        assert_eq!(serde_json::to_string(&old).unwrap(), r#"{"token":"x"}"#);
+        let new: crate::AuthReq = serde_json::from_str(r#"{"token":"x","presence_batch":true}"#).unwrap();
+        assert_eq!(new.presence_batch, Some(true));
+        let q: crate::WsQuery = serde_json::from_str("{}").unwrap();
+        assert_eq!(q.presence_batch, None);
+    }
 }

@@ -158,6 +158,9 @@ pub mod server_frame {
     /// Ephemeral frames (issue 18): never in a sync log, shed first.
     pub const TYPING: &str = "typing";
     pub const PRESENCE: &str = "presence";
+    /// Several `presence` entries in one frame, to a connection that opted
+    /// in ([`crate::AuthReq::presence_batch`], [`crate::WsQuery`]).
+    pub const PRESENCE_BATCH: &str = "presence.batch";
 }
 
 /// A client frame split into its operation, request id and body.
@@ -294,6 +297,24 @@ pub struct RefreshReq {
 #[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct AuthReq {
     pub token: String,
+    /// `true`: this connection takes `presence.batch` frames (its
+    /// waiting presence entries in one frame per wake, the answer of its
+    /// audience in one frame). Absent or `false`: one `presence` frame
+    /// per entry, as before (docs/protocol.md §4.5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_batch: Option<bool>,
+}
+
+/// The query of the WebSocket upgrade, `GET /v1/ws?presence_batch=true`:
+/// the way a client authenticating with the `Authorization` header (which
+/// sends no `auth` frame) opts in to `presence.batch` frames, as
+/// [`AuthReq::presence_batch`] does for the first-frame way. Unknown
+/// parameters are ignored.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct WsQuery {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub presence_batch: Option<bool>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -1352,6 +1373,10 @@ pub enum ServerFrame {
     /// A user sharing a conversation changed presence (ephemeral).
     #[serde(rename = "presence")]
     Presence(PresenceFrame),
+    /// Several presence entries, applied in order as one `presence` frame
+    /// each (ephemeral; only to a connection that opted in).
+    #[serde(rename = "presence.batch")]
+    PresenceBatch(PresenceBatchFrame),
 }
 
 /// The hint bus payload between nodes (cluster mode): a user's log grew to

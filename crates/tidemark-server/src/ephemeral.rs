@@ -46,6 +46,15 @@
 //!   frame, which each new connection of its audience is answered with, is
 //!   kept until what it says changes. The connection's writer drains what
 //!   waits and flushes once (`gateway::ws`).
+//! - **Batched for connections that opt in** (`presence_batch`, issue 19):
+//!   such a connection's waiting presence entries go out as one
+//!   `presence.batch` frame per wake of its writer (split only by the
+//!   frame bounds, `core::ephemeral::presence_batches`), spliced from each
+//!   entry's text serialised once; the answers of a new connection's
+//!   audience are put in its slots under one lock, bounded by the audience
+//!   rather than [`EphemeralConfig::presence_slots_max`], so they leave in
+//!   one frame. Other connections get one `presence` frame per entry, as
+//!   before.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -53,7 +62,10 @@ use std::time::Duration;
 
 use axum::extract::ws::Utf8Bytes;
 use tidemark_core::ephemeral::{self as rules, Presence, Typing};
-use tidemark_proto::{BusEphemeral, BusHint, PresenceFrame, ServerFrame, TypingFrame};
+use tidemark_proto::{
+    presence_batch_text, presence_fields, server_frame, BusEphemeral, BusHint, PresenceFrame, ServerFrame, TypingFrame,
+    FRAME_BYTES_MAX, PRESENCE_BATCH_ENTRY_OVERHEAD, PRESENCE_BATCH_FRAME_OVERHEAD,
+};
 use tidemark_store::Store;
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -102,7 +114,8 @@ impl Default for EphemeralConfig {
 
 /// An ephemeral frame serialised once for every connection it reaches:
 /// the frame (its slot key, the bus payload) and its JSON text, whose bytes
-/// every receiver's writer sends without copying.
+/// every receiver's writer sends without copying (a `presence.batch`
+/// splices a presence frame's fields from them, `proto::presence_fields`).
 #[derive(Debug, PartialEq)]
 pub struct Outgoing {
     pub frame: ServerFrame,
@@ -139,12 +152,36 @@ struct Slots {
     presence: HashMap<String, Waiting>,
 }
 
+impl Slots {
+    /// Puts a presence frame in its user's slot (replacing what waits
+    /// there); `false` when it is a new user and `max` slots are taken.
+    fn put_presence(&mut self, user: String, waiting: Waiting, max: usize) -> bool {
+        if self.presence.len() >= max && !self.presence.contains_key(&user) {
+            return false;
+        }
+        self.presence.insert(user, waiting);
+        true
+    }
+}
+
+/// A frame as a connection's writer sends it: its text, the `kind` label
+/// of `tidemark_ephemeral_frames_sent_total`, and the presence entries it
+/// carries inside a `presence.batch` (0 otherwise).
+#[derive(Debug)]
+pub struct Written {
+    pub kind: &'static str,
+    pub text: Utf8Bytes,
+    pub batched: usize,
+}
+
 /// One connection as the lane sees it.
 #[derive(Debug)]
 pub struct EphConn {
     pub user: String,
     pub device: String,
     pub epoch: u64,
+    /// The connection takes `presence.batch` frames (it opted in).
+    pub batch: bool,
     presence: Mutex<Presence>,
     slots: Mutex<Slots>,
     /// Woken when a frame waits.
@@ -168,14 +205,10 @@ impl EphConn {
                 }
             }
             ServerFrame::Presence(p) => {
-                if slots.presence.len() >= config.presence_slots_max && !slots.presence.contains_key(&p.user) {
-                    false
-                } else {
-                    slots.presence.insert(p.user.clone(), waiting);
-                    true
-                }
+                let user = p.user.clone();
+                slots.put_presence(user, waiting, config.presence_slots_max)
             }
-            ServerFrame::Hint(_) | ServerFrame::Kicked(_) => false,
+            ServerFrame::Hint(_) | ServerFrame::Kicked(_) | ServerFrame::PresenceBatch(_) => false,
         };
         drop(slots);
         if stored {
@@ -186,6 +219,38 @@ impl EphConn {
         stored
     }
 
+    /// The answers of a new connection's audience (presence frames), put
+    /// in their slots under one lock so the writer takes them in one wake.
+    /// A connection that takes `presence.batch` holds up to the audience
+    /// bound for them (they leave in one frame); others keep
+    /// [`EphemeralConfig::presence_slots_max`].
+    fn offer_answers(&self, frames: &[Arc<Outgoing>], config: &EphemeralConfig) {
+        let max = if self.batch {
+            config.presence_slots_max.max(config.audience_max as usize)
+        } else {
+            config.presence_slots_max
+        };
+        let (mut stored, mut dropped) = (0u64, 0u64);
+        {
+            let mut slots = self.slots.lock().expect("slots lock");
+            for frame in frames {
+                let ServerFrame::Presence(p) = &frame.frame else { continue };
+                let waiting = Waiting { frame: frame.clone(), stale_at_ms: None };
+                if slots.put_presence(p.user.clone(), waiting, max) {
+                    stored += 1;
+                } else {
+                    dropped += 1;
+                }
+            }
+        }
+        if stored > 0 {
+            self.wake.notify_one();
+        }
+        if dropped > 0 {
+            m::EPHEMERAL_DROPPED.add_by("reason", "slots_full", dropped);
+        }
+    }
+
     /// Whether frames wait.
     pub fn pending(&self) -> bool {
         let slots = self.slots.lock().expect("slots lock");
@@ -194,16 +259,50 @@ impl EphConn {
 
     /// Empties the slots: the frames to send now, presence first; typing
     /// starts gone stale while waiting are dropped.
+    /// The slots' maps are taken whole, so an emptied connection holds no
+    /// table (a storm's grown one included) while it idles (issue 19).
     pub fn take(&self, now_ms: i64) -> Vec<Arc<Outgoing>> {
-        let mut slots = self.slots.lock().expect("slots lock");
-        let mut out: Vec<Arc<Outgoing>> = slots.presence.drain().map(|(_, w)| w.frame).collect();
-        for (_, w) in slots.typing.drain() {
+        let Slots { typing, presence } = std::mem::take(&mut *self.slots.lock().expect("slots lock"));
+        let mut out: Vec<Arc<Outgoing>> = presence.into_values().map(|w| w.frame).collect();
+        for w in typing.into_values() {
             if w.stale_at_ms.is_some_and(|at| at <= now_ms) {
                 m::EPHEMERAL_DROPPED.add_by("reason", "expired", 1);
             } else {
                 out.push(w.frame);
             }
         }
+        out
+    }
+
+    /// Empties the slots ([`EphConn::take`]) into the frames to write: on a
+    /// connection that takes `presence.batch`, the presence entries in as
+    /// few batch frames as the frame bounds allow (one, short of 256 KiB of
+    /// entries; `core::ephemeral::presence_batched`, `presence_batches`),
+    /// then typing; otherwise one frame each.
+    pub fn take_written(&self, now_ms: i64) -> Vec<Written> {
+        let frames = self.take(now_ms);
+        let single = |o: &Arc<Outgoing>| Written { kind: o.kind(), text: o.text.clone(), batched: 0 };
+        // Presence comes first; its frames' fields are the entries.
+        let entries: Vec<&str> = frames.iter().map_while(|o| presence_fields(o.text.as_str())).collect();
+        if !rules::presence_batched(self.batch, entries.len()) {
+            return frames.iter().map(single).collect();
+        }
+        let lens: Vec<usize> = entries.iter().map(|e| e.len() + PRESENCE_BATCH_ENTRY_OVERHEAD).collect();
+        let batches = rules::presence_batches(
+            &lens,
+            PRESENCE_BATCH_FRAME_OVERHEAD,
+            FRAME_BYTES_MAX,
+            rules::PRESENCE_BATCH_ENTRIES_MAX,
+        );
+        let mut out: Vec<Written> = batches
+            .into_iter()
+            .map(|r| Written {
+                kind: server_frame::PRESENCE_BATCH,
+                batched: r.len(),
+                text: presence_batch_text(entries[r].iter().copied()).into(),
+            })
+            .collect();
+        out.extend(frames[entries.len()..].iter().map(single));
         out
     }
 }
@@ -286,12 +385,14 @@ impl Lane {
 
     // ------------------------------------------------------- connections
 
-    /// Registers a new connection, online. [`Lane::connected`] announces it.
-    pub fn attach(&self, user: &str, device: &str, epoch: u64) -> Arc<EphConn> {
+    /// Registers a new connection, online (`batch`: it takes
+    /// `presence.batch` frames). [`Lane::connected`] announces it.
+    pub fn attach(&self, user: &str, device: &str, epoch: u64, batch: bool) -> Arc<EphConn> {
         let conn = Arc::new(EphConn {
             user: user.into(),
             device: device.into(),
             epoch,
+            batch,
             presence: Mutex::new(Presence::Online),
             slots: Mutex::default(),
             wake: Notify::new(),
@@ -552,11 +653,10 @@ impl Lane {
                 }
             }
             if let Some(asker) = users.get(&signal.from).filter(|_| !answers.is_empty()) {
-                for a in &answers {
-                    let frame = a.frame.as_ref().expect("answers carry a frame");
-                    for c in &asker.conns {
-                        c.offer(frame.clone(), None, &self.config);
-                    }
+                let frames: Vec<Arc<Outgoing>> =
+                    answers.iter().map(|a| a.frame.clone().expect("answers carry a frame")).collect();
+                for c in &asker.conns {
+                    c.offer_answers(&frames, &self.config);
                 }
             }
         }
@@ -623,6 +723,7 @@ mod tests {
             user: "ben".into(),
             device: "phone".into(),
             epoch: 1,
+            batch: false,
             presence: Mutex::new(Presence::Online),
             slots: Mutex::default(),
             wake: Notify::new(),
@@ -662,6 +763,8 @@ mod tests {
         assert_eq!(frames[0], presence("ann", "online"), "presence first, the latest only");
         assert_eq!(&frames[1..], &[typing("g1", "ann", false)], "g2's start went stale at 50 while waiting");
         assert!(!c.pending() && c.take(60).is_empty());
+        let slots = c.slots.lock().unwrap();
+        assert_eq!((slots.presence.capacity(), slots.typing.capacity()), (0, 0), "emptied slots hold no table");
     }
 
     /// A signal's frame is one serialisation shared by every slot it waits
@@ -690,6 +793,60 @@ mod tests {
         u.hidden = true;
         let ServerFrame::Presence(p) = &u.frame("ann", Presence::Idle).frame else { panic!("a presence frame") };
         assert_eq!(p.last_seen, None, "hidden users show no last_seen");
+    }
+
+    /// A connection that opted in gets its waiting presence entries as one
+    /// `presence.batch` (typing after it, single), and one waiting entry as
+    /// the single frame; one that did not gets a frame per entry.
+    #[test]
+    fn presence_waiting_at_a_wake_leaves_as_one_batch_where_opted_in() {
+        let config = EphemeralConfig::default();
+        let batch = EphConn { batch: true, ..conn() };
+        let single = conn();
+        let frames = [presence("ann", "online"), presence("cat", "idle"), presence("dan", "offline")];
+        for c in [&batch, &single] {
+            for f in &frames {
+                assert!(c.offer(f.clone(), None, &config));
+            }
+            assert!(c.offer(typing("g1", "ann", true), None, &config));
+        }
+        let written = batch.take_written(0);
+        assert_eq!(
+            written.iter().map(|w| (w.kind, w.batched)).collect::<Vec<_>>(),
+            [("presence.batch", 3), ("typing", 0)]
+        );
+        let ServerFrame::PresenceBatch(b) = serde_json::from_str(written[0].text.as_str()).unwrap() else {
+            panic!("a batch: {}", written[0].text.as_str())
+        };
+        let mut got: Vec<_> = b.presence.into_iter().map(|p| (p.user, p.state)).collect();
+        got.sort();
+        assert_eq!(
+            got,
+            [("ann".into(), "online".into()), ("cat".into(), "idle".into()), ("dan".into(), "offline".into())]
+        );
+        let written = single.take_written(0);
+        assert_eq!(written.iter().filter(|w| w.kind == "presence" && w.batched == 0).count(), 3);
+        assert_eq!(written.len(), 4);
+
+        assert!(batch.offer(presence("ann", "idle"), None, &config));
+        let written = batch.take_written(0);
+        assert_eq!(written.len(), 1);
+        assert_eq!(written[0].text, presence("ann", "idle").text, "a lone entry is the single frame");
+    }
+
+    /// The answers of an audience go in under one lock: bounded by the
+    /// audience on a connection that opted in, by the slots otherwise.
+    #[test]
+    fn answers_are_bounded_by_the_audience_where_opted_in() {
+        let config = EphemeralConfig { presence_slots_max: 2, audience_max: 5, ..EphemeralConfig::default() };
+        let answers: Vec<_> = (0..7).map(|i| presence(&format!("u{i}"), "online")).collect();
+        let batch = EphConn { batch: true, ..conn() };
+        batch.offer_answers(&answers, &config);
+        let written = batch.take_written(0);
+        assert_eq!(written.iter().map(|w| (w.kind, w.batched)).collect::<Vec<_>>(), [("presence.batch", 5)]);
+        let single = conn();
+        single.offer_answers(&answers, &config);
+        assert_eq!(single.take_written(0).len(), 2);
     }
 
     #[test]

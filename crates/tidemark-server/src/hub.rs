@@ -10,9 +10,9 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use tokio::sync::{watch, Notify};
+use tokio::sync::Notify;
 
 /// One authenticated connection, as the hub sees it.
 #[derive(Debug)]
@@ -43,7 +43,14 @@ pub struct ConnEntry {
     /// Woken when a hint is pending.
     pub wake: Notify,
     /// Set once when the hub decides to end this connection.
-    kick: watch::Sender<Option<&'static str>>,
+    kick: OnceLock<&'static str>,
+    /// Woken once by the kick, one per waiter: the connection's reader
+    /// loop and its writer. A `Notify` keeps the wake for a waiter not
+    /// waiting yet (a kick before the loops start is not missed); two of
+    /// them cost 80 bytes where a `watch` channel cost about 450 (its
+    /// eight `Notify`s), per idle connection (issue 19).
+    pub kicked_reader: Notify,
+    pub kicked_writer: Notify,
 }
 
 impl ConnEntry {
@@ -80,24 +87,16 @@ impl ConnEntry {
 
     /// The kick reason, once the hub decided to end this connection.
     pub fn kicked(&self) -> Option<&'static str> {
-        *self.kick.borrow()
+        self.kick.get().copied()
     }
 
-    /// Ends the connection; the first reason wins.
+    /// Ends the connection; the first reason wins, and wakes its reader
+    /// and writer once.
     pub fn kick(&self, reason: &'static str) {
-        self.kick.send_if_modified(|k| {
-            if k.is_none() {
-                *k = Some(reason);
-                true
-            } else {
-                false
-            }
-        });
-    }
-
-    /// A receiver that changes when the connection is kicked.
-    pub fn kick_watch(&self) -> watch::Receiver<Option<&'static str>> {
-        self.kick.subscribe()
+        if self.kick.set(reason).is_ok() {
+            self.kicked_reader.notify_one();
+            self.kicked_writer.notify_one();
+        }
     }
 
     /// Queues a hint; returns whether it merged into one already waiting
@@ -170,7 +169,9 @@ impl Hub {
             last_hint_at_ms: AtomicI64::new(crate::util::now_ms()),
             conv_hints: Mutex::new(HashMap::new()),
             wake: Notify::new(),
-            kick: watch::channel(None).0,
+            kick: OnceLock::new(),
+            kicked_reader: Notify::new(),
+            kicked_writer: Notify::new(),
         });
         let mut users = self.users.lock().expect("hub lock");
         let u = users.entry(user.to_owned()).or_default();

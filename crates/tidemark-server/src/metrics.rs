@@ -220,13 +220,17 @@ pub const STORE_READ_STATEMENTS: Metric = Metric::new("tidemark_store_read_state
 // ---------------------------------------------------------------- ephemeral lane
 /// Ephemeral frames (typing, presence) written to connections, by kind.
 pub const EPHEMERAL_SENT: Metric = Metric::new("tidemark_ephemeral_frames_sent_total", stage::EPHEMERAL);
+/// Presence entries written inside `presence.batch` frames (each one
+/// `presence` frame a connection that did not opt in would have got).
+pub const EPHEMERAL_PRESENCE_BATCHED: Metric =
+    Metric::new("tidemark_ephemeral_presence_batched_total", stage::EPHEMERAL);
 /// Ephemeral frames dropped before reaching a connection, by reason.
 pub const EPHEMERAL_DROPPED: Metric = Metric::new("tidemark_ephemeral_dropped_total", stage::EPHEMERAL);
 /// Ephemeral signals published to and received from the other nodes.
 pub const EPHEMERAL_BUS_PUBLISHED: Metric = Metric::new("tidemark_ephemeral_bus_published_total", stage::EPHEMERAL);
 pub const EPHEMERAL_BUS_RECEIVED: Metric = Metric::new("tidemark_ephemeral_bus_received_total", stage::EPHEMERAL);
 /// Values of the `kind` label of [`EPHEMERAL_SENT`].
-pub const EPHEMERAL_KINDS: &[&str] = &["typing", "presence"];
+pub const EPHEMERAL_KINDS: &[&str] = &["typing", "presence", tidemark_proto::server_frame::PRESENCE_BATCH];
 /// Values of the `reason` label of [`EPHEMERAL_DROPPED`].
 pub const EPHEMERAL_DROP_REASONS: &[&str] = &["slots_full", "expired", "bus_queue_full", "typing_held_full"];
 
@@ -447,7 +451,12 @@ pub const FAMILIES: &[Family] = &[
     family(
         EPHEMERAL_SENT,
         Kind::CounterBy("kind", || EPHEMERAL_KINDS.to_vec()),
-        "Ephemeral frames (typing, presence) written to connections, by kind.",
+        "Ephemeral frames (typing, presence, presence.batch) written to connections, by kind.",
+    ),
+    family(
+        EPHEMERAL_PRESENCE_BATCHED,
+        Kind::Counter,
+        "Presence entries written inside presence.batch frames (to connections that opted in).",
     ),
     family(
         EPHEMERAL_DROPPED,

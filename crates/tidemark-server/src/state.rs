@@ -162,10 +162,11 @@ impl Drop for ConnSlot {
 
 /// Counts a node's live WebSocket connections per user and device against
 /// the per-user cap (the rule is `tidemark_core::throttle::admits_connection`).
-/// Only users with a live connection have an entry.
+/// Only users with a live connection have an entry; a user's devices are a
+/// short list (at most the cap), not a table, for idle memory (issue 19).
 #[derive(Debug)]
 pub struct UserConnSlots {
-    live: Mutex<HashMap<String, HashMap<String, usize>>>,
+    live: Mutex<HashMap<String, Vec<(String, usize)>>>,
     max: usize,
 }
 
@@ -178,22 +179,26 @@ impl UserConnSlots {
     /// its most connections on this node.
     pub fn try_take(self: &Arc<Self>, user: &str, device: &str) -> Option<UserConnSlot> {
         let mut live = self.live.lock().expect("user slots lock");
-        let devices = live.entry(user.to_owned()).or_default();
-        let user_live = devices.values().sum();
-        let device_live = devices.get(device).copied().unwrap_or(0);
+        let devices = live.entry(user.to_owned()).or_insert_with(|| Vec::with_capacity(1));
+        let user_live = devices.iter().map(|(_, n)| n).sum();
+        let at = devices.iter().position(|(d, _)| d == device);
+        let device_live = at.map_or(0, |i| devices[i].1);
         if !tidemark_core::throttle::admits_connection(user_live, device_live, self.max) {
             if devices.is_empty() {
                 live.remove(user);
             }
             return None;
         }
-        *devices.entry(device.to_owned()).or_insert(0) += 1;
+        match at {
+            Some(i) => devices[i].1 += 1,
+            None => devices.push((device.to_owned(), 1)),
+        }
         Some(UserConnSlot { slots: self.clone(), user: user.to_owned(), device: device.to_owned() })
     }
 
     /// Live connections of `user` on this node.
     pub fn live(&self, user: &str) -> usize {
-        self.live.lock().expect("user slots lock").get(user).map_or(0, |d| d.values().sum())
+        self.live.lock().expect("user slots lock").get(user).map_or(0, |d| d.iter().map(|(_, n)| n).sum())
     }
 }
 
@@ -209,10 +214,10 @@ impl Drop for UserConnSlot {
     fn drop(&mut self) {
         let mut live = self.slots.live.lock().expect("user slots lock");
         if let Some(devices) = live.get_mut(&self.user) {
-            if let Some(n) = devices.get_mut(&self.device) {
-                *n -= 1;
-                if *n == 0 {
-                    devices.remove(&self.device);
+            if let Some(i) = devices.iter().position(|(d, _)| *d == self.device) {
+                devices[i].1 -= 1;
+                if devices[i].1 == 0 {
+                    devices.swap_remove(i);
                 }
             }
             if devices.is_empty() {

@@ -244,3 +244,126 @@ async fn typing_and_presence_are_rate_limited_per_device() {
     assert_eq!(code(r), ErrorCode::RateLimited, "presence shares the typing quota");
     ts.stop().await;
 }
+
+type RawWs = tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// A bare WebSocket of `user`'s `device`, as a client of its own would open
+/// it: with `auth: None` the token goes on the upgrade and `query` after
+/// the URL; otherwise the upgrade is bare and the first frame is `auth`
+/// with the token and the fields of `auth`, answered `auth.ok`.
+async fn raw(ts: &TestServer, user: &str, device: &str, query: &str, auth: Option<Value>) -> RawWs {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+    use tokio_tungstenite::tungstenite::Message;
+    let token = ts.http.login(user, common::PASSWORD, device).await.unwrap().access_token;
+    let mut request = format!("{}{query}", ts.ws_url()).into_client_request().unwrap();
+    if auth.is_none() {
+        request.headers_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    }
+    let mut ws = tokio_tungstenite::connect_async(request).await.unwrap().0;
+    if let Some(Value::Object(mut fields)) = auth {
+        fields.extend([("t".into(), json!("auth")), ("rid".into(), json!("a1")), ("token".into(), json!(token))]);
+        ws.send(Message::Text(Value::Object(fields).to_string().into())).await.unwrap();
+        let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
+        loop {
+            let msg = tokio::time::timeout_at(deadline, ws.next()).await.expect("auth.ok in time");
+            let Some(Ok(Message::Text(t))) = msg else { panic!("{user}/{device}: closed before auth.ok") };
+            let v: Value = serde_json::from_str(&t).unwrap();
+            if v["rid"] == "a1" {
+                assert_eq!(v["t"], "auth.ok", "{v}");
+                break;
+            }
+        }
+    }
+    ws
+}
+
+/// The presence frames (`t` of each) `ws` reads until it has heard of
+/// `users` users, and what it learned of each: `(state, last_seen)`, the
+/// entries of a `presence.batch` applied in order as single frames.
+async fn learn_presence(
+    ws: &mut RawWs,
+    users: usize,
+) -> (Vec<String>, std::collections::BTreeMap<String, (String, Option<i64>)>) {
+    use futures_util::StreamExt;
+    use tidemark_client::proto::ServerFrame;
+    use tokio_tungstenite::tungstenite::Message;
+    let (mut frames, mut learned) = (Vec::new(), std::collections::BTreeMap::new());
+    let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
+    while learned.len() < users {
+        let msg = tokio::time::timeout_at(deadline, ws.next())
+            .await
+            .unwrap_or_else(|_| panic!("heard of {} users of {users}: {learned:?}", learned.len()));
+        let Some(Ok(Message::Text(t))) = msg else { continue };
+        let entries = match serde_json::from_str::<ServerFrame>(&t) {
+            Ok(ServerFrame::Presence(p)) => vec![p],
+            Ok(ServerFrame::PresenceBatch(b)) => b.presence,
+            _ => continue,
+        };
+        frames.push(serde_json::from_str::<Value>(&t).unwrap()["t"].as_str().unwrap().to_owned());
+        for p in entries {
+            learned.insert(p.user, (p.state, p.last_seen));
+        }
+    }
+    (frames, learned)
+}
+
+/// Issue 19: the answers to a new connection from its audience are one
+/// `presence.batch` frame for a connection that opted in (by the upgrade's
+/// query or by its `auth` frame), and one `presence` frame per user for one
+/// that did not (old clients unchanged); both learn the same states.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_connection_learns_its_audience_in_one_batch_when_opted_in_and_frame_by_frame_otherwise() {
+    const PEERS: usize = 12;
+    let ts = TestServer::start().await;
+    ts.user("ann").await;
+    let peers: Vec<String> = (0..PEERS).map(|i| format!("peer{i:02}")).collect();
+    let mut devices = Vec::new();
+    for p in &peers {
+        ts.user(p).await;
+        devices.push(ts.device(p, "phone").await);
+    }
+    let mut members: Vec<&str> = peers[1..].iter().map(String::as_str).collect();
+    members.push("ann");
+    group(&devices[0], &members).await;
+    op(&devices[1], "presence.set", json!({"state": "idle"})).await;
+
+    // The upgrade's query (the token in the header, no auth frame).
+    let mut by_query = raw(&ts, "ann", "phone", "?presence_batch=true", None).await;
+    let (frames, learned) = learn_presence(&mut by_query, PEERS).await;
+    assert_eq!(frames, ["presence.batch"], "the whole audience in one frame");
+    let states: Vec<&str> = learned.values().map(|(s, _)| s.as_str()).collect();
+    assert_eq!(states.iter().filter(|s| **s == "online").count(), PEERS - 1, "{learned:?}");
+    assert_eq!(learned["peer01"].0, "idle");
+    assert!(learned["peer01"].1.is_some(), "idle carries last_seen");
+
+    // The auth frame's field.
+    let mut by_auth = raw(&ts, "ann", "desk", "", Some(json!({"presence_batch": true}))).await;
+    let (frames, learned_by_auth) = learn_presence(&mut by_auth, PEERS).await;
+    assert_eq!(frames, ["presence.batch"]);
+    assert_eq!(learned_by_auth, learned);
+
+    // Not opted in, either way: a frame per user, the same entries.
+    let mut old = raw(&ts, "ann", "tablet", "", Some(json!({}))).await;
+    let (frames, learned_old) = learn_presence(&mut old, PEERS).await;
+    assert_eq!(frames, vec!["presence"; PEERS]);
+    assert_eq!(learned_old, learned);
+    let mut old_header = raw(&ts, "ann", "web", "?presence_batch=false", None).await;
+    let (frames, learned_old) = learn_presence(&mut old_header, PEERS).await;
+    assert_eq!(frames, vec!["presence"; PEERS]);
+    assert_eq!(learned_old, learned);
+
+    // A query that is not a bool is refused before the upgrade.
+    let token = ts.http.login("ann", common::PASSWORD, "bad").await.unwrap().access_token;
+    let mut request = tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(format!(
+        "{}?presence_batch=maybe",
+        ts.ws_url()
+    ))
+    .unwrap();
+    request.headers_mut().insert("authorization", format!("Bearer {token}").parse().unwrap());
+    match tokio_tungstenite::connect_async(request).await {
+        Err(tokio_tungstenite::tungstenite::Error::Http(resp)) => assert_eq!(resp.status(), 400),
+        other => panic!("expected a refused upgrade, got {:?}", other.map(|_| ())),
+    }
+    ts.stop().await;
+}

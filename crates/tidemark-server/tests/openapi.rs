@@ -318,6 +318,11 @@ async fn real_replies_validate_against_the_document() {
         }
     };
     doc.check_at("/components/schemas/ServerFrame", &typing).unwrap();
+    // The opt-in frame of issue 19, as a connection that asked for it reads it.
+    let batch = json!({"t": "presence.batch", "presence": [{"user": "ann", "state": "online"},
+                       {"user": "cat", "state": "idle", "last_seen": 5}]});
+    doc.check_at("/components/schemas/ServerFrame", &batch).unwrap();
+    assert!(doc.check_at("/components/schemas/ServerFrame", &json!({"t": "presence.batch"})).is_err());
     p.rpc(&ben, op::PRIVACY_SET, json!({})).await;
     p.rpc(&ben, op::PRIVACY_SET, json!({"private_receipts": true})).await;
     let mine = p.rpc(&ben, op::PRIVACY_SET, json!({"push_preview": "none"})).await;

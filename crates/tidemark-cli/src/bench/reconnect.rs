@@ -70,6 +70,10 @@ pub struct ReconnectArgs {
     /// as on the embedded store.
     #[arg(long, value_name = "postgres://…")]
     pub database: Option<String>,
+    /// The devices do not opt in to `presence.batch` frames (one `presence`
+    /// frame per entry, as clients before it): the same-binary "before".
+    #[arg(long)]
+    pub single_presence_frames: bool,
 }
 
 const SETUP_CONCURRENCY: usize = 64;
@@ -82,8 +86,10 @@ const TOKEN_REFRESH_AFTER: Duration = Duration::from_secs(8 * 60);
 const STATEMENTS: &str = "tidemark_store_statements_total";
 const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
 /// Typing and presence frames the server's writers sent (one series per
-/// kind; summed).
+/// kind; summed), a `presence.batch` counting one.
 const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
+/// Presence entries sent inside `presence.batch` frames.
+const PRESENCE_BATCHED: &str = "tidemark_ephemeral_presence_batched_total";
 
 #[derive(Debug, Clone, Serialize)]
 struct Round {
@@ -104,6 +110,10 @@ struct Round {
     /// Syncs and ACKs run again after a "retry later" answer
     /// (`UNAVAILABLE`: a store pool wait ran out), over all devices.
     retries: u64,
+    /// Presence entries the devices were told over the storm, per resume:
+    /// single `presence` frames plus the entries of `presence.batch` frames
+    /// (what the clients learn, whichever way it travels).
+    presence_entries_per_resume: f64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
@@ -147,20 +157,33 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
     .context("log in")
 }
 
-/// The server's store statements (all, reads) and ephemeral frames sent,
-/// from one read of `/metrics`. A store that does not tell reads apart
-/// (PostgreSQL, `reads` false) has no read figure: NaN.
-async fn statements(addr: SocketAddr, reads: bool) -> Result<(f64, f64, f64)> {
+/// The server's counters the storm is measured by, from one read of
+/// `/metrics`. A store that does not tell reads apart (PostgreSQL, `reads`
+/// false) has no read figure: NaN.
+#[derive(Debug, Clone, Copy)]
+struct Counters {
+    statements: f64,
+    reads: f64,
+    ephemeral_frames: f64,
+    /// Single `presence` frames plus entries of `presence.batch` frames.
+    presence_entries: f64,
+}
+
+async fn statements(addr: SocketAddr, reads: bool) -> Result<Counters> {
     let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
     let value = |name: &str| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"));
-    let all = value(STATEMENTS)?;
-    let reads = if reads { value(READ_STATEMENTS)? } else { f64::NAN };
-    let ephemeral = text
+    let sent: Vec<(&str, f64)> = text
         .lines()
         .filter(|l| l.strip_prefix(EPHEMERAL_SENT).is_some_and(|rest| rest.starts_with([' ', '{'])))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
-    Ok((all, reads, ephemeral))
+        .filter_map(|l| Some((l, l.rsplit(' ').next()?.parse::<f64>().ok()?)))
+        .collect();
+    let single_presence: f64 = sent.iter().filter(|(l, _)| l.contains("kind=\"presence\"")).map(|(_, v)| v).sum();
+    Ok(Counters {
+        statements: value(STATEMENTS)?,
+        reads: if reads { value(READ_STATEMENTS)? } else { f64::NAN },
+        ephemeral_frames: sent.iter().map(|(_, v)| v).sum(),
+        presence_entries: single_presence + value(PRESENCE_BATCHED)?,
+    })
 }
 
 /// Every group gets `k` messages from the sender; returns once the server's
@@ -285,7 +308,8 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
         // ------------------------------------------------------ resume storm
         pb.set_message(format!("round {round}: resume, all devices at once"));
         let before = statements(addr, reads).await?;
-        let storm = resume_storm(&ws_url, &tokens, &mut positions, k, args.limit, &pb).await?;
+        let batch = !args.single_presence_frames;
+        let storm = resume_storm(&ws_url, &tokens, &mut positions, (k, args.limit), batch, &pb).await?;
         let after = statements(addr, reads).await?;
 
         // ------------------------------------------------------ baseline
@@ -309,14 +333,15 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
             device_p99_ms: pct(&times, 0.99),
             pages_per_resume: pages as f64 / n as f64,
             requests_per_resume: requests as f64 / n as f64,
-            statements_per_resume: per(before.0, after.0),
-            read_statements_per_resume: per(before.1, after.1),
-            ephemeral_frames_per_resume: per(before.2, after.2),
+            statements_per_resume: per(before.statements, after.statements),
+            read_statements_per_resume: per(before.reads, after.reads),
+            ephemeral_frames_per_resume: per(before.ephemeral_frames, after.ephemeral_frames),
+            presence_entries_per_resume: per(before.presence_entries, after.presence_entries),
             retries,
             baseline_all_handshakes_secs: baseline_secs,
             baseline_p50_ms: median(base_times.clone()),
             baseline_p99_ms: pct(&base_times, 0.99),
-            baseline_statements_per_handshake: per(base_before.0, base_after.0),
+            baseline_statements_per_handshake: per(base_before.statements, base_after.statements),
         };
         eprintln!(
             "round {round}: all caught up in {:.2} s (handshakes alone {:.2} s), {:.1} statements per resume",
@@ -431,10 +456,12 @@ const CONNECT_RETRY_AFTER: Duration = Duration::from_millis(200);
 async fn connect_retrying(
     ws_url: &str,
     token: &str,
+    presence_batch: bool,
 ) -> Result<(WsConn, tokio::sync::mpsc::Receiver<tidemark_client::ServerEvent>, u64)> {
     let mut failed = 0;
+    let options = tidemark_client::WsOptions { presence_batch, ..Default::default() };
     loop {
-        match WsConn::connect(ws_url, token).await {
+        match WsConn::connect_with(ws_url, token, options).await {
             Ok((ws, events)) => return Ok((ws, events, failed)),
             Err(tidemark_client::ClientError::Transport(e)) if failed + 1 < CONNECT_ATTEMPTS_MAX => {
                 tracing::debug!(error = %e, "connect failed in transport; retrying");
@@ -446,14 +473,15 @@ async fn connect_retrying(
     }
 }
 
-/// One resume storm: every device connects at the same moment and syncs
-/// until it holds its `k` new events. Updates `positions`.
+/// One resume storm: every device connects at the same moment (opting in
+/// to `presence.batch` or not) and syncs, in pages of `limit`, until it
+/// holds its `k` new events. Updates `positions`.
 async fn resume_storm(
     ws_url: &str,
     tokens: &[String],
     positions: &mut [(Option<u64>, u64)],
-    k: u64,
-    limit: u32,
+    (k, limit): (u64, u32),
+    presence_batch: bool,
     pb: &indicatif::ProgressBar,
 ) -> Result<Storm> {
     let n = tokens.len();
@@ -464,7 +492,7 @@ async fn resume_storm(
         tasks.push(tokio::spawn(async move {
             start.wait().await;
             let t = Instant::now();
-            let (ws, _events, retries) = connect_retrying(&ws_url, &token).await?;
+            let (ws, _events, retries) = connect_retrying(&ws_url, &token, presence_batch).await?;
             let mut dev = Device::at(ws, generation, applied);
             let mut got = 0u64;
             while got < k {
@@ -548,6 +576,7 @@ fn median_round(rounds: &[Round]) -> Round {
         read_statements_per_resume: med(|r| r.read_statements_per_resume),
         ephemeral_frames_per_resume: med(|r| r.ephemeral_frames_per_resume),
         retries: med(|r| r.retries as f64) as u64,
+        presence_entries_per_resume: med(|r| r.presence_entries_per_resume),
         baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
@@ -569,14 +598,15 @@ fn report(
 ) -> Result<()> {
     println!(
         "tidemark bench reconnect ({} store): {} devices in {} groups, each {} events behind, `tidemark serve` \
-         SIGKILLed and restarted on the same store (median {:.2} s), all reconnect at once; pages of {}; median of \
-         {} rounds\n",
+         SIGKILLed and restarted on the same store (median {:.2} s), all reconnect at once; pages of {}; presence \
+         {}; median of {} rounds\n",
         backend,
         devices,
         groups,
         args.events,
         summary.restart_secs,
         args.limit,
+        if args.single_presence_frames { "one frame per entry" } else { "batched (presence.batch)" },
         rounds.len()
     );
     let s = summary;
@@ -592,6 +622,7 @@ fn report(
             "SQL stmts/resume",
             "of them reads",
             "eph frames/resume",
+            "presence entries/resume",
         ],
         &[
             vec![
@@ -608,6 +639,7 @@ fn report(
                     format!("{:.1}", s.read_statements_per_resume)
                 },
                 format!("{:.1}", s.ephemeral_frames_per_resume),
+                format!("{:.1}", s.presence_entries_per_resume),
             ],
             vec![
                 "baseline: bare handshakes".into(),
@@ -619,12 +651,14 @@ fn report(
                 format!("{:.1}", s.baseline_statements_per_handshake),
                 String::new(),
                 String::new(),
+                String::new(),
             ],
             vec![
                 "ratio".into(),
                 ratio(s.all_caught_up_secs, s.baseline_all_handshakes_secs),
                 ratio(s.device_p50_ms, s.baseline_p50_ms),
                 ratio(s.device_p99_ms, s.baseline_p99_ms),
+                String::new(),
                 String::new(),
                 String::new(),
                 String::new(),
@@ -673,6 +707,7 @@ fn report(
                  SQLite counts every statement started, PostgreSQL every statement sent, BEGIN/COMMIT included, \
                  and has no read counter), delta over the storm / devices; summary = median of the rounds",
         "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": groups,
+        "presence_batch": !args.single_presence_frames,
         "open_files_soft_limit": soft, "setup_secs": setup_secs,
         "setup_phases_secs": phases.iter().map(|(k, v)| (k.to_string(), serde_json::json!(v))).collect::<serde_json::Map<_, _>>(),
         "summary": summary, "rounds": rounds,

@@ -5,6 +5,7 @@
 pub mod auth;
 mod http;
 mod openapi;
+mod replies;
 mod ws;
 
 pub use ws::{WS_READ_BUFFER_BYTES, WS_WRITE_BUFFER_BYTES};

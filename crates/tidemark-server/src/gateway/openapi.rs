@@ -284,7 +284,13 @@ fn ws_path(error: &RefOr<Schema>) -> PathItem {
                  components)",
             ),
         )
-        .response("400", refusal("BAD_REQUEST: not a WebSocket upgrade request (Connection, Upgrade, Sec-WebSocket-*)"))
+        .response(
+            "400",
+            refusal(
+                "BAD_REQUEST: not a WebSocket upgrade request (Connection, Upgrade, Sec-WebSocket-*), or a \
+             presence_batch that is not true or false",
+            ),
+        )
         .response("401", refusal("UNAUTHENTICATED: the Authorization header carries a refused token"))
         .response("403", refusal("DEVICE_REVOKED"))
         .response("426", refusal("BAD_REQUEST: the connection cannot be upgraded"))
@@ -314,6 +320,18 @@ fn ws_path(error: &RefOr<Schema>) -> PathItem {
         .parameter(header("Upgrade", exactly("websocket")))
         .parameter(header("Sec-WebSocket-Version", exactly("13")))
         .parameter(header("Sec-WebSocket-Key", key))
+        .parameter(
+            ParameterBuilder::new()
+                .name("presence_batch")
+                .parameter_in(ParameterIn::Query)
+                .required(Required::False)
+                .description(Some(
+                    "true: this connection takes presence.batch frames (docs/protocol.md §4.5); the same as \
+                     presence_batch in the auth frame",
+                ))
+                .schema(Some(ObjectBuilder::new().schema_type(Type::Boolean)))
+                .build(),
+        )
         .responses(responses);
     PathItem::new(HttpMethod::Get, operation)
 }

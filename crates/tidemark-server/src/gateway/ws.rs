@@ -28,6 +28,10 @@
 //!   hints, then, if no reply is left, the ephemeral frames) into the
 //!   socket's write buffer and flushes once, so a storm of small frames
 //!   costs one `sendto` per wake and buffer rather than one per frame.
+//! - A connection that opted in to `presence.batch` (`?presence_batch=true`
+//!   on the upgrade, or `presence_batch` in its `auth` frame) gets the
+//!   presence entries waiting at a wake as one batch frame
+//!   ([`EphConn::take_written`]), not one frame each.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -37,17 +41,18 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use axum::extract::ws::{CloseFrame, Message, Utf8Bytes, WebSocket, WebSocketUpgrade};
-use axum::extract::{ConnectInfo, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::HeaderMap;
 use axum::response::Response;
 use futures_util::stream::{SplitSink, SplitStream};
 use futures_util::{SinkExt, StreamExt};
-use tidemark_proto::{op, reason, split_frame, AuthOk, AuthReq, ErrorCode, Hint, Kicked, ServerFrame};
-use tokio::sync::{mpsc, watch, Semaphore};
+use tidemark_proto::{op, reason, split_frame, AuthOk, AuthReq, ErrorCode, Hint, Kicked, ServerFrame, WsQuery};
+use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinSet;
 
 use super::auth;
 use super::http::{bearer, error_response};
+use super::replies::{PushError, Replies};
 use crate::config::{WS_FULL_RETRY_AFTER_MS, WS_USER_FULL_RETRY_AFTER_MS};
 use crate::ephemeral::EphConn;
 use crate::error::{ApiError, ApiResult};
@@ -83,11 +88,15 @@ pub async fn upgrade(
     State(state): State<Arc<AppState>>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     headers: HeaderMap,
+    query: Result<Query<WsQuery>, axum::extract::rejection::QueryRejection>,
     ws: WebSocketUpgrade,
 ) -> Response {
     if let Err(e) = state.limits.admit_connect(peer.ip()) {
         return error_response(e);
     }
+    let Ok(Query(query)) = query else {
+        return error_response(ApiError::bad_request("presence_batch must be true or false"));
+    };
     let Some(slot) = state.ws_slots.try_take() else {
         let full = ApiError::new(ErrorCode::Unavailable, "this node holds its most WebSocket connections");
         return error_response(ApiError { retry_after_ms: Some(WS_FULL_RETRY_AFTER_MS), ..full });
@@ -96,7 +105,9 @@ pub async fn upgrade(
         None => None,
         Some(token) => match auth::authenticate(&state, token) {
             Ok(ctx) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
-                Some(user_slot) => Some((ctx, user_slot)),
+                // Boxed: the upgrade's future and the connection's each
+                // hold this argument for the connection's whole life.
+                Some(user_slot) => Some(Box::new((ctx, user_slot))),
                 None => return error_response(user_full()),
             },
             Err(e) => return error_response(e),
@@ -107,9 +118,16 @@ pub async fn upgrade(
         .max_frame_size(max)
         .read_buffer_size(WS_READ_BUFFER_BYTES)
         .write_buffer_size(WS_WRITE_BUFFER_BYTES)
-        .on_upgrade(move |socket| async move {
-            let _slot = slot;
-            connection(state, socket, pre_auth, peer).await
+        .on_upgrade(move |socket| {
+            // Split before the connection's future is made: a `WebSocket`
+            // (370 bytes) taken by an async block or function stays in its
+            // state for the connection's whole life, idle or not (issue
+            // 19); its halves are a pointer each.
+            let (sink, stream) = socket.split();
+            async move {
+                let _slot = slot;
+                connection(state, (sink, stream), pre_auth, peer, query.presence_batch.unwrap_or(false)).await
+            }
         })
 }
 
@@ -141,7 +159,7 @@ fn reply_text(op: &str, rid: Option<&str>, result: ApiResult<tidemark_proto::Raw
 fn answer(
     state: &AppState,
     entry: &ConnEntry,
-    out: &mpsc::Sender<String>,
+    out: &Replies,
     op: &str,
     rid: Option<&str>,
     result: ApiResult<tidemark_proto::RawJson>,
@@ -157,15 +175,15 @@ fn answer(
 
 /// Queues a frame for the writer; a full queue means the client is not
 /// reading, and the connection is ended rather than a frame dropped.
-fn push(out: &mpsc::Sender<String>, entry: &ConnEntry, text: String) {
-    match out.try_send(text) {
+fn push(out: &Replies, entry: &ConnEntry, text: String) {
+    match out.push(text) {
         Ok(()) => {}
-        Err(mpsc::error::TrySendError::Full(_)) => {
+        Err(PushError::Full) => {
             m::SLOW_CONSUMERS.inc();
             tracing::warn!(stage = "gateway", epoch = entry.epoch, "send queue full; disconnecting slow consumer");
             entry.kick(reason::SLOW_CONSUMER);
         }
-        Err(mpsc::error::TrySendError::Closed(_)) => {}
+        Err(PushError::Closed) => {}
     }
 }
 
@@ -173,13 +191,15 @@ async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Poll<F::Output> {
     std::future::poll_fn(|cx| Poll::Ready(Pin::new(&mut *fut).poll(cx))).await
 }
 
-/// Reads frames until a valid `auth` frame arrives (errors for the rest).
+/// Reads frames until a valid `auth` frame arrives (errors for the rest);
+/// returns who it authenticates, its `rid` and whether it opts in to
+/// `presence.batch`.
 async fn first_frame_auth(
     state: &AppState,
     sink: &mut SplitSink<WebSocket, Message>,
     stream: &mut SplitStream<WebSocket>,
     budget: &FrameBudget,
-) -> Option<(AuthCtx, Option<String>)> {
+) -> Option<(AuthCtx, Option<String>, bool)> {
     let deadline = tokio::time::Instant::now() + state.config.ws_auth_timeout;
     loop {
         let msg = tokio::time::timeout_at(deadline, stream.next()).await.ok()??.ok()?;
@@ -205,8 +225,10 @@ async fn first_frame_auth(
             Ok(f) if f.t != op::AUTH => {
                 error_text(ApiError::new(ErrorCode::Unauthenticated, "send an auth frame first"), f.rid)
             }
-            Ok(f) => match ops::parse::<AuthReq>(f.body).and_then(|a| auth::authenticate(state, &a.token)) {
-                Ok(ctx) => return Some((ctx, f.rid)),
+            Ok(f) => match ops::parse::<AuthReq>(f.body)
+                .and_then(|a| auth::authenticate(state, &a.token).map(|ctx| (ctx, a.presence_batch.unwrap_or(false))))
+            {
+                Ok((ctx, batch)) => return Some((ctx, f.rid, batch)),
                 Err(e) => error_text(e, f.rid),
             },
         };
@@ -216,17 +238,22 @@ async fn first_frame_auth(
 
 async fn connection(
     state: Arc<AppState>,
-    socket: WebSocket,
-    pre_auth: Option<(AuthCtx, UserConnSlot)>,
+    (mut sink, mut stream): (SplitSink<WebSocket, Message>, SplitStream<WebSocket>),
+    pre_auth: Option<Box<(AuthCtx, UserConnSlot)>>,
     peer: SocketAddr,
+    mut presence_batch: bool,
 ) {
-    let (mut sink, mut stream) = socket.split();
     let budget = state.limits.frame_budget(peer.ip());
-    let (mut ctx, auth_rid, _user_slot) = match pre_auth {
+    let (mut ctx, auth_rid, _user_slot) = match pre_auth.map(|b| *b) {
         Some((ctx, slot)) => (ctx, None, slot),
-        None => match first_frame_auth(&state, &mut sink, &mut stream, &budget).await {
-            Some((ctx, rid)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
-                Some(slot) => (ctx, Some(rid), slot),
+        // Boxed, as the frames below: the connection's future holds the
+        // largest of what it awaits for its whole life (issue 19).
+        None => match Box::pin(first_frame_auth(&state, &mut sink, &mut stream, &budget)).await {
+            Some((ctx, rid, batch)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
+                Some(slot) => {
+                    presence_batch |= batch;
+                    (ctx, Some(rid), slot)
+                }
                 None => {
                     let _ = sink.send(Message::Text(error_text(user_full(), rid).into())).await;
                     let _ = sink.send(Message::Close(None)).await;
@@ -256,19 +283,19 @@ async fn connection(
     // The other nodes end their older connections of this device.
     state.bus.publish_kick(&ctx.user, &ctx.device, reason::SUPERSEDED, epoch);
     tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket connected");
-    let (out_tx, out_rx) = mpsc::channel::<String>(state.config.ws_send_queue_max);
+    let out_tx = Arc::new(Replies::new(state.config.ws_send_queue_max));
     if let Some(rid) = auth_rid {
         let ok = AuthOk { user: ctx.user.clone(), device_id: ctx.device.clone(), connection_epoch: entry.epoch };
         let v = serde_json::to_value(ok).expect("auth.ok serializes");
         push(&out_tx, &entry, tidemark_proto::reply_frame(op::AUTH, rid.as_deref(), v).to_string());
     }
     // The ephemeral lane (issue 18): presence and typing of this connection.
-    let eph = state.lane.attach(&ctx.user, &ctx.device, entry.epoch);
+    let eph = state.lane.attach(&ctx.user, &ctx.device, entry.epoch, presence_batch);
     let device_hash = state.log_id(&ctx.device);
     let mut writer = tokio::spawn(write_loop(
         device_hash,
         sink,
-        out_rx,
+        out_tx.clone(),
         entry.clone(),
         eph.clone(),
         state.config.ws_ping,
@@ -280,7 +307,6 @@ async fn connection(
         let (state, eph) = (state.clone(), eph.clone());
         tasks.spawn(async move { state.lane.connected(&eph).await });
     }
-    let mut kick = entry.kick_watch();
     let mut last_seen = Instant::now();
     let silent_max = state.config.ws_ping * 3;
     let mut liveness = tokio::time::interval(state.config.ws_ping);
@@ -292,9 +318,8 @@ async fn connection(
     let conn = Conn { state: &state, ctx: &ctx, entry: &entry, out: &out_tx, peer };
     // A frame read while the connection was over its frame budget, and
     // when the budget is checked again: nothing more is read meanwhile.
-    let mut held: Option<Message> = None;
-    let resume = tokio::time::sleep(Duration::ZERO);
-    tokio::pin!(resume);
+    // Boxed: only a paused connection holds the timer.
+    let mut held: Option<(Message, Pin<Box<tokio::time::Sleep>>)> = None;
     loop {
         tokio::select! {
             msg = stream.next(), if held.is_none() => {
@@ -305,26 +330,25 @@ async fn connection(
                 }
                 if let Err(pause) = state.limits.admit_frame(&budget) {
                     m::FRAME_BUDGET_PAUSES.add_by("scope", pause.scope.as_str(), 1);
-                    held = Some(msg);
-                    resume.as_mut().reset(tokio::time::Instant::now() + pause.wait);
+                    held = Some((msg, Box::pin(tokio::time::sleep(pause.wait))));
                     continue;
                 }
-                if !conn.frame(msg, &inflight, &mut tasks, &mut strikes).await {
+                if !Box::pin(conn.frame(msg, &inflight, &mut tasks, &mut strikes)).await {
                     break;
                 }
             }
-            _ = &mut resume, if held.is_some() => {
+            _ = async { held.as_mut().expect("a held frame").1.as_mut().await }, if held.is_some() => {
                 if let Err(pause) = state.limits.admit_frame(&budget) {
-                    resume.as_mut().reset(tokio::time::Instant::now() + pause.wait);
+                    held.as_mut().expect("a held frame").1.as_mut().reset(tokio::time::Instant::now() + pause.wait);
                     continue;
                 }
-                let msg = held.take().expect("a held frame");
-                if !conn.frame(msg, &inflight, &mut tasks, &mut strikes).await {
+                let (msg, _) = held.take().expect("a held frame");
+                if !Box::pin(conn.frame(msg, &inflight, &mut tasks, &mut strikes)).await {
                     break;
                 }
             }
             Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
-            _ = kick.changed() => break,
+            _ = entry.kicked_reader.notified() => break,
             // Short-lived tokens (P1) bound a connection's life too.
             _ = &mut token_expiry => entry.kick(reason::TOKEN_EXPIRED),
             _ = &mut writer => {
@@ -342,7 +366,7 @@ async fn connection(
     // Let requests already accepted finish (their writes are queued anyway).
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, async { while tasks.join_next().await.is_some() {} }).await;
     tasks.shutdown().await;
-    drop(out_tx);
+    out_tx.close();
     if !writer_done && tokio::time::timeout(KICK_FLUSH_TIMEOUT * 2, &mut writer).await.is_err() {
         writer.abort();
     }
@@ -356,7 +380,7 @@ struct Conn<'a> {
     state: &'a Arc<AppState>,
     ctx: &'a AuthCtx,
     entry: &'a Arc<ConnEntry>,
-    out: &'a mpsc::Sender<String>,
+    out: &'a Arc<Replies>,
     peer: SocketAddr,
 }
 
@@ -488,11 +512,16 @@ async fn feed_hints(
 }
 
 /// Feeds the ephemeral frames waiting for this connection (issue 18), each
-/// the bytes serialised once for all its receivers (no flush).
+/// the bytes serialised once for all its receivers, or presence entries
+/// spliced into `presence.batch` frames where the connection opted in
+/// (no flush).
 async fn feed_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn) -> Result<(), axum::Error> {
-    for frame in eph.take(crate::util::now_ms()) {
-        m::EPHEMERAL_SENT.add_by("kind", frame.kind(), 1);
-        sink.feed(Message::Text(frame.text.clone())).await?;
+    for frame in eph.take_written(crate::util::now_ms()) {
+        m::EPHEMERAL_SENT.add_by("kind", frame.kind, 1);
+        if frame.batched > 0 {
+            m::EPHEMERAL_PRESENCE_BATCHED.add(frame.batched as u64);
+        }
+        sink.feed(Message::Text(frame.text)).await?;
     }
     Ok(())
 }
@@ -503,7 +532,7 @@ async fn feed_ephemeral(sink: &mut SplitSink<WebSocket, Message>, eph: &EphConn)
 async fn write_batch(
     sink: &mut SplitSink<WebSocket, Message>,
     wake: Wake,
-    out: &mut mpsc::Receiver<String>,
+    out: &Replies,
     entry: &ConnEntry,
     eph: &EphConn,
     device_hash: &str,
@@ -518,7 +547,7 @@ async fn write_batch(
         Wake::Hints | Wake::Ephemeral => {}
     }
     while replies < WS_FRAMES_PER_FLUSH_MAX {
-        let Ok(text) = out.try_recv() else { break };
+        let Some(text) = out.pop() else { break };
         sink.feed(Message::Text(text.into())).await?;
         replies += 1;
     }
@@ -531,14 +560,28 @@ async fn write_batch(
 
 async fn write_loop(
     device_hash: String,
+    sink: SplitSink<WebSocket, Message>,
+    out: Arc<Replies>,
+    entry: Arc<ConnEntry>,
+    eph: Arc<EphConn>,
+    ping: Duration,
+    shutdown: watch::Receiver<bool>,
+) {
+    write_frames(device_hash, sink, &out, entry, eph, ping, shutdown).await;
+    // Nothing more is written: a reply queued from now on is dropped, not
+    // counted against the client as a slow consumer.
+    out.close();
+}
+
+async fn write_frames(
+    device_hash: String,
     mut sink: SplitSink<WebSocket, Message>,
-    mut out: mpsc::Receiver<String>,
+    out: &Replies,
     entry: Arc<ConnEntry>,
     eph: Arc<EphConn>,
     ping: Duration,
     mut shutdown: watch::Receiver<bool>,
 ) {
-    let mut kick = entry.kick_watch();
     let mut ticker = tokio::time::interval(ping);
     ticker.tick().await;
     loop {
@@ -547,7 +590,7 @@ async fn write_loop(
         }
         let wake = tokio::select! {
             biased;
-            _ = kick.changed() => continue,
+            _ = entry.kicked_writer.notified() => continue,
             _ = crate::util::stopped(&mut shutdown) => return send_kicked(&mut sink, reason::SHUTDOWN).await,
             msg = out.recv() => match msg {
                 Some(text) => Wake::Reply(text),
@@ -559,7 +602,9 @@ async fn write_loop(
             _ = eph.wake.notified(), if out.is_empty() => Wake::Ephemeral,
             _ = ticker.tick() => Wake::Ping,
         };
-        if write_batch(&mut sink, wake, &mut out, &entry, &eph, &device_hash).await.is_err() {
+        // Boxed: the writer's future would otherwise hold a batch's state
+        // (about 450 bytes) while the connection idles (issue 19).
+        if Box::pin(write_batch(&mut sink, wake, out, &entry, &eph, &device_hash)).await.is_err() {
             return;
         }
     }
