@@ -37,6 +37,7 @@ mod fanout;
 mod flood;
 mod large;
 mod maintenance;
+mod online;
 mod pg;
 mod presence;
 mod proc;
@@ -61,6 +62,11 @@ pub enum BenchCommand {
     /// on hints; deliveries/s and end-to-end latency beside a bare
     /// tokio-tungstenite broadcast baseline of the same run.
     Fanout(fanout::FanoutArgs),
+    /// Online latency (issue 19): one direct conversation, a sender at a
+    /// steady open-loop rate, the other device an SDK client syncing on
+    /// hints; p50, p99 and p99/p50 to its local commit beside the bare
+    /// broadcast of the same run.
+    Online(online::OnlineArgs),
     /// Resume storm: devices each K events behind reconnect at once to a
     /// restarted server and catch up, beside bare handshakes of the same
     /// devices against the same server.
@@ -160,6 +166,7 @@ pub async fn run(command: BenchCommand) -> Result<()> {
         BenchCommand::Depth(args) => depth::run(args).await,
         BenchCommand::Bigaccount(args) => bigaccount::run(args).await,
         BenchCommand::Fanout(args) => fanout::run(args).await,
+        BenchCommand::Online(args) => online::run(args).await,
         BenchCommand::Reconnect(args) => reconnect::run(args).await,
         BenchCommand::Connections(args) => connections::run(args).await,
         BenchCommand::Presence(args) => presence::run(args).await,

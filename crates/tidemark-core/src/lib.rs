@@ -17,6 +17,7 @@ pub mod convsync;
 pub mod cursor;
 pub mod degrade;
 pub mod ephemeral;
+pub mod fuse;
 pub mod ids;
 pub mod kinds;
 pub mod large;

@@ -336,6 +336,16 @@ pub const FAMILIES: &[Family] = &[
     ),
     family(FANOUT_PERIOD_MISSES, Kind::Counter, "Fan-out items no membership period covers (integrity error)."),
     family(
+        store::FANOUT_FUSED_ITEMS,
+        Kind::Counter,
+        "Outbox items fanned out in the commit of the writes that appended them (SQLite's fused fan-out).",
+    ),
+    family(
+        store::FANOUT_FUSED_FAILURES,
+        Kind::Counter,
+        "Fused fan-outs that failed and rolled back alone (their writes committed; the relay fans the items out).",
+    ),
+    family(
         SYNC_LOG_HEAD_MAX,
         Kind::Gauge,
         "The highest committed user high watermark (a sync_seq), sampled at scrape.",

@@ -10,7 +10,17 @@
 //! rolls back and its items are claimed again. Redelivery would still be
 //! harmless: fan-out is idempotent (F3).
 //!
+//! On a store that fuses the fan-out with the accept
+//! ([`Store::fuse_fanout`]: SQLite, issue 19), the writes that appended to
+//! the outbox also fan out what they can in their own commit; those claims
+//! reach the relay through a channel and it settles them ([`settle`]: load
+//! level, metrics, hints, push, markers) exactly as its own. Whatever was
+//! not fused (a big group's fan-out, a failed fused fan-out, items left by
+//! a previous process) it still drains. `hold_fanout` takes no fused
+//! claims, so the store fuses nothing.
+//!
 //! [`Store::fan_out_next`]: tidemark_store::Store::fan_out_next
+//! [`Store::fuse_fanout`]: tidemark_store::Store::fuse_fanout
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,6 +54,19 @@ pub async fn run(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
         crate::util::stopped(&mut shutdown).await;
         return;
     }
+    // The fused claims are settled beside the drain (in this task, so a
+    // panic in either is the relay's); the receiver is dropped when the
+    // relay stops, which ends the store's fusing.
+    match state.store.fuse_fanout(state.config.relay_batch_max) {
+        Some(claims) => {
+            tokio::join!(relay(state.clone(), shutdown.clone()), settle_fused(&state, claims, shutdown));
+        }
+        None => relay(state, shutdown).await,
+    }
+}
+
+/// The relay's own claims: drains, then waits for a wake-up or the poll.
+async fn relay(state: Arc<AppState>, mut shutdown: watch::Receiver<bool>) {
     loop {
         match drain(&state, &shutdown).await {
             Ok(Drained::More) if !is_stopped(&shutdown) => continue,
@@ -77,29 +100,60 @@ async fn drain(state: &AppState, shutdown: &watch::Receiver<bool>) -> Result<Dra
             return Ok(Drained::More);
         }
         let claimed = state.store.fan_out_next(state.config.relay_batch_max, now_ms()).await?;
-        let committed = now_ms();
-        // The load level (seed §9.4): the age of the oldest item of a full
-        // claim.
-        let oldest = claimed.items.iter().map(|i| i.created_at_ms).min();
-        let full = claimed.items.len() >= state.config.relay_batch_max as usize;
-        state.load.observe(oldest.map(|c| (committed - c).max(0) as u64), full);
-        if claimed.items.is_empty() {
+        if !settle(state, claimed).await {
             return Ok(Drained::Empty);
-        }
-        let report = claimed.report;
-        observe(state, &claimed.items, &report, committed);
-        for (user, hw) in &report.users {
-            state.hint_user(user, *hw);
-        }
-        if !report.users.is_empty() {
-            state.push_wake.notify_one();
-        }
-        crate::metrics::MARKERS_PUBLISHED.add(report.convs.len() as u64);
-        for moved in &report.convs {
-            state.hint_conv(moved).await;
         }
     }
     Ok(Drained::More)
+}
+
+/// Settles the fused claims ([`Store::fuse_fanout`]) as they commit, beside
+/// the relay's own drain so a long drain delays no fused hint.
+///
+/// [`Store::fuse_fanout`]: tidemark_store::Store::fuse_fanout
+async fn settle_fused(
+    state: &AppState,
+    mut claims: tokio::sync::mpsc::UnboundedReceiver<tidemark_store::ClaimedFanout>,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            claimed = claims.recv() => match claimed {
+                Some(claimed) => { settle(state, claimed).await; }
+                None => return,
+            },
+            _ = crate::util::stopped(&mut shutdown) => return,
+        }
+    }
+}
+
+/// Everything that follows a committed claim, the relay's own or a fused
+/// one: the load level, the metrics and trace, the hints here and on the
+/// other nodes, the push worker's wake and the markers. Returns whether the
+/// claim held any item.
+async fn settle(state: &AppState, claimed: tidemark_store::ClaimedFanout) -> bool {
+    let committed = now_ms();
+    // The load level (seed §9.4): the age of the oldest item of a full
+    // claim.
+    let oldest = claimed.items.iter().map(|i| i.created_at_ms).min();
+    let full = claimed.items.len() >= state.config.relay_batch_max as usize;
+    state.load.observe(oldest.map(|c| (committed - c).max(0) as u64), full);
+    if claimed.items.is_empty() {
+        return false;
+    }
+    let report = claimed.report;
+    observe(state, &claimed.items, &report, committed);
+    for (user, hw) in &report.users {
+        state.hint_user(user, *hw);
+    }
+    if !report.users.is_empty() {
+        state.push_wake.notify_one();
+    }
+    crate::metrics::MARKERS_PUBLISHED.add(report.convs.len() as u64);
+    for moved in &report.convs {
+        state.hint_conv(moved).await;
+    }
+    true
 }
 
 /// The metrics and the trace of one committed fan-out, from its report

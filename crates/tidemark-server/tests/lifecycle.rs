@@ -20,11 +20,7 @@ async fn say(d: &Device, conv: &str, text: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn old_generation_ack_is_refused_after_a_reset() {
     let ts = TestServer::start().await;
-    ts.user("ann").await;
-    ts.user("ben").await;
-    let ann = ts.device("ann", "phone").await;
-    let mut ben = ts.device("ben", "phone").await;
-    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let (ann, mut ben, conv) = ts.ann_and_ben().await;
     // Walk ben's phone to generation 5: each snapshot install is a reset.
     ben.sync_page(10).await.unwrap();
     for _ in 0..4 {
@@ -121,11 +117,7 @@ async fn snapshot_under_writes_is_exact_and_incremental_sync_completes_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broken_or_interrupted_install_never_moves_the_cursor() {
     let ts = TestServer::start_with(ServerConfig { snapshot_page_items: 3, ..Default::default() }).await;
-    ts.user("ann").await;
-    ts.user("ben").await;
-    let ann = ts.device("ann", "phone").await;
-    let mut ben = ts.device("ben", "phone").await;
-    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let (ann, mut ben, conv) = ts.ann_and_ben().await;
     for i in 0..10 {
         say(&ann, &conv, &format!("m{i}")).await;
     }

@@ -147,11 +147,7 @@ async fn duplicate_sends_are_one_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paging_while_writes_continue_never_passes_the_watermark() {
     let ts = TestServer::start().await;
-    ts.user("ann").await;
-    ts.user("ben").await;
-    let ann = ts.device("ann", "phone").await;
-    let mut ben = ts.device("ben", "phone").await;
-    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let (ann, mut ben, conv) = ts.ann_and_ben().await;
     for i in 0..40 {
         ann.send(&conv, &format!("pre-{i}")).await;
     }
@@ -187,11 +183,7 @@ async fn paging_while_writes_continue_never_passes_the_watermark() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acks_are_monotonic_and_bad_acks_are_refused() {
     let ts = TestServer::start().await;
-    ts.user("ann").await;
-    ts.user("ben").await;
-    let ann = ts.device("ann", "phone").await;
-    let mut ben = ts.device("ben", "phone").await;
-    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let (ann, mut ben, conv) = ts.ann_and_ben().await;
     for i in 0..10 {
         ann.send(&conv, &format!("{i}")).await;
     }
@@ -363,11 +355,7 @@ async fn connected_devices_get_coalesced_hints_and_rehints() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_ack_replays_from_the_server_ack() {
     let ts = TestServer::start().await;
-    ts.user("ann").await;
-    ts.user("ben").await;
-    let ann = ts.device("ann", "phone").await;
-    let mut ben = ts.device("ben", "phone").await;
-    let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+    let (ann, mut ben, conv) = ts.ann_and_ben().await;
     for i in 0..4 {
         ann.send(&conv, &format!("{i}")).await;
     }

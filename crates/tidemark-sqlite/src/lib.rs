@@ -364,15 +364,83 @@ pub(crate) fn parse_mentions(stored: Option<&str>) -> StoreResult<Vec<String>> {
     stored.map_or(Ok(Vec::new()), |s| content::parse_mentions(s).map_err(StoreError::Internal))
 }
 
-fn fan_out_tx(conn: &Connection, items: &[OutboxItem], now_ms: i64) -> StoreResult<FanoutReport> {
+/// Claims up to `limit` pending outbox items, oldest first, and fans them
+/// out while `admit` takes them ([`fan_out_tx`]): the relay's claim
+/// ([`Store::fan_out_next`], which admits all) and the fused fan-out's
+/// ([`fused_fan_out`]). The claim is the read, inside the single writer's
+/// transaction.
+fn claim_tx(
+    conn: &Connection,
+    limit: u32,
+    now_ms: i64,
+    admit: impl FnMut(u64, u64) -> bool,
+) -> StoreResult<ClaimedFanout> {
+    let mut items = read::pending_outbox(conn, limit)?;
+    if items.is_empty() {
+        return Ok(ClaimedFanout::default());
+    }
+    let report = fan_out_tx(conn, &items, now_ms, admit)?;
+    items.truncate(report.items.len());
+    Ok(ClaimedFanout { items, report })
+}
+
+/// The fused fan-out (issue 19, [`Store::fuse_fanout`]): the writer's
+/// [`writer::Epilogue`] for batches that appended to the outbox. It claims
+/// as the relay does, as far as `tidemark_core::fuse::admits` allows, in a
+/// SAVEPOINT: if it fails it alone rolls back, the batch's requests commit
+/// and its items stay in the outbox for the relay. After the commit the
+/// claim goes to the relay, which hints it as one of its own.
+fn fused_fan_out(
+    conn: &Connection,
+    limit: u32,
+    to_relay: &tokio::sync::mpsc::UnboundedSender<ClaimedFanout>,
+) -> Option<writer::AfterCommit> {
+    if to_relay.is_closed() {
+        // The relay stopped: whatever is pending waits for the next one.
+        return None;
+    }
+    let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
+    match writer::in_savepoint(conn, |c| claim_tx(c, limit, now_ms, tidemark_core::fuse::admits)) {
+        Ok(claimed) if claimed.items.is_empty() => None,
+        Ok(claimed) => {
+            let to_relay = to_relay.clone();
+            Some(Box::new(move || {
+                tidemark_store::metric_names::FANOUT_FUSED_ITEMS.add(claimed.items.len() as u64);
+                // A relay gone since cannot hint these; what it would have
+                // hinted is committed, and devices find it on their next sync.
+                let _ = to_relay.send(claimed);
+            }))
+        }
+        Err(e) => {
+            tidemark_store::metric_names::FANOUT_FUSED_FAILURES.inc();
+            tracing::warn!(error = %e, "fused fan-out failed and rolled back alone; the relay will fan out");
+            None
+        }
+    }
+}
+
+/// Fans `items` out in order (F3, F4), stopping before the first item that
+/// `admit(recipients of the items admitted so far, its recipients)` refuses;
+/// the report covers the items fanned out.
+fn fan_out_tx(
+    conn: &Connection,
+    items: &[OutboxItem],
+    now_ms: i64,
+    mut admit: impl FnMut(u64, u64) -> bool,
+) -> StoreResult<FanoutReport> {
     let mut report = FanoutReport::default();
     let mut touched: std::collections::BTreeMap<String, SyncSeq> = Default::default();
     // Shared groups this batch moved, with their highest msg_seq: one
     // marker publication each, whatever the number of items (G2).
     let mut moved: std::collections::BTreeMap<String, u64> = Default::default();
+    let mut admitted = 0u64;
     for item in items {
         let (recipients, route, mut fanned, mentions) = resolve(conn, item)?;
         fanned.recipients = recipients.deliver.len() as u64;
+        if !admit(admitted, fanned.recipients) {
+            break;
+        }
+        admitted += fanned.recipients;
         if route != Route::PerMember {
             let seq = moved.entry(item.conv.clone()).or_default();
             *seq = (*seq).max(item.msg_seq);
@@ -679,12 +747,12 @@ impl Store for SqliteStore {
 
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         let policy = self.group_policy();
-        self.writer.write(move |c| events::create_group(c, &cmd, &members, policy)).await
+        self.writer.write_announcing(move |c| events::create_group(c, &cmd, &members, policy)).await
     }
 
     async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
         let (target, policy) = (target.to_owned(), self.group_policy());
-        self.writer.write(move |c| events::change_membership(c, &cmd, &target, change, policy)).await
+        self.writer.write_announcing(move |c| events::change_membership(c, &cmd, &target, change, policy)).await
     }
 
     async fn bump_epoch(&self, conv: &str) -> StoreResult<u64> {
@@ -706,7 +774,7 @@ impl Store for SqliteStore {
 
     async fn recall(&self, cmd: ConvEventCmd, message_id: &str) -> StoreResult<ControlOutcome> {
         let id = message_id.to_owned();
-        self.writer.write(move |c| events::recall(c, &cmd, &id)).await
+        self.writer.write_announcing(move |c| events::recall(c, &cmd, &id)).await
     }
 
     async fn edit(
@@ -717,7 +785,7 @@ impl Store for SqliteStore {
         base_version: u64,
     ) -> StoreResult<ControlOutcome> {
         let (id, content) = (message_id.to_owned(), content.to_owned());
-        self.writer.write(move |c| events::edit(c, &cmd, &id, &content, base_version)).await
+        self.writer.write_announcing(move |c| events::edit(c, &cmd, &id, &content, base_version)).await
     }
 
     async fn react(
@@ -728,7 +796,7 @@ impl Store for SqliteStore {
         add: bool,
     ) -> StoreResult<ControlOutcome> {
         let (id, reaction) = (message_id.to_owned(), reaction.to_owned());
-        self.writer.write(move |c| events::react(c, &cmd, &id, &reaction, add)).await
+        self.writer.write_announcing(move |c| events::react(c, &cmd, &id, &reaction, add)).await
     }
 
     async fn mark_read_on(
@@ -912,7 +980,7 @@ impl Store for SqliteStore {
     }
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {
-        self.writer.write(move |c| accept_send_tx(c, &cmd)).await
+        self.writer.write_announcing(move |c| accept_send_tx(c, &cmd)).await
     }
 
     async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
@@ -972,22 +1040,19 @@ impl Store for SqliteStore {
     }
 
     async fn fan_out(&self, items: Vec<OutboxItem>, now_ms: i64) -> StoreResult<FanoutReport> {
-        self.writer.write(move |c| fan_out_tx(c, &items, now_ms)).await
+        self.writer.write(move |c| fan_out_tx(c, &items, now_ms, |_, _| true)).await
     }
 
     async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
         // One writer per database: reading the outbox inside the writer's
         // transaction is the whole claim.
-        self.writer
-            .write(move |c| {
-                let items = read::pending_outbox(c, limit)?;
-                if items.is_empty() {
-                    return Ok(ClaimedFanout::default());
-                }
-                let report = fan_out_tx(c, &items, now_ms)?;
-                Ok(ClaimedFanout { items, report })
-            })
-            .await
+        self.writer.write(move |c| claim_tx(c, limit, now_ms, |_, _| true)).await
+    }
+
+    fn fuse_fanout(&self, limit: u32) -> Option<tokio::sync::mpsc::UnboundedReceiver<ClaimedFanout>> {
+        let (to_relay, from_writer) = tokio::sync::mpsc::unbounded_channel();
+        self.writer.set_epilogue(Some(Box::new(move |c| fused_fan_out(c, limit, &to_relay))));
+        Some(from_writer)
     }
 
     async fn user_high_watermark(&self, user: &str) -> StoreResult<SyncSeq> {

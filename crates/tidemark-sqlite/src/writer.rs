@@ -12,6 +12,13 @@
 //! partial request never commits. Replies are sent only after COMMIT
 //! returned: a caller never hears "ok" for something that is not durable.
 //!
+//! A batch one of whose requests appended to the outbox
+//! ([`Writer::write_announcing`]) runs the [`Epilogue`], when one is set,
+//! after its requests and before its COMMIT: the fused fan-out of issue 19
+//! (`SqliteStore::fuse_fanout`), so a message's accept and its fan-out cost
+//! one commit. It runs in a SAVEPOINT of its own; if it fails, it alone is
+//! rolled back and the requests commit.
+//!
 //! A transaction that cannot begin or commit (a full disk, an I/O error)
 //! marks the writer unhealthy until a later one commits
 //! ([`Writer::health`], which `/healthz` reports). A panic inside the
@@ -71,10 +78,29 @@ fn abort_on_writer_panic() {
 
 /// Completes one request once the batch's commit outcome is known.
 type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
-/// One write request: runs inside the open transaction; `true` beside
-/// the completer means it failed after changing rows it cannot undo
-/// alone, and the batch must be rolled back.
-type Job = Box<dyn FnOnce(&Connection) -> (Completer, bool) + Send>;
+/// What one request did inside the open transaction.
+struct Ran {
+    complete: Completer,
+    /// It failed after changing rows it cannot undo alone: the batch must
+    /// be rolled back.
+    poisoned: bool,
+    /// It appended to the outbox ([`Writer::write_announcing`]): the
+    /// batch runs the [`Epilogue`].
+    announced: bool,
+}
+/// One write request: runs inside the open transaction.
+type Job = Box<dyn FnOnce(&Connection) -> Ran + Send>;
+
+/// Work a batch does in its own transaction after its requests when one of
+/// them announced an outbox append: the fused fan-out (issue 19,
+/// `SqliteStore::fuse_fanout`). What it returns runs once the batch has
+/// committed, before any request of it is answered; nothing runs if the
+/// batch rolls back. It guards its own changes (a SAVEPOINT): should it
+/// fail, the requests still commit.
+pub type Epilogue = Box<dyn FnMut(&Connection) -> Option<AfterCommit> + Send>;
+/// The part of an [`Epilogue`] that waits for the commit.
+pub type AfterCommit = Box<dyn FnOnce() + Send>;
+type EpilogueSlot = Arc<std::sync::Mutex<Option<Epilogue>>>;
 
 #[derive(Debug, Default)]
 pub struct WriterStats {
@@ -91,6 +117,7 @@ pub struct Writer {
     jobs: mpsc::Sender<Job>,
     pub stats: Arc<WriterStats>,
     failure: Arc<WriteFailure>,
+    epilogue: EpilogueSlot,
 }
 
 impl Writer {
@@ -99,13 +126,21 @@ impl Writer {
         let (tx, rx) = mpsc::channel::<Job>(WRITE_QUEUE_MAX);
         let stats = Arc::new(WriterStats::default());
         let failure = Arc::new(WriteFailure::default());
-        let (thread_stats, thread_failure) = (stats.clone(), failure.clone());
+        let epilogue = EpilogueSlot::default();
+        let (thread_stats, thread_failure, thread_epilogue) = (stats.clone(), failure.clone(), epilogue.clone());
         abort_on_writer_panic();
         let handle = std::thread::Builder::new()
             .name(WRITER_THREAD.into())
-            .spawn(move || run(conn, rx, &thread_stats, &thread_failure))
+            .spawn(move || run(conn, rx, &thread_stats, &thread_failure, &thread_epilogue))
             .expect("spawn writer thread");
-        (Writer { jobs: tx, stats, failure }, handle)
+        (Writer { jobs: tx, stats, failure, epilogue }, handle)
+    }
+
+    /// Sets (or, with `None`, removes) the work every batch with an
+    /// announced outbox append does before its COMMIT; from the next batch
+    /// on.
+    pub fn set_epilogue(&self, epilogue: Option<Epilogue>) {
+        *self.epilogue.lock().unwrap_or_else(|p| p.into_inner()) = epilogue;
     }
 
     /// Whether writes commit: the last transaction's failure, if none has
@@ -126,7 +161,18 @@ impl Writer {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        self.submit(move |conn| (in_savepoint(conn, f), false)).await
+        self.submit(move |conn| (in_savepoint(conn, f), false), false).await
+    }
+
+    /// [`Writer::write`] for a request that appends to the outbox when it
+    /// succeeds (an accepted send, a conversation event): its batch runs
+    /// the [`Epilogue`], if one is set, before committing.
+    pub async fn write_announcing<T, F>(&self, f: F) -> StoreResult<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
+    {
+        self.submit(move |conn| (in_savepoint(conn, f), false), true).await
     }
 
     /// [`Writer::write`] without the request's SAVEPOINT (two statements
@@ -140,16 +186,20 @@ impl Writer {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        self.submit(move |conn| {
-            let before = conn.total_changes();
-            let result = f(conn);
-            let poisoned = result.is_err() && conn.total_changes() != before;
-            (result, poisoned)
-        })
+        self.submit(
+            move |conn| {
+                let before = conn.total_changes();
+                let result = f(conn);
+                let poisoned = result.is_err() && conn.total_changes() != before;
+                (result, poisoned)
+            },
+            false,
+        )
         .await
     }
 
-    async fn submit<T, F>(&self, f: F) -> StoreResult<T>
+    /// Queues `f`; `announces`: a success of it appended to the outbox.
+    async fn submit<T, F>(&self, f: F, announces: bool) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> (StoreResult<T>, bool) + Send + 'static,
@@ -157,13 +207,14 @@ impl Writer {
         let (tx, rx) = oneshot::channel::<StoreResult<T>>();
         let job: Job = Box::new(move |conn: &Connection| {
             let (result, poisoned) = f(conn);
+            let announced = announces && result.is_ok();
             let complete: Completer = Box::new(move |commit_error: Option<StoreError>| {
                 let _ = tx.send(match commit_error {
                     Some(e) => Err(e),
                     None => result,
                 });
             });
-            (complete, poisoned)
+            Ran { complete, poisoned, announced }
         });
         self.jobs.send(job).await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?;
         rx.await.map_err(|_| StoreError::Unavailable("store writer stopped".into()))?
@@ -174,7 +225,8 @@ fn exec_cached(conn: &Connection, sql: &str) -> StoreResult<()> {
     conn.prepare_cached(sql).and_then(|mut s| s.execute([])).map(|_| ()).map_err(crate::internal)
 }
 
-fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
+/// Runs `f` in a SAVEPOINT: if it fails, its changes alone are undone.
+pub(crate) fn in_savepoint<T>(conn: &Connection, f: impl FnOnce(&Connection) -> StoreResult<T>) -> StoreResult<T> {
     // Cached statements: these run twice per request on the hot path.
     exec_cached(conn, "SAVEPOINT job")?;
     let result = f(conn);
@@ -217,7 +269,13 @@ fn wal_bytes(wal: &std::path::Path) -> u64 {
     std::fs::metadata(wal).map(|m| m.len()).unwrap_or(0)
 }
 
-fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats, failure: &WriteFailure) {
+fn run(
+    conn: Connection,
+    mut rx: mpsc::Receiver<Job>,
+    stats: &WriterStats,
+    failure: &WriteFailure,
+    epilogue: &std::sync::Mutex<Option<Epilogue>>,
+) {
     let wal = std::path::PathBuf::from(format!("{}-wal", conn.path().unwrap_or_default()));
     let mut since_checkpoint = 0u64;
     let mut batch: Vec<Job> = Vec::with_capacity(WRITE_BATCH_MAX);
@@ -240,15 +298,20 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats, failu
             std::thread::sleep(std::time::Duration::from_millis(50));
             continue;
         }
-        let mut poisoned = false;
+        let (mut poisoned, mut announced) = (false, false);
         let completers: Vec<Completer> = batch
             .drain(..)
             .map(|job| {
-                let (complete, p) = job(&conn);
-                poisoned |= p;
-                complete
+                let ran = job(&conn);
+                poisoned |= ran.poisoned;
+                announced |= ran.announced;
+                ran.complete
             })
             .collect();
+        let after_commit = match announced && !poisoned {
+            true => epilogue.lock().unwrap_or_else(|p| p.into_inner()).as_mut().and_then(|e| e(&conn)),
+            false => None,
+        };
         let commit_error = if poisoned {
             // An unguarded request failed after a change: none of the batch
             // commits (see `Writer::write_unguarded`).
@@ -266,6 +329,9 @@ fn run(conn: Connection, mut rx: mpsc::Receiver<Job>, stats: &WriterStats, failu
             }
         };
         failure.set(commit_error.as_ref().map(|e| e.to_string()));
+        if let (None, Some(after)) = (&commit_error, after_commit) {
+            after();
+        }
         // A transaction that changed no row (the relay's poll of an empty
         // outbox) writes no WAL frame and costs no fsync: it is not counted.
         if commit_error.is_none() && conn.total_changes() != changes_before {

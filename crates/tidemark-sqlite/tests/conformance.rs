@@ -164,3 +164,79 @@ async fn mentions_count_once_clear_to_read_and_rebuild() {
     })
     .await;
 }
+
+/// The fused fan-out (issue 19) stops at the first outbox item
+/// `tidemark_core::fuse::admits` refuses, a per-member group of more than
+/// `FUSED_EVENTS_MAX` members: that item and every later one, a direct
+/// message included, stay in the outbox for the relay, which claims them in
+/// outbox order; once the outbox is clear, a direct message fans out in its
+/// own accept's commit again and its claim reaches the receiver.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_big_groups_fan_out_stays_on_the_relay_in_outbox_order() {
+    use tidemark_core::fuse::FUSED_EVENTS_MAX;
+    use tidemark_store::{ConvEventCmd, SendCmd};
+    const T0: i64 = 1_700_000_000_000;
+    let dir = tempfile::tempdir().unwrap();
+    let store = SqliteStore::open(dir.path()).unwrap();
+    let mut fused = store.fuse_fanout(512).expect("SQLite fuses");
+    let others: Vec<String> = (0..FUSED_EVENTS_MAX).map(|i| format!("u{i}")).collect();
+    let names: Vec<&str> = ["a", "b"].into_iter().chain(others.iter().map(String::as_str)).collect();
+    // Created concurrently: the writer commits them in a few batches.
+    let mut creating = tokio::task::JoinSet::new();
+    for n in names {
+        let (store, n) = (store.clone(), n.to_owned());
+        creating.spawn(async move { store.create_user(&n, "phc", T0).await.unwrap() });
+    }
+    while let Some(created) = creating.join_next().await {
+        assert!(created.unwrap());
+    }
+    let (direct, _) = store.create_direct("a", "b", "d-ab", T0).await.unwrap();
+    let send = |cmid: &str| SendCmd {
+        sender: "a".into(),
+        sender_device: "d1".into(),
+        conv: direct.clone(),
+        client_msg_id: cmid.into(),
+        kind: "text".into(),
+        content: "{\"text\":\"hi\"}".into(),
+        message_id: format!("m-{cmid}"),
+        quote_id: None,
+        mentions: Vec::new(),
+        mention_all: false,
+        connection_epoch: None,
+        now_ms: T0,
+    };
+    let cmd = ConvEventCmd {
+        conv: "g-big".into(),
+        actor: "a".into(),
+        actor_device: "d1".into(),
+        event_id: "g-create".into(),
+        client_msg_id: "g-create".into(),
+        now_ms: T0,
+    };
+    // a and every other: FUSED_EVENTS_MAX + 1 recipients.
+    store.create_group(cmd, others.clone()).await.unwrap();
+    let group_items = store.outbox_stats().await.unwrap().backlog;
+    assert!(group_items >= 1, "the group's creation is the relay's");
+    store.accept_send(send("after-group")).await.unwrap();
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, group_items + 1, "the later direct message waits too");
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), 0);
+    assert!(fused.try_recv().is_err(), "nothing fused");
+    // The relay's claim takes the outbox in order: the group, then b's message.
+    let claimed = store.fan_out_next(512, T0).await.unwrap();
+    assert_eq!(claimed.items.len() as u64, group_items + 1);
+    assert!(claimed.items.windows(2).all(|w| w[0].outbox_id < w[1].outbox_id));
+    assert_eq!(claimed.items.last().unwrap().conv, direct);
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), 1);
+    // With the outbox clear, the next direct message fuses.
+    let a_before = store.user_high_watermark("a").await.unwrap();
+    store.accept_send(send("fused")).await.unwrap();
+    assert_eq!(store.user_high_watermark("b").await.unwrap(), 2, "fanned out with its accept");
+    let claim = fused.try_recv().expect("the fused claim reached the receiver");
+    assert_eq!(claim.items.len(), 1);
+    assert_eq!(claim.report.users, vec![("a".to_owned(), a_before + 1), ("b".to_owned(), 2)]);
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, 0);
+    // Once the receiver is gone, nothing fuses.
+    drop(fused);
+    store.accept_send(send("unfused")).await.unwrap();
+    assert_eq!(store.outbox_stats().await.unwrap().backlog, 1, "left for the relay");
+}

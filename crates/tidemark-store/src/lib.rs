@@ -245,7 +245,8 @@ pub struct FannedOut {
     pub deliveries: Vec<(String, SyncSeq)>,
 }
 
-/// What one [`Store::fan_out_next`] claimed and did.
+/// What one [`Store::fan_out_next`] (or one fused fan-out,
+/// [`Store::fuse_fanout`]) claimed and did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ClaimedFanout {
     /// The outbox items claimed and fanned out, in outbox order.
@@ -977,6 +978,21 @@ pub trait Store: Send + Sync + 'static {
     /// log in `msg_seq` order. A claim that does not commit (a crash) leaves
     /// its items pending for the next claim.
     async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout>;
+
+    /// Fuses the fan-out with the accept (issue 19), for a backend whose
+    /// single writer can fan out in the transaction of the writes that fed
+    /// the outbox: from this call until the receiver is dropped, a write
+    /// transaction that appended to the outbox also claims and fans out up
+    /// to `limit` pending items, oldest first, exactly as
+    /// [`Store::fan_out_next`] would, as far as
+    /// `tidemark_core::fuse::admits` allows, and sends each such claim here
+    /// once its transaction committed. A fused fan-out that fails rolls
+    /// back alone: the writes commit and the items stay for the relay. A
+    /// later call replaces the receiver. `None` (the default): the backend
+    /// does not fuse and the relay's own claims are the only fan-outs.
+    fn fuse_fanout(&self, _limit: u32) -> Option<tokio::sync::mpsc::UnboundedReceiver<ClaimedFanout>> {
+        None
+    }
 
     // ---------------------------------------------------------------- sync
 

@@ -92,6 +92,12 @@ pub const CHECKPOINTS: Metric = Metric::new("tidemark_store_checkpoints_total", 
 pub const WAL_TRUNCATIONS: Metric = Metric::new("tidemark_store_wal_truncations_total", stage::STORAGE);
 /// Values of the `done` label of [`WAL_TRUNCATIONS`].
 pub const WAL_TRUNCATION_RESULTS: &[&str] = &["yes", "busy"];
+/// Outbox items fanned out in the commit of the writes that appended them
+/// (the fused fan-out, SQLite; issue 19), not by a relay claim (counter).
+pub const FANOUT_FUSED_ITEMS: Metric = Metric::new("tidemark_fanout_fused_items_total", stage::FANOUT);
+/// Fused fan-outs that failed and rolled back alone, leaving their items to
+/// the relay while the writes they followed committed (counter).
+pub const FANOUT_FUSED_FAILURES: Metric = Metric::new("tidemark_fanout_fused_failures_total", stage::FANOUT);
 /// PostgreSQL requests re-run after a serialization conflict or deadlock
 /// (counter), by `writer`: `conv` (a conversation writer) or `user` (the
 /// user-side writer, where every user head is locked and advanced: its

@@ -53,12 +53,16 @@
 //! Each run also records, per message, the time until its *last* receiver
 //! committed it (`last_p50_ms`, `last_p99_ms`, in the JSON).
 //!
+//! `bench online` (`online.rs`) runs the same machinery ([`Shape`]) with
+//! a direct conversation of two and an open-loop sender ([`Pace::Open`]).
+//!
 //! `--large` runs the large-group matrix instead (`large.rs`): shared and
 //! per-member mode at `--large-sizes`, `--online-fraction` of the members
 //! online, beside this file's baseline to as many receivers.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -155,6 +159,72 @@ pub(super) fn record(hist: &mut Histogram<u64>, t0_ns: u64, done_ns: u64) {
     hist.saturating_record((done_ns.saturating_sub(t0_ns) / 1000).max(1));
 }
 
+/// The kind of a conversation of two, created without an event.
+pub(super) const DIRECT: &str = "direct";
+
+/// How a run's sender paces its sends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) enum Pace {
+    /// Closed loop: each send waits for the answer to the previous one
+    /// (`bench fanout`).
+    Closed,
+    /// Open loop at a steady rate: send `n` starts `n / per_sec` seconds
+    /// after the first, whatever the answers (`bench online`).
+    Open { per_sec: f64 },
+}
+
+/// What one run measures, the same on both sides.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Shape {
+    /// Members including the sender; every other member has one receiving
+    /// device.
+    pub members: u32,
+    pub messages: u32,
+    /// Events per sync page (and most frames a baseline client commits at
+    /// once).
+    pub limit: u32,
+    pub pace: Pace,
+    /// The conversation's kind: `group`, or `direct` (two members).
+    pub conv_kind: &'static str,
+}
+
+impl Shape {
+    /// `bench fanout`'s run: a group of `members`, the closed-loop sender.
+    pub(super) fn group(members: u32, args: &FanoutArgs) -> Shape {
+        Shape { members, messages: args.messages, limit: args.limit, pace: Pace::Closed, conv_kind: "group" }
+    }
+}
+
+/// Sends messages `0..messages` as `pace` says: `send(n, t0_ns)` sends
+/// message `n` whose send starts at `t0_ns` (since `epoch`) and ends with
+/// its answer. Open loop: each send runs in a task of its own, started on
+/// schedule; all are awaited at the end.
+pub(super) async fn paced<F, Fut>(pace: Pace, messages: u64, epoch: Instant, send: F) -> Result<()>
+where
+    F: Fn(u64, u64) -> Fut,
+    Fut: std::future::Future<Output = Result<()>> + Send + 'static,
+{
+    match pace {
+        Pace::Closed => {
+            for n in 0..messages {
+                send(n, since(epoch)).await?;
+            }
+        }
+        Pace::Open { per_sec } => {
+            let first = tokio::time::Instant::now();
+            let mut sends = Vec::with_capacity(messages as usize);
+            for n in 0..messages {
+                tokio::time::sleep_until(first + Duration::from_secs_f64(n as f64 / per_sec)).await;
+                sends.push(tokio::spawn(send(n, since(epoch))));
+            }
+            for s in sends {
+                s.await.context("send task")??;
+            }
+        }
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub(super) struct Run {
     members: u32,
@@ -165,10 +235,10 @@ pub(super) struct Run {
     deliveries_per_s: f64,
     pub(super) p50_ms: f64,
     pub(super) p99_ms: f64,
-    max_ms: f64,
+    pub(super) max_ms: f64,
     /// Local transactions that committed deliveries, over all receivers.
     local_commits: u64,
-    commits_per_delivery: f64,
+    pub(super) commits_per_delivery: f64,
     /// Tidemark only: hints the receivers' clients got.
     hints: u64,
     /// Per message, the time until the last receiver committed it.
@@ -251,35 +321,29 @@ async fn observe(
     Ok(seen)
 }
 
-/// One Tidemark run: on a fresh embedded store, or on a fresh schema of
-/// `schemas`' database.
-async fn tidemark_run(
+/// One Tidemark run of `shape`: on a fresh embedded store, or on a fresh
+/// schema of `schemas`' database (named after `label`).
+pub(super) async fn tidemark_run(
     parent: &Path,
     schemas: Option<&Schemas>,
     label: &str,
-    members: u32,
-    args: &FanoutArgs,
+    shape: &Shape,
     pb: &ProgressBar,
 ) -> Result<Run> {
     let dir = TempDir::create(parent)?;
     match schemas {
-        None => tidemark_run_on(&dir, &StoreAt::Dir(dir.0.join("server")), members, args, pb).await,
+        None => tidemark_run_on(&dir, &StoreAt::Dir(dir.0.join("server")), shape, pb).await,
         Some(schemas) => {
             let dir = &dir;
             schemas
-                .run(label, |schema| async move { tidemark_run_on(dir, &schemas.at(&schema), members, args, pb).await })
+                .run(label, |schema| async move { tidemark_run_on(dir, &schemas.at(&schema), shape, pb).await })
                 .await
         }
     }
 }
 
-async fn tidemark_run_on(
-    dir: &TempDir,
-    at: &StoreAt,
-    members: u32,
-    args: &FanoutArgs,
-    pb: &ProgressBar,
-) -> Result<Run> {
+async fn tidemark_run_on(dir: &TempDir, at: &StoreAt, shape: &Shape, pb: &ProgressBar) -> Result<Run> {
+    let members = shape.members;
     let devices_dir = dir.0.join("devices");
     std::fs::create_dir_all(&devices_dir)?;
     let store = at.open().await?;
@@ -296,7 +360,7 @@ async fn tidemark_run_on(
     let server = Server::start("127.0.0.1:0", store.clone(), config).await?;
     let url = server.url();
     let ws_url = format!("ws://{}/v1/ws", server.addr);
-    let result = tidemark_measure(&url, &ws_url, &users, &devices_dir, members, args, pb).await;
+    let result = tidemark_measure(&url, &ws_url, &users, &devices_dir, shape, pb).await;
     server.stop().await;
     at.close(store).await;
     result
@@ -307,10 +371,10 @@ async fn tidemark_measure(
     ws_url: &str,
     users: &[String],
     devices_dir: &Path,
-    members: u32,
-    args: &FanoutArgs,
+    shape: &Shape,
     pb: &ProgressBar,
 ) -> Result<Run> {
+    let members = shape.members;
     let login = Http::new(url).login(&users[0], PASSWORD, "phone").await.context("log in the sender")?;
     let (sender, _sender_events) = WsConn::connect(ws_url, &login.access_token).await.context("connect the sender")?;
 
@@ -318,7 +382,7 @@ async fn tidemark_measure(
     for u in &users[1..] {
         let mut config =
             ClientConfig::new(url, u, "phone", devices_dir.join(format!("{u}.db"))).with_password(PASSWORD);
-        config.sync_page_limit = args.limit;
+        config.sync_page_limit = shape.limit;
         clients.push(Client::open(config).with_context(|| format!("open the client of {u}"))?);
     }
     let result: Result<Run> = async {
@@ -331,37 +395,44 @@ async fn tidemark_measure(
         let conv: ConvCreateOk = sender
             .request(
                 op::CONV_CREATE,
-                &ConvCreateReq { kind: "group".into(), members: users[1..].to_vec(), client_msg_id: None },
+                &ConvCreateReq { kind: shape.conv_kind.into(), members: users[1..].to_vec(), client_msg_id: None },
             )
             .await
-            .context("create group")?;
+            .context("create the conversation")?;
         let conv = conv.conv;
         // Every receiver holds the group (its creation events committed)
-        // before the first send.
-        try_join_all(clients.iter().map(|c| {
-            let conv = &conv;
-            c.wait_for(SETUP_TIMEOUT, move || async move { Ok(c.conversation(conv).await?.is_some()) })
-        }))
-        .await
-        .context("receivers see the group")?;
+        // before the first send. A direct conversation's creation writes no
+        // event: its receiver learns of it with the first message.
+        if shape.conv_kind != DIRECT {
+            try_join_all(clients.iter().map(|c| {
+                let conv = &conv;
+                c.wait_for(SETUP_TIMEOUT, move || async move { Ok(c.conversation(conv).await?.is_some()) })
+            }))
+            .await
+            .context("receivers see the group")?;
+        }
 
-        let messages = u64::from(args.messages);
+        let messages = u64::from(shape.messages);
         let epoch = Instant::now();
         let tasks: Vec<_> =
             clients.iter().map(|c| tokio::spawn(observe(c.subscribe(), messages, epoch, pb.clone()))).collect();
         let start = since(epoch);
-        for n in 0..messages {
-            let t0 = since(epoch);
-            let req = SendReq {
-                conv: conv.clone(),
-                client_msg_id: format!("fan-{members}-{n}"),
-                kind: KIND.into(),
-                content: payload(n, t0),
-                mentions: Vec::new(),
-                mention_all: false,
-            };
-            sender.send(&req).await.with_context(|| format!("send {n}"))?;
-        }
+        paced(shape.pace, messages, epoch, |n, t0| {
+            let (sender, conv) = (sender.clone(), conv.clone());
+            async move {
+                let req = SendReq {
+                    conv,
+                    client_msg_id: format!("fan-{members}-{n}"),
+                    kind: KIND.into(),
+                    content: payload(n, t0),
+                    mentions: Vec::new(),
+                    mention_all: false,
+                };
+                sender.send(&req).await.with_context(|| format!("send {n}"))?;
+                Ok(())
+            }
+        })
+        .await?;
         let seen = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("receivers timed out")??;
 
         // The send start of each delivery, from the content each receiver
@@ -400,7 +471,7 @@ async fn tidemark_measure(
             record(&mut tally.last, *t0, *done);
         }
         tally.span_ns = last - start;
-        Ok(finish(members, args.messages, tally))
+        Ok(finish(members, shape.messages, tally))
     }
     .await;
     join_all(clients.iter().map(|c| c.stop())).await;
@@ -527,24 +598,19 @@ fn commit_batch(conn: &mut Connection, rows: &[Row]) -> Result<()> {
     Ok(())
 }
 
-pub(super) async fn baseline_run(parent: &Path, members: u32, args: &FanoutArgs, pb: &ProgressBar) -> Result<Run> {
+pub(super) async fn baseline_run(parent: &Path, shape: &Shape, pb: &ProgressBar) -> Result<Run> {
     let dir = TempDir::create(parent)?;
     let (addr, server) = baseline_server().await?;
-    let result = baseline_measure(&dir.0, addr, members, args, pb).await;
+    let result = baseline_measure(&dir.0, addr, shape, pb).await;
     server.abort();
     result
 }
 
-async fn baseline_measure(
-    dir: &Path,
-    addr: std::net::SocketAddr,
-    members: u32,
-    args: &FanoutArgs,
-    pb: &ProgressBar,
-) -> Result<Run> {
+async fn baseline_measure(dir: &Path, addr: std::net::SocketAddr, shape: &Shape, pb: &ProgressBar) -> Result<Run> {
+    let members = shape.members;
     let url = format!("ws://{addr}/");
-    let messages = u64::from(args.messages);
-    let batch_max = args.limit.max(1) as usize;
+    let messages = u64::from(shape.messages);
+    let batch_max = shape.limit.max(1) as usize;
     let epoch = Instant::now();
     let mut tasks = Vec::new();
     let mut readies = Vec::new();
@@ -609,26 +675,42 @@ async fn baseline_measure(
     let (ws, _) = tokio_tungstenite::connect_async_with_config(url.as_str(), None, true).await?;
     let (mut sink, mut stream) = ws.split();
     sink.send(Message::Text("pub".into())).await?;
-    let start = since(epoch);
-    for n in 0..messages {
-        let t0 = since(epoch);
-        // The same JSON a sync page carries for this message.
-        let event = serde_json::json!({
-            "sync_seq": n + 1, "kind": "message", "conv": "g-baseline", "msg_seq": n + 1,
-            "message": {
-                "message_id": format!("m{n:012}"), "conv": "g-baseline", "msg_seq": n + 1, "kind": KIND,
-                "state": "normal", "sender": "fan-u0", "content": payload(n, t0), "created_at": 0, "version": 0,
+    // Each `ok` the server answers is one permit: a send ends once it took
+    // one (they come in send order, one per payload).
+    let oks = Arc::new(tokio::sync::Semaphore::new(0));
+    let reader = tokio::spawn({
+        let oks = oks.clone();
+        async move {
+            while let Some(Ok(m)) = stream.next().await {
+                if matches!(&m, Message::Text(t) if t.as_str() == "ok") {
+                    oks.add_permits(1);
+                }
             }
-        });
-        sink.send(Message::Text(event.to_string().into())).await?;
-        loop {
-            match stream.next().await {
-                Some(Ok(Message::Text(t))) if t.as_str() == "ok" => break,
-                Some(Ok(_)) => continue,
-                _ => bail!("baseline sender: closed"),
-            }
+            // Closed: every waiting send fails.
+            oks.close();
         }
-    }
+    });
+    let sink = Arc::new(tokio::sync::Mutex::new(sink));
+    let start = since(epoch);
+    let sent = paced(shape.pace, messages, epoch, |n, t0| {
+        let (sink, oks) = (sink.clone(), oks.clone());
+        async move {
+            // The same JSON a sync page carries for this message.
+            let event = serde_json::json!({
+                "sync_seq": n + 1, "kind": "message", "conv": "g-baseline", "msg_seq": n + 1,
+                "message": {
+                    "message_id": format!("m{n:012}"), "conv": "g-baseline", "msg_seq": n + 1, "kind": KIND,
+                    "state": "normal", "sender": "fan-u0", "content": payload(n, t0), "created_at": 0, "version": 0,
+                }
+            });
+            sink.lock().await.send(Message::Text(event.to_string().into())).await?;
+            oks.acquire().await.context("baseline sender: closed")?.forget();
+            Ok(())
+        }
+    })
+    .await;
+    reader.abort();
+    sent?;
     let results = tokio::time::timeout(RUN_TIMEOUT, try_join_all(tasks)).await.context("baseline timed out")??;
     let mut tally = Tally { hist: latency_hist()?, last: latency_hist()?, span_ns: 0, commits: 0, hints: 0 };
     let mut last = start;
@@ -647,7 +729,7 @@ async fn baseline_measure(
         record(&mut tally.last, *t0, *at);
     }
     tally.span_ns = last - start;
-    Ok(finish(members, args.messages, tally))
+    Ok(finish(members, shape.messages, tally))
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -685,7 +767,7 @@ struct Medians {
     p50_ms: f64,
     p99_ms: f64,
     max_ms: f64,
-    commits_per_delivery: f64,
+    pub(super) commits_per_delivery: f64,
 }
 
 fn medians(runs: &[&Run]) -> Medians {
@@ -757,10 +839,11 @@ pub async fn run(args: FanoutArgs) -> Result<()> {
                 if (side == 0) == tidemark_first {
                     pb.set_message(format!("round {round}: tidemark, {members}"));
                     let label = format!("r{round}_m{members}");
-                    tidemark = Some(tidemark_run(&parent, schemas.as_ref(), &label, members, &args, &pb).await?);
+                    let shape = Shape::group(members, &args);
+                    tidemark = Some(tidemark_run(&parent, schemas.as_ref(), &label, &shape, &pb).await?);
                 } else {
                     pb.set_message(format!("round {round}: baseline, {members}"));
-                    baseline = Some(baseline_run(&parent, members, &args, &pb).await?);
+                    baseline = Some(baseline_run(&parent, &Shape::group(members, &args), &pb).await?);
                 }
             }
             let (tidemark, baseline) = (tidemark.context("tidemark run")?, baseline.context("baseline run")?);

@@ -58,7 +58,7 @@ use tidemark_store::Store;
 
 use super::device::{bar, cheap_hash, PASSWORD};
 use super::fanout::{
-    baseline_run, latency_hist, payload, record, since, FanoutArgs, Run, KIND, RUN_TIMEOUT, SETUP_TIMEOUT,
+    baseline_run, latency_hist, payload, record, since, FanoutArgs, Run, Shape, KIND, RUN_TIMEOUT, SETUP_TIMEOUT,
 };
 use super::{median, print_table, wait_store_closed, TempDir};
 
@@ -393,7 +393,7 @@ pub async fn run(mut args: FanoutArgs) -> Result<()> {
                 }
                 None => {
                     pb.set_message(format!("round {round}: baseline, {} receivers", plan.online));
-                    let b = baseline_run(&parent, plan.online + 1, &args, &pb).await?;
+                    let b = baseline_run(&parent, &Shape::group(plan.online + 1, &args), &pb).await?;
                     baselines.insert(plan.online, b.clone());
                     b
                 }

@@ -71,6 +71,17 @@ impl TestServer {
         }
     }
 
+    /// Users `ann` and `ben`, a device each (`phone`), and their direct
+    /// conversation.
+    pub async fn ann_and_ben(&self) -> (Device, Device, String) {
+        self.user("ann").await;
+        self.user("ben").await;
+        let ann = self.device("ann", "phone").await;
+        let ben = self.device("ben", "phone").await;
+        let conv = ann.ws.conv_create_direct("ben").await.unwrap().conv;
+        (ann, ben, conv)
+    }
+
     pub async fn stop(mut self) {
         if let Some(s) = self.server.take() {
             s.stop().await;
