@@ -94,8 +94,17 @@ fn count_read(ev: TraceEvent<'_>) {
     }
 }
 
+/// Prepared statements each connection keeps (`prepare_cached`). rusqlite's
+/// default is 16, fewer than the distinct statements one send and its fused
+/// fan-out run on the writer: the LRU evicted them in turn and the writer
+/// spent about a fifth of its CPU re-parsing SQL (issue 19's ingest
+/// profile, docs/benchmarks.md). Above the crate's count of distinct
+/// cached statements, so none is ever evicted.
+pub const STATEMENT_CACHE_CAPACITY: usize = 256;
+
 fn configure(conn: &Connection) -> rusqlite::Result<()> {
     conn.busy_timeout(BUSY_TIMEOUT)?;
+    conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
     // `rarray(?)`: a page's message ids as one parameter (read::decorate).
     rusqlite::vtab::array::load_module(conn)?;
     conn.pragma_update(None, "synchronous", "FULL")?;
@@ -980,7 +989,8 @@ impl Store for SqliteStore {
     }
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {
-        self.writer.write_announcing(move |c| accept_send_tx(c, &cmd)).await
+        // Unguarded: every check of a send comes before its first change.
+        self.writer.write_announcing_unguarded(move |c| accept_send_tx(c, &cmd)).await
     }
 
     async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
