@@ -6,6 +6,7 @@
 //! the first use a statement costs one round trip (Bind/Execute), not two.
 //! This module knows no table and no domain rule.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use deadpool_postgres::ClientWrapper;
@@ -87,6 +88,23 @@ pub(crate) fn counted() {
 pub(crate) async fn batch(c: &Conn, sql: &str) -> Result<(), tokio_postgres::Error> {
     counted();
     c.batch_execute(sql).await
+}
+
+/// Queues a batch of statements (transaction control) on the connection
+/// and returns without awaiting its answer, counted as one. The statements
+/// run before anything sent on the connection after them, whose answers
+/// come after theirs; an error they raise is not seen (a read-only
+/// transaction's `ROLLBACK` is the use). Fails only if the connection is
+/// closed and nothing could be queued.
+pub(crate) fn send_only(c: &Conn, sql: &str) -> Result<(), tokio_postgres::Error> {
+    counted();
+    let mut sent = std::pin::pin!(c.batch_execute(sql));
+    // The driver sends on a request's first poll; the answer, dropped
+    // unread with the future, is read and discarded by its connection task.
+    match sent.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+        std::task::Poll::Ready(result) => result,
+        std::task::Poll::Pending => Ok(()),
+    }
 }
 
 pub(crate) async fn query(c: &Conn, sql: &str, params: Params<'_>) -> StoreResult<Vec<Row>> {

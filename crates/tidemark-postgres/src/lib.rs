@@ -1159,7 +1159,8 @@ impl Store for PgStore {
 
     async fn dirty_markers(&self, user: &str, device: &str) -> StoreResult<Vec<DeviceMarker>> {
         let (user, device) = (user.to_owned(), device.to_owned());
-        self.readers.snapshot(move |c| Box::pin(async move { read::dirty_markers(c, &user, &device).await })).await
+        // One statement: its own snapshot.
+        self.readers.read(move |c| Box::pin(async move { read::dirty_markers(c, &user, &device).await })).await
     }
 
     async fn active_members(&self, conv: &str) -> StoreResult<(u64, Vec<String>)> {

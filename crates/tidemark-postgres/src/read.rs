@@ -62,18 +62,29 @@ impl ReadPool {
         f(&conn).await
     }
 
-    /// Runs `f` in one `REPEATABLE READ READ ONLY` transaction.
+    /// Runs `f` in one `REPEATABLE READ READ ONLY` transaction, in two
+    /// round trips fewer than its statements and the transaction control
+    /// would take one by one (issue 14): `START TRANSACTION` is pipelined
+    /// with `f`'s first statement (both are queued on the connection, in
+    /// that order, before either answer is awaited), and the `ROLLBACK` is
+    /// queued and not awaited ([`db::send_only`]): the connection's next
+    /// user queues behind it, so it starts outside any transaction.
     pub(crate) async fn snapshot<T, F>(&self, f: F) -> R<T>
     where
         F: for<'c> FnOnce(&'c Conn) -> BoxFut<'c, R<T>>,
     {
         let mut guard = Snapshot { conn: Some(self.get().await?) };
         let conn = guard.conn.as_ref().ok_or_else(|| StoreError::Internal("snapshot without connection".into()))?;
-        db::batch(conn, BEGIN_SNAPSHOT).await.map_err(db::error)?;
-        let result = f(conn).await;
+        // `join!` polls in order: the transaction's start is sent first.
+        let (begun, result) = tokio::join!(db::batch(conn, BEGIN_SNAPSHOT), f(conn));
+        // Statements that ran without the transaction answer nothing.
+        begun.map_err(db::error)?;
         // A read-only transaction has nothing to keep: end it either way.
-        db::batch(conn, "ROLLBACK").await.map_err(db::error)?;
-        // The transaction is over: hand the connection back to the pool.
+        // If the ROLLBACK cannot even be queued the connection is gone; the
+        // guard then drops it rather than give it back.
+        db::send_only(conn, "ROLLBACK").map_err(db::error)?;
+        // The transaction is over once the ROLLBACK runs, before anything
+        // its next user sends: hand the connection back to the pool.
         drop(guard.conn.take());
         result
     }
@@ -633,4 +644,74 @@ pub(crate) async fn history(c: &Conn, user: &str, conv: &str, before: Option<u64
         history_start: snap.min_seq,
         trimmed,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    const URL_VAR: &str = "TIDEMARK_TEST_PG_URL";
+
+    /// A snapshot's statements all run inside its transaction, though its
+    /// start is pipelined with the first of them, and the connection's next
+    /// user finds no transaction left, though the `ROLLBACK` was not
+    /// awaited: on a pool of one connection, the snapshot's first statement
+    /// already runs at `REPEATABLE READ`, a write committed between its two
+    /// reads is invisible to the second, and the read after it sees the
+    /// write at the default isolation.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_snapshot_pipelines_its_start_and_leaves_no_transaction_behind() {
+        let Ok(url) = std::env::var(URL_VAR) else {
+            eprintln!("skipping: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
+            return;
+        };
+        let cfg: tokio_postgres::Config = url.parse().unwrap();
+        let (raw, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let raw = Arc::new(raw);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+        let table = format!("t_snapshot_{}_{nanos}", std::process::id());
+        raw.batch_execute(&format!("CREATE TABLE {table} (v BIGINT); INSERT INTO {table} VALUES (1)")).await.unwrap();
+        let readers = ReadPool { pool: crate::pool(cfg, 1).unwrap() };
+
+        for round in 0..3i64 {
+            let (t, writer) = (table.clone(), raw.clone());
+            let (isolation, first, second) = readers
+                .snapshot(move |c| {
+                    Box::pin(async move {
+                        let isolation: String =
+                            scalar(c, "SELECT current_setting('transaction_isolation')", &[]).await?.unwrap();
+                        let first: i64 = scalar(c, &format!("SELECT v FROM {t}"), &[]).await?.unwrap();
+                        writer.batch_execute(&format!("UPDATE {t} SET v = v + 1")).await.unwrap();
+                        let second: i64 = scalar(c, &format!("SELECT v FROM {t}"), &[]).await?.unwrap();
+                        Ok((isolation, first, second))
+                    })
+                })
+                .await
+                .unwrap();
+            assert_eq!(isolation, "repeatable read", "round {round}: the first statement ran outside the snapshot");
+            assert_eq!((first, second), (1 + round, 1 + round), "round {round}: the snapshot saw a later commit");
+
+            let t = table.clone();
+            let (isolation, now) = readers
+                .read(move |c| {
+                    Box::pin(async move {
+                        let row =
+                            query_opt(c, &format!("SELECT current_setting('transaction_isolation'), v FROM {t}"), &[])
+                                .await?
+                                .unwrap();
+                        Ok((col::<String>(&row, 0)?, col::<i64>(&row, 1)?))
+                    })
+                })
+                .await
+                .unwrap();
+            assert_eq!(isolation, "read committed", "round {round}: the snapshot's transaction was left open");
+            assert_eq!(now, 2 + round, "round {round}: the read after the snapshot missed the commit");
+        }
+        raw.batch_execute(&format!("DROP TABLE {table}")).await.unwrap();
+    }
 }
