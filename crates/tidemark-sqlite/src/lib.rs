@@ -437,6 +437,12 @@ fn fused_fan_out(
     }
 }
 
+/// A user's head inside one [`fan_out_tx`]: as stored, and as advanced.
+struct Head {
+    stored: i64,
+    next: i64,
+}
+
 /// Fans `items` out in order (F3, F4), stopping before the first item that
 /// `admit(recipients of the items admitted so far, its recipients)` refuses;
 /// the report covers the items fanned out.
@@ -452,6 +458,11 @@ fn fan_out_tx(
     // marker publication each, whatever the number of items (G2).
     let mut moved: std::collections::BTreeMap<String, u64> = Default::default();
     let mut admitted = 0u64;
+    // The heads of the users this batch delivers to: read once, advanced
+    // here, written once at the end (a user the batch's items reach k
+    // times costs two head statements, not k). Nothing else in this
+    // transaction reads or writes a head meanwhile.
+    let mut heads: std::collections::BTreeMap<String, Head> = Default::default();
     for item in items {
         let (recipients, route, mut fanned, mentions) = resolve(conn, item)?;
         fanned.recipients = recipients.deliver.len() as u64;
@@ -476,34 +487,39 @@ fn fan_out_tx(
                 "fan-out hit two membership periods of one user; quarantined");
         }
         for (user, period_id) in &recipients.deliver {
-            let seen: Option<i64> = conn
+            let head = match heads.get_mut(user) {
+                Some(head) => head,
+                None => {
+                    let stored: i64 = conn
+                        .prepare_cached(
+                            "SELECT COALESCE((SELECT high_watermark FROM user_heads WHERE user_id = ?1), 0)",
+                        )
+                        .map_err(internal)?
+                        .query_row(params![user], |r| r.get(0))
+                        .map_err(internal)?;
+                    heads.entry(user.clone()).or_insert(Head { stored, next: stored })
+                }
+            };
+            let sync_seq = head.next + 1;
+            // The key (user, source event, period) makes the fan-out
+            // idempotent (F3): an event the log already holds (a fan-out
+            // re-enqueued by reconciliation) writes nothing and takes no
+            // sync_seq. Any other conflict (a sync_seq taken twice) is a
+            // broken invariant and fails the transaction.
+            let written = conn
                 .prepare_cached(
-                    "SELECT sync_seq FROM user_events WHERE user_id = ?1 AND source_event_id = ?2 AND period_id = ?3",
+                    "INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id, period_id, created_at)
+                     VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7, ?8)
+                     ON CONFLICT (user_id, source_event_id, period_id) DO NOTHING",
                 )
                 .map_err(internal)?
-                .query_row(params![user, item.source_event_id, period_id], |r| r.get(0))
-                .optional()
+                .execute(params![user, sync_seq, item.kind, item.conv, item.msg_seq as i64, item.source_event_id, period_id, now_ms])
                 .map_err(internal)?;
-            if seen.is_some() {
+            if written == 0 {
                 report.duplicates_skipped += 1;
                 continue;
             }
-            let sync_seq: i64 = conn
-                .prepare_cached(
-                    "INSERT INTO user_heads (user_id, high_watermark) VALUES (?1, 1)
-                     ON CONFLICT(user_id) DO UPDATE SET high_watermark = high_watermark + 1
-                     RETURNING high_watermark",
-                )
-                .map_err(internal)?
-                .query_row(params![user], |r| r.get(0))
-                .map_err(internal)?;
-            conn.prepare_cached(
-                "INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id, period_id, created_at)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?6, ?7, ?8)",
-            )
-            .map_err(internal)?
-            .execute(params![user, sync_seq, item.kind, item.conv, item.msg_seq as i64, item.source_event_id, period_id, now_ms])
-            .map_err(internal)?;
+            head.next = sync_seq;
             // Projections commit with the event: once per (user, event), as
             // `projection::delivery` decides; a message the user already
             // deleted for themselves never counts, nor one at or below
@@ -552,6 +568,15 @@ fn fan_out_tx(
             .execute(params![item.outbox_id])
             .map_err(internal)?;
         report.items_done += 1;
+    }
+    for (user, head) in heads.iter().filter(|(_, h)| h.next != h.stored) {
+        conn.prepare_cached(
+            "INSERT INTO user_heads (user_id, high_watermark) VALUES (?1, ?2)
+             ON CONFLICT(user_id) DO UPDATE SET high_watermark = excluded.high_watermark",
+        )
+        .map_err(internal)?
+        .execute(params![user, head.next])
+        .map_err(internal)?;
     }
     for (conv, max_seq) in moved {
         let (was_target, was_version): (i64, i64) = conn
