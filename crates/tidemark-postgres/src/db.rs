@@ -169,6 +169,32 @@ pub(crate) fn big(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
 
+/// What the crate's unit tests on a real PostgreSQL share: the server
+/// from `TIDEMARK_TEST_PG_URL` (without it a test says so and returns),
+/// and a plain connection beside the store's.
+#[cfg(test)]
+pub(crate) mod testing {
+    const URL_VAR: &str = "TIDEMARK_TEST_PG_URL";
+
+    /// The test server's URL, or `None` after saying why the test skips.
+    pub(crate) fn url_or_skip() -> Option<String> {
+        let url = std::env::var(URL_VAR).ok();
+        if url.is_none() {
+            eprintln!("skipping: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
+        }
+        url
+    }
+
+    /// A connection of its own, driven by a spawned task.
+    pub(crate) async fn connect(cfg: &tokio_postgres::Config) -> tokio_postgres::Client {
+        let (client, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        client
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

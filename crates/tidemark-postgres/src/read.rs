@@ -652,8 +652,6 @@ mod tests {
 
     use super::*;
 
-    const URL_VAR: &str = "TIDEMARK_TEST_PG_URL";
-
     /// A snapshot's statements all run inside its transaction, though its
     /// start is pipelined with the first of them, and the connection's next
     /// user finds no transaction left, though the `ROLLBACK` was not
@@ -663,16 +661,9 @@ mod tests {
     /// write at the default isolation.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_snapshot_pipelines_its_start_and_leaves_no_transaction_behind() {
-        let Ok(url) = std::env::var(URL_VAR) else {
-            eprintln!("skipping: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
-            return;
-        };
+        let Some(url) = db::testing::url_or_skip() else { return };
         let cfg: tokio_postgres::Config = url.parse().unwrap();
-        let (raw, conn) = cfg.connect(tokio_postgres::NoTls).await.unwrap();
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let raw = Arc::new(raw);
+        let raw = Arc::new(db::testing::connect(&cfg).await);
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
         let table = format!("t_snapshot_{}_{nanos}", std::process::id());
         raw.batch_execute(&format!("CREATE TABLE {table} (v BIGINT); INSERT INTO {table} VALUES (1)")).await.unwrap();

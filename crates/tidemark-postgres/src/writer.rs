@@ -724,26 +724,18 @@ mod tests {
     //! (`TIDEMARK_TEST_PG_URL`; without it the test says so and returns).
     use super::*;
 
-    const URL_VAR: &str = "TIDEMARK_TEST_PG_URL";
-
     /// Writes `v` into `t`, then fails on `v = 0` (division by zero, after
     /// the row is written): an error inside a pipeline.
     const WRITE_SQL: &str = "WITH w AS (INSERT INTO t (v) VALUES ($1) RETURNING v) SELECT 10 / v FROM w";
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_failed_or_undone_statement_rolls_back_alone_inside_its_pipeline() {
-        let Ok(url) = std::env::var(URL_VAR) else {
-            eprintln!("skipping: {URL_VAR} is not set (e.g. {URL_VAR}=postgres://root@127.0.0.1:5432/test)");
-            return;
-        };
+        let Some(url) = crate::db::testing::url_or_skip() else { return };
         let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
         let schema = format!("t_pipeline_{}_{nanos}", std::process::id());
         let mut pg: tokio_postgres::Config = url.parse().unwrap();
         pg.options(format!("-c search_path={schema}"));
-        let (raw, conn) = pg.connect(tokio_postgres::NoTls).await.unwrap();
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
+        let raw = crate::db::testing::connect(&pg).await;
         raw.batch_execute(&format!("CREATE SCHEMA {schema}; CREATE TABLE {schema}.t (v INT PRIMARY KEY)"))
             .await
             .unwrap();

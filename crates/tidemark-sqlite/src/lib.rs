@@ -439,8 +439,8 @@ fn fused_fan_out(
 
 /// A user's head inside one [`fan_out_tx`]: as stored, and as advanced.
 struct Head {
-    stored: i64,
-    next: i64,
+    stored: u64,
+    next: u64,
 }
 
 /// Fans `items` out in order (F3, F4), stopping before the first item that
@@ -453,15 +453,15 @@ fn fan_out_tx(
     mut admit: impl FnMut(u64, u64) -> bool,
 ) -> StoreResult<FanoutReport> {
     let mut report = FanoutReport::default();
-    let mut touched: std::collections::BTreeMap<String, SyncSeq> = Default::default();
     // Shared groups this batch moved, with their highest msg_seq: one
     // marker publication each, whatever the number of items (G2).
     let mut moved: std::collections::BTreeMap<String, u64> = Default::default();
     let mut admitted = 0u64;
     // The heads of the users this batch delivers to: read once, advanced
     // here, written once at the end (a user the batch's items reach k
-    // times costs two head statements, not k). Nothing else in this
-    // transaction reads or writes a head meanwhile.
+    // times costs two head statements, not k); those that advanced are the
+    // report's users. Nothing else in this transaction reads or writes a
+    // head meanwhile.
     let mut heads: std::collections::BTreeMap<String, Head> = Default::default();
     for item in items {
         let (recipients, route, mut fanned, mentions) = resolve(conn, item)?;
@@ -490,13 +490,7 @@ fn fan_out_tx(
             let head = match heads.get_mut(user) {
                 Some(head) => head,
                 None => {
-                    let stored: i64 = conn
-                        .prepare_cached(
-                            "SELECT COALESCE((SELECT high_watermark FROM user_heads WHERE user_id = ?1), 0)",
-                        )
-                        .map_err(internal)?
-                        .query_row(params![user], |r| r.get(0))
-                        .map_err(internal)?;
+                    let stored = lifecycle::high_watermark(conn, user)?;
                     heads.entry(user.clone()).or_insert(Head { stored, next: stored })
                 }
             };
@@ -513,7 +507,7 @@ fn fan_out_tx(
                      ON CONFLICT (user_id, source_event_id, period_id) DO NOTHING",
                 )
                 .map_err(internal)?
-                .execute(params![user, sync_seq, item.kind, item.conv, item.msg_seq as i64, item.source_event_id, period_id, now_ms])
+                .execute(params![user, sync_seq as i64, item.kind, item.conv, item.msg_seq as i64, item.source_event_id, period_id, now_ms])
                 .map_err(internal)?;
             if written == 0 {
                 report.duplicates_skipped += 1;
@@ -559,8 +553,7 @@ fn fan_out_tx(
                 events::recount_unread(conn, user, &item.conv)?;
             }
             report.events_written += 1;
-            touched.insert(user.clone(), sync_seq as u64);
-            fanned.deliveries.push((user.clone(), sync_seq as u64));
+            fanned.deliveries.push((user.clone(), sync_seq));
         }
         report.items.push(fanned);
         conn.prepare_cached("DELETE FROM outbox WHERE outbox_id = ?1")
@@ -569,13 +562,15 @@ fn fan_out_tx(
             .map_err(internal)?;
         report.items_done += 1;
     }
-    for (user, head) in heads.iter().filter(|(_, h)| h.next != h.stored) {
+    let advanced: Vec<(String, SyncSeq)> =
+        heads.into_iter().filter(|(_, h)| h.next != h.stored).map(|(user, h)| (user, h.next)).collect();
+    for (user, next) in &advanced {
         conn.prepare_cached(
             "INSERT INTO user_heads (user_id, high_watermark) VALUES (?1, ?2)
              ON CONFLICT(user_id) DO UPDATE SET high_watermark = excluded.high_watermark",
         )
         .map_err(internal)?
-        .execute(params![user, head.next])
+        .execute(params![user, *next as i64])
         .map_err(internal)?;
     }
     for (conv, max_seq) in moved {
@@ -601,7 +596,7 @@ fn fan_out_tx(
             .map_err(internal)?;
         report.convs.push(ConvMoved { conv, target, version, members_seq: members_seq as u64 });
     }
-    report.users = touched.into_iter().collect();
+    report.users = advanced;
     Ok(report)
 }
 

@@ -25,12 +25,18 @@ fn device_cursor(c: &Connection, user: &str, device: &str) -> R<DeviceCursor> {
 }
 
 fn head(c: &Connection, user: &str) -> R<(u64, u64)> {
-    Ok(c.query_row("SELECT high_watermark, trimmed_upto FROM user_heads WHERE user_id = ?1", params![user], |r| {
-        Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64))
-    })
-    .optional()
-    .map_err(internal)?
-    .unwrap_or((0, 0)))
+    Ok(c.prepare_cached("SELECT high_watermark, trimmed_upto FROM user_heads WHERE user_id = ?1")
+        .map_err(internal)?
+        .query_row(params![user], |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64)))
+        .optional()
+        .map_err(internal)?
+        .unwrap_or((0, 0)))
+}
+
+/// A user's log head: the highest `sync_seq` handed out (0 before the
+/// first event).
+pub(crate) fn high_watermark(c: &Connection, user: &str) -> R<u64> {
+    Ok(head(c, user)?.0)
 }
 
 pub(crate) fn user_log(c: &Connection, user: &str) -> R<tidemark_core::cursor::UserLog> {

@@ -49,11 +49,7 @@ pub(crate) fn put_target(c: &Connection, t: &PushTarget, now_ms: i64) -> R<bool>
     if state.as_deref().is_none_or(|s| s == "REVOKED") {
         return Err(StoreError::NotFound(format!("device {}", t.device)));
     }
-    let head: i64 = c
-        .prepare_cached("SELECT COALESCE((SELECT high_watermark FROM user_heads WHERE user_id = ?1), 0)")
-        .map_err(internal)?
-        .query_row(params![t.user], |r| r.get(0))
-        .map_err(internal)?;
+    let head = crate::lifecycle::high_watermark(c, &t.user)? as i64;
     let existed: Option<i64> = c
         .prepare_cached("SELECT 1 FROM push_targets WHERE user_id = ?1 AND device_id = ?2")
         .map_err(internal)?

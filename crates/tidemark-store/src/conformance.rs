@@ -857,7 +857,7 @@ pub async fn fan_out_is_idempotent_and_projects_once(store: &dyn Store) {
     assert_eq!(report.users, vec![("a".to_string(), 3), ("b".to_string(), 3)]);
     assert_eq!(store.outbox_stats().await.unwrap().backlog, 0, "F1: consumed items leave the outbox");
     // The relay crashed after the commit and delivers the same items again.
-    let again = store.fan_out(items, T0).await.unwrap();
+    let again = store.fan_out(items.clone(), T0).await.unwrap();
     assert_eq!((again.events_written, again.duplicates_skipped), (0, 6), "F3: redelivery writes nothing");
     assert_eq!(store.user_high_watermark("b").await.unwrap(), 3);
     let list = store.list_conversations("b", None).await.unwrap();
@@ -870,6 +870,17 @@ pub async fn fan_out_is_idempotent_and_projects_once(store: &dyn Store) {
     let msg_seqs: Vec<Option<u64>> = events.iter().map(|e| e.msg_seq).collect();
     assert_eq!(msg_seqs, vec![Some(1), Some(2), Some(3)]);
     assert_eq!(events[0].message.as_ref().unwrap().content, "{\"text\":\"0\"}");
+    // The redelivered items and a new one in one batch: the duplicates
+    // take no sync_seq, the new event the next one of each log.
+    store.accept_send(send("a", &conv, "3")).await.unwrap();
+    let mut mixed = items;
+    mixed.extend(store.pending_outbox(100).await.unwrap());
+    assert_eq!(mixed.len(), 4);
+    let report = store.fan_out(mixed, T0).await.unwrap();
+    assert_eq!((report.events_written, report.duplicates_skipped), (2, 6), "F3: only the new item writes");
+    assert_eq!(report.users, vec![("a".to_string(), 4), ("b".to_string(), 4)], "F2: the next sync_seq, no hole");
+    let seqs: Vec<u64> = store.read_user_events("b", 0, 4, 10).await.unwrap().iter().map(|e| e.sync_seq).collect();
+    assert_eq!(seqs, vec![1, 2, 3, 4], "F2: contiguous sync_seq across a redelivery");
 }
 
 /// F1, F3: the relay's claim takes the oldest items up to its limit, fans
