@@ -691,7 +691,6 @@ fn sqlite_insert_rate(dir: &Path, topo: &Topology, round: u32, rows: u64, batch:
 }
 
 struct Row {
-    message_id: String,
     conv_id: usize,
     msg_seq: i64,
     sender: usize,
@@ -743,7 +742,6 @@ fn insert_rate_in(dir: &Path, topo: &Topology, round: u32, rows: u64, batch: u64
             let (user, conv) = topo.senders[i];
             heads[conv] += 1;
             Row {
-                message_id: hex_id("m", &mut rng),
                 conv_id: conv,
                 msg_seq: heads[conv],
                 sender: user,
@@ -765,8 +763,10 @@ fn insert_rate_in(dir: &Path, topo: &Topology, round: u32, rows: u64, batch: u64
             )?;
             let now = unix_ms();
             for r in chunk {
+                // Minted as the server mints it, when the row is written
+                // (time-ordered: tidemark_core::ids::message_id).
                 stmt.execute(params![
-                    r.message_id,
+                    tidemark_core::ids::message_id(now, rng.random()),
                     conv_ids[r.conv_id],
                     r.msg_seq,
                     topo.users[r.sender],

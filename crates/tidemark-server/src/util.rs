@@ -18,6 +18,12 @@ pub fn new_id(prefix: &str) -> String {
     s
 }
 
+/// A new message or conversation-event id, minted at `now_ms`
+/// (`tidemark_core::ids::message_id`: time-ordered, 80 random bits).
+pub fn new_message_id(now_ms: i64) -> String {
+    tidemark_core::ids::message_id(now_ms, rand::rng().random())
+}
+
 /// A random secret of 32 bytes, URL-safe base64.
 pub fn new_secret() -> String {
     use base64::Engine;

@@ -727,7 +727,7 @@ async fn baseline_phase(
     let mut rng = rand::rng();
     let conv_ids: Vec<String> = topo.convs.iter().map(|_| hex_id("c", &mut rng)).collect();
     let mut heads = vec![0i64; conv_ids.len()];
-    let mut work: Vec<Vec<[String; 5]>> = vec![Vec::new(); senders];
+    let mut work: Vec<Vec<[String; 4]>> = vec![Vec::new(); senders];
     let mut seqs: Vec<Vec<i64>> = vec![Vec::new(); senders];
     for n in 0..per_sender {
         for (i, &(user, conv)) in topo.senders.iter().enumerate() {
@@ -735,7 +735,6 @@ async fn baseline_phase(
             seqs[i].push(heads[conv]);
             work[i].push([
                 conv_ids[conv].clone(),
-                hex_id("m", &mut rng),
                 topo.users[user].clone(),
                 client_msg_id(round, i, n),
                 content(n).to_string(),
@@ -766,9 +765,13 @@ async fn baseline_phase(
                 .await?;
             let mut hist = Histogram::<u64>::new_with_bounds(1, LATENCY_MAX_US, 3)?;
             barrier.wait().await;
-            for ([conv, id, sender, cmid, body], seq) in rows.iter().zip(seqs) {
+            for ([conv, sender, cmid, body], seq) in rows.iter().zip(seqs) {
                 let t = Instant::now();
-                client.execute(&stmt, &[conv, &seq, id, sender, cmid, body, &unix_ms()]).await?;
+                // Minted as the server mints it, when the row is written
+                // (time-ordered: tidemark_core::ids::message_id).
+                let now = unix_ms();
+                let id = tidemark_core::ids::message_id(now, rand::rng().random());
+                client.execute(&stmt, &[conv, &seq, &id, sender, cmid, body, &now]).await?;
                 hist.saturating_record(t.elapsed().as_micros() as u64);
             }
             anyhow::Ok(hist)

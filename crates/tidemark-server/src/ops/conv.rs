@@ -15,7 +15,7 @@ use super::render::envelope;
 use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
 use crate::state::AppState;
-use crate::util::{new_id, now_ms};
+use crate::util::{new_id, new_message_id, now_ms};
 
 pub(super) fn check_conv(conv: &str) -> ApiResult<()> {
     if conv.is_empty() || conv.len() > tidemark_proto::ID_BYTES_MAX {
@@ -27,7 +27,8 @@ pub(super) fn check_conv(conv: &str) -> ApiResult<()> {
 /// A conversation event command from the caller; `client_msg_id` makes a
 /// retry return the original event.
 pub(super) fn event_cmd(ctx: &AuthCtx, conv: &str, client_msg_id: Option<String>) -> ApiResult<ConvEventCmd> {
-    let event_id = new_id("m");
+    let now = now_ms();
+    let event_id = new_message_id(now);
     let client_msg_id = match client_msg_id {
         Some(id) => {
             tidemark_core::ids::check_client_msg_id(&id).map_err(ApiError::bad_request)?;
@@ -41,7 +42,7 @@ pub(super) fn event_cmd(ctx: &AuthCtx, conv: &str, client_msg_id: Option<String>
         actor_device: ctx.device.clone(),
         event_id,
         client_msg_id,
-        now_ms: now_ms(),
+        now_ms: now,
     })
 }
 

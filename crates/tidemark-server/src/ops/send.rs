@@ -9,7 +9,7 @@ use super::AuthCtx;
 use crate::error::{ApiError, ApiResult};
 use crate::metrics as m;
 use crate::state::AppState;
-use crate::util::{new_id, now_ms};
+use crate::util::{new_message_id, now_ms};
 
 /// Times and counts every send (O1, stage `accept`), refusals included,
 /// and traces its outcome.
@@ -51,6 +51,7 @@ async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Send
     // Bounds and one form per user (issue 18); a refusal is BAD_REQUEST.
     let mentions = tidemark_core::mention::normalize(&req.mentions, &ctx.user)
         .map_err(|e| ApiError::from(tidemark_store::StoreError::from(e)))?;
+    let now = now_ms();
     let cmd = SendCmd {
         sender: ctx.user.clone(),
         sender_device: ctx.device.clone(),
@@ -58,12 +59,12 @@ async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Send
         client_msg_id: req.client_msg_id,
         kind: req.kind,
         content,
-        message_id: new_id("m"),
+        message_id: new_message_id(now),
         quote_id,
         mentions,
         mention_all: req.mention_all,
         connection_epoch: ctx.connection_epoch,
-        now_ms: now_ms(),
+        now_ms: now,
     };
     // Cluster mode: the conversation's owner node writes it (issue 14).
     match state.router.forward_send(&cmd).await {
