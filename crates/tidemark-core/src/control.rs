@@ -26,6 +26,20 @@ pub fn check_replay(earlier: (&str, &str), conv: &str, kinds: &[&str], client_ms
     Ok(())
 }
 
+/// S1: whether a send's answer says `duplicate` to the request that
+/// minted `minted` as its message id. The store answers duplicate whenever
+/// it finds a message under the request's idempotency key
+/// (`stored_duplicate`, with that message's id `stored`); that message is
+/// this very request's own write when the ids are equal. It happens in a
+/// cluster: a send forwarded to its conversation's owner is written there,
+/// the answer does not come back in time, and the node writes the same
+/// command locally (issue 14's fallback), finding the owner's write. That
+/// is the client's first attempt, and it is answered as the original it
+/// is; a client's retry mints a new id and is still answered duplicate.
+pub fn answered_as_duplicate(stored_duplicate: bool, stored: &str, minted: &str) -> bool {
+    stored_duplicate && stored != minted
+}
+
 /// S1: a send carries user content; the control kinds are the store's own
 /// events and are refused.
 pub fn check_send_kind(kind: &str) -> Result<(), Refusal> {
@@ -191,6 +205,19 @@ pub fn decide_delete_for_me(t: Option<&Target>, message_id: &str) -> Result<MsgS
 mod tests {
     use super::*;
     use crate::kinds::{KIND_EDIT, KIND_JOIN, KIND_LEAVE, KIND_REACTION, KIND_RECALL, STATE_EDITED, STATE_NORMAL};
+
+    #[test]
+    fn a_send_is_a_duplicate_only_of_another_requests_write() {
+        // (store says duplicate, stored id, minted id) -> answered duplicate
+        let table = [
+            ((false, "m1", "m1"), false), // written now
+            ((true, "m1", "m2"), true),   // a retry finds the first attempt's message
+            ((true, "m1", "m1"), false),  // its own forward's write, found by the local fallback
+        ];
+        for ((dup, stored, minted), expect) in table {
+            assert_eq!(answered_as_duplicate(dup, stored, minted), expect, "{dup} {stored} {minted}");
+        }
+    }
 
     fn msg() -> Target {
         Target {

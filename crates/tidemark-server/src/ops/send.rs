@@ -76,6 +76,7 @@ async fn accept(state: &AppState, ctx: &AuthCtx, req: SendReq) -> ApiResult<Send
 /// Writes a validated send through this node's store: a send received
 /// here, or one another node forwarded (`route`).
 pub(crate) async fn write(state: &AppState, cmd: SendCmd) -> ApiResult<SendOk> {
+    let minted = cmd.message_id.clone();
     let accepted = state.store.accept_send(cmd).await?;
     if accepted.duplicate {
         m::SENDS_DUPLICATE.inc();
@@ -83,12 +84,15 @@ pub(crate) async fn write(state: &AppState, cmd: SendCmd) -> ApiResult<SendOk> {
         m::SENDS_ACCEPTED.inc();
         state.relay_wake.notify_one();
     }
+    // The answer's `duplicate` is the client's view: this request's own
+    // write, found again by a local fallback, is no duplicate of it (S1).
+    let duplicate = tidemark_core::control::answered_as_duplicate(accepted.duplicate, &accepted.message_id, &minted);
     Ok(SendOk {
         message_id: accepted.message_id,
         conv: accepted.conv,
         msg_seq: accepted.msg_seq,
         created_at: accepted.created_at_ms,
-        duplicate: accepted.duplicate,
+        duplicate,
     })
 }
 
