@@ -1,6 +1,8 @@
 //! The single writer: one thread owns the only read-write connection and
 //! group-commits every write request that queued up while the previous
-//! transaction was committing (many requests, one transaction, one fsync).
+//! transaction was committing (many requests, one transaction, one fsync),
+//! and those that queue while the batch runs, for at most
+//! [`LATE_JOIN_WITHIN`].
 //!
 //! Each request runs inside its own SAVEPOINT, so a request that fails (for
 //! example a send to a conversation the sender left) rolls back alone and
@@ -39,6 +41,9 @@ use tokio::sync::{mpsc, oneshot};
 pub const WRITE_BATCH_MAX: usize = 1024;
 /// Most requests waiting for the writer; senders wait (backpressure) beyond.
 pub const WRITE_QUEUE_MAX: usize = 8192;
+/// How long a batch keeps taking requests that queued while its first ones
+/// ran ("late joiners", which then share its commit) before it commits.
+pub const LATE_JOIN_WITHIN: std::time::Duration = std::time::Duration::from_millis(5);
 /// A passive WAL checkpoint runs after this many commits.
 pub const CHECKPOINT_EVERY_COMMITS: u64 = 64;
 /// A WAL file larger than this after a commit is checkpointed at once and
@@ -124,6 +129,12 @@ pub struct Writer {
 impl Writer {
     /// Starts the writer thread; it ends when every `Writer` clone is gone.
     pub fn start(conn: Connection) -> (Writer, std::thread::JoinHandle<()>) {
+        Writer::start_joining_within(conn, LATE_JOIN_WITHIN)
+    }
+
+    /// [`Writer::start`] with another bound on late joiners than
+    /// [`LATE_JOIN_WITHIN`] (tests take it out of the clock's hands).
+    fn start_joining_within(conn: Connection, late_join: std::time::Duration) -> (Writer, std::thread::JoinHandle<()>) {
         let (tx, rx) = mpsc::channel::<Job>(WRITE_QUEUE_MAX);
         let stats = Arc::new(WriterStats::default());
         let failure = Arc::new(WriteFailure::default());
@@ -132,7 +143,7 @@ impl Writer {
         abort_on_writer_panic();
         let handle = std::thread::Builder::new()
             .name(WRITER_THREAD.into())
-            .spawn(move || run(conn, rx, &thread_stats, &thread_failure, &thread_epilogue))
+            .spawn(move || run(conn, rx, late_join, &thread_stats, &thread_failure, &thread_epilogue))
             .expect("spawn writer thread");
         (Writer { jobs: tx, stats, failure, epilogue }, handle)
     }
@@ -288,6 +299,7 @@ fn wal_bytes(wal: &std::path::Path) -> u64 {
 fn run(
     conn: Connection,
     mut rx: mpsc::Receiver<Job>,
+    late_join: std::time::Duration,
     stats: &WriterStats,
     failure: &WriteFailure,
     epilogue: &std::sync::Mutex<Option<Epilogue>>,
@@ -303,7 +315,6 @@ fn run(
                 Err(_) => break,
             }
         }
-        let size = batch.len() as u64;
         let changes_before = conn.total_changes();
         if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
             // Nothing ran. Dropping a job drops its reply channel, so each
@@ -315,15 +326,35 @@ fn run(
             continue;
         }
         let (mut poisoned, mut announced) = (false, false);
-        let completers: Vec<Completer> = batch
-            .drain(..)
-            .map(|job| {
+        let mut completers: Vec<Completer> = Vec::with_capacity(batch.len());
+        let mut size = 0u64;
+        let began = std::time::Instant::now();
+        loop {
+            size += batch.len() as u64;
+            completers.extend(batch.drain(..).map(|job| {
                 let ran = job(&conn);
                 poisoned |= ran.poisoned;
                 announced |= ran.announced;
                 ran.complete
-            })
-            .collect();
+            }));
+            // Late joiners: requests that queued while these ran join the
+            // open transaction and share its commit, rather than wait for
+            // a commit of their own (fewer fsyncs per request, and they are
+            // answered sooner). Bounded by the batch's size and by how long
+            // its first request has been running.
+            if poisoned || began.elapsed() >= late_join {
+                break;
+            }
+            while (size as usize) + batch.len() < WRITE_BATCH_MAX {
+                match rx.try_recv() {
+                    Ok(job) => batch.push(job),
+                    Err(_) => break,
+                }
+            }
+            if batch.is_empty() {
+                break;
+            }
+        }
         let after_commit = match announced && !poisoned {
             true => epilogue.lock().unwrap_or_else(|p| p.into_inner()).as_mut().and_then(|e| e(&conn)),
             false => None,
@@ -379,6 +410,58 @@ mod tests {
     const CHILD_ENV: &str = "TIDEMARK_TEST_WRITER_PANIC_CHILD";
     /// SIGABRT on Linux and the BSDs, what `std::process::abort` raises.
     const SIGABRT: i32 = 6;
+
+    /// Requests that queue while a batch runs join it and share its commit
+    /// (late joiners), within the bound; with a zero bound they wait for
+    /// the next commit.
+    #[test]
+    fn requests_queued_while_a_batch_runs_join_its_commit_within_the_bound() {
+        for (bound, commits) in [(std::time::Duration::from_secs(3600), 1), (std::time::Duration::ZERO, 2)] {
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("db");
+            Connection::open(&path).unwrap().execute_batch("CREATE TABLE t (k TEXT PRIMARY KEY)").unwrap();
+            let (writer, _thread) = Writer::start_joining_within(Connection::open(&path).unwrap(), bound);
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            fn insert(k: &'static str) -> impl FnOnce(&Connection) -> StoreResult<()> + Send + 'static {
+                move |c: &Connection| {
+                    c.execute("INSERT INTO t (k) VALUES (?1)", [k]).map(|_| ()).map_err(crate::internal)
+                }
+            }
+            // The first request holds its batch open until two more are
+            // queued behind it.
+            let (started, running) = std::sync::mpsc::channel::<()>();
+            let (open, wait) = std::sync::mpsc::channel::<()>();
+            let first = rt.spawn({
+                let writer = writer.clone();
+                async move {
+                    writer
+                        .write(move |c| {
+                            started.send(()).unwrap();
+                            wait.recv().unwrap();
+                            insert("a")(c)
+                        })
+                        .await
+                }
+            });
+            let queued = |w: &Writer| WRITE_QUEUE_MAX - w.jobs.capacity();
+            let (b, c, ()) = rt.block_on(async {
+                // On the current-thread runtime `first` runs once this
+                // awaits; the writer thread then starts its batch.
+                tokio::task::yield_now().await;
+                running.recv_timeout(std::time::Duration::from_secs(60)).expect("the first request runs");
+                tokio::join!(writer.write(insert("b")), writer.write(insert("c")), async {
+                    while queued(&writer) < 2 {
+                        tokio::task::yield_now().await;
+                    }
+                    open.send(()).unwrap();
+                })
+            });
+            rt.block_on(first).unwrap().unwrap();
+            assert!(b.is_ok() && c.is_ok(), "{b:?} {c:?}");
+            assert_eq!(writer.stats.commits.load(Ordering::Relaxed), commits, "bound {bound:?}");
+            assert_eq!(writer.stats.writes.load(Ordering::Relaxed), 3);
+        }
+    }
 
     /// An unguarded request (no savepoint) that fails before any change
     /// leaves its batch to commit; one that fails after a change takes the
