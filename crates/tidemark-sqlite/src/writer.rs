@@ -296,6 +296,16 @@ fn wal_bytes(wal: &std::path::Path) -> u64 {
     std::fs::metadata(wal).map(|m| m.len()).unwrap_or(0)
 }
 
+/// Moves the requests already queued into `batch` until it holds `room`.
+fn take_queued(rx: &mut mpsc::Receiver<Job>, batch: &mut Vec<Job>, room: usize) {
+    while batch.len() < room {
+        match rx.try_recv() {
+            Ok(job) => batch.push(job),
+            Err(_) => break,
+        }
+    }
+}
+
 fn run(
     conn: Connection,
     mut rx: mpsc::Receiver<Job>,
@@ -309,12 +319,7 @@ fn run(
     let mut batch: Vec<Job> = Vec::with_capacity(WRITE_BATCH_MAX);
     while let Some(first) = rx.blocking_recv() {
         batch.push(first);
-        while batch.len() < WRITE_BATCH_MAX {
-            match rx.try_recv() {
-                Ok(job) => batch.push(job),
-                Err(_) => break,
-            }
-        }
+        take_queued(&mut rx, &mut batch, WRITE_BATCH_MAX);
         let changes_before = conn.total_changes();
         if let Err(e) = conn.execute_batch("BEGIN IMMEDIATE") {
             // Nothing ran. Dropping a job drops its reply channel, so each
@@ -345,12 +350,7 @@ fn run(
             if poisoned || began.elapsed() >= late_join {
                 break;
             }
-            while (size as usize) + batch.len() < WRITE_BATCH_MAX {
-                match rx.try_recv() {
-                    Ok(job) => batch.push(job),
-                    Err(_) => break,
-                }
-            }
+            take_queued(&mut rx, &mut batch, WRITE_BATCH_MAX - size as usize);
             if batch.is_empty() {
                 break;
             }
