@@ -301,19 +301,6 @@ fn ms(us: u64) -> f64 {
     us as f64 / 1000.0
 }
 
-/// CPU seconds (user + system) process `pid` used so far, from /proc.
-fn cpu_secs(pid: &str) -> Result<f64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    // The fields after the command name, which is in parentheses.
-    let rest = stat.rsplit_once(')').context("no command in stat")?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 =
-        fields.get(11).context("utime")?.parse::<u64>()? + fields.get(12).context("stime")?.parse::<u64>()?;
-    // SAFETY: sysconf only reads a system constant.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    Ok(ticks as f64 / hz)
-}
-
 /// The `serve` flags that lift the hostile-client limits (the server
 /// before them): frame and request budgets, reconnect penalty, the
 /// per-address connection cap.
@@ -380,7 +367,7 @@ fn pin_to_cpu(cpu: usize) -> Result<()> {
 async fn run_attack(plan: Plan, kind: AttackKind) -> Result<AttackReport> {
     let stop = Arc::new(AtomicBool::new(false));
     let counts = Arc::new(AttackCounts::default());
-    let cpu_before = cpu_secs("self")?;
+    let cpu_before = super::proc::cpu_secs("self")?;
     let mut attack = Vec::new();
     match kind {
         AttackKind::Login => {
@@ -425,7 +412,7 @@ async fn run_attack(plan: Plan, kind: AttackKind) -> Result<AttackReport> {
             t.abort();
         }
     }
-    Ok(counts.report(cpu_secs("self")? - cpu_before))
+    Ok(counts.report(super::proc::cpu_secs("self")? - cpu_before))
 }
 
 /// A client whose requests leave from `address`.
@@ -914,7 +901,7 @@ async fn phases(args: &FloodArgs, server: &ChildGuard, addr: std::net::SocketAdd
                 Ok((h, waits))
             })
         };
-        let server_cpu_before = cpu_secs(&server_pid)?;
+        let server_cpu_before = super::proc::cpu_secs(&server_pid)?;
         let started = Instant::now();
         let mut send_h = Histogram::<u64>::new_with_bounds(1, LATENCY_MAX_US, 3)?;
         let mut n = 0u64;
@@ -930,7 +917,7 @@ async fn phases(args: &FloodArgs, server: &ChildGuard, addr: std::net::SocketAdd
             n += 1;
         }
         let seconds = started.elapsed().as_secs_f64();
-        let server_cpu = cpu_secs(&server_pid)? - server_cpu_before;
+        let server_cpu = super::proc::cpu_secs(&server_pid)? - server_cpu_before;
         stop.store(true, Ordering::Relaxed);
         let attack = match attacker {
             Some(a) => a.stop().await.with_context(|| format!("the attacker of phase {phase}"))?,

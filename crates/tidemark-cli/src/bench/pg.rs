@@ -37,6 +37,7 @@ use tidemark_server::{Server, ServerConfig};
 use tidemark_store::Store;
 use tokio_postgres::Client;
 
+use super::proc::{clock_ticks_per_s, cpu_ticks};
 use super::stores::{connect, Schemas};
 
 use super::{
@@ -126,17 +127,6 @@ struct LimitEvidence {
 
 /// How often the `--nodes` phase samples `pg_stat_activity`.
 const WAIT_SAMPLE_EVERY: Duration = Duration::from_millis(25);
-/// Clock ticks per second of `/proc/<pid>/stat` (`CLK_TCK` on Linux).
-const CLOCK_TICKS_PER_S: f64 = 100.0;
-
-/// User plus system CPU of process `pid`, in clock ticks.
-fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.rsplit_once(')')?.1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    // After the command: state is field 3, utime 14 and stime 15.
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
-}
 
 /// Samples `app`'s backends until stopped: their states and wait events,
 /// and each backend's CPU when first seen.
@@ -214,8 +204,8 @@ impl WaitSampler {
             samples,
             waits,
             wall_s: wall.as_secs_f64(),
-            node_cpu_s: node_cpu_ticks as f64 / CLOCK_TICKS_PER_S,
-            backend_cpu_s: backend_ticks as f64 / CLOCK_TICKS_PER_S,
+            node_cpu_s: node_cpu_ticks as f64 / clock_ticks_per_s(),
+            backend_cpu_s: backend_ticks as f64 / clock_ticks_per_s(),
             load_1m,
         }
     }

@@ -68,6 +68,30 @@ pub(super) fn rss_kib(pid: u32) -> Result<u64> {
     Ok(line.split_whitespace().nth(1).context("VmRSS value")?.parse()?)
 }
 
+/// User plus system CPU of process `pid` (a number, or `self`) so far, in
+/// clock ticks, from /proc/<pid>/stat.
+pub(super) fn cpu_ticks(pid: impl std::fmt::Display) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The fields after the command name, which is in parentheses: state is
+    // field 3, utime 14 and stime 15.
+    let rest = stat.rsplit_once(')')?.1;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+/// Clock ticks per second of /proc's CPU times (`CLK_TCK`).
+pub(super) fn clock_ticks_per_s() -> f64 {
+    // SAFETY: sysconf only reads a system constant.
+    unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64
+}
+
+/// CPU seconds (user + system) process `pid` (a number, or `self`) used so
+/// far.
+pub(super) fn cpu_secs(pid: impl std::fmt::Display) -> Result<f64> {
+    let ticks = cpu_ticks(&pid).with_context(|| format!("no CPU times in /proc/{pid}/stat"))?;
+    Ok(ticks as f64 / clock_ticks_per_s())
+}
+
 /// The soft limit on open files, from /proc/self/limits.
 pub(super) fn open_files_soft_limit() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/limits").ok()?;

@@ -36,7 +36,8 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, Device, PASSWORD};
 use super::proc::{
-    create_devices, create_users, metric_value, open_files_soft_limit, pct, spawn_tidemark, ChildGuard, TokenMint,
+    cpu_secs, create_devices, create_users, metric_value, open_files_soft_limit, pct, spawn_tidemark, ChildGuard,
+    TokenMint,
 };
 use super::stores::{Schemas, StoreAt};
 use super::{init_logs, median, print_table, TempDir};
@@ -114,10 +115,20 @@ struct Round {
     /// single `presence` frames plus the entries of `presence.batch` frames
     /// (what the clients learn, whichever way it travels).
     presence_entries_per_resume: f64,
+    /// CPU (user + system, from /proc) of the `tidemark serve` process over
+    /// the storm, per resume: what a resume costs the node, steadier than
+    /// the wall time on a shared machine. PostgreSQL's backends are not in
+    /// it.
+    server_cpu_ms_per_resume: f64,
+    /// CPU of this process over the storm (the devices' SDK clients), per
+    /// resume.
+    clients_cpu_ms_per_resume: f64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
     baseline_statements_per_handshake: f64,
+    /// The server's CPU over the bare handshakes, per handshake.
+    baseline_server_cpu_ms_per_handshake: f64,
 }
 
 /// Connect, send the `auth` frame, wait for `auth.ok`.
@@ -308,8 +319,10 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
         // ------------------------------------------------------ resume storm
         pb.set_message(format!("round {round}: resume, all devices at once"));
         let before = statements(addr, reads).await?;
+        let cpu_before = (cpu_secs(server.pid())?, cpu_secs("self")?);
         let batch = !args.single_presence_frames;
         let storm = resume_storm(&ws_url, &tokens, &mut positions, (k, args.limit), batch, &pb).await?;
+        let cpu_after = (cpu_secs(server.pid())?, cpu_secs("self")?);
         let after = statements(addr, reads).await?;
 
         // ------------------------------------------------------ baseline
@@ -317,7 +330,9 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
         // Let the server finish closing the resumed connections first.
         tokio::time::sleep(Duration::from_secs(1)).await;
         let base_before = statements(addr, reads).await?;
+        let base_cpu_before = cpu_secs(server.pid())?;
         let (baseline_secs, mut base_times) = handshakes(&ws_url, &tokens, &pb).await?;
+        let base_cpu_after = cpu_secs(server.pid())?;
         let base_after = statements(addr, reads).await?;
         pb.finish_and_clear();
 
@@ -337,15 +352,19 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
             read_statements_per_resume: per(before.reads, after.reads),
             ephemeral_frames_per_resume: per(before.ephemeral_frames, after.ephemeral_frames),
             presence_entries_per_resume: per(before.presence_entries, after.presence_entries),
+            server_cpu_ms_per_resume: per(cpu_before.0, cpu_after.0) * 1000.0,
+            clients_cpu_ms_per_resume: per(cpu_before.1, cpu_after.1) * 1000.0,
             retries,
             baseline_all_handshakes_secs: baseline_secs,
             baseline_p50_ms: median(base_times.clone()),
             baseline_p99_ms: pct(&base_times, 0.99),
             baseline_statements_per_handshake: per(base_before.statements, base_after.statements),
+            baseline_server_cpu_ms_per_handshake: per(base_cpu_before, base_cpu_after) * 1000.0,
         };
         eprintln!(
-            "round {round}: all caught up in {:.2} s (handshakes alone {:.2} s), {:.1} statements per resume",
-            r.all_caught_up_secs, r.baseline_all_handshakes_secs, r.statements_per_resume
+            "round {round}: all caught up in {:.2} s (handshakes alone {:.2} s), {:.1} statements and {:.2} ms of \
+             server CPU per resume",
+            r.all_caught_up_secs, r.baseline_all_handshakes_secs, r.statements_per_resume, r.server_cpu_ms_per_resume
         );
         rounds.push(r);
     }
@@ -577,10 +596,13 @@ fn median_round(rounds: &[Round]) -> Round {
         ephemeral_frames_per_resume: med(|r| r.ephemeral_frames_per_resume),
         retries: med(|r| r.retries as f64) as u64,
         presence_entries_per_resume: med(|r| r.presence_entries_per_resume),
+        server_cpu_ms_per_resume: med(|r| r.server_cpu_ms_per_resume),
+        clients_cpu_ms_per_resume: med(|r| r.clients_cpu_ms_per_resume),
         baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
         baseline_statements_per_handshake: med(|r| r.baseline_statements_per_handshake),
+        baseline_server_cpu_ms_per_handshake: med(|r| r.baseline_server_cpu_ms_per_handshake),
     }
 }
 
@@ -623,6 +645,8 @@ fn report(
             "of them reads",
             "eph frames/resume",
             "presence entries/resume",
+            "server CPU ms/resume",
+            "clients CPU ms/resume",
         ],
         &[
             vec![
@@ -640,6 +664,8 @@ fn report(
                 },
                 format!("{:.1}", s.ephemeral_frames_per_resume),
                 format!("{:.1}", s.presence_entries_per_resume),
+                format!("{:.2}", s.server_cpu_ms_per_resume),
+                format!("{:.2}", s.clients_cpu_ms_per_resume),
             ],
             vec![
                 "baseline: bare handshakes".into(),
@@ -651,6 +677,8 @@ fn report(
                 format!("{:.1}", s.baseline_statements_per_handshake),
                 String::new(),
                 String::new(),
+                String::new(),
+                format!("{:.2}", s.baseline_server_cpu_ms_per_handshake),
                 String::new(),
             ],
             vec![
@@ -664,6 +692,8 @@ fn report(
                 String::new(),
                 String::new(),
                 String::new(),
+                ratio(s.server_cpu_ms_per_resume, s.baseline_server_cpu_ms_per_handshake),
+                String::new(),
             ],
         ],
     );
@@ -676,6 +706,7 @@ fn report(
             "device p50 ms",
             "device p99 ms",
             "stmts/resume",
+            "server CPU ms/resume",
             "retries",
             "handshakes s",
         ],
@@ -689,6 +720,7 @@ fn report(
                     format!("{:.1}", r.device_p50_ms),
                     format!("{:.1}", r.device_p99_ms),
                     format!("{:.1}", r.statements_per_resume),
+                    format!("{:.2}", r.server_cpu_ms_per_resume),
                     r.retries.to_string(),
                     format!("{:.3}", r.baseline_all_handshakes_secs),
                 ]
@@ -705,7 +737,9 @@ fn report(
                  baseline = WebSocket connect + auth frame of the same devices at once against the same restarted \
                  server; statements = statements the server's store connections ran (its /metrics counters: \
                  SQLite counts every statement started, PostgreSQL every statement sent, BEGIN/COMMIT included, \
-                 and has no read counter), delta over the storm / devices; summary = median of the rounds",
+                 and has no read counter), delta over the storm / devices; server/clients CPU = user + system CPU \
+                 (/proc) of the serve process / of this bench process (the devices' clients) over the storm / \
+                 devices, PostgreSQL's backends not counted; summary = median of the rounds",
         "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": groups,
         "presence_batch": !args.single_presence_frames,
         "open_files_soft_limit": soft, "setup_secs": setup_secs,
