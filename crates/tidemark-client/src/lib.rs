@@ -169,6 +169,22 @@ impl ClientError {
 pub type ClientResult<T> = Result<T, ClientError>;
 
 /// Decodes an `<op>.ok` reply or an `error` frame.
+/// [`decode_reply`] straight from a reply's text: parsed once, into `T` or
+/// the error frame, with no `Value` tree in between.
+pub(crate) fn decode_reply_text<T: serde::de::DeserializeOwned>(text: &str) -> ClientResult<T> {
+    #[derive(serde::Deserialize)]
+    struct Kind<'a> {
+        #[serde(borrow, default)]
+        t: Option<std::borrow::Cow<'a, str>>,
+    }
+    let kind: Kind = serde_json::from_str(text).map_err(|e| ClientError::Decode(e.to_string()))?;
+    if kind.t.as_deref() == Some("error") {
+        let frame: ErrorFrame = serde_json::from_str(text).map_err(|e| ClientError::Decode(e.to_string()))?;
+        return Err(ClientError::Server(frame));
+    }
+    serde_json::from_str(text).map_err(|e| ClientError::Decode(e.to_string()))
+}
+
 pub(crate) fn decode_reply<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> ClientResult<T> {
     if v.get("t").and_then(|t| t.as_str()) == Some("error") {
         let frame: ErrorFrame = serde_json::from_value(v).map_err(|e| ClientError::Decode(e.to_string()))?;

@@ -19,9 +19,20 @@ use tidemark_proto::{
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::AbortHandle;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
-use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use crate::{decode_reply, ClientError, ClientResult};
+use crate::{decode_reply_text, ClientError, ClientResult};
+
+/// What the reader looks at before it parses a frame: its `rid`, present on
+/// replies only. Every other field is skipped without being built, so a
+/// frame is parsed once, into what it is (a reply by its request, a
+/// server-initiated frame into [`ServerFrame`]), not first into a `Value`
+/// tree (issue 19: that tree was most of the SDK's allocation in a resume).
+#[derive(serde::Deserialize)]
+struct Routing<'a> {
+    #[serde(borrow, default)]
+    rid: Option<std::borrow::Cow<'a, str>>,
+}
 
 /// Server-initiated frames.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,7 +102,9 @@ impl Default for WsOptions {
 /// reader's last sweep).
 #[derive(Default)]
 struct Waiting {
-    replies: HashMap<String, oneshot::Sender<Value>>,
+    /// The text of each awaited reply, parsed by its request (typed, or
+    /// into a `Value` for [`WsConn::request_value`]).
+    replies: HashMap<String, oneshot::Sender<Utf8Bytes>>,
     ended: bool,
 }
 
@@ -220,17 +233,18 @@ impl WsConn {
                     Message::Close(_) => break,
                     _ => continue,
                 };
-                let Ok(v) = serde_json::from_str::<Value>(&text) else {
+                let Ok(routing) = serde_json::from_str::<Routing>(&text) else {
                     continue;
                 };
-                if let Some(rid) = v.get("rid").and_then(Value::as_str) {
-                    if let Some(tx) = reader_pending.lock().expect("pending lock").replies.remove(rid) {
-                        let _ = tx.send(v);
+                if let Some(rid) = routing.rid {
+                    let waiting = reader_pending.lock().expect("pending lock").replies.remove(rid.as_ref());
+                    if let Some(tx) = waiting {
+                        let _ = tx.send(text);
                     }
                     continue;
                 }
                 // Frames of types this SDK does not know are skipped.
-                match serde_json::from_value::<ServerFrame>(v) {
+                match serde_json::from_str::<ServerFrame>(&text) {
                     Ok(ServerFrame::Hint(h)) => {
                         let hint = ServerEvent::Hint { high_watermark: h.user_sync_high_watermark, reason: h.reason };
                         let _ = ev_tx.try_send(hint);
@@ -286,6 +300,12 @@ impl WsConn {
     /// `Closed` at once when the connection has ended, and as soon as it
     /// ends while the request waits (the caller bounds a silent peer).
     pub async fn request_value(&self, op: &str, body: Value) -> ClientResult<Value> {
+        let text = self.request_text(op, body).await?;
+        serde_json::from_str(&text).map_err(|e| ClientError::Decode(e.to_string()))
+    }
+
+    /// [`WsConn::request_value`], the reply's text unparsed.
+    async fn request_text(&self, op: &str, body: Value) -> ClientResult<Utf8Bytes> {
         let rid = format!("r{}", self.next_rid.fetch_add(1, Ordering::Relaxed));
         let mut map = match body {
             Value::Object(m) => m,
@@ -311,7 +331,7 @@ impl WsConn {
 
     pub async fn request<B: Serialize, T: DeserializeOwned>(&self, op: &str, body: &B) -> ClientResult<T> {
         let body = serde_json::to_value(body).map_err(|e| ClientError::Decode(e.to_string()))?;
-        decode_reply(self.request_value(op, body).await?)
+        decode_reply_text(&self.request_text(op, body).await?)
     }
 
     pub async fn send(&self, req: &SendReq) -> ClientResult<SendOk> {
