@@ -168,7 +168,6 @@ impl ClientError {
 
 pub type ClientResult<T> = Result<T, ClientError>;
 
-/// Decodes an `<op>.ok` reply or an `error` frame.
 /// [`decode_reply`] straight from a reply's text: parsed once, into `T` or
 /// the error frame, with no `Value` tree in between.
 pub(crate) fn decode_reply_text<T: serde::de::DeserializeOwned>(text: &str) -> ClientResult<T> {
@@ -185,6 +184,7 @@ pub(crate) fn decode_reply_text<T: serde::de::DeserializeOwned>(text: &str) -> C
     serde_json::from_str(text).map_err(|e| ClientError::Decode(e.to_string()))
 }
 
+/// Decodes an `<op>.ok` reply or an `error` frame.
 pub(crate) fn decode_reply<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> ClientResult<T> {
     if v.get("t").and_then(|t| t.as_str()) == Some("error") {
         let frame: ErrorFrame = serde_json::from_value(v).map_err(|e| ClientError::Decode(e.to_string()))?;
