@@ -2,7 +2,6 @@
 
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use serde_json::Value;
 use tidemark_proto::{
     AdminAuditOk, AdminAuditReq, AdminDeactivateOk, AdminDeactivateReq, AdminDeleteOk, AdminDeleteReq, AdminLogoutOk,
     AdminLogoutReq, AdminUserOk, AdminUserReq, LoginOk, LoginReq, RefreshReq,
@@ -37,8 +36,8 @@ impl Http {
             req = req.bearer_auth(token);
         }
         let resp = req.send().await.map_err(|e| ClientError::Transport(e.to_string()))?;
-        let v: Value = resp.json().await.map_err(|e| ClientError::Decode(e.to_string()))?;
-        decode_reply(v)
+        let text = resp.text().await.map_err(|e| ClientError::Decode(e.to_string()))?;
+        decode_reply(&text)
     }
 
     pub async fn create_user(&self, admin_token: &str, user: &str, password: &str) -> ClientResult<AdminUserOk> {

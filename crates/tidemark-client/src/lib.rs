@@ -168,27 +168,61 @@ impl ClientError {
 
 pub type ClientResult<T> = Result<T, ClientError>;
 
-/// [`decode_reply`] straight from a reply's text: parsed once, into `T` or
-/// the error frame, with no `Value` tree in between.
-pub(crate) fn decode_reply_text<T: serde::de::DeserializeOwned>(text: &str) -> ClientResult<T> {
-    #[derive(serde::Deserialize)]
-    struct Kind<'a> {
-        #[serde(borrow, default)]
-        t: Option<std::borrow::Cow<'a, str>>,
-    }
-    let kind: Kind = serde_json::from_str(text).map_err(|e| ClientError::Decode(e.to_string()))?;
-    if kind.t.as_deref() == Some("error") {
-        let frame: ErrorFrame = serde_json::from_str(text).map_err(|e| ClientError::Decode(e.to_string()))?;
-        return Err(ClientError::Server(frame));
-    }
-    serde_json::from_str(text).map_err(|e| ClientError::Decode(e.to_string()))
+/// What is read of a frame before it is parsed whole: its type `t` and, on
+/// replies only, its `rid`. Every other field is skipped without being
+/// built, so a frame is parsed once into what it is (issue 19: a `Value`
+/// tree built first was most of the SDK's allocation in a resume).
+#[derive(serde::Deserialize)]
+pub(crate) struct Peek<'a> {
+    #[serde(borrow, default)]
+    pub t: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    pub rid: Option<std::borrow::Cow<'a, str>>,
 }
 
-/// Decodes an `<op>.ok` reply or an `error` frame.
-pub(crate) fn decode_reply<T: serde::de::DeserializeOwned>(v: serde_json::Value) -> ClientResult<T> {
-    if v.get("t").and_then(|t| t.as_str()) == Some("error") {
-        let frame: ErrorFrame = serde_json::from_value(v).map_err(|e| ClientError::Decode(e.to_string()))?;
-        return Err(ClientError::Server(frame));
+/// Decodes an `<op>.ok` reply or an `error` frame from the reply's text,
+/// parsed once into `T` or the error frame.
+pub(crate) fn decode_reply<T: serde::de::DeserializeOwned>(text: &str) -> ClientResult<T> {
+    let decode = |e: serde_json::Error| ClientError::Decode(e.to_string());
+    let peek: Peek = serde_json::from_str(text).map_err(decode)?;
+    if peek.t.as_deref() == Some("error") {
+        return Err(ClientError::Server(serde_json::from_str(text).map_err(decode)?));
     }
-    serde_json::from_value(v).map_err(|e| ClientError::Decode(e.to_string()))
+    serde_json::from_str(text).map_err(decode)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tidemark_proto::AckOk;
+
+    /// A reply decodes once into its type or into the server's typed error;
+    /// a frame that is not JSON is a decode error, not a panic; the peek
+    /// reads `t` and an escaped `rid` whatever else the frame holds.
+    #[test]
+    fn replies_decode_from_their_text_into_their_type_or_the_servers_error() {
+        let ok: AckOk =
+            decode_reply(r#"{"t":"ack.ok","rid":"r1","acked_sync_seq":7,"sync_generation":2,"extra":[{"x":1}]}"#)
+                .unwrap();
+        assert_eq!((ok.acked_sync_seq, ok.sync_generation), (7, 2));
+        let err = decode_reply::<AckOk>(
+            r#"{"t":"error","rid":"r2","code":"RATE_LIMITED","message":"slow down","retry_after_ms":250}"#,
+        );
+        match err {
+            Err(ClientError::Server(f)) => {
+                assert_eq!(
+                    (f.code, f.retry_after_ms, f.rid.as_deref()),
+                    (ErrorCode::RateLimited, Some(250), Some("r2"))
+                )
+            }
+            other => panic!("expected the server's error, got {other:?}"),
+        }
+        assert!(matches!(decode_reply::<AckOk>("{not json"), Err(ClientError::Decode(_))));
+        assert!(matches!(decode_reply::<AckOk>(r#"{"t":"ack.ok"}"#), Err(ClientError::Decode(_))));
+        let peek: Peek =
+            serde_json::from_str(r#"{"events":[{"t":"x","rid":"no"}],"rid":"r\"9","t":"sync.ok"}"#).unwrap();
+        assert_eq!((peek.t.as_deref(), peek.rid.as_deref()), (Some("sync.ok"), Some("r\"9")));
+        let hint: Peek = serde_json::from_str(r#"{"t":"hint","user_sync_high_watermark":3}"#).unwrap();
+        assert_eq!((hint.t.as_deref(), hint.rid), (Some("hint"), None));
+    }
 }

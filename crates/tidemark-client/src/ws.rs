@@ -21,18 +21,7 @@ use tokio::task::AbortHandle;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::{Message, Utf8Bytes};
 
-use crate::{decode_reply_text, ClientError, ClientResult};
-
-/// What the reader looks at before it parses a frame: its `rid`, present on
-/// replies only. Every other field is skipped without being built, so a
-/// frame is parsed once, into what it is (a reply by its request, a
-/// server-initiated frame into [`ServerFrame`]), not first into a `Value`
-/// tree (issue 19: that tree was most of the SDK's allocation in a resume).
-#[derive(serde::Deserialize)]
-struct Routing<'a> {
-    #[serde(borrow, default)]
-    rid: Option<std::borrow::Cow<'a, str>>,
-}
+use crate::{decode_reply, ClientError, ClientResult, Peek};
 
 /// Server-initiated frames.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -233,10 +222,10 @@ impl WsConn {
                     Message::Close(_) => break,
                     _ => continue,
                 };
-                let Ok(routing) = serde_json::from_str::<Routing>(&text) else {
+                let Ok(peek) = serde_json::from_str::<Peek>(&text) else {
                     continue;
                 };
-                if let Some(rid) = routing.rid {
+                if let Some(rid) = peek.rid {
                     let waiting = reader_pending.lock().expect("pending lock").replies.remove(rid.as_ref());
                     if let Some(tx) = waiting {
                         let _ = tx.send(text);
@@ -331,7 +320,7 @@ impl WsConn {
 
     pub async fn request<B: Serialize, T: DeserializeOwned>(&self, op: &str, body: &B) -> ClientResult<T> {
         let body = serde_json::to_value(body).map_err(|e| ClientError::Decode(e.to_string()))?;
-        decode_reply_text(&self.request_text(op, body).await?)
+        decode_reply(&self.request_text(op, body).await?)
     }
 
     pub async fn send(&self, req: &SendReq) -> ClientResult<SendOk> {
