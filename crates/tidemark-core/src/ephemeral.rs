@@ -139,6 +139,31 @@ pub fn presence_changed(announced: Option<Presence>, now: Presence) -> bool {
     announced.unwrap_or(Presence::Offline) != now
 }
 
+/// Reads of a user's presence facts (privacy switch, audience) one
+/// announcement makes at most, the first included, while the store answers
+/// a temporary failure (a read pool exhausted by a resume storm on
+/// PostgreSQL): without them a connect whose facts could not be read was
+/// never announced, and a close never said offline.
+pub const PRESENCE_READ_ATTEMPTS_MAX: u32 = 6;
+/// The wait before the first read again; doubled after each failure.
+pub const PRESENCE_READ_RETRY_BASE_MS: u64 = 250;
+/// The longest wait between two reads.
+pub const PRESENCE_READ_RETRY_MAX_MS: u64 = 4_000;
+
+/// After the `failed`-th failed read of an announcement's facts in a row
+/// (1 after the first): how long to wait before reading again, or `None`
+/// to give up, when the failure is not `temporary` or
+/// [`PRESENCE_READ_ATTEMPTS_MAX`] reads were made. The waits double from
+/// [`PRESENCE_READ_RETRY_BASE_MS`] up to [`PRESENCE_READ_RETRY_MAX_MS`]
+/// (250, 500, 1 000, 2 000, 4 000 ms: 7.75 s in all, plus the reads' own
+/// waits).
+pub fn presence_read_retry(failed: u32, temporary: bool) -> Option<u64> {
+    if !temporary || failed == 0 || failed >= PRESENCE_READ_ATTEMPTS_MAX {
+        return None;
+    }
+    Some(PRESENCE_READ_RETRY_BASE_MS.saturating_mul(1 << (failed - 1).min(32)).min(PRESENCE_READ_RETRY_MAX_MS))
+}
+
 /// Whether a connection's waiting presence entries go out as one
 /// `presence.batch` frame (per wake of its writer) rather than one
 /// `presence` frame each: only on a connection that opted in (old clients
@@ -312,6 +337,27 @@ pub fn check_delivery_receipts(conv: &str, caller: &str, facts: &DeliveryFacts<'
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn presence_reads_are_retried_with_doubling_waits_only_while_temporary() {
+        let cases: &[(u32, bool, Option<u64>)] = &[
+            (0, true, None),
+            (1, true, Some(250)),
+            (2, true, Some(500)),
+            (3, true, Some(1_000)),
+            (4, true, Some(2_000)),
+            (5, true, Some(4_000)),
+            (6, true, None),
+            (40, true, None),
+            (1, false, None),
+            (3, false, None),
+        ];
+        for &(failed, temporary, expect) in cases {
+            assert_eq!(presence_read_retry(failed, temporary), expect, "failed {failed}, temporary {temporary}");
+        }
+        let total: u64 = (1..PRESENCE_READ_ATTEMPTS_MAX).filter_map(|n| presence_read_retry(n, true)).sum();
+        assert_eq!(total, 7_750, "the waits the doc comment states");
+    }
 
     #[test]
     fn typing_timeouts_are_bounded() {

@@ -28,7 +28,10 @@
 //!   frame goes out only when that changes (heartbeats say nothing),
 //!   to the users sharing an open conversation (the audience, read from the
 //!   store for each announcement, which coalescing makes rare, so a
-//!   conversation created since the user connected counts). Every new
+//!   conversation created since the user connected counts; a read that
+//!   fails for a moment, as when a resume storm exhausts PostgreSQL's read
+//!   pool, is made again a few times, `core::ephemeral::presence_read_retry`,
+//!   while the connection or the close it announces still stands). Every new
 //!   connection also asks
 //!   its audience for their presence: each receiver that is online or idle,
 //!   and not hidden, answers with one presence frame to the new user.
@@ -409,13 +412,13 @@ impl Lane {
     /// audience for their presence.
     pub async fn connected(&self, conn: &EphConn) {
         let user = &conn.user;
-        let (privacy, audience) = match self.facts(user).await {
-            Ok(f) => f,
-            Err(e) => {
-                tracing::debug!(%user, error = ?e.code, "presence facts not read; not announced");
-                return;
-            }
+        let attached = || {
+            let users = self.users.lock().expect("lane lock");
+            users.get(user).is_some_and(|u| u.conns.iter().any(|c| std::ptr::eq(Arc::as_ptr(c), conn)))
         };
+        // One statement: a storm of connects reads each user's facts once.
+        let read = || self.store.presence_facts(user, self.config.audience_max);
+        let Some((privacy, audience)) = self.read_facts(user, "facts", attached, read).await else { return };
         let signal = {
             let mut users = self.users.lock().expect("lane lock");
             let Some(u) = users.get_mut(user) else { return };
@@ -454,7 +457,10 @@ impl Lane {
             // Other connections remain: what they show now, if it changed.
             None => self.announce(&conn.user, None, false).await,
             Some(Some(offline)) => {
-                if let Some(to) = self.audience(&conn.user).await {
+                // Said unless the user connected here again meanwhile (that
+                // connection announces itself).
+                let gone = || !self.users.lock().expect("lane lock").contains_key(&conn.user);
+                if let Some(to) = self.audience(&conn.user, gone).await {
                     self.deliver(Signal { from: conn.user.clone(), to, frame: Some(offline), answer: false });
                 }
             }
@@ -462,22 +468,46 @@ impl Lane {
         }
     }
 
-    async fn facts(&self, user: &str) -> ApiResult<(tidemark_store::Privacy, Vec<String>)> {
-        // One statement: a storm of connects reads each user's facts once.
-        Ok(self.store.presence_facts(user, self.config.audience_max).await?)
+    /// Reads a presence fact of `user` (`what` names it in the log): again
+    /// after a temporary failure, while `wanted` still holds after the wait
+    /// (`core::ephemeral::presence_read_retry`: a resume storm on
+    /// PostgreSQL can exhaust the read pool for seconds, and an
+    /// announcement given up on the first failure left the user unshown,
+    /// or shown online after closing); `None` when the read is given up.
+    async fn read_facts<T, F, Fut>(&self, user: &str, what: &str, wanted: impl Fn() -> bool, read: F) -> Option<T>
+    where
+        F: Fn() -> Fut,
+        Fut: std::future::Future<Output = tidemark_store::StoreResult<T>>,
+    {
+        let mut failed = 0;
+        loop {
+            let e = match read().await {
+                Ok(v) => return Some(v),
+                Err(e) => e,
+            };
+            failed += 1;
+            let temporary = matches!(e, tidemark_store::StoreError::Unavailable(_));
+            let Some(wait_ms) = rules::presence_read_retry(failed, temporary) else {
+                m::PRESENCE_READS_FAILED.add_by("outcome", "gave_up", 1);
+                tracing::warn!(%user, what, failed, error = %e, "presence not read; not announced");
+                return None;
+            };
+            m::PRESENCE_READS_FAILED.add_by("outcome", "retried", 1);
+            tracing::debug!(%user, what, failed, wait_ms, error = %e, "presence not read; reading again");
+            tokio::time::sleep(Duration::from_millis(wait_ms)).await;
+            if !wanted() {
+                return None;
+            }
+        }
     }
 
     /// Who sees `user`'s presence now (read at every announcement, which
     /// coalescing makes rare, so a conversation created or left since the
-    /// user connected counts at once); `None` when the store cannot say.
-    async fn audience(&self, user: &str) -> Option<Vec<String>> {
-        match self.store.presence_audience(user, self.config.audience_max).await {
-            Ok(a) => Some(a),
-            Err(e) => {
-                tracing::debug!(%user, error = %e, "presence audience not read; not announced");
-                None
-            }
-        }
+    /// user connected counts at once), read again after a temporary failure
+    /// while `wanted` holds; `None` when the store cannot say.
+    async fn audience(&self, user: &str, wanted: impl Fn() -> bool) -> Option<Vec<String>> {
+        let read = || self.store.presence_audience(user, self.config.audience_max);
+        self.read_facts(user, "audience", wanted, read).await
     }
 
     /// Announces what others see of local `user` now if it differs from
@@ -491,7 +521,8 @@ impl Lane {
                 u.hidden = h;
             }
         }
-        let Some(to) = self.audience(user).await else { return };
+        let local = || self.users.lock().expect("lane lock").contains_key(user);
+        let Some(to) = self.audience(user, local).await else { return };
         let frame = {
             let mut users = self.users.lock().expect("lane lock");
             let Some(u) = users.get_mut(user) else { return };

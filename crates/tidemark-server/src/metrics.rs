@@ -229,6 +229,11 @@ pub const EPHEMERAL_DROPPED: Metric = Metric::new("tidemark_ephemeral_dropped_to
 /// Ephemeral signals published to and received from the other nodes.
 pub const EPHEMERAL_BUS_PUBLISHED: Metric = Metric::new("tidemark_ephemeral_bus_published_total", stage::EPHEMERAL);
 pub const EPHEMERAL_BUS_RECEIVED: Metric = Metric::new("tidemark_ephemeral_bus_received_total", stage::EPHEMERAL);
+/// Failed reads of a user's presence facts (privacy, audience) by what
+/// followed: read again after a wait, or the announcement given up.
+pub const PRESENCE_READS_FAILED: Metric = Metric::new("tidemark_presence_reads_failed_total", stage::EPHEMERAL);
+/// Values of the `outcome` label of [`PRESENCE_READS_FAILED`].
+pub const PRESENCE_READ_OUTCOMES: &[&str] = &["retried", "gave_up"];
 /// Values of the `kind` label of [`EPHEMERAL_SENT`].
 pub const EPHEMERAL_KINDS: &[&str] = &["typing", "presence", tidemark_proto::server_frame::PRESENCE_BATCH];
 /// Values of the `reason` label of [`EPHEMERAL_DROPPED`].
@@ -472,6 +477,11 @@ pub const FAMILIES: &[Family] = &[
         EPHEMERAL_DROPPED,
         Kind::CounterBy("reason", || EPHEMERAL_DROP_REASONS.to_vec()),
         "Ephemeral frames dropped (shed) before reaching a connection, by reason.",
+    ),
+    family(
+        PRESENCE_READS_FAILED,
+        Kind::CounterBy("outcome", || PRESENCE_READ_OUTCOMES.to_vec()),
+        "Failed reads of a user's presence facts, by what followed: read again after a wait (retried) or the announcement given up (gave_up).",
     ),
     family(EPHEMERAL_BUS_PUBLISHED, Kind::Counter, "Ephemeral signals published to the other nodes (NATS)."),
     family(EPHEMERAL_BUS_RECEIVED, Kind::Counter, "Ephemeral signals received from the other nodes (NATS)."),

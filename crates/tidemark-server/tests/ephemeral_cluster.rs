@@ -9,6 +9,8 @@
 //! `TIDEMARK_TEST_NATS_URL`; the test skips, saying so, only when one is
 //! unset.
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -128,4 +130,63 @@ async fn typing_and_presence_cross_nodes_over_the_hint_bus() {
     let (client, conn) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await.unwrap();
     tokio::spawn(conn);
     client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
+}
+
+/// A connect whose presence facts PostgreSQL cannot read for a moment is
+/// still announced: the read is made again after a wait
+/// (`core::ephemeral::presence_read_retry`). In a resume storm the read pool
+/// runs dry and such reads fail `Unavailable`; before the retry, the user was
+/// then never shown online (issue 14). The failure here is a real one: the
+/// test holds `user_privacy` locked and cancels the reads waiting on it
+/// (`QUERY_CANCELED`, which the store answers `Unavailable`) until the node
+/// counts a presence read to make again, then lets go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
+    let Some((pg, nats)) = services() else { return };
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let schema = format!("t_ephr_{}_{nanos}", std::process::id());
+    let prefix = format!("test.ephr{}x{nanos}", std::process::id());
+    let a = node(&pg, &schema, &nats, &prefix).await;
+    let http = Http::new(&a.url());
+    for u in ["ann", "ben"] {
+        assert!(http.create_user(ADMIN, u, PASSWORD).await.unwrap().created);
+    }
+    let (ben, mut ben_events) = connect(&a, "ben", "phone").await;
+    ben.conv_create_direct("ann").await.unwrap();
+    let login = http.login("ann", PASSWORD, "phone").await.unwrap();
+
+    let (mut locker, conn) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute(&format!("LOCK TABLE {schema}.user_privacy IN ACCESS EXCLUSIVE MODE")).await.unwrap();
+    let (_ann, mut ann_events) = WsConn::connect(&format!("ws://{}/v1/ws", a.addr), &login.access_token).await.unwrap();
+
+    // Bounded polling: every read waiting on the lock is cancelled (it
+    // fails) until the node counts a presence read it will make again.
+    // (A read can wait while its statement is still being prepared, when
+    // `pg_stat_activity` does not show its text yet: hence no filter on it;
+    // another read of `user_privacy` cancelled on the way is retried by its
+    // own caller.)
+    let blocked = "SELECT pid FROM pg_stat_activity
+                   WHERE wait_event_type = 'Lock' AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()]";
+    let retried = || async {
+        let e = common::exposition::scrape_url(&a.url()).await;
+        e.value("tidemark_presence_reads_failed_total", &[("outcome", "retried")])
+    };
+    let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
+    while retried().await < 1.0 {
+        for row in lock.query(blocked, &[]).await.unwrap() {
+            lock.execute("SELECT pg_cancel_backend($1)", &[&row.get::<_, i32>(0)]).await.unwrap();
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no presence read failed and was made again");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    lock.commit().await.unwrap();
+
+    // Read again after its wait: ben sees ann online and ann hears ben.
+    until(&mut ben_events, "ann online after a failed presence read", |e| presence(e, "ann", "online")).await;
+    until(&mut ann_events, "ben's answer after a failed presence read", |e| presence(e, "ben", "online")).await;
+
+    a.stop().await;
+    locker.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
 }
