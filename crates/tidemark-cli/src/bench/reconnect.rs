@@ -91,6 +91,9 @@ const READ_STATEMENTS: &str = "tidemark_store_read_statements_total";
 const EPHEMERAL_SENT: &str = "tidemark_ephemeral_frames_sent_total";
 /// Presence entries sent inside `presence.batch` frames.
 const PRESENCE_BATCHED: &str = "tidemark_ephemeral_presence_batched_total";
+/// Failed reads of a user's presence facts, by outcome (`retried`,
+/// `gave_up`: the announcement not made).
+const PRESENCE_READS_FAILED: &str = "tidemark_presence_reads_failed_total";
 
 #[derive(Debug, Clone, Serialize)]
 struct Round {
@@ -111,6 +114,12 @@ struct Round {
     /// Syncs and ACKs run again after a "retry later" answer
     /// (`UNAVAILABLE`: a store pool wait ran out), over all devices.
     retries: u64,
+    /// Reads of a user's presence facts the server made again after a
+    /// failure, and announcements it gave up for one, from the storm's
+    /// start to the baseline's end (on PostgreSQL the read pool runs dry
+    /// in a large storm).
+    presence_reads_retried: u64,
+    presence_reads_given_up: u64,
     /// Presence entries the devices were told over the storm, per resume:
     /// single `presence` frames plus the entries of `presence.batch` frames
     /// (what the clients learn, whichever way it travels).
@@ -178,6 +187,10 @@ struct Counters {
     ephemeral_frames: f64,
     /// Single `presence` frames plus entries of `presence.batch` frames.
     presence_entries: f64,
+    /// Presence reads made again, and announcements given up for a failed
+    /// read ([`PRESENCE_READS_FAILED`]).
+    presence_reads_retried: f64,
+    presence_reads_given_up: f64,
 }
 
 async fn statements(addr: SocketAddr, reads: bool) -> Result<Counters> {
@@ -189,11 +202,21 @@ async fn statements(addr: SocketAddr, reads: bool) -> Result<Counters> {
         .filter_map(|l| Some((l, l.rsplit(' ').next()?.parse::<f64>().ok()?)))
         .collect();
     let single_presence: f64 = sent.iter().filter(|(l, _)| l.contains("kind=\"presence\"")).map(|(_, v)| v).sum();
+    let failed = |outcome: &str| {
+        let label = format!("outcome=\"{outcome}\"");
+        text.lines()
+            .filter(|l| l.strip_prefix(PRESENCE_READS_FAILED).is_some_and(|rest| rest.starts_with('{')))
+            .find(|l| l.contains(&label))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .with_context(|| format!("{PRESENCE_READS_FAILED}{{{label}}} not in /metrics"))
+    };
     Ok(Counters {
         statements: value(STATEMENTS)?,
         reads: if reads { value(READ_STATEMENTS)? } else { f64::NAN },
         ephemeral_frames: sent.iter().map(|(_, v)| v).sum(),
         presence_entries: single_presence + value(PRESENCE_BATCHED)?,
+        presence_reads_retried: failed("retried")?,
+        presence_reads_given_up: failed("gave_up")?,
     })
 }
 
@@ -355,6 +378,8 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
             server_cpu_ms_per_resume: per(cpu_before.0, cpu_after.0) * 1000.0,
             clients_cpu_ms_per_resume: per(cpu_before.1, cpu_after.1) * 1000.0,
             retries,
+            presence_reads_retried: (base_after.presence_reads_retried - before.presence_reads_retried) as u64,
+            presence_reads_given_up: (base_after.presence_reads_given_up - before.presence_reads_given_up) as u64,
             baseline_all_handshakes_secs: baseline_secs,
             baseline_p50_ms: median(base_times.clone()),
             baseline_p99_ms: pct(&base_times, 0.99),
@@ -595,6 +620,8 @@ fn median_round(rounds: &[Round]) -> Round {
         read_statements_per_resume: med(|r| r.read_statements_per_resume),
         ephemeral_frames_per_resume: med(|r| r.ephemeral_frames_per_resume),
         retries: med(|r| r.retries as f64) as u64,
+        presence_reads_retried: med(|r| r.presence_reads_retried as f64) as u64,
+        presence_reads_given_up: med(|r| r.presence_reads_given_up as f64) as u64,
         presence_entries_per_resume: med(|r| r.presence_entries_per_resume),
         server_cpu_ms_per_resume: med(|r| r.server_cpu_ms_per_resume),
         clients_cpu_ms_per_resume: med(|r| r.clients_cpu_ms_per_resume),
@@ -708,6 +735,7 @@ fn report(
             "stmts/resume",
             "server CPU ms/resume",
             "retries",
+            "presence reads again / given up",
             "handshakes s",
         ],
         &rounds
@@ -722,6 +750,7 @@ fn report(
                     format!("{:.1}", r.statements_per_resume),
                     format!("{:.2}", r.server_cpu_ms_per_resume),
                     r.retries.to_string(),
+                    format!("{} / {}", r.presence_reads_retried, r.presence_reads_given_up),
                     format!("{:.3}", r.baseline_all_handshakes_secs),
                 ]
             })
