@@ -171,29 +171,26 @@ pub(crate) fn sync_page(
     query: &PageQuery,
     limit: u32,
 ) -> StoreResult<Option<SyncRead>> {
-    let sql = page_sql(query);
-    let mut stmt = c.prepare_cached(&sql).map_err(internal)?;
-    let read_row = |r: &rusqlite::Row| -> rusqlite::Result<(FactsRow, Option<EventRow>)> {
-        let event = match r.get::<_, Option<i64>>(FACTS_WIDTH)? {
-            None => None,
-            Some(_) => Some(event_at(r, FACTS_WIDTH)?),
-        };
-        Ok((facts_at(r)?, event))
-    };
-    let rows = match query {
+    let mut stmt = c.prepare_cached(page_sql(query)).map_err(internal)?;
+    let mut rows = match query {
         PageQuery::Next { position, high_watermark, .. } => {
-            stmt.query_map(params![user, device, *position as i64, *high_watermark as i64, limit], read_row)
+            stmt.query(params![user, device, *position as i64, *high_watermark as i64, limit])
         }
-        PageQuery::First { .. } => stmt.query_map(params![user, device, limit], read_row),
+        PageQuery::First { .. } => stmt.query(params![user, device, limit]),
     }
     .map_err(internal)?;
+    // Every row repeats the facts: they are read from the first one only.
     let mut facts = None;
-    let mut events = Vec::new();
-    for row in rows {
-        let (f, e) = row.map_err(internal)?;
-        facts.get_or_insert(f);
-        events.extend(e);
+    let mut events = Vec::with_capacity(limit.min(tidemark_proto::SYNC_LIMIT_MAX) as usize);
+    while let Some(r) = rows.next().map_err(internal)? {
+        if facts.is_none() {
+            facts = Some(facts_at(r).map_err(internal)?);
+        }
+        if r.get::<_, Option<i64>>(FACTS_WIDTH).map_err(internal)?.is_some() {
+            events.push(event_at(r, FACTS_WIDTH).map_err(internal)?);
+        }
     }
+    drop(rows);
     let Some((facts, shared_groups)) = facts.map(to_facts).transpose()? else {
         return Ok(None);
     };
@@ -214,12 +211,21 @@ pub(crate) fn sync_page(
 
 /// The one statement of [`sync_page`]: the facts, and the entries of the
 /// range read with them, at most `limit` rows in `sync_seq` order off the
-/// `(user_id, sync_seq)` key (no sort, however long the range).
-fn page_sql(query: &PageQuery) -> String {
-    let (range, tail) = match query {
-        PageQuery::Next { .. } => ("e.sync_seq > ?3 AND e.sync_seq <= ?4", "LIMIT ?5 + 0"),
-        PageQuery::First { .. } => ("e.sync_seq > d.acked_sync_seq AND e.sync_seq <= h.high_watermark", "LIMIT ?3 + 0"),
-    };
+/// `(user_id, sync_seq)` key (no sort, however long the range). Built once
+/// per kind of page (it is the statement cache's key on every page).
+fn page_sql(query: &PageQuery) -> &'static str {
+    static NEXT: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| build_page_sql("e.sync_seq > ?3 AND e.sync_seq <= ?4", "LIMIT ?5 + 0"));
+    static FIRST: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        build_page_sql("e.sync_seq > d.acked_sync_seq AND e.sync_seq <= h.high_watermark", "LIMIT ?3 + 0")
+    });
+    match query {
+        PageQuery::Next { .. } => &NEXT,
+        PageQuery::First { .. } => &FIRST,
+    }
+}
+
+fn build_page_sql(range: &str, tail: &str) -> String {
     format!(
         "SELECT {FACTS_COLS}, {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS}
          FROM {FACTS_FROM}
@@ -918,8 +924,8 @@ mod tests {
             "SELECT {EVENT_COLS}, {MSG_COLS}, {DECORATION_COLS} FROM user_events e {EVENT_JOINS}
              WHERE e.user_id = ?1 AND e.sync_seq > ?2 AND e.sync_seq <= ?3 ORDER BY e.sync_seq LIMIT ?4 + 0"
         );
-        for sql in [page_sql(&first), page_sql(&next), user_events_sql] {
-            let mut stmt = c.prepare(&sql).unwrap();
+        for sql in [page_sql(&first), page_sql(&next), user_events_sql.as_str()] {
+            let mut stmt = c.prepare(sql).unwrap();
             for i in 0..4i64 {
                 let mut vals = vec![Value::from(format!("u{i}")), Value::from(format!("d{i}"))];
                 // The rest are positions and limits.
