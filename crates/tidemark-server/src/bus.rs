@@ -324,7 +324,7 @@ async fn subscribe_loop(mut subscriber: async_nats::Subscriber, to: Receivers, m
             }
         };
         match decode(&message.payload) {
-            Some(BusHint { user, ephemeral: Some(eph), .. }) => lane.from_bus(user, eph).await,
+            Some(BusHint { user, ephemeral: Some(eph), .. }) => lane.from_bus(user, eph),
             Some(BusHint { conv: Some(c), .. }) => {
                 m::HINTS_BUS_RECEIVED.inc();
                 let moved =

@@ -42,7 +42,10 @@
 //!   went `offline` while it still holds a connection of that user announces
 //!   the user's presence again, so a user connected to two nodes does not
 //!   stay shown offline when one of them closes; between nodes otherwise the
-//!   last announcement wins.
+//!   last announcement wins. The store read such an announcement sets off
+//!   (the user's privacy, again) runs on a task of its own, never on the
+//!   bus subscriber, so what follows on the bus (kicks included) does not
+//!   wait on the store.
 //! - **Serialised once.** A signal's frame is serialised once into an
 //!   [`Outgoing`] (the frame and its JSON text, shared bytes) that every
 //!   receiving connection's slot holds by reference; a user's own presence
@@ -717,8 +720,12 @@ impl Lane {
     }
 
     /// A signal another node published (`from` is the hint's user), run by
-    /// the bus subscriber task.
-    pub async fn from_bus(&self, from: String, eph: BusEphemeral) {
+    /// the bus subscriber task. It reads nothing from the store on that
+    /// task: the privacy re-read below runs on a task of its own, so the
+    /// kicks and hints behind this signal on the bus never wait on a store
+    /// read (a read pool run dry holds a read for up to its 5 s wait, and
+    /// it is read again after a failure).
+    pub fn from_bus(self: &Arc<Self>, from: String, eph: BusEphemeral) {
         m::EPHEMERAL_BUS_RECEIVED.inc();
         let about_sender = match &eph.frame {
             Some(ServerFrame::Presence(p)) if p.user == from => Some(p.state == Presence::Offline.as_str()),
@@ -736,10 +743,22 @@ impl Lane {
         if !self.users.lock().expect("lane lock").contains_key(&from) {
             return;
         }
-        let hidden = self.store.privacy(&from).await.ok().map(|p| p.hide_presence);
+        let lane = Arc::clone(self);
+        tokio::spawn(async move { lane.announced_elsewhere(&from, offline).await });
+    }
+
+    /// After another node announced local user `from`: its privacy switch
+    /// is read again (it may have changed there; read again after a
+    /// temporary failure while the user is still local), and if that node
+    /// said offline, this one says again what it sees, so a user still
+    /// connected here is not left shown offline.
+    async fn announced_elsewhere(&self, from: &str, offline: bool) {
+        let local = || self.users.lock().expect("lane lock").contains_key(from);
+        let read = || async { self.store.privacy(from).await.map(|p| p.hide_presence) };
+        let hidden = self.read_facts(from, "privacy", local, read).await;
         if offline {
-            self.announce(&from, hidden, true).await;
-        } else if let (Some(h), Some(u)) = (hidden, self.users.lock().expect("lane lock").get_mut(&from)) {
+            self.announce(from, hidden, true).await;
+        } else if let (Some(h), Some(u)) = (hidden, self.users.lock().expect("lane lock").get_mut(from)) {
             u.hidden = h;
         }
     }

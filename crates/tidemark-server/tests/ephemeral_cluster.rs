@@ -190,3 +190,62 @@ async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
     a.stop().await;
     locker.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
 }
+
+/// What arrives on the bus behind a presence announcement does not wait on
+/// the store read that announcement sets off. When node A announces a user
+/// also connected to node B, B reads the user's privacy again; that read
+/// runs off B's bus subscriber, so a typing signal published right after
+/// reaches B's connections while the read is still held up (here by a lock
+/// on `user_privacy`; in a storm by a read pool run dry, up to its 5 s
+/// wait). Before, the subscriber awaited the read, and everything behind
+/// it on the bus (kicks included) waited too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bus_does_not_wait_on_the_privacy_read_an_announcement_sets_off() {
+    let Some((pg, nats)) = services() else { return };
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let schema = format!("t_ephb_{}_{nanos}", std::process::id());
+    let prefix = format!("test.ephb{}x{nanos}", std::process::id());
+    let a = node(&pg, &schema, &nats, &prefix).await;
+    let b = node(&pg, &schema, &nats, &prefix).await;
+    let http = Http::new(&a.url());
+    for u in ["ann", "ben"] {
+        assert!(http.create_user(ADMIN, u, PASSWORD).await.unwrap().created);
+    }
+    let (ben, mut ben_events) = connect(&b, "ben", "phone").await;
+    let conv = ben.conv_create_direct("ann").await.unwrap().conv;
+    let (ann_a, _ann_a_events) = connect(&a, "ann", "phone").await;
+    let (_ann_b, _ann_b_events) = connect(&b, "ann", "desk").await;
+    until(&mut ben_events, "ann online", |e| presence(e, "ann", "online")).await;
+
+    let (mut locker, conn) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute(&format!("LOCK TABLE {schema}.user_privacy IN ACCESS EXCLUSIVE MODE")).await.unwrap();
+    // A announces ann idle (its one connection of her); B hears it about a
+    // user it holds, and reads her privacy: that read waits on the lock.
+    let ok = ann_a.request_value("presence.set", json!({"state": "idle"})).await.unwrap();
+    assert_eq!(ok["t"], "presence.set.ok", "{ok}");
+    let waiting = "SELECT count(*) FROM pg_stat_activity
+                   WHERE wait_event_type = 'Lock' AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()]";
+    let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
+    while lock.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "no privacy read waited on the lock");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // Typing published by A after the announcement reaches ben on B while
+    // the read still waits (the lock is held until after it arrives).
+    let ok = ann_a.request_value("typing", json!({"conv": conv, "typing": true})).await.unwrap();
+    assert_eq!(ok["t"], "typing.ok", "{ok}");
+    until(
+        &mut ben_events,
+        "ann typing while B's privacy read waits",
+        |e| matches!(e, ServerEvent::Typing(t) if t.user == "ann" && t.typing),
+    )
+    .await;
+    assert!(lock.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) > 0, "the read was still waiting");
+    lock.commit().await.unwrap();
+
+    a.stop().await;
+    b.stop().await;
+    locker.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
+}
