@@ -462,13 +462,17 @@ impl Lane {
             Some(Some(offline)) => {
                 // Said unless the user connected here again meanwhile (that
                 // connection announces itself).
-                let gone = || !self.users.lock().expect("lane lock").contains_key(&conn.user);
-                if let Some(to) = self.audience(&conn.user, gone).await {
+                if let Some(to) = self.audience(&conn.user, || !self.is_local(&conn.user)).await {
                     self.deliver(Signal { from: conn.user.clone(), to, frame: Some(offline), answer: false });
                 }
             }
             Some(None) => {}
         }
+    }
+
+    /// Whether `user` has a connection on this node.
+    fn is_local(&self, user: &str) -> bool {
+        self.users.lock().expect("lane lock").contains_key(user)
     }
 
     /// Reads a presence fact of `user` (`what` names it in the log): again
@@ -492,7 +496,7 @@ impl Lane {
             let temporary = matches!(e, tidemark_store::StoreError::Unavailable(_));
             let Some(wait_ms) = rules::presence_read_retry(failed, temporary) else {
                 m::PRESENCE_READS_FAILED.add_by("outcome", "gave_up", 1);
-                tracing::warn!(%user, what, failed, error = %e, "presence not read; not announced");
+                tracing::warn!(%user, what, failed, error = %e, "presence fact not read; given up");
                 return None;
             };
             m::PRESENCE_READS_FAILED.add_by("outcome", "retried", 1);
@@ -524,8 +528,7 @@ impl Lane {
                 u.hidden = h;
             }
         }
-        let local = || self.users.lock().expect("lane lock").contains_key(user);
-        let Some(to) = self.audience(user, local).await else { return };
+        let Some(to) = self.audience(user, || self.is_local(user)).await else { return };
         let frame = {
             let mut users = self.users.lock().expect("lane lock");
             let Some(u) = users.get_mut(user) else { return };
@@ -740,7 +743,7 @@ impl Lane {
         // said offline, this node says again what it sees, so a user still
         // connected here is not left shown offline.
         let Some(offline) = about_sender else { return };
-        if !self.users.lock().expect("lane lock").contains_key(&from) {
+        if !self.is_local(&from) {
             return;
         }
         let lane = Arc::clone(self);
@@ -753,9 +756,8 @@ impl Lane {
     /// said offline, this one says again what it sees, so a user still
     /// connected here is not left shown offline.
     async fn announced_elsewhere(&self, from: &str, offline: bool) {
-        let local = || self.users.lock().expect("lane lock").contains_key(from);
         let read = || async { self.store.privacy(from).await.map(|p| p.hide_presence) };
-        let hidden = self.read_facts(from, "privacy", local, read).await;
+        let hidden = self.read_facts(from, "privacy", || self.is_local(from), read).await;
         if offline {
             self.announce(from, hidden, true).await;
         } else if let (Some(h), Some(u)) = (hidden, self.users.lock().expect("lane lock").get_mut(from)) {

@@ -230,7 +230,9 @@ pub const EPHEMERAL_DROPPED: Metric = Metric::new("tidemark_ephemeral_dropped_to
 pub const EPHEMERAL_BUS_PUBLISHED: Metric = Metric::new("tidemark_ephemeral_bus_published_total", stage::EPHEMERAL);
 pub const EPHEMERAL_BUS_RECEIVED: Metric = Metric::new("tidemark_ephemeral_bus_received_total", stage::EPHEMERAL);
 /// Failed reads of a user's presence facts (privacy, audience) by what
-/// followed: read again after a wait, or the announcement given up.
+/// followed: read again after a wait, or given up (the announcement not
+/// made; a privacy re-read after another node's announcement keeps the
+/// switch last known).
 pub const PRESENCE_READS_FAILED: Metric = Metric::new("tidemark_presence_reads_failed_total", stage::EPHEMERAL);
 /// Values of the `outcome` label of [`PRESENCE_READS_FAILED`].
 pub const PRESENCE_READ_OUTCOMES: &[&str] = &["retried", "gave_up"];
@@ -481,7 +483,7 @@ pub const FAMILIES: &[Family] = &[
     family(
         PRESENCE_READS_FAILED,
         Kind::CounterBy("outcome", || PRESENCE_READ_OUTCOMES.to_vec()),
-        "Failed reads of a user's presence facts, by what followed: read again after a wait (retried) or the announcement given up (gave_up).",
+        "Failed reads of a user's presence facts, by what followed: read again after a wait (retried) or given up (gave_up: the announcement not made, or a privacy re-read's switch kept as last known).",
     ),
     family(EPHEMERAL_BUS_PUBLISHED, Kind::Counter, "Ephemeral signals published to the other nodes (NATS)."),
     family(EPHEMERAL_BUS_RECEIVED, Kind::Counter, "Ephemeral signals received from the other nodes (NATS)."),

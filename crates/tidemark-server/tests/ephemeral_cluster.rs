@@ -50,6 +50,40 @@ async fn node(pg: &str, schema: &str, nats: &str, prefix: &str) -> RunningServer
     Server::start("127.0.0.1:0", store as Arc<dyn tidemark_store::Store>, config).await.unwrap()
 }
 
+/// A schema and a NATS subject prefix of this test's own.
+fn unique(tag: &str) -> (String, String) {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
+    let id = std::process::id();
+    (format!("t_{tag}_{id}_{nanos}"), format!("test.{tag}{id}x{nanos}"))
+}
+
+/// Creates ann and ben through `server`.
+async fn ann_and_ben(server: &RunningServer) {
+    let http = Http::new(&server.url());
+    for u in ["ann", "ben"] {
+        assert!(http.create_user(ADMIN, u, PASSWORD).await.unwrap().created);
+    }
+}
+
+/// A session of its own that opens a transaction and locks `user_privacy`
+/// in `schema`: every read of it waits until the session says `COMMIT`.
+async fn lock_user_privacy(pg: &str, schema: &str) -> tokio_postgres::Client {
+    let (locker, conn) = tokio_postgres::connect(pg, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    locker.batch_execute(&format!("BEGIN; LOCK TABLE {schema}.user_privacy IN ACCESS EXCLUSIVE MODE")).await.unwrap();
+    locker
+}
+
+/// The sessions waiting on a lock the asking session holds.
+const WAITING_ON_ME: &str =
+    "FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()]";
+
+async fn drop_schema(pg: &str, schema: &str) {
+    let (client, conn) = tokio_postgres::connect(pg, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
+}
+
 async fn connect(server: &RunningServer, user: &str, device: &str) -> (WsConn, mpsc::Receiver<ServerEvent>) {
     let login = Http::new(&server.url()).login(user, PASSWORD, device).await.unwrap();
     let (ws, events) = WsConn::connect(&format!("ws://{}/v1/ws", server.addr), &login.access_token).await.unwrap();
@@ -87,15 +121,10 @@ fn presence(ev: &ServerEvent, user: &str, state: &str) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn typing_and_presence_cross_nodes_over_the_hint_bus() {
     let Some((pg, nats)) = services() else { return };
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-    let schema = format!("t_eph_{}_{nanos}", std::process::id());
-    let prefix = format!("test.eph{}x{nanos}", std::process::id());
+    let (schema, prefix) = unique("eph");
     let a = node(&pg, &schema, &nats, &prefix).await;
     let b = node(&pg, &schema, &nats, &prefix).await;
-    let http = Http::new(&a.url());
-    for u in ["ann", "ben"] {
-        assert!(http.create_user(ADMIN, u, PASSWORD).await.unwrap().created);
-    }
+    ann_and_ben(&a).await;
     let (ben, mut ben_events) = connect(&b, "ben", "phone").await;
     let conv = ben.conv_create_direct("ann").await.unwrap().conv;
 
@@ -127,9 +156,7 @@ async fn typing_and_presence_cross_nodes_over_the_hint_bus() {
 
     a.stop().await;
     b.stop().await;
-    let (client, conn) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(conn);
-    client.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
+    drop_schema(&pg, &schema).await;
 }
 
 /// A connect whose presence facts PostgreSQL cannot read for a moment is
@@ -143,22 +170,14 @@ async fn typing_and_presence_cross_nodes_over_the_hint_bus() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
     let Some((pg, nats)) = services() else { return };
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-    let schema = format!("t_ephr_{}_{nanos}", std::process::id());
-    let prefix = format!("test.ephr{}x{nanos}", std::process::id());
+    let (schema, prefix) = unique("ephr");
     let a = node(&pg, &schema, &nats, &prefix).await;
-    let http = Http::new(&a.url());
-    for u in ["ann", "ben"] {
-        assert!(http.create_user(ADMIN, u, PASSWORD).await.unwrap().created);
-    }
+    ann_and_ben(&a).await;
     let (ben, mut ben_events) = connect(&a, "ben", "phone").await;
     ben.conv_create_direct("ann").await.unwrap();
-    let login = http.login("ann", PASSWORD, "phone").await.unwrap();
+    let login = Http::new(&a.url()).login("ann", PASSWORD, "phone").await.unwrap();
 
-    let (mut locker, conn) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(conn);
-    let lock = locker.transaction().await.unwrap();
-    lock.batch_execute(&format!("LOCK TABLE {schema}.user_privacy IN ACCESS EXCLUSIVE MODE")).await.unwrap();
+    let lock = lock_user_privacy(&pg, &schema).await;
     let (_ann, mut ann_events) = WsConn::connect(&format!("ws://{}/v1/ws", a.addr), &login.access_token).await.unwrap();
 
     // Bounded polling: every read waiting on the lock is cancelled (it
@@ -167,28 +186,27 @@ async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
     // `pg_stat_activity` does not show its text yet: hence no filter on it;
     // another read of `user_privacy` cancelled on the way is retried by its
     // own caller.)
-    let blocked = "SELECT pid FROM pg_stat_activity
-                   WHERE wait_event_type = 'Lock' AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()]";
+    let blocked = format!("SELECT pid {WAITING_ON_ME}");
     let retried = || async {
         let e = common::exposition::scrape_url(&a.url()).await;
         e.value("tidemark_presence_reads_failed_total", &[("outcome", "retried")])
     };
     let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
     while retried().await < 1.0 {
-        for row in lock.query(blocked, &[]).await.unwrap() {
+        for row in lock.query(&blocked, &[]).await.unwrap() {
             lock.execute("SELECT pg_cancel_backend($1)", &[&row.get::<_, i32>(0)]).await.unwrap();
         }
         assert!(tokio::time::Instant::now() < deadline, "no presence read failed and was made again");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    lock.commit().await.unwrap();
+    lock.batch_execute("COMMIT").await.unwrap();
 
     // Read again after its wait: ben sees ann online and ann hears ben.
     until(&mut ben_events, "ann online after a failed presence read", |e| presence(e, "ann", "online")).await;
     until(&mut ann_events, "ben's answer after a failed presence read", |e| presence(e, "ben", "online")).await;
 
     a.stop().await;
-    locker.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
+    drop_schema(&pg, &schema).await;
 }
 
 /// What arrives on the bus behind a presence announcement does not wait on
@@ -202,33 +220,24 @@ async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_bus_does_not_wait_on_the_privacy_read_an_announcement_sets_off() {
     let Some((pg, nats)) = services() else { return };
-    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().subsec_nanos();
-    let schema = format!("t_ephb_{}_{nanos}", std::process::id());
-    let prefix = format!("test.ephb{}x{nanos}", std::process::id());
+    let (schema, prefix) = unique("ephb");
     let a = node(&pg, &schema, &nats, &prefix).await;
     let b = node(&pg, &schema, &nats, &prefix).await;
-    let http = Http::new(&a.url());
-    for u in ["ann", "ben"] {
-        assert!(http.create_user(ADMIN, u, PASSWORD).await.unwrap().created);
-    }
+    ann_and_ben(&a).await;
     let (ben, mut ben_events) = connect(&b, "ben", "phone").await;
     let conv = ben.conv_create_direct("ann").await.unwrap().conv;
     let (ann_a, _ann_a_events) = connect(&a, "ann", "phone").await;
     let (_ann_b, _ann_b_events) = connect(&b, "ann", "desk").await;
     until(&mut ben_events, "ann online", |e| presence(e, "ann", "online")).await;
 
-    let (mut locker, conn) = tokio_postgres::connect(&pg, tokio_postgres::NoTls).await.unwrap();
-    tokio::spawn(conn);
-    let lock = locker.transaction().await.unwrap();
-    lock.batch_execute(&format!("LOCK TABLE {schema}.user_privacy IN ACCESS EXCLUSIVE MODE")).await.unwrap();
+    let lock = lock_user_privacy(&pg, &schema).await;
     // A announces ann idle (its one connection of her); B hears it about a
     // user it holds, and reads her privacy: that read waits on the lock.
     let ok = ann_a.request_value("presence.set", json!({"state": "idle"})).await.unwrap();
     assert_eq!(ok["t"], "presence.set.ok", "{ok}");
-    let waiting = "SELECT count(*) FROM pg_stat_activity
-                   WHERE wait_event_type = 'Lock' AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()]";
+    let waiting = format!("SELECT count(*) {WAITING_ON_ME}");
     let deadline = tokio::time::Instant::now() + ARRIVES_WITHIN;
-    while lock.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) == 0 {
+    while lock.query_one(&waiting, &[]).await.unwrap().get::<_, i64>(0) == 0 {
         assert!(tokio::time::Instant::now() < deadline, "no privacy read waited on the lock");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -242,10 +251,10 @@ async fn the_bus_does_not_wait_on_the_privacy_read_an_announcement_sets_off() {
         |e| matches!(e, ServerEvent::Typing(t) if t.user == "ann" && t.typing),
     )
     .await;
-    assert!(lock.query_one(waiting, &[]).await.unwrap().get::<_, i64>(0) > 0, "the read was still waiting");
-    lock.commit().await.unwrap();
+    assert!(lock.query_one(&waiting, &[]).await.unwrap().get::<_, i64>(0) > 0, "the read was still waiting");
+    lock.batch_execute("COMMIT").await.unwrap();
 
     a.stop().await;
     b.stop().await;
-    locker.batch_execute(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE")).await.unwrap();
+    drop_schema(&pg, &schema).await;
 }

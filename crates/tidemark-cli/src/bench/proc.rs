@@ -103,9 +103,15 @@ pub(super) fn open_files_soft_limit() -> Option<u64> {
 /// The value of the first series of `name` (`name value`, or `name{labels}
 /// value`: every series carries a `stage` label).
 pub(super) fn metric_value(text: &str, name: &str) -> Option<f64> {
-    text.lines().find_map(|l| {
+    metric_series(text, name).next().map(|(_, v)| v)
+}
+
+/// Every series of `name` (exactly that name) in a Prometheus text
+/// exposition: its line, to look for a label in, and its value.
+pub(super) fn metric_series<'a>(text: &'a str, name: &'a str) -> impl Iterator<Item = (&'a str, f64)> + 'a {
+    text.lines().filter_map(move |l| {
         let rest = l.strip_prefix(name)?;
-        rest.starts_with([' ', '{']).then(|| rest.rsplit(' ').next()?.parse().ok()).flatten()
+        rest.starts_with([' ', '{']).then(|| Some((l, rest.rsplit(' ').next()?.parse().ok()?))).flatten()
     })
 }
 

@@ -36,8 +36,8 @@ use tokio_tungstenite::tungstenite::Message;
 
 use super::device::{bar, Device, PASSWORD};
 use super::proc::{
-    cpu_secs, create_devices, create_users, metric_value, open_files_soft_limit, pct, spawn_tidemark, ChildGuard,
-    TokenMint,
+    cpu_secs, create_devices, create_users, metric_series, metric_value, open_files_soft_limit, pct, spawn_tidemark,
+    ChildGuard, TokenMint,
 };
 use super::stores::{Schemas, StoreAt};
 use super::{init_logs, median, print_table, TempDir};
@@ -196,18 +196,13 @@ struct Counters {
 async fn statements(addr: SocketAddr, reads: bool) -> Result<Counters> {
     let text = reqwest::get(format!("http://{addr}/metrics")).await?.error_for_status()?.text().await?;
     let value = |name: &str| metric_value(&text, name).with_context(|| format!("{name} not in /metrics"));
-    let sent: Vec<(&str, f64)> = text
-        .lines()
-        .filter(|l| l.strip_prefix(EPHEMERAL_SENT).is_some_and(|rest| rest.starts_with([' ', '{'])))
-        .filter_map(|l| Some((l, l.rsplit(' ').next()?.parse::<f64>().ok()?)))
-        .collect();
+    let sent: Vec<(&str, f64)> = metric_series(&text, EPHEMERAL_SENT).collect();
     let single_presence: f64 = sent.iter().filter(|(l, _)| l.contains("kind=\"presence\"")).map(|(_, v)| v).sum();
     let failed = |outcome: &str| {
         let label = format!("outcome=\"{outcome}\"");
-        text.lines()
-            .filter(|l| l.strip_prefix(PRESENCE_READS_FAILED).is_some_and(|rest| rest.starts_with('{')))
-            .find(|l| l.contains(&label))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        metric_series(&text, PRESENCE_READS_FAILED)
+            .find(|(l, _)| l.contains(&label))
+            .map(|(_, v)| v)
             .with_context(|| format!("{PRESENCE_READS_FAILED}{{{label}}} not in /metrics"))
     };
     Ok(Counters {
