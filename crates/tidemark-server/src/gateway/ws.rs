@@ -60,7 +60,7 @@ use crate::hub::ConnEntry;
 use crate::limits::FrameBudget;
 use crate::metrics as m;
 use crate::ops::{self, AuthCtx};
-use crate::state::{AppState, UserConnSlot};
+use crate::state::{AppState, ConnSlot, UserConnSlot};
 
 /// Read buffer of a WebSocket, which every connection holds resident,
 /// idle or not (tungstenite allocates it up front and zero-fills it to its
@@ -105,9 +105,7 @@ pub async fn upgrade(
         None => None,
         Some(token) => match auth::authenticate(&state, token) {
             Ok(ctx) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
-                // Boxed: the upgrade's future and the connection's each
-                // hold this argument for the connection's whole life.
-                Some(user_slot) => Some(Box::new((ctx, user_slot))),
+                Some(user_slot) => Some((ctx, user_slot)),
                 None => return error_response(user_full()),
             },
             Err(e) => return error_response(e),
@@ -122,12 +120,12 @@ pub async fn upgrade(
             // Split before the connection's future is made: a `WebSocket`
             // (370 bytes) taken by an async block or function stays in its
             // state for the connection's whole life, idle or not (issue
-            // 19); its halves are a pointer each.
+            // 19); its halves are a pointer each. The connection's future
+            // is the upgrade's, with no async block around it to hold a
+            // second copy of what it is given.
             let (sink, stream) = socket.split();
-            async move {
-                let _slot = slot;
-                connection(state, (sink, stream), pre_auth, peer, query.presence_batch.unwrap_or(false)).await
-            }
+            let presence_batch = query.presence_batch.unwrap_or(false);
+            connection(Box::new(Opening { state, sink, stream, pre_auth, peer, presence_batch, _slot: slot }))
         })
 }
 
@@ -236,19 +234,62 @@ async fn first_frame_auth(
     }
 }
 
-async fn connection(
+/// What a connection starts from. Boxed: an async fn keeps its arguments
+/// for its whole life beside the locals it moves them into (issue 19).
+struct Opening {
     state: Arc<AppState>,
-    (mut sink, mut stream): (SplitSink<WebSocket, Message>, SplitStream<WebSocket>),
-    pre_auth: Option<Box<(AuthCtx, UserConnSlot)>>,
+    sink: SplitSink<WebSocket, Message>,
+    stream: SplitStream<WebSocket>,
+    /// Authenticated by the upgrade's bearer token, with its user's slot.
+    pre_auth: Option<(AuthCtx, UserConnSlot)>,
     peer: SocketAddr,
-    mut presence_batch: bool,
-) {
+    presence_batch: bool,
+    /// The node's slot this connection holds while it lives.
+    _slot: ConnSlot,
+}
+
+/// The value of `boxed`, its allocation given back at once: moved out
+/// with `*boxed` in an async fn, the allocation would live on until the
+/// function's end, here the connection's.
+#[allow(clippy::boxed_local)] // The box is the point: it is given back here.
+fn unbox<T>(boxed: Box<T>) -> T {
+    *boxed
+}
+
+/// A connection once authenticated, registered and given its writer: what
+/// its reader loop ([`serve`]) keeps for the connection's life.
+struct Live {
+    state: Arc<AppState>,
+    stream: SplitStream<WebSocket>,
+    ctx: AuthCtx,
+    peer: SocketAddr,
+    budget: FrameBudget,
+    entry: Arc<ConnEntry>,
+    out: Arc<Replies>,
+    eph: Arc<EphConn>,
+    writer: tokio::task::JoinHandle<()>,
+    _user_slot: UserConnSlot,
+    _slot: ConnSlot,
+}
+
+async fn connection(opening: Box<Opening>) {
+    // Boxed, as the frames below: a future holds the largest of what it
+    // awaits for its whole life, and the opening's locals (the `auth`
+    // frame's, the store's answer) are dead once the connection is live.
+    if let Some(live) = Box::pin(open(opening)).await {
+        serve(live).await;
+    }
+}
+
+/// Authenticates the connection (by the upgrade's token or its first
+/// frame), opens it in the store and here, and starts its writer; `None`
+/// when it ended before that (answered, if it could be).
+async fn open(opening: Box<Opening>) -> Option<Box<Live>> {
+    let Opening { state, mut sink, mut stream, pre_auth, peer, mut presence_batch, _slot } = unbox(opening);
     let budget = state.limits.frame_budget(peer.ip());
-    let (mut ctx, auth_rid, _user_slot) = match pre_auth.map(|b| *b) {
+    let (mut ctx, auth_rid, _user_slot) = match pre_auth {
         Some((ctx, slot)) => (ctx, None, slot),
-        // Boxed, as the frames below: the connection's future holds the
-        // largest of what it awaits for its whole life (issue 19).
-        None => match Box::pin(first_frame_auth(&state, &mut sink, &mut stream, &budget)).await {
+        None => match first_frame_auth(&state, &mut sink, &mut stream, &budget).await {
             Some((ctx, rid, batch)) => match state.ws_user_slots.try_take(&ctx.user, &ctx.device) {
                 Some(slot) => {
                     presence_batch |= batch;
@@ -257,10 +298,10 @@ async fn connection(
                 None => {
                     let _ = sink.send(Message::Text(error_text(user_full(), rid).into())).await;
                     let _ = sink.send(Message::Close(None)).await;
-                    return;
+                    return None;
                 }
             },
-            None => return,
+            None => return None,
         },
     };
     // The device's next connection epoch, durable and shared by every node
@@ -271,7 +312,7 @@ async fn connection(
         Ok(opened) => opened,
         Err(e) => {
             let _ = sink.send(Message::Text(error_text(ApiError::from(e), auth_rid.flatten()).into())).await;
-            return;
+            return None;
         }
     };
     let epoch = opened.connection_epoch;
@@ -283,24 +324,30 @@ async fn connection(
     // The other nodes end their older connections of this device.
     state.bus.publish_kick(&ctx.user, &ctx.device, reason::SUPERSEDED, epoch);
     tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket connected");
-    let out_tx = Arc::new(Replies::new(state.config.ws_send_queue_max));
+    let out = Arc::new(Replies::new(state.config.ws_send_queue_max));
     if let Some(rid) = auth_rid {
         let ok = AuthOk { user: ctx.user.clone(), device_id: ctx.device.clone(), connection_epoch: entry.epoch };
         let v = serde_json::to_value(ok).expect("auth.ok serializes");
-        push(&out_tx, &entry, tidemark_proto::reply_frame(op::AUTH, rid.as_deref(), v).to_string());
+        push(&out, &entry, tidemark_proto::reply_frame(op::AUTH, rid.as_deref(), v).to_string());
     }
     // The ephemeral lane (issue 18): presence and typing of this connection.
     let eph = state.lane.attach(&ctx.user, &ctx.device, entry.epoch, presence_batch);
-    let device_hash = state.log_id(&ctx.device);
-    let mut writer = tokio::spawn(write_loop(
-        device_hash,
+    let writer = tokio::spawn(write_loop(Box::new(Writer {
+        device_hash: state.log_id(&ctx.device),
         sink,
-        out_tx.clone(),
-        entry.clone(),
-        eph.clone(),
-        state.config.ws_ping,
-        state.shutdown.clone(),
-    ));
+        out: out.clone(),
+        entry: entry.clone(),
+        eph: eph.clone(),
+        ping: state.config.ws_ping,
+        shutdown: state.shutdown.clone(),
+    })));
+    Some(Box::new(Live { state, stream, ctx, peer, budget, entry, out, eph, writer, _user_slot, _slot }))
+}
+
+/// The reader loop of a live connection, then its end: requests drained,
+/// writer stopped, the connection gone from the hub and the lane.
+async fn serve(live: Box<Live>) {
+    let Live { state, mut stream, ctx, peer, budget, entry, out, eph, mut writer, _user_slot, _slot } = unbox(live);
     let inflight = Arc::new(Semaphore::new(state.config.ws_inflight_max));
     let mut tasks: JoinSet<()> = JoinSet::new();
     {
@@ -315,7 +362,7 @@ async fn connection(
     let token_expiry = tokio::time::sleep(token_left);
     tokio::pin!(token_expiry);
     let mut strikes = tidemark_core::throttle::Strikes::default();
-    let conn = Conn { state: &state, ctx: &ctx, entry: &entry, out: &out_tx, peer };
+    let conn = Conn { state: &state, ctx: &ctx, entry: &entry, out: &out, peer };
     // A frame read while the connection was over its frame budget, and
     // when the budget is checked again: nothing more is read meanwhile.
     // Boxed: only a paused connection holds the timer.
@@ -366,12 +413,14 @@ async fn connection(
     // Let requests already accepted finish (their writes are queued anyway).
     let _ = tokio::time::timeout(DRAIN_TIMEOUT, async { while tasks.join_next().await.is_some() {} }).await;
     tasks.shutdown().await;
-    out_tx.close();
+    out.close();
     if !writer_done && tokio::time::timeout(KICK_FLUSH_TIMEOUT * 2, &mut writer).await.is_err() {
         writer.abort();
     }
     state.hub.unregister(&entry);
-    state.lane.detach(&eph).await;
+    // Boxed: the closing announcement's reads (and their waits) are held
+    // only while the connection closes, not for its whole life.
+    Box::pin(state.lane.detach(&eph)).await;
     tracing::debug!(device_hash = %state.log_id(&ctx.device), epoch = entry.epoch, "websocket closed");
 }
 
@@ -558,7 +607,8 @@ async fn write_batch(
     sink.flush().await
 }
 
-async fn write_loop(
+/// What a connection's writer task owns. Boxed, as [`Opening`].
+struct Writer {
     device_hash: String,
     sink: SplitSink<WebSocket, Message>,
     out: Arc<Replies>,
@@ -566,22 +616,23 @@ async fn write_loop(
     eph: Arc<EphConn>,
     ping: Duration,
     shutdown: watch::Receiver<bool>,
-) {
-    write_frames(device_hash, sink, &out, entry, eph, ping, shutdown).await;
-    // Nothing more is written: a reply queued from now on is dropped, not
-    // counted against the client as a slow consumer.
-    out.close();
 }
 
-async fn write_frames(
-    device_hash: String,
-    mut sink: SplitSink<WebSocket, Message>,
-    out: &Replies,
-    entry: Arc<ConnEntry>,
-    eph: Arc<EphConn>,
-    ping: Duration,
-    mut shutdown: watch::Receiver<bool>,
-) {
+/// Closes the reply queue when the writer ends, however it ends: nothing
+/// more is written, so a reply queued from then on is dropped, not
+/// counted against the client as a slow consumer.
+struct CloseOnDrop(Arc<Replies>);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close();
+    }
+}
+
+async fn write_loop(writer: Box<Writer>) {
+    let Writer { device_hash, mut sink, out, entry, eph, ping, mut shutdown } = unbox(writer);
+    let out = CloseOnDrop(out);
+    let out = &*out.0;
     let mut ticker = tokio::time::interval(ping);
     ticker.tick().await;
     loop {
