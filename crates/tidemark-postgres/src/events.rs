@@ -168,7 +168,7 @@ pub(crate) async fn reserved_send(c: &Conn, cmd: &SendCmd) -> R<Accepted> {
     if let Some((message_id, conv, msg_seq, created_at_ms)) =
         existing_event_of(c, &cmd.sender, &cmd.client_msg_id, &cmd.conv, &[]).await?
     {
-        return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true, fanned_out: false });
+        return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
     control::check_send_kind(&cmd.kind)?;
     Err(StoreError::Internal(format!("kind {} is not reserved", cmd.kind)))
@@ -224,7 +224,6 @@ pub(crate) fn decide_send(cmd: &SendCmd, rows: &[tokio_postgres::Row]) -> Decide
                     msg_seq: seq(r, 3)?,
                     created_at_ms: col(r, 4)?,
                     duplicate: true,
-                    fanned_out: false,
                 }))
             }
             "superseded" => {

@@ -29,11 +29,14 @@ where
 /// N sends one after another, the relay idle between them, cost N write
 /// commits: each fan-out commits with its accept (two commits a message
 /// before, the accept's and the relay's). The peer's log holds each message
-/// as soon as its `send.ok` arrives, with nothing left in the outbox, and
-/// every item was fanned out by the fused claim: a send whose fan-out
-/// committed with it wakes no relay, whose claim could otherwise join the
-/// next send's batch and take its item first. (The relay's poll is an hour
-/// here, so its timer cannot either.)
+/// as soon as its `send.ok` arrives, with nothing left in the outbox.
+///
+/// The first send's item is fanned out by the fused claim: the relay has
+/// not been woken yet (its poll is an hour here). Each accepted send then
+/// wakes the relay, whose claim may join the next send's batch and take
+/// that item inside the same transaction, ahead of the fused claim (one
+/// clean-clone CI run counted 11 items fused of 12): the same commit
+/// either way, so the later items are counted by commits, not by path.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sends_fan_out_commits_with_its_accept() {
     let ts = TestServer::start_with(tidemark_server::ServerConfig {
@@ -52,12 +55,14 @@ async fn a_sends_fan_out_commits_with_its_accept() {
         // it out.
         assert_eq!(store.user_high_watermark("ben").await.unwrap(), i + 1, "ben's log holds message {i}");
         assert_eq!(store.user_high_watermark("ann").await.unwrap(), i + 1, "ann's log holds message {i}");
+        if i == 0 {
+            let fused = scrape(&ts).await.value("tidemark_fanout_fused_items_total", &[]) - fused_before;
+            assert_eq!(fused, 1.0, "the first send's item was fanned out by the fused claim");
+        }
     }
     let after = store.stats();
     assert_eq!(after.commits - before.commits, SENDS, "one commit per message, its fan-out included");
     assert_eq!(store.outbox_stats().await.unwrap().backlog, 0);
-    let fused = scrape(&ts).await.value("tidemark_fanout_fused_items_total", &[]) - fused_before;
-    assert_eq!(fused, SENDS as f64, "items fused");
     // Ben's log holds the messages in order.
     let events = store.read_user_events("ben", 0, SENDS, 100).await.unwrap();
     let seqs: Vec<Option<u64>> = events.iter().map(|e| e.msg_seq).collect();

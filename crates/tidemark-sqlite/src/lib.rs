@@ -236,7 +236,7 @@ fn accept_send_tx(conn: &Connection, cmd: &SendCmd) -> StoreResult<Accepted> {
     if let Some((message_id, conv, msg_seq, created_at_ms)) =
         events::existing_event_of(conn, &cmd.sender, &cmd.client_msg_id, &cmd.conv, &[])?
     {
-        return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true, fanned_out: false });
+        return Ok(Accepted { message_id, conv, msg_seq, created_at_ms, duplicate: true });
     }
     control::check_send_kind(&cmd.kind)?;
     // The membership check runs here, at the conversation's linearisation
@@ -387,24 +387,19 @@ pub(crate) fn parse_mentions(stored: Option<&str>) -> StoreResult<Vec<String>> {
 /// ([`Store::fan_out_next`], which admits all) and the fused fan-out's
 /// ([`fused_fan_out`]). The claim is the read, inside the single writer's
 /// transaction.
-///
-/// Also returns whether the claim left the outbox empty: it took every
-/// item pending, and fewer than `limit` were.
 fn claim_tx(
     conn: &Connection,
     limit: u32,
     now_ms: i64,
     admit: impl FnMut(u64, u64) -> bool,
-) -> StoreResult<(ClaimedFanout, bool)> {
+) -> StoreResult<ClaimedFanout> {
     let mut items = read::pending_outbox(conn, limit)?;
     if items.is_empty() {
-        return Ok((ClaimedFanout::default(), true));
+        return Ok(ClaimedFanout::default());
     }
-    let pending = items.len();
     let report = fan_out_tx(conn, &items, now_ms, admit)?;
     items.truncate(report.items.len());
-    let drained = items.len() == pending && pending < limit as usize;
-    Ok((ClaimedFanout { items, report }, drained))
+    Ok(ClaimedFanout { items, report })
 }
 
 /// The fused fan-out (issue 19, [`Store::fuse_fanout`]): the writer's
@@ -412,35 +407,32 @@ fn claim_tx(
 /// as the relay does, as far as `tidemark_core::fuse::admits` allows, in a
 /// SAVEPOINT: if it fails it alone rolls back, the batch's requests commit
 /// and its items stay in the outbox for the relay. After the commit the
-/// claim goes to the relay, which hints it as one of its own. When it left
-/// the outbox empty, the batch's sends know it (`Accepted::fanned_out`)
-/// and wake no relay.
+/// claim goes to the relay, which hints it as one of its own.
 fn fused_fan_out(
     conn: &Connection,
     limit: u32,
     to_relay: &tokio::sync::mpsc::UnboundedSender<ClaimedFanout>,
-) -> writer::Epilogued {
+) -> Option<writer::AfterCommit> {
     if to_relay.is_closed() {
         // The relay stopped: whatever is pending waits for the next one.
-        return writer::Epilogued::default();
+        return None;
     }
     let now_ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64);
     match writer::in_savepoint(conn, |c| claim_tx(c, limit, now_ms, tidemark_core::fuse::admits)) {
-        Ok((claimed, drained)) if claimed.items.is_empty() => writer::Epilogued { after_commit: None, drained },
-        Ok((claimed, drained)) => {
+        Ok(claimed) if claimed.items.is_empty() => None,
+        Ok(claimed) => {
             let to_relay = to_relay.clone();
-            let after_commit: writer::AfterCommit = Box::new(move || {
+            Some(Box::new(move || {
                 tidemark_store::metric_names::FANOUT_FUSED_ITEMS.add(claimed.items.len() as u64);
                 // A relay gone since cannot hint these; what it would have
                 // hinted is committed, and devices find it on their next sync.
                 let _ = to_relay.send(claimed);
-            });
-            writer::Epilogued { after_commit: Some(after_commit), drained }
+            }))
         }
         Err(e) => {
             tidemark_store::metric_names::FANOUT_FUSED_FAILURES.inc();
             tracing::warn!(error = %e, "fused fan-out failed and rolled back alone; the relay will fan out");
-            writer::Epilogued::default()
+            None
         }
     }
 }
@@ -793,15 +785,12 @@ impl Store for SqliteStore {
 
     async fn create_group(&self, cmd: ConvEventCmd, members: Vec<String>) -> StoreResult<(String, u64)> {
         let policy = self.group_policy();
-        self.writer.write_announcing(move |c| events::create_group(c, &cmd, &members, policy)).await.map(|a| a.value)
+        self.writer.write_announcing(move |c| events::create_group(c, &cmd, &members, policy)).await
     }
 
     async fn change_membership(&self, cmd: ConvEventCmd, target: &str, change: MembershipChange) -> StoreResult<u64> {
         let (target, policy) = (target.to_owned(), self.group_policy());
-        self.writer
-            .write_announcing(move |c| events::change_membership(c, &cmd, &target, change, policy))
-            .await
-            .map(|a| a.value)
+        self.writer.write_announcing(move |c| events::change_membership(c, &cmd, &target, change, policy)).await
     }
 
     async fn bump_epoch(&self, conv: &str) -> StoreResult<u64> {
@@ -823,7 +812,7 @@ impl Store for SqliteStore {
 
     async fn recall(&self, cmd: ConvEventCmd, message_id: &str) -> StoreResult<ControlOutcome> {
         let id = message_id.to_owned();
-        self.writer.write_announcing(move |c| events::recall(c, &cmd, &id)).await.map(|a| a.value)
+        self.writer.write_announcing(move |c| events::recall(c, &cmd, &id)).await
     }
 
     async fn edit(
@@ -834,7 +823,7 @@ impl Store for SqliteStore {
         base_version: u64,
     ) -> StoreResult<ControlOutcome> {
         let (id, content) = (message_id.to_owned(), content.to_owned());
-        self.writer.write_announcing(move |c| events::edit(c, &cmd, &id, &content, base_version)).await.map(|a| a.value)
+        self.writer.write_announcing(move |c| events::edit(c, &cmd, &id, &content, base_version)).await
     }
 
     async fn react(
@@ -845,7 +834,7 @@ impl Store for SqliteStore {
         add: bool,
     ) -> StoreResult<ControlOutcome> {
         let (id, reaction) = (message_id.to_owned(), reaction.to_owned());
-        self.writer.write_announcing(move |c| events::react(c, &cmd, &id, &reaction, add)).await.map(|a| a.value)
+        self.writer.write_announcing(move |c| events::react(c, &cmd, &id, &reaction, add)).await
     }
 
     async fn mark_read_on(
@@ -1030,8 +1019,7 @@ impl Store for SqliteStore {
 
     async fn accept_send(&self, cmd: SendCmd) -> StoreResult<Accepted> {
         // Unguarded: every check of a send comes before its first change.
-        let announced = self.writer.write_announcing_unguarded(move |c| accept_send_tx(c, &cmd)).await?;
-        Ok(Accepted { fanned_out: announced.fanned_out, ..announced.value })
+        self.writer.write_announcing_unguarded(move |c| accept_send_tx(c, &cmd)).await
     }
 
     async fn pending_outbox(&self, limit: u32) -> StoreResult<Vec<OutboxItem>> {
@@ -1097,7 +1085,7 @@ impl Store for SqliteStore {
     async fn fan_out_next(&self, limit: u32, now_ms: i64) -> StoreResult<ClaimedFanout> {
         // One writer per database: reading the outbox inside the writer's
         // transaction is the whole claim.
-        self.writer.write(move |c| claim_tx(c, limit, now_ms, |_, _| true).map(|(claimed, _)| claimed)).await
+        self.writer.write(move |c| claim_tx(c, limit, now_ms, |_, _| true)).await
     }
 
     fn fuse_fanout(&self, limit: u32) -> Option<tokio::sync::mpsc::UnboundedReceiver<ClaimedFanout>> {

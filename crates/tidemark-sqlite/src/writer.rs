@@ -82,10 +82,8 @@ fn abort_on_writer_panic() {
     });
 }
 
-/// Completes one request once the batch's commit outcome is known: the
-/// commit's error, if any, and whether the batch's [`Epilogue`] left the
-/// outbox empty ([`Epilogued::drained`]).
-type Completer = Box<dyn FnOnce(Option<StoreError>, bool) + Send>;
+/// Completes one request once the batch's commit outcome is known.
+type Completer = Box<dyn FnOnce(Option<StoreError>) + Send>;
 /// What one request did inside the open transaction.
 struct Ran {
     complete: Completer,
@@ -105,29 +103,9 @@ type Job = Box<dyn FnOnce(&Connection) -> Ran + Send>;
 /// committed, before any request of it is answered; nothing runs if the
 /// batch rolls back. It guards its own changes (a SAVEPOINT): should it
 /// fail, the requests still commit.
-pub type Epilogue = Box<dyn FnMut(&Connection) -> Epilogued + Send>;
+pub type Epilogue = Box<dyn FnMut(&Connection) -> Option<AfterCommit> + Send>;
 /// The part of an [`Epilogue`] that waits for the commit.
 pub type AfterCommit = Box<dyn FnOnce() + Send>;
-
-/// What an [`Epilogue`] did.
-#[derive(Default)]
-pub struct Epilogued {
-    /// Runs once the batch has committed.
-    pub after_commit: Option<AfterCommit>,
-    /// It left nothing pending in the outbox: every append of the batch
-    /// (and any older one) was fanned out in the batch's own transaction.
-    /// Its requests learn it ([`Announced::fanned_out`]) once it commits.
-    pub drained: bool,
-}
-
-/// The result of an announcing write ([`Writer::write_announcing`]).
-#[derive(Debug)]
-pub struct Announced<T> {
-    pub value: T,
-    /// Its batch committed with the outbox left empty by the [`Epilogue`]:
-    /// its append is fanned out, no relay need be woken for it.
-    pub fanned_out: bool,
-}
 type EpilogueSlot = Arc<std::sync::Mutex<Option<Epilogue>>>;
 
 #[derive(Debug, Default)]
@@ -195,13 +173,13 @@ impl Writer {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        self.submit(move |conn| (in_savepoint(conn, f), false), false).await.map(|a| a.value)
+        self.submit(move |conn| (in_savepoint(conn, f), false), false).await
     }
 
     /// [`Writer::write`] for a request that appends to the outbox when it
     /// succeeds (an accepted send, a conversation event): its batch runs
     /// the [`Epilogue`], if one is set, before committing.
-    pub async fn write_announcing<T, F>(&self, f: F) -> StoreResult<Announced<T>>
+    pub async fn write_announcing<T, F>(&self, f: F) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
@@ -220,7 +198,7 @@ impl Writer {
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
     {
-        self.submit(move |conn| unguarded(conn, f), false).await.map(|a| a.value)
+        self.submit(move |conn| unguarded(conn, f), false).await
     }
 
     /// [`Writer::write_announcing`] without the request's SAVEPOINT, on the
@@ -230,7 +208,7 @@ impl Writer {
     /// The savepoint was two statements and a copy into the statement
     /// journal of every page the send first touched (2.3% of the writer's
     /// samples in issue 19's ingest profile, 0.4% without it).
-    pub async fn write_announcing_unguarded<T, F>(&self, f: F) -> StoreResult<Announced<T>>
+    pub async fn write_announcing_unguarded<T, F>(&self, f: F) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> StoreResult<T> + Send + 'static,
@@ -239,19 +217,19 @@ impl Writer {
     }
 
     /// Queues `f`; `announces`: a success of it appended to the outbox.
-    async fn submit<T, F>(&self, f: F, announces: bool) -> StoreResult<Announced<T>>
+    async fn submit<T, F>(&self, f: F, announces: bool) -> StoreResult<T>
     where
         T: Send + 'static,
         F: FnOnce(&Connection) -> (StoreResult<T>, bool) + Send + 'static,
     {
-        let (tx, rx) = oneshot::channel::<StoreResult<Announced<T>>>();
+        let (tx, rx) = oneshot::channel::<StoreResult<T>>();
         let job: Job = Box::new(move |conn: &Connection| {
             let (result, poisoned) = f(conn);
             let announced = announces && result.is_ok();
-            let complete: Completer = Box::new(move |commit_error: Option<StoreError>, drained: bool| {
+            let complete: Completer = Box::new(move |commit_error: Option<StoreError>| {
                 let _ = tx.send(match commit_error {
                     Some(e) => Err(e),
-                    None => result.map(|value| Announced { value, fanned_out: announced && drained }),
+                    None => result,
                 });
             });
             Ran { complete, poisoned, announced }
@@ -377,9 +355,9 @@ fn run(
                 break;
             }
         }
-        let epilogued = match announced && !poisoned {
-            true => epilogue.lock().unwrap_or_else(|p| p.into_inner()).as_mut().map(|e| e(&conn)).unwrap_or_default(),
-            false => Epilogued::default(),
+        let after_commit = match announced && !poisoned {
+            true => epilogue.lock().unwrap_or_else(|p| p.into_inner()).as_mut().and_then(|e| e(&conn)),
+            false => None,
         };
         let commit_error = if poisoned {
             // An unguarded request failed after a change: none of the batch
@@ -398,8 +376,7 @@ fn run(
             }
         };
         failure.set(commit_error.as_ref().map(|e| e.to_string()));
-        let drained = commit_error.is_none() && epilogued.drained;
-        if let (None, Some(after)) = (&commit_error, epilogued.after_commit) {
+        if let (None, Some(after)) = (&commit_error, after_commit) {
             after();
         }
         // A transaction that changed no row (the relay's poll of an empty
@@ -413,7 +390,7 @@ fn run(
             since_checkpoint += 1;
         }
         for complete in completers {
-            complete(commit_error.clone(), drained);
+            complete(commit_error.clone());
         }
         // One stat(2) per commit: the WAL's size bounds it, not the count.
         if since_checkpoint >= CHECKPOINT_EVERY_COMMITS || wal_bytes(&wal) > WAL_TRUNCATE_BYTES {

@@ -168,7 +168,6 @@ impl SendCmd {
             msg_seq,
             created_at_ms: self.now_ms,
             duplicate: false,
-            fanned_out: false,
         }
     }
 
@@ -195,10 +194,6 @@ pub struct Accepted {
     /// The `(sender, client_msg_id)` had been accepted before: this is the
     /// original message, nothing new was written.
     pub duplicate: bool,
-    /// Its fan-out committed with it and left nothing else pending in the
-    /// outbox (the embedded store's fused fan-out, issue 19): the caller
-    /// need not wake the relay for it. `false` whenever unsure.
-    pub fanned_out: bool,
 }
 
 /// A committed conversation event waiting for fan-out (F1).

@@ -82,12 +82,7 @@ pub(crate) async fn write(state: &AppState, cmd: SendCmd) -> ApiResult<SendOk> {
         m::SENDS_DUPLICATE.inc();
     } else {
         m::SENDS_ACCEPTED.inc();
-        // A send whose fan-out committed with it (the embedded store's
-        // fused fan-out, which hints it through the relay's channel) leaves
-        // the relay nothing to claim.
-        if !accepted.fanned_out {
-            state.relay_wake.notify_one();
-        }
+        state.relay_wake.notify_one();
     }
     // The answer's `duplicate` is the client's view: this request's own
     // write, found again by a local fallback, is no duplicate of it (S1).
