@@ -13,18 +13,8 @@ use common::*;
 /// Messages each test sends.
 const SENDS: u64 = 12;
 
-/// Polls `ready` until it holds, for at most 20 s.
-async fn eventually<F, Fut>(what: &str, ready: F)
-where
-    F: Fn() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while !ready().await {
-        assert!(tokio::time::Instant::now() < deadline, "never held: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
+/// How long a condition the relay brings about may take.
+const RELAY_WITHIN: Duration = Duration::from_secs(20);
 
 /// N sends one after another, the relay idle between them, cost N write
 /// commits: each fan-out commits with its accept (two commits a message
@@ -97,7 +87,7 @@ async fn a_failed_fused_fan_out_leaves_the_sends_accepted_for_the_relay() {
     assert!(failures >= 1.0, "the fused fan-out failed and said so");
     raw.execute_batch("DROP TRIGGER refuse_user_events").unwrap();
     // The relay retries after its backoff and delivers everything.
-    eventually("the relay fanned the sends out", || async {
+    eventually("the relay fanned the sends out", RELAY_WITHIN, || async {
         store.outbox_stats().await.unwrap().backlog == 0 && store.user_high_watermark("ben").await.unwrap() == SENDS
     })
     .await;

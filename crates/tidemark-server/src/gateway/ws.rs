@@ -631,8 +631,8 @@ impl Drop for CloseOnDrop {
 
 async fn write_loop(writer: Box<Writer>) {
     let Writer { device_hash, mut sink, out, entry, eph, ping, mut shutdown } = unbox(writer);
-    let out = CloseOnDrop(out);
-    let out = &*out.0;
+    let closer = CloseOnDrop(out);
+    let out = &*closer.0;
     let mut ticker = tokio::time::interval(ping);
     ticker.tick().await;
     loop {

@@ -304,3 +304,16 @@ pub fn shared<T>(v: T) -> Arc<tokio::sync::Mutex<T>> {
 pub fn body(v: Value) -> Value {
     v
 }
+
+/// Polls `ready` every 10 ms until it holds, failing after `within`.
+pub async fn eventually<F, Fut>(what: &str, within: Duration, ready: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + within;
+    while !ready().await {
+        assert!(tokio::time::Instant::now() < deadline, "never held within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
