@@ -152,13 +152,14 @@ pub(crate) async fn append_conv_event(
     Ok(at)
 }
 
-/// One send (S1–S3) in one statement, `tidemark_send` (schema step 2):
+/// One send (S1–S3) in one statement, `tidemark_send_on` (schema steps 2,
+/// 11, 14 and 17: one plpgsql function, no nested call):
 /// the original on a retry, else the membership check at the
 /// conversation's linearisation point, the quote check and the next
 /// `msg_seq` with the message and its outbox record. One statement, so
 /// the writer pipelines the sends of a batch (`Writer::write_statement`).
 /// The parameters are [`send_params`]; [`decide_send`] reads the outcome.
-/// Behind the frame's epoch fence, `tidemark_send_on` (step 14).
+/// Behind the frame's epoch fence (step 14).
 pub(crate) const SEND_SQL: &str =
     "SELECT * FROM tidemark_send_on($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
 
