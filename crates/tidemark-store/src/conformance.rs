@@ -51,6 +51,7 @@ where
     refused_send_leaves_no_hole(&*fresh().await).await;
     refusals_inside_one_group_commit_roll_back_alone(fresh().await).await;
     fan_out_is_idempotent_and_projects_once(&*fresh().await).await;
+    one_batch_counts_as_its_deliveries_one_by_one(&*fresh().await).await;
     fan_out_next_claims_in_outbox_order(fresh().await).await;
     user_log_pages_are_ranges(&*fresh().await).await;
     ack_is_a_monotonic_cas_per_device(&*fresh().await).await;
@@ -881,6 +882,43 @@ pub async fn fan_out_is_idempotent_and_projects_once(store: &dyn Store) {
     assert_eq!(report.users, vec![("a".to_string(), 4), ("b".to_string(), 4)], "F2: the next sync_seq, no hole");
     let seqs: Vec<u64> = store.read_user_events("b", 0, 4, 10).await.unwrap().iter().map(|e| e.sync_seq).collect();
     assert_eq!(seqs, vec![1, 2, 3, 4], "F2: contiguous sync_seq across a redelivery");
+}
+
+/// R3, issue 18: a fan-out batch that delivers many events to one user's
+/// row of a conversation moves it as one delivery after another would:
+/// a read cursor moved ahead of the fan-out (`read` caps at the head, not
+/// at what was delivered) counts nothing it covers, a message the user
+/// deleted for themselves first counts nothing, the user's own events move
+/// the read cursor, and unread and mentions count the rest once.
+pub async fn one_batch_counts_as_its_deliveries_one_by_one(store: &dyn Store) {
+    users(store, &["a", "b", "c"]).await;
+    store.create_group(ev("g", "a", "create"), vec!["b".into(), "c".into()]).await.unwrap(); // 1
+    for m in ["m1", "m2", "m3"] {
+        store.accept_send(send("a", "g", m)).await.unwrap(); // 2, 3, 4
+    }
+    let read = store.mark_read("c", "g", 4, T0).await.unwrap();
+    assert_eq!(read.read_seq, 4, "R1: read caps at the head, delivered or not");
+    store.accept_send(mention("a", "g", "m4", &["c"], false)).await.unwrap(); // 5
+    let m5 = store.accept_send(mention("b", "g", "m5", &["c"], false)).await.unwrap(); // 6
+    store.accept_send(mention("b", "g", "m6", &["c"], false)).await.unwrap(); // 7
+    store.delete_for_me("c", "g", &m5.message_id, T0).await.unwrap();
+    let items = store.pending_outbox(100).await.unwrap();
+    assert_eq!(items.len(), 7);
+    let report = store.fan_out(items, T0).await.unwrap();
+    assert_eq!(report.events_written, 21, "F2: every item to every member, in one batch");
+    let row = |user: &'static str| async move {
+        let s = state_of(store.list_conversations(user, None).await.unwrap(), "g");
+        (s.last_msg_seq, s.read_seq, s.unread, s.mentions)
+    };
+    assert_eq!(row("c").await, (7, 4, 2, 2), "c: m4 and m6 above the read cursor; m5 deleted; both mention c");
+    assert_eq!(row("b").await, (7, 7, 0, 0), "b: its own m6 is the newest");
+    assert_eq!(row("a").await, (7, 5, 2, 0), "a: read to its own m4, m5 and m6 above");
+    store.accept_send(send("a", "g", "m7")).await.unwrap(); // 8
+    drain(store).await;
+    assert_eq!(row("c").await, (8, 4, 3, 2), "the next batch counts on from there");
+    let seqs: Vec<u64> = store.read_user_events("c", 0, 8, 10).await.unwrap().iter().map(|e| e.sync_seq).collect();
+    assert_eq!(seqs.len(), 8, "F2: one event per item");
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "F2: contiguous sync_seq {seqs:?}");
 }
 
 /// F1, F3: the relay's claim takes the oldest items up to its limit, fans
