@@ -372,6 +372,49 @@ pub struct Lane {
     typing: Mutex<HashMap<(String, String), Held>>,
     /// `None` on a single node.
     bus: Option<mpsc::Sender<BusHint>>,
+    /// The privacy re-reads other nodes' announcements set off, one running
+    /// per local user at most.
+    rereads: Mutex<Rereads>,
+}
+
+/// The privacy re-reads of local users that other nodes' announcements set
+/// off ([`Lane::from_bus`]), at most one running per user: an announcement
+/// that finds one running asks for one more read after it instead of a
+/// read of its own (a storm of announcements about one user costs two
+/// reads, not one each, and holds one read connection, not one each). The
+/// read after the running one sees every switch the folded announcements
+/// could have followed, and says again what this node sees if any of them
+/// said offline. Bounded by the local users.
+#[derive(Debug, Default)]
+struct Rereads(HashMap<String, Option<bool>>);
+
+impl Rereads {
+    /// An announcement about `user` (`offline`: it said so). True: none
+    /// runs, the caller starts one. False: the running one will read once
+    /// more when it is done.
+    fn asked(&mut self, user: &str, offline: bool) -> bool {
+        match self.0.get_mut(user) {
+            Some(again) => {
+                *again = Some(again.unwrap_or(false) || offline);
+                false
+            }
+            None => {
+                self.0.insert(user.to_owned(), None);
+                true
+            }
+        }
+    }
+
+    /// The running re-read of `user` is done: `Some(offline)` to read once
+    /// more (asked while it ran; `offline` if any of those said offline),
+    /// `None` when nothing was asked meanwhile (the user's entry is gone).
+    fn done(&mut self, user: &str) -> Option<bool> {
+        let again = self.0.get_mut(user).and_then(Option::take);
+        if again.is_none() {
+            self.0.remove(user);
+        }
+        again
+    }
 }
 
 impl std::fmt::Debug for Lane {
@@ -382,7 +425,7 @@ impl std::fmt::Debug for Lane {
 
 impl Lane {
     pub fn new(store: Arc<dyn Store>, config: EphemeralConfig, bus: Option<mpsc::Sender<BusHint>>) -> Lane {
-        Lane { store, config, users: Mutex::default(), typing: Mutex::default(), bus }
+        Lane { store, config, users: Mutex::default(), typing: Mutex::default(), bus, rereads: Mutex::default() }
     }
 
     pub fn config(&self) -> &EphemeralConfig {
@@ -727,7 +770,8 @@ impl Lane {
     /// task: the privacy re-read below runs on a task of its own, so the
     /// kicks and hints behind this signal on the bus never wait on a store
     /// read (a read pool run dry holds a read for up to its 5 s wait, and
-    /// it is read again after a failure).
+    /// it is read again after a failure); at most one such task runs per
+    /// user ([`Rereads`]).
     pub fn from_bus(self: &Arc<Self>, from: String, eph: BusEphemeral) {
         m::EPHEMERAL_BUS_RECEIVED.inc();
         let about_sender = match &eph.frame {
@@ -746,8 +790,21 @@ impl Lane {
         if !self.is_local(&from) {
             return;
         }
+        if !self.rereads.lock().expect("lane lock").asked(&from, offline) {
+            m::PRESENCE_REREADS_COALESCED.inc();
+            return;
+        }
         let lane = Arc::clone(self);
-        tokio::spawn(async move { lane.announced_elsewhere(&from, offline).await });
+        tokio::spawn(async move {
+            let mut offline = offline;
+            loop {
+                lane.announced_elsewhere(&from, offline).await;
+                match lane.rereads.lock().expect("lane lock").done(&from) {
+                    Some(again) => offline = again,
+                    None => break,
+                }
+            }
+        });
     }
 
     /// After another node announced local user `from`: its privacy switch
@@ -817,6 +874,25 @@ mod tests {
         assert!(!c.pending() && c.take(60).is_empty());
         let slots = c.slots.lock().unwrap();
         assert_eq!((slots.presence.capacity(), slots.typing.capacity()), (0, 0), "emptied slots hold no table");
+    }
+
+    /// Announcements about one user while its re-read runs fold into one
+    /// more read, which says again what this node sees if any of them said
+    /// offline; users are independent; a finished user starts afresh.
+    #[test]
+    fn rereads_run_one_per_user_and_fold_what_comes_meanwhile() {
+        let mut r = Rereads::default();
+        assert!(r.asked("ann", false), "none runs: start one");
+        assert!(r.asked("ben", true), "another user is independent");
+        assert!(!r.asked("ann", false) && !r.asked("ann", true) && !r.asked("ann", false), "folded");
+        assert_eq!(r.done("ann"), Some(true), "one more read, offline since one of them said so");
+        assert!(!r.asked("ann", false), "still running: folded again");
+        assert_eq!(r.done("ann"), Some(false), "one more, not offline");
+        assert_eq!(r.done("ann"), None, "nothing asked meanwhile: done");
+        assert!(r.asked("ann", false), "after it is done a new one starts");
+        assert_eq!(r.done("ben"), None);
+        assert_eq!(r.done("ann"), None);
+        assert!(r.0.is_empty(), "no entry outlives its read");
     }
 
     /// A signal's frame is one serialisation shared by every slot it waits

@@ -229,6 +229,10 @@ pub const EPHEMERAL_DROPPED: Metric = Metric::new("tidemark_ephemeral_dropped_to
 /// Ephemeral signals published to and received from the other nodes.
 pub const EPHEMERAL_BUS_PUBLISHED: Metric = Metric::new("tidemark_ephemeral_bus_published_total", stage::EPHEMERAL);
 pub const EPHEMERAL_BUS_RECEIVED: Metric = Metric::new("tidemark_ephemeral_bus_received_total", stage::EPHEMERAL);
+/// Another node's announcements of a local user whose privacy re-read was
+/// already running: folded into one more read after it, not a read each.
+pub const PRESENCE_REREADS_COALESCED: Metric =
+    Metric::new("tidemark_presence_rereads_coalesced_total", stage::EPHEMERAL);
 /// Failed reads of a user's presence facts (privacy, audience) by what
 /// followed: read again after a wait, or given up (the announcement not
 /// made; a privacy re-read after another node's announcement keeps the
@@ -487,6 +491,11 @@ pub const FAMILIES: &[Family] = &[
     ),
     family(EPHEMERAL_BUS_PUBLISHED, Kind::Counter, "Ephemeral signals published to the other nodes (NATS)."),
     family(EPHEMERAL_BUS_RECEIVED, Kind::Counter, "Ephemeral signals received from the other nodes (NATS)."),
+    family(
+        PRESENCE_REREADS_COALESCED,
+        Kind::Counter,
+        "Other nodes' announcements of a local user that found the user's privacy re-read running and were folded into one more read after it.",
+    ),
     family(
         store::SDK_GAPS_DETECTED,
         Kind::Counter,

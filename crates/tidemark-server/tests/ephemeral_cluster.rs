@@ -257,3 +257,55 @@ async fn the_bus_does_not_wait_on_the_privacy_read_an_announcement_sets_off() {
     b.stop().await;
     drop_schema(&pg, &schema).await;
 }
+
+/// Announcements of a user by another node while this node's re-read of
+/// her privacy waits fold into it: one re-read per user at a time, then one
+/// more for everything announced meanwhile, not one read each (each held a
+/// read connection: in a storm of announcements about the users a node
+/// holds, a pool's worth of reads could wait at once). Here B's read of
+/// ann's privacy waits on a lock of `user_privacy` while node A announces
+/// her six times (each seen by ben on B, so B has heard it): one read
+/// waits, five announcements were folded. Once the lock goes, B still
+/// follows A: A saying ann offline makes B show her online again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn announcements_while_a_privacy_read_waits_fold_into_one_more_read() {
+    let Some((pg, nats)) = services() else { return };
+    let (schema, prefix) = unique("ephf");
+    let a = node(&pg, &schema, &nats, &prefix).await;
+    // B's sessions carry a name of their own, so only B's reads are counted
+    // (A re-reads ann's privacy too when B announces her, before the lock).
+    let b_name = format!("{schema}_b");
+    let sep = if pg.contains('?') { '&' } else { '?' };
+    let b = node(&format!("{pg}{sep}application_name={b_name}"), &schema, &nats, &prefix).await;
+    ann_and_ben(&a).await;
+    let (ben, mut ben_events) = connect(&b, "ben", "phone").await;
+    ben.conv_create_direct("ann").await.unwrap();
+    let (ann_a, _ann_a_events) = connect(&a, "ann", "phone").await;
+    let (_ann_b, _ann_b_events) = connect(&b, "ann", "desk").await;
+    until(&mut ben_events, "ann online", |e| presence(e, "ann", "online")).await;
+
+    let lock = lock_user_privacy(&pg, &schema).await;
+    let waiting = format!("SELECT count(*) {WAITING_ON_ME} AND application_name = $1");
+    let waiting_now = || async { lock.query_one(&waiting, &[&b_name]).await.unwrap().get::<_, i64>(0) };
+    for state in ["idle", "online", "idle", "online", "idle", "online"] {
+        let ok = ann_a.request_value("presence.set", json!({"state": state})).await.unwrap();
+        assert_eq!(ok["t"], "presence.set.ok", "{ok}");
+        until(&mut ben_events, "A's announcement on B", |e| presence(e, "ann", state)).await;
+    }
+    common::eventually("B's privacy read waited on the lock", ARRIVES_WITHIN, || async { waiting_now().await > 0 })
+        .await;
+    assert_eq!(waiting_now().await, 1, "one re-read of ann's privacy waits on B, not one per announcement");
+    let folded = common::exposition::scrape_url(&b.url()).await.value("tidemark_presence_rereads_coalesced_total", &[]);
+    assert_eq!(folded, 5.0, "the five announcements after the first were folded into the waiting read");
+    lock.batch_execute("COMMIT").await.unwrap();
+
+    // The folded announcements were read once more after the lock went;
+    // then nothing runs for ann, and the next announcement starts afresh.
+    ann_a.close().await;
+    until(&mut ben_events, "A's offline on B", |e| presence(e, "ann", "offline")).await;
+    until(&mut ben_events, "ann shown again by node B", |e| presence(e, "ann", "online")).await;
+
+    a.stop().await;
+    b.stop().await;
+    drop_schema(&pg, &schema).await;
+}
