@@ -104,7 +104,7 @@
 //! # Bounds
 //!
 //! [`writer::WRITE_QUEUE_MAX`], [`writer::WRITE_BATCH_MAX`],
-//! [`READ_CONNECTIONS_MAX`], [`POOL_WAIT_TIMEOUT_MS`],
+//! [`READ_CONNECTIONS_MAX`], [`PRESENCE_READ_CONNECTIONS_MAX`], [`POOL_WAIT_TIMEOUT_MS`],
 //! [`CONNECT_TIMEOUT_MS`], [`STATEMENT_TIMEOUT_MS`] and
 //! [`IDLE_IN_TRANSACTION_TIMEOUT_MS`]; the last two are set on every
 //! connection, so a stuck statement or a leaked transaction cannot hold
@@ -152,6 +152,13 @@ pub const CONV_WRITERS_DEFAULT: usize = 1;
 pub const CONV_WRITERS_MAX: usize = 16;
 /// Default number of read connections per store.
 pub const READ_CONNECTIONS_MAX: usize = 8;
+/// Default number of presence's own read connections per store: the
+/// privacy switches and audience a presence announcement reads
+/// (`Store::privacy`, `presence_audience`, `presence_facts`) wait among
+/// these and never take the read pool's, so a storm of announcements
+/// (every device of a resume storm announces itself) cannot hold up the
+/// sync, history and cursor reads the devices catch up with.
+pub const PRESENCE_READ_CONNECTIONS_MAX: usize = 2;
 /// Longest wait for a pooled connection before a request fails `Unavailable`.
 pub const POOL_WAIT_TIMEOUT_MS: u64 = 5_000;
 /// Longest wait for a new connection to the server.
@@ -176,6 +183,9 @@ pub struct PgConfig {
     pub schema: Option<String>,
     /// Read connections in the pool.
     pub read_connections_max: usize,
+    /// Read connections of presence's own pool
+    /// ([`PRESENCE_READ_CONNECTIONS_MAX`]).
+    pub presence_read_connections_max: usize,
     /// Writer connections for conversation events, each owning a hash
     /// partition of the conversations (1..=[`CONV_WRITERS_MAX`]).
     pub conv_writers: usize,
@@ -187,6 +197,7 @@ impl PgConfig {
             url: url.into(),
             schema: None,
             read_connections_max: READ_CONNECTIONS_MAX,
+            presence_read_connections_max: PRESENCE_READ_CONNECTIONS_MAX,
             conv_writers: CONV_WRITERS_DEFAULT,
         }
     }
@@ -213,6 +224,8 @@ pub struct PgStore {
     /// conflicts retried).
     user_writer: Writer,
     readers: ReadPool,
+    /// Presence's reads ([`PRESENCE_READ_CONNECTIONS_MAX`]).
+    presence_readers: ReadPool,
     schema: Option<String>,
     /// The writer tasks end once their `Writer` (each queue's only sender)
     /// is dropped with the store, after answering what was queued.
@@ -256,8 +269,10 @@ impl PgStore {
         if !(1..=CONV_WRITERS_MAX).contains(&config.conv_writers) {
             return Err(StoreError::Invalid(format!("conv_writers must be 1..={CONV_WRITERS_MAX}")));
         }
-        if config.read_connections_max == 0 {
-            return Err(StoreError::Invalid("read_connections_max must be at least 1".into()));
+        if config.read_connections_max == 0 || config.presence_read_connections_max == 0 {
+            return Err(StoreError::Invalid(
+                "read_connections_max and presence_read_connections_max must be at least 1".into(),
+            ));
         }
         let mut pg: tokio_postgres::Config =
             config.url.parse().map_err(|e| StoreError::Invalid(format!("postgres url: {e}")))?;
@@ -292,6 +307,7 @@ impl PgStore {
             writers.push(writer);
             tasks.push(task);
         }
+        let presence_readers = ReadPool { pool: pool(pg.clone(), config.presence_read_connections_max)? };
         let readers = ReadPool { pool: pool(pg, config.read_connections_max)? };
         let (user_writer, fanout_task) = Writer::start(fanout_pool, "user");
         tasks.push(fanout_task);
@@ -300,6 +316,7 @@ impl PgStore {
             writers,
             user_writer,
             readers,
+            presence_readers,
             schema: config.schema,
             writer_task: Mutex::new(Some(tasks)),
         }))
@@ -1185,7 +1202,7 @@ impl Store for PgStore {
 
     async fn privacy(&self, user: &str) -> StoreResult<Privacy> {
         let user = user.to_owned();
-        self.readers.read(move |c| Box::pin(async move { receipts::privacy(c, &user).await })).await
+        self.presence_readers.read(move |c| Box::pin(async move { receipts::privacy(c, &user).await })).await
     }
 
     async fn update_privacy(
@@ -1205,12 +1222,16 @@ impl Store for PgStore {
 
     async fn presence_audience(&self, user: &str, limit: u32) -> StoreResult<Vec<String>> {
         let user = user.to_owned();
-        self.readers.read(move |c| Box::pin(async move { receipts::presence_audience(c, &user, limit).await })).await
+        self.presence_readers
+            .read(move |c| Box::pin(async move { receipts::presence_audience(c, &user, limit).await }))
+            .await
     }
 
     async fn presence_facts(&self, user: &str, limit: u32) -> StoreResult<(Privacy, Vec<String>)> {
         let user = user.to_owned();
-        self.readers.read(move |c| Box::pin(async move { receipts::presence_facts(c, &user, limit).await })).await
+        self.presence_readers
+            .read(move |c| Box::pin(async move { receipts::presence_facts(c, &user, limit).await }))
+            .await
     }
 
     async fn conv_receipts(&self, user: &str, conv: &str, at: Option<u64>) -> StoreResult<Receipts> {

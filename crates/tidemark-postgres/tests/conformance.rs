@@ -233,6 +233,9 @@ async fn the_same_send_racing_on_two_writers_is_one_message() {
     // Both past the lookup and waiting for the row lock.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {
+        // `raw` holds the row lock inside a transaction, and PostgreSQL keeps
+        // one snapshot of `pg_stat_activity` per transaction: clear it.
+        raw.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
         let waiting: i64 = raw
             .query_one(
                 "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
@@ -1100,4 +1103,62 @@ async fn a_read_costs_one_statement_in_its_group_commit() {
     assert!(matches!(store.mark_read("a", "nope", 1, 9).await, Err(StoreError::NotFound(_))));
     assert!(store.create_user("c", "h", 0).await.unwrap());
     assert!(matches!(store.mark_read("c", &conv, 1, 9).await, Err(StoreError::NotMember)));
+}
+
+/// Presence reads wait among their own connections: with every presence
+/// connection held (here one, waiting on a lock of `user_privacy`), the
+/// reads devices catch up with (the user's head, the log, the device) are
+/// still answered, from the read pool. On one shared pool of the same size
+/// they would wait for the held connection until the pool's wait ran out
+/// and fail `Unavailable`: in a resume storm every connecting device's
+/// announcement reads presence facts, and those reads took the read pool
+/// from the sync pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn presence_reads_do_not_take_the_read_pool() {
+    let Some(url) = pg_url("presence_reads_do_not_take_the_read_pool") else { return };
+    let schemas = Schemas::new(url);
+    let name = schemas.fresh_name();
+    let sep = if schemas.url.contains('?') { '&' } else { '?' };
+    let config = PgConfig {
+        url: format!("{}{sep}application_name={name}", schemas.url),
+        read_connections_max: 1,
+        presence_read_connections_max: 1,
+        ..schemas.config(&name)
+    };
+    let store = PgStore::open(config).await.unwrap();
+    for u in ["a", "b"] {
+        store.create_user(u, "x", 0).await.unwrap();
+    }
+    store.create_direct("a", "b", "c1", 0).await.unwrap();
+    let raw = schemas.raw(&name).await;
+    raw.batch_execute("BEGIN; LOCK TABLE user_privacy IN ACCESS EXCLUSIVE MODE").await.unwrap();
+    let held = tokio::spawn({
+        let store = store.clone();
+        async move { store.privacy("a").await }
+    });
+    // `raw` is inside the transaction holding the lock, and PostgreSQL
+    // keeps one snapshot of `pg_stat_activity` per transaction: each look
+    // clears it first.
+    let waiting = || async {
+        raw.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+        raw.query_one(
+            "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+            &[&name],
+        )
+        .await
+        .unwrap()
+        .get::<_, i64>(0)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while waiting().await == 0 {
+        assert!(std::time::Instant::now() < deadline, "the presence read never waited on the lock");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    // The presence connection is held; the read pool still answers.
+    let head = store.user_high_watermark("a").await.expect("the user's head, beside a held presence read");
+    let events = store.read_user_events("a", 0, head, 10).await.expect("the user's log, beside a held presence read");
+    assert_eq!(events.len() as u64, head, "the log up to the head");
+    assert_eq!(waiting().await, 1, "the presence read was still waiting meanwhile");
+    raw.batch_execute("COMMIT").await.unwrap();
+    assert_eq!(held.await.unwrap().unwrap(), Privacy::default(), "and it is answered once the lock goes");
 }

@@ -74,9 +74,20 @@ async fn lock_user_privacy(pg: &str, schema: &str) -> tokio_postgres::Client {
     locker
 }
 
-/// The sessions waiting on a lock the asking session holds.
+/// Sessions waiting on a lock the asking session holds: `SELECT pid` or
+/// `count(*)` before it. The asking session is inside the transaction
+/// that holds the lock, and PostgreSQL keeps one snapshot of
+/// `pg_stat_activity` per transaction, so every poll clears it first
+/// ([`fresh_activity`]); otherwise a poll would see the sessions as they
+/// were at its first look, and wait for nothing.
 const WAITING_ON_ME: &str =
     "FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()]";
+
+/// Drops the transaction's snapshot of `pg_stat_activity` (see
+/// [`WAITING_ON_ME`]).
+async fn fresh_activity(session: &tokio_postgres::Client) {
+    session.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+}
 
 async fn drop_schema(pg: &str, schema: &str) {
     let (client, conn) = tokio_postgres::connect(pg, tokio_postgres::NoTls).await.unwrap();
@@ -195,6 +206,7 @@ async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
         if retried().await >= 1.0 {
             return true;
         }
+        fresh_activity(&lock).await;
         for row in lock.query(&blocked, &[]).await.unwrap() {
             lock.execute("SELECT pg_cancel_backend($1)", &[&row.get::<_, i32>(0)]).await.unwrap();
         }
@@ -238,7 +250,10 @@ async fn the_bus_does_not_wait_on_the_privacy_read_an_announcement_sets_off() {
     let ok = ann_a.request_value("presence.set", json!({"state": "idle"})).await.unwrap();
     assert_eq!(ok["t"], "presence.set.ok", "{ok}");
     let waiting = format!("SELECT count(*) {WAITING_ON_ME}");
-    let waits = || async { lock.query_one(&waiting, &[]).await.unwrap().get::<_, i64>(0) > 0 };
+    let waits = || async {
+        fresh_activity(&lock).await;
+        lock.query_one(&waiting, &[]).await.unwrap().get::<_, i64>(0) > 0
+    };
     common::eventually("a privacy read waited on the lock", ARRIVES_WITHIN, waits).await;
     // Typing published by A after the announcement reaches ben on B while
     // the read still waits (the lock is held until after it arrives).
@@ -286,7 +301,10 @@ async fn announcements_while_a_privacy_read_waits_fold_into_one_more_read() {
 
     let lock = lock_user_privacy(&pg, &schema).await;
     let waiting = format!("SELECT count(*) {WAITING_ON_ME} AND application_name = $1");
-    let waiting_now = || async { lock.query_one(&waiting, &[&b_name]).await.unwrap().get::<_, i64>(0) };
+    let waiting_now = || async {
+        fresh_activity(&lock).await;
+        lock.query_one(&waiting, &[&b_name]).await.unwrap().get::<_, i64>(0)
+    };
     for state in ["idle", "online", "idle", "online", "idle", "online"] {
         let ok = ann_a.request_value("presence.set", json!({"state": state})).await.unwrap();
         assert_eq!(ok["t"], "presence.set.ok", "{ok}");
