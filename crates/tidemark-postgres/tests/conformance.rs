@@ -60,6 +60,13 @@ impl Schemas {
         PgConfig { schema: Some(schema.to_owned()), ..PgConfig::new(self.url.clone()) }
     }
 
+    /// [`Schemas::config`] whose sessions carry `schema` as their
+    /// `application_name`, so [`lock_waiters`] counts only this store's.
+    fn named_config(&self, schema: &str) -> PgConfig {
+        let sep = if self.url.contains('?') { '&' } else { '?' };
+        PgConfig { url: format!("{}{sep}application_name={schema}", self.url), ..self.config(schema) }
+    }
+
     /// A store on a new, empty schema.
     async fn fresh(&self) -> Arc<PgStore> {
         let name = self.fresh_name();
@@ -106,6 +113,33 @@ impl Drop for Schemas {
         if dropped.is_err() {
             eprintln!("could not drop the test schemas");
         }
+    }
+}
+
+/// The sessions named `app` waiting on a lock. `raw` may be inside the
+/// transaction that holds it, and PostgreSQL keeps one snapshot of
+/// `pg_stat_activity` per transaction, so each look clears it first.
+async fn lock_waiters(raw: &tokio_postgres::Client, app: &str) -> i64 {
+    raw.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+    raw.query_one(
+        "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
+        &[&app],
+    )
+    .await
+    .unwrap()
+    .get(0)
+}
+
+/// Polls [`lock_waiters`] until `ready` holds of it; panics after 10 s.
+async fn until_lock_waiters(raw: &tokio_postgres::Client, app: &str, what: &str, ready: impl Fn(i64) -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let waiting = lock_waiters(raw, app).await;
+        if ready(waiting) {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "{what} ({waiting} waiting)");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
 }
 
@@ -210,8 +244,7 @@ async fn the_same_send_racing_on_two_writers_is_one_message() {
     let schemas = Schemas::new(url);
     let name = schemas.fresh_name();
     // Its own application_name, so the wait below counts only its sends.
-    let sep = if schemas.url.contains('?') { '&' } else { '?' };
-    let config = PgConfig { url: format!("{}{sep}application_name={name}", schemas.url), ..schemas.config(&name) };
+    let config = schemas.named_config(&name);
     let one = PgStore::open(config.clone()).await.unwrap();
     let two = PgStore::open(config).await.unwrap();
     for u in ["a", "b"] {
@@ -231,25 +264,7 @@ async fn the_same_send_racing_on_two_writers_is_one_message() {
         async move { two.accept_send(SendCmd { message_id: "another-id".into(), ..send_cmd("a", &conv, "k") }).await }
     });
     // Both past the lookup and waiting for the row lock.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        // `raw` holds the row lock inside a transaction, and PostgreSQL keeps
-        // one snapshot of `pg_stat_activity` per transaction: clear it.
-        raw.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
-        let waiting: i64 = raw
-            .query_one(
-                "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
-                &[&name],
-            )
-            .await
-            .unwrap()
-            .get(0);
-        if waiting == 2 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "the two sends never both waited on the row lock ({waiting})");
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    until_lock_waiters(&raw, &name, "the two sends never both waited on the row lock", |n| n == 2).await;
     raw.batch_execute("COMMIT").await.unwrap();
     let (a, b) = (first.await.unwrap().unwrap(), second.await.unwrap().unwrap());
     assert_eq!((&a.message_id, a.msg_seq), (&b.message_id, b.msg_seq), "S1: one message");
@@ -1105,10 +1120,10 @@ async fn a_read_costs_one_statement_in_its_group_commit() {
     assert!(matches!(store.mark_read("c", &conv, 1, 9).await, Err(StoreError::NotMember)));
 }
 
-/// Presence reads wait among their own connections: with every presence
-/// connection held (here one, waiting on a lock of `user_privacy`), the
-/// reads devices catch up with (the user's head, the log, the device) are
-/// still answered, from the read pool. On one shared pool of the same size
+/// P3 (pull before hints): presence reads wait among their own
+/// connections: with every presence connection held (here one, waiting on
+/// a lock of `user_privacy`), the reads devices catch up with (the user's
+/// head and log here) are still answered, from the read pool. On one shared pool of the same size
 /// they would wait for the held connection until the pool's wait ran out
 /// and fail `Unavailable`: in a resume storm every connecting device's
 /// announcement reads presence facts, and those reads took the read pool
@@ -1118,13 +1133,7 @@ async fn presence_reads_do_not_take_the_read_pool() {
     let Some(url) = pg_url("presence_reads_do_not_take_the_read_pool") else { return };
     let schemas = Schemas::new(url);
     let name = schemas.fresh_name();
-    let sep = if schemas.url.contains('?') { '&' } else { '?' };
-    let config = PgConfig {
-        url: format!("{}{sep}application_name={name}", schemas.url),
-        read_connections_max: 1,
-        presence_read_connections_max: 1,
-        ..schemas.config(&name)
-    };
+    let config = PgConfig { read_connections_max: 1, presence_read_connections_max: 1, ..schemas.named_config(&name) };
     let store = PgStore::open(config).await.unwrap();
     for u in ["a", "b"] {
         store.create_user(u, "x", 0).await.unwrap();
@@ -1136,29 +1145,12 @@ async fn presence_reads_do_not_take_the_read_pool() {
         let store = store.clone();
         async move { store.privacy("a").await }
     });
-    // `raw` is inside the transaction holding the lock, and PostgreSQL
-    // keeps one snapshot of `pg_stat_activity` per transaction: each look
-    // clears it first.
-    let waiting = || async {
-        raw.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
-        raw.query_one(
-            "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = $1 AND wait_event_type = 'Lock'",
-            &[&name],
-        )
-        .await
-        .unwrap()
-        .get::<_, i64>(0)
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while waiting().await == 0 {
-        assert!(std::time::Instant::now() < deadline, "the presence read never waited on the lock");
-        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-    }
+    until_lock_waiters(&raw, &name, "the presence read never waited on the lock", |n| n > 0).await;
     // The presence connection is held; the read pool still answers.
     let head = store.user_high_watermark("a").await.expect("the user's head, beside a held presence read");
     let events = store.read_user_events("a", 0, head, 10).await.expect("the user's log, beside a held presence read");
     assert_eq!(events.len() as u64, head, "the log up to the head");
-    assert_eq!(waiting().await, 1, "the presence read was still waiting meanwhile");
+    assert_eq!(lock_waiters(&raw, &name).await, 1, "the presence read was still waiting meanwhile");
     raw.batch_execute("COMMIT").await.unwrap();
     assert_eq!(held.await.unwrap().unwrap(), Privacy::default(), "and it is answered once the lock goes");
 }

@@ -74,19 +74,22 @@ async fn lock_user_privacy(pg: &str, schema: &str) -> tokio_postgres::Client {
     locker
 }
 
-/// Sessions waiting on a lock the asking session holds: `SELECT pid` or
-/// `count(*)` before it. The asking session is inside the transaction
-/// that holds the lock, and PostgreSQL keeps one snapshot of
-/// `pg_stat_activity` per transaction, so every poll clears it first
-/// ([`fresh_activity`]); otherwise a poll would see the sessions as they
-/// were at its first look, and wait for nothing.
-const WAITING_ON_ME: &str =
-    "FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()]";
-
-/// Drops the transaction's snapshot of `pg_stat_activity` (see
-/// [`WAITING_ON_ME`]).
-async fn fresh_activity(session: &tokio_postgres::Client) {
-    session.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+/// The sessions (pids) waiting on a lock `lock` holds, of every node or,
+/// with `app`, only those whose `application_name` it is. `lock` is inside
+/// the transaction that holds the lock, and PostgreSQL keeps one snapshot
+/// of `pg_stat_activity` per transaction, so each look clears it first;
+/// otherwise a poll would see the sessions as they were at its first look.
+async fn waiting_on(lock: &tokio_postgres::Client, app: Option<&str>) -> Vec<i32> {
+    lock.batch_execute("SELECT pg_stat_clear_snapshot()").await.unwrap();
+    let rows = lock
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'
+             AND pg_blocking_pids(pid) @> ARRAY[pg_backend_pid()] AND ($1::text IS NULL OR application_name = $1)",
+            &[&app],
+        )
+        .await
+        .unwrap();
+    rows.iter().map(|r| r.get(0)).collect()
 }
 
 async fn drop_schema(pg: &str, schema: &str) {
@@ -197,7 +200,6 @@ async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
     // `pg_stat_activity` does not show its text yet: hence no filter on it;
     // another read of `user_privacy` cancelled on the way is retried by its
     // own caller.)
-    let blocked = format!("SELECT pid {WAITING_ON_ME}");
     let retried = || async {
         let e = common::exposition::scrape_url(&a.url()).await;
         e.value("tidemark_presence_reads_failed_total", &[("outcome", "retried")])
@@ -206,9 +208,8 @@ async fn a_connect_whose_presence_read_fails_for_a_moment_is_still_announced() {
         if retried().await >= 1.0 {
             return true;
         }
-        fresh_activity(&lock).await;
-        for row in lock.query(&blocked, &[]).await.unwrap() {
-            lock.execute("SELECT pg_cancel_backend($1)", &[&row.get::<_, i32>(0)]).await.unwrap();
+        for pid in waiting_on(&lock, None).await {
+            lock.execute("SELECT pg_cancel_backend($1)", &[&pid]).await.unwrap();
         }
         false
     })
@@ -249,11 +250,7 @@ async fn the_bus_does_not_wait_on_the_privacy_read_an_announcement_sets_off() {
     // user it holds, and reads her privacy: that read waits on the lock.
     let ok = ann_a.request_value("presence.set", json!({"state": "idle"})).await.unwrap();
     assert_eq!(ok["t"], "presence.set.ok", "{ok}");
-    let waiting = format!("SELECT count(*) {WAITING_ON_ME}");
-    let waits = || async {
-        fresh_activity(&lock).await;
-        lock.query_one(&waiting, &[]).await.unwrap().get::<_, i64>(0) > 0
-    };
+    let waits = || async { !waiting_on(&lock, None).await.is_empty() };
     common::eventually("a privacy read waited on the lock", ARRIVES_WITHIN, waits).await;
     // Typing published by A after the announcement reaches ben on B while
     // the read still waits (the lock is held until after it arrives).
@@ -300,11 +297,7 @@ async fn announcements_while_a_privacy_read_waits_fold_into_one_more_read() {
     until(&mut ben_events, "ann online", |e| presence(e, "ann", "online")).await;
 
     let lock = lock_user_privacy(&pg, &schema).await;
-    let waiting = format!("SELECT count(*) {WAITING_ON_ME} AND application_name = $1");
-    let waiting_now = || async {
-        fresh_activity(&lock).await;
-        lock.query_one(&waiting, &[&b_name]).await.unwrap().get::<_, i64>(0)
-    };
+    let waiting_now = || async { waiting_on(&lock, Some(&b_name)).await.len() };
     for state in ["idle", "online", "idle", "online", "idle", "online"] {
         let ok = ann_a.request_value("presence.set", json!({"state": state})).await.unwrap();
         assert_eq!(ok["t"], "presence.set.ok", "{ok}");
