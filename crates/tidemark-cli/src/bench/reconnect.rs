@@ -132,6 +132,13 @@ struct Round {
     /// CPU of this process over the storm (the devices' SDK clients), per
     /// resume.
     clients_cpu_ms_per_resume: f64,
+    /// Presence entries and server CPU per resume from the storm's start
+    /// until the server is quiet again ([`settle`]): what the devices are
+    /// told, and what it costs, whether it happens before the last device
+    /// has caught up or after. The figures above stop at the catch-up, so a
+    /// faster storm leaves more of its presence after their window.
+    presence_entries_settled_per_resume: f64,
+    server_cpu_settled_ms_per_resume: f64,
     baseline_all_handshakes_secs: f64,
     baseline_p50_ms: f64,
     baseline_p99_ms: f64,
@@ -175,6 +182,29 @@ pub(super) async fn log_in(http: &Http, users: &[String], pb: &indicatif::Progre
     .try_collect()
     .await
     .context("log in")
+}
+
+/// How often [`settle`] reads the counters, how many unchanged reads in a
+/// row make the server quiet, and how long it waits at most.
+const SETTLE_POLL: Duration = Duration::from_millis(250);
+const SETTLE_QUIET_READS: u32 = 4;
+const SETTLE_MAX: Duration = Duration::from_secs(60);
+
+/// Waits until the server has told the devices every presence entry the
+/// storm caused: its presence counter unchanged over [`SETTLE_QUIET_READS`]
+/// reads [`SETTLE_POLL`] apart (a second), at most [`SETTLE_MAX`]; returns
+/// the counters then.
+async fn settle(addr: SocketAddr, reads: bool) -> Result<Counters> {
+    let deadline = Instant::now() + SETTLE_MAX;
+    let mut last = statements(addr, reads).await?;
+    let mut quiet = 0;
+    while quiet < SETTLE_QUIET_READS && Instant::now() < deadline {
+        tokio::time::sleep(SETTLE_POLL).await;
+        let now = statements(addr, reads).await?;
+        quiet = if now.presence_entries == last.presence_entries { quiet + 1 } else { 0 };
+        last = now;
+    }
+    Ok(last)
 }
 
 /// The server's counters the storm is measured by, from one read of
@@ -343,6 +373,10 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
         let cpu_after = (cpu_secs(server.pid())?, cpu_secs("self")?);
         let after = statements(addr, reads).await?;
 
+        pb.set_message(format!("round {round}: presence settling"));
+        let settled = settle(addr, reads).await?;
+        let cpu_settled = cpu_secs(server.pid())?;
+
         // ------------------------------------------------------ baseline
         pb.set_message(format!("round {round}: baseline, bare handshakes"));
         // Let the server finish closing the resumed connections first.
@@ -372,6 +406,8 @@ async fn run_on(args: &ReconnectArgs, devices: u32, soft: Option<u64>, at: &Stor
             presence_entries_per_resume: per(before.presence_entries, after.presence_entries),
             server_cpu_ms_per_resume: per(cpu_before.0, cpu_after.0) * 1000.0,
             clients_cpu_ms_per_resume: per(cpu_before.1, cpu_after.1) * 1000.0,
+            presence_entries_settled_per_resume: per(before.presence_entries, settled.presence_entries),
+            server_cpu_settled_ms_per_resume: per(cpu_before.0, cpu_settled) * 1000.0,
             retries,
             presence_reads_retried: (base_after.presence_reads_retried - before.presence_reads_retried) as u64,
             presence_reads_given_up: (base_after.presence_reads_given_up - before.presence_reads_given_up) as u64,
@@ -620,6 +656,8 @@ fn median_round(rounds: &[Round]) -> Round {
         presence_entries_per_resume: med(|r| r.presence_entries_per_resume),
         server_cpu_ms_per_resume: med(|r| r.server_cpu_ms_per_resume),
         clients_cpu_ms_per_resume: med(|r| r.clients_cpu_ms_per_resume),
+        presence_entries_settled_per_resume: med(|r| r.presence_entries_settled_per_resume),
+        server_cpu_settled_ms_per_resume: med(|r| r.server_cpu_settled_ms_per_resume),
         baseline_all_handshakes_secs: med(|r| r.baseline_all_handshakes_secs),
         baseline_p50_ms: med(|r| r.baseline_p50_ms),
         baseline_p99_ms: med(|r| r.baseline_p99_ms),
@@ -729,6 +767,7 @@ fn report(
             "device p99 ms",
             "stmts/resume",
             "server CPU ms/resume",
+            "settled: presence entries / server CPU ms per resume",
             "retries",
             "presence reads again / given up",
             "handshakes s",
@@ -744,6 +783,7 @@ fn report(
                     format!("{:.1}", r.device_p99_ms),
                     format!("{:.1}", r.statements_per_resume),
                     format!("{:.2}", r.server_cpu_ms_per_resume),
+                    format!("{:.1} / {:.2}", r.presence_entries_settled_per_resume, r.server_cpu_settled_ms_per_resume),
                     r.retries.to_string(),
                     format!("{} / {}", r.presence_reads_retried, r.presence_reads_given_up),
                     format!("{:.3}", r.baseline_all_handshakes_secs),
@@ -763,7 +803,9 @@ fn report(
                  SQLite counts every statement started, PostgreSQL every statement sent, BEGIN/COMMIT included, \
                  and has no read counter), delta over the storm / devices; server/clients CPU = user + system CPU \
                  (/proc) of the serve process / of this bench process (the devices' clients) over the storm / \
-                 devices, PostgreSQL's backends not counted; summary = median of the rounds",
+                 devices, PostgreSQL's backends not counted; settled = from the storm's start until the \
+                 server's presence counter is unchanged for a second (presence told after the last device \
+                 caught up included); summary = median of the rounds",
         "devices": devices, "events_behind": args.events, "limit": args.limit, "groups": groups,
         "presence_batch": !args.single_presence_frames,
         "open_files_soft_limit": soft, "setup_secs": setup_secs,
