@@ -2,8 +2,9 @@
 //!
 //! Layout: one writer thread owns the read-write connection and
 //! group-commits every write ([`writer`]); a small pool of read-only
-//! connections serves reads concurrently (WAL lets readers see the last
-//! committed state while the writer works). Because one writer serialises
+//! connections, one thread each, serves reads concurrently (WAL lets
+//! readers see the last committed state while the writer works), the reads
+//! that queue together in one read transaction (`read::READ_BATCH_MAX`). Because one writer serialises
 //! every write, `msg_seq` and `sync_seq` assignment are naturally
 //! contiguous and committed in order.
 //!
@@ -954,8 +955,9 @@ impl Store for SqliteStore {
         out: tokio::sync::mpsc::Sender<SnapshotViewPart>,
     ) -> StoreResult<()> {
         let (user, device) = (user.to_owned(), device.to_owned());
+        // It waits on its consumer: batched, it would hold up its batch.
         self.readers
-            .read_store(move |c| {
+            .read_alone(move |c| {
                 lifecycle::read_snapshot_view(c, &user, &device, messages_per_conv, convs_per_chunk, &out)
             })
             .await

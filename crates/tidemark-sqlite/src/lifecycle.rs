@@ -57,11 +57,7 @@ pub(crate) fn read_snapshot_view(
     chunk: usize,
     out: &tokio::sync::mpsc::Sender<SnapshotViewPart>,
 ) -> R<()> {
-    c.execute_batch("BEGIN").map_err(internal)?;
-    let read = view_in_transaction(c, user, device, per_conv, chunk.max(1), out);
-    // Read-only: nothing to keep; the lease also rolls back a leftover.
-    let _ = c.execute_batch("ROLLBACK");
-    read
+    crate::read::in_snapshot(c, || view_in_transaction(c, user, device, per_conv, chunk.max(1), out))
 }
 
 fn view_in_transaction(
