@@ -4,9 +4,9 @@
 //! group-commits every write ([`writer`]); a small pool of read-only
 //! connections, one thread each, serves reads concurrently (WAL lets
 //! readers see the last committed state while the writer works), the reads
-//! that queue together in one read transaction (`read::READ_BATCH_MAX`). Because one writer serialises
-//! every write, `msg_seq` and `sync_seq` assignment are naturally
-//! contiguous and committed in order.
+//! that queue together in one read transaction (`read::READ_BATCH_MAX`).
+//! Because one writer serialises every write, `msg_seq` and `sync_seq`
+//! assignment are naturally contiguous and committed in order.
 //!
 //! Durability: `journal_mode=WAL` with `synchronous=FULL`. Each commit
 //! appends to the WAL and fsyncs it before COMMIT returns, so a reply that

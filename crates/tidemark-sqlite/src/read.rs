@@ -38,8 +38,8 @@ pub const READ_BATCH_MAX: usize = 8;
 /// The reader threads' name (one per read-only connection).
 const READER_THREAD: &str = "tidemark-sqlite-reader";
 
-/// One read: runs on a reader thread with its connection, inside the
-/// batch's read transaction when it is `batched`.
+/// One read: runs on a reader thread with its connection, inside its
+/// batch's read transaction unless it runs `alone`.
 struct Job {
     run: Box<dyn FnOnce(&Connection) + Send>,
     /// Runs alone: a read that streams and waits on its consumer
@@ -123,8 +123,8 @@ impl ReadPool {
 /// and runs them in one read transaction.
 fn reader(conn: Connection, queue: &Mutex<std::sync::mpsc::Receiver<Job>>) {
     let mut next: Option<Job> = None;
+    let mut batch = Vec::with_capacity(READ_BATCH_MAX);
     loop {
-        let mut batch = Vec::with_capacity(READ_BATCH_MAX);
         {
             let queue = queue.lock().unwrap_or_else(PoisonError::into_inner);
             let first = match next.take() {
@@ -147,25 +147,22 @@ fn reader(conn: Connection, queue: &Mutex<std::sync::mpsc::Receiver<Job>>) {
                 }
             }
         }
-        run_batch(&conn, batch);
+        run_batch(&conn, &mut batch);
     }
 }
 
-fn run_batch(c: &Connection, batch: Vec<Job>) {
+fn run_batch(c: &Connection, batch: &mut Vec<Job>) {
     // One job runs as it would alone (its statements are their own
     // snapshots, or it opens one); several share one.
-    let shared = batch.len() > 1 && exec(c, "BEGIN").is_ok();
-    for job in batch {
+    if batch.len() > 1 {
+        let _ = exec(c, "BEGIN");
+    }
+    for job in batch.drain(..) {
         (job.run)(c);
     }
-    // A read-only transaction has nothing to keep: end the batch's, or one
-    // a read left open (it panicked between BEGIN and COMMIT).
-    if shared || !c.is_autocommit() {
-        let _ = exec(c, "COMMIT");
-        if !c.is_autocommit() {
-            let _ = c.execute_batch("ROLLBACK");
-        }
-    }
+    // The batch's snapshot, or one a read left open (it panicked between
+    // BEGIN and COMMIT).
+    end_snapshot(c);
 }
 
 fn exec(c: &Connection, sql: &str) -> rusqlite::Result<usize> {
@@ -180,9 +177,16 @@ pub(crate) fn in_snapshot<T>(c: &Connection, f: impl FnOnce() -> StoreResult<T>)
     }
     exec(c, "BEGIN").map_err(internal)?;
     let result = f();
-    // Read-only: nothing to keep; end the snapshot either way.
-    let _ = exec(c, "COMMIT");
+    end_snapshot(c);
     result
+}
+
+/// Ends the connection's read transaction, if it has one. Read-only:
+/// nothing to keep, and a ROLLBACK cannot leave it open.
+fn end_snapshot(c: &Connection) {
+    if !c.is_autocommit() {
+        let _ = exec(c, "ROLLBACK");
+    }
 }
 
 /// The columns of a sync page's facts, read by [`facts_at`].
@@ -1066,8 +1070,21 @@ mod tests {
             })
             .await
         });
-        tokio::task::spawn_blocking(move || started_rx.recv()).await.unwrap().expect("the holding read started");
+        tokio::task::spawn_blocking(move || started_rx.recv_timeout(std::time::Duration::from_secs(30)))
+            .await
+            .unwrap()
+            .expect("the holding read started");
         Held { pool, writer, release, _dir: dir }
+    }
+
+    /// Polls `read` once: a read is queued by its first poll (it then
+    /// waits for its answer), so no scheduler wait is needed to know it is.
+    async fn queue<F: std::future::Future + Unpin>(read: &mut F) {
+        std::future::poll_fn(|cx| {
+            assert!(std::pin::Pin::new(&mut *read).poll(cx).is_pending(), "the reader is held: the read waits");
+            std::task::Poll::Ready(())
+        })
+        .await
     }
 
     /// What a read saw: whether it ran inside a transaction it did not
@@ -1078,36 +1095,21 @@ mod tests {
     }
 
     /// Reads that queue together run in one read transaction, and each
-    /// sees every commit made before it was asked for: the batch's snapshot
-    /// is taken after the queue is drained. A read that runs alone is not
-    /// batched.
+    /// sees every commit made before it was asked for (an ACK, D4, before
+    /// the sync page that follows it, D5): the batch's snapshot is taken
+    /// after the queue is drained. A read that runs alone is not batched.
     #[tokio::test]
     async fn reads_that_queue_together_share_a_snapshot_taken_after_the_last_of_them() {
         let h = held().await;
-        let spawn = |alone: bool| {
-            let p = h.pool.clone();
-            tokio::spawn(async move {
-                if alone {
-                    p.read_alone(seen).await
-                } else {
-                    p.read_store(seen).await
-                }
-            })
-        };
-        let early = spawn(false);
-        // Submitted in order: wait until the first is queued before the commit.
-        tokio::task::yield_now().await;
+        let mut early = Box::pin(h.pool.read_store(seen));
+        queue(&mut early).await;
         h.writer.execute("INSERT INTO t VALUES (1)", []).unwrap();
-        let late = spawn(false);
-        let alone = spawn(true);
-        // All three are queued once each task has run to its await.
-        for _ in 0..1000 {
-            tokio::task::yield_now().await;
-        }
+        let mut late = Box::pin(h.pool.read_store(seen));
+        queue(&mut late).await;
+        let mut alone = Box::pin(h.pool.read_alone(seen));
+        queue(&mut alone).await;
         h.release.send(()).unwrap();
-        let early = early.await.unwrap().unwrap();
-        let late = late.await.unwrap().unwrap();
-        let alone = alone.await.unwrap().unwrap();
+        let (early, late, alone) = (early.await.unwrap(), late.await.unwrap(), alone.await.unwrap());
         assert_eq!(late, (true, 1), "the late read is batched and sees the commit made before it was asked");
         assert_eq!(early, (true, 1), "the early read shares the late one's snapshot");
         assert_eq!(alone, (false, 1), "a read that runs alone is in no batch");
@@ -1120,19 +1122,13 @@ mod tests {
         let h = held().await;
         let ran = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let r = ran.clone();
-        let p = h.pool.clone();
-        let cancelled = tokio::spawn(async move {
-            p.read_store(move |c| {
-                r.store(true, std::sync::atomic::Ordering::SeqCst);
-                one(c)
-            })
-            .await
-        });
-        for _ in 0..1000 {
-            tokio::task::yield_now().await;
-        }
-        cancelled.abort();
-        assert!(cancelled.await.unwrap_err().is_cancelled());
+        let mut cancelled = Box::pin(h.pool.read_store(move |c| {
+            r.store(true, std::sync::atomic::Ordering::SeqCst);
+            one(c)
+        }));
+        queue(&mut cancelled).await;
+        // The caller gives up while its read waits behind the held one.
+        drop(cancelled);
         h.release.send(()).unwrap();
         assert_eq!(h.pool.read_store(one).await, Ok(1));
         assert!(!ran.load(std::sync::atomic::Ordering::SeqCst), "the abandoned read did not run");
