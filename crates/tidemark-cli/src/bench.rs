@@ -35,6 +35,7 @@ mod depth;
 mod device;
 mod fanout;
 mod flood;
+mod floor;
 mod large;
 mod maintenance;
 mod online;
@@ -197,7 +198,10 @@ const NOTE: &str = "Ratios are against a baseline measured in the same run, on t
 server measurement round by round: baseline = single-threaded rusqlite inserts into a table shaped like `messages` \
 (WAL, synchronous=FULL) in transactions of the server's average requests per commit; disk commit rate = the same \
 inserts one row per transaction. Summary ratios are medians of the per-round ratios. fsyncs/msg = (commits + \
-2*checkpoints) / messages during the send phase, fan-out commits included.";
+2*checkpoints) / messages during the send phase, fan-out commits included. floor = the rows the storage design \
+writes per message (the message, its outbox row written and deleted, per recipient a user-log event and a \
+conversation row, a head per user per batch) in plain SQL on the server's own schema and pragmas, one thread, the \
+same batch: floor / baseline is the most any server on this design could reach of the baseline.";
 
 /// Who sends where. Conversation `k` joins users `2k` and `2k+1`; sender `i`
 /// writes to conversation `i mod active` as one of its two members, so both
@@ -226,9 +230,36 @@ impl Topology {
         Topology { users, convs, senders }
     }
 
+    /// A round's first `rows` sends as the server round makes them:
+    /// senders interleaved, each in its conversation.
+    fn traffic(&self, round: u32, rows: u64) -> impl Iterator<Item = Traffic> + '_ {
+        let senders = self.senders.len() as u64;
+        (0..rows).map(move |k| {
+            let (index, n) = ((k % senders) as usize, k / senders);
+            let (user, conv) = self.senders[index];
+            Traffic {
+                index,
+                user,
+                conv,
+                client_msg_id: client_msg_id(round, index, n),
+                content: content(n).to_string(),
+            }
+        })
+    }
+
     fn device(sender: usize) -> String {
         format!("bench-d{sender}")
     }
+}
+
+/// One send of [`Topology::traffic`]: sender `index`, its user and
+/// conversation, the send's client id and content.
+struct Traffic {
+    index: usize,
+    user: usize,
+    conv: usize,
+    client_msg_id: String,
+    content: String,
 }
 
 fn client_msg_id(round: u32, sender: usize, n: u64) -> String {
@@ -291,8 +322,15 @@ struct Round {
     round: u32,
     server: ServerRound,
     baseline: InsertRun,
+    /// The storage design's floor (`floor`): a message's rows in plain SQL.
+    floor: InsertRun,
     disk: InsertRun,
     ratio_server_baseline: f64,
+    /// The floor's messages/s over the baseline's rows/s: the most any
+    /// server on this storage design could reach of the baseline.
+    ratio_floor_baseline: f64,
+    /// The server's messages/s over the floor's.
+    ratio_server_floor: f64,
     ratio_server_disk: f64,
 }
 
@@ -307,6 +345,9 @@ struct Summary {
     baseline_batch: f64,
     baseline_rows_per_s: f64,
     ratio_server_baseline: f64,
+    floor_msgs_per_s: f64,
+    ratio_floor_baseline: f64,
+    ratio_server_floor: f64,
     disk_commits_per_s: f64,
     ratio_server_disk: f64,
 }
@@ -399,6 +440,12 @@ async fn ingest(args: IngestArgs) -> Result<()> {
         let (t, rows) = (topo.clone(), per_round);
         let baseline = tokio::task::spawn_blocking(move || sqlite_insert_rate(&path, &t, round, rows, batch)).await??;
 
+        pb.set_message(format!("{tag}: floor (batch {batch})"));
+        let path = root.0.join(format!("floor-{round}"));
+        let t = topo.clone();
+        let floor =
+            tokio::task::spawn_blocking(move || floor::floor_rate(&path, &t, round, per_round, batch)).await??;
+
         pb.set_message(format!("{tag}: disk commit rate"));
         let path = root.0.join(format!("disk-{round}"));
         let t = topo.clone();
@@ -408,20 +455,24 @@ async fn ingest(args: IngestArgs) -> Result<()> {
         let r = Round {
             round,
             ratio_server_baseline: ratio(server.msgs_per_s, baseline.rows_per_s),
+            ratio_floor_baseline: ratio(floor.rows_per_s, baseline.rows_per_s),
+            ratio_server_floor: ratio(server.msgs_per_s, floor.rows_per_s),
             ratio_server_disk: ratio(server.msgs_per_s, disk.rows_per_s),
             server,
             baseline,
+            floor,
             disk,
         };
         pb.suspend(|| {
             eprintln!(
-                "{tag}: {:.0} msgs/s, p50 {:.2} ms, p99 {:.2} ms, {:.3} fsyncs/msg, baseline {:.0} rows/s (batch {}), disk {:.0} commits/s",
+                "{tag}: {:.0} msgs/s, p50 {:.2} ms, p99 {:.2} ms, {:.3} fsyncs/msg, baseline {:.0} rows/s (batch {}), floor {:.0} msgs/s, disk {:.0} commits/s",
                 r.server.msgs_per_s,
                 r.server.p50_ms,
                 r.server.p99_ms,
                 r.server.fsyncs_per_msg,
                 r.baseline.rows_per_s,
                 r.baseline.batch,
+                r.floor.rows_per_s,
                 r.disk.rows_per_s
             )
         });
@@ -684,8 +735,13 @@ async fn drive(
 /// `CHECKPOINT_EVERY_COMMITS` commits). The rows are generated before the
 /// clock starts. The directory is removed afterwards.
 fn sqlite_insert_rate(dir: &Path, topo: &Topology, round: u32, rows: u64, batch: u64) -> Result<InsertRun> {
+    in_fresh_dir(dir, |dir| insert_rate_in(dir, topo, round, rows, batch))
+}
+
+/// Runs `f` in directory `dir`, created for it and removed afterwards.
+fn in_fresh_dir<T>(dir: &Path, f: impl FnOnce(&Path) -> Result<T>) -> Result<T> {
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-    let result = insert_rate_in(dir, topo, round, rows, batch);
+    let result = f(dir);
     let _ = std::fs::remove_dir_all(dir);
     result
 }
@@ -708,12 +764,7 @@ fn hex_id(prefix: &str, rng: &mut impl Rng) -> String {
 }
 
 fn insert_rate_in(dir: &Path, topo: &Topology, round: u32, rows: u64, batch: u64) -> Result<InsertRun> {
-    let mut conn = Connection::open(dir.join("baseline.db"))?;
-    let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
-    ensure!(mode.eq_ignore_ascii_case("wal"), "journal_mode is {mode}, want wal");
-    conn.pragma_update(None, "synchronous", "FULL")?;
-    conn.pragma_update(None, "cache_size", -16_000)?;
-    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+    let mut conn = commit_db(&dir.join("baseline.db"))?;
     conn.execute_batch(
         "CREATE TABLE messages (
             message_id     TEXT PRIMARY KEY,
@@ -734,25 +785,21 @@ fn insert_rate_in(dir: &Path, topo: &Topology, round: u32, rows: u64, batch: u64
     let mut rng = rand::rng();
     let conv_ids: Vec<String> = topo.convs.iter().map(|_| hex_id("c", &mut rng)).collect();
     let mut heads = vec![0i64; conv_ids.len()];
-    let senders = topo.senders.len() as u64;
-    let data: Vec<Row> = (0..rows)
-        .map(|k| {
-            let i = (k % senders) as usize;
-            let n = k / senders;
-            let (user, conv) = topo.senders[i];
-            heads[conv] += 1;
+    let data: Vec<Row> = topo
+        .traffic(round, rows)
+        .map(|t| {
+            heads[t.conv] += 1;
             Row {
-                conv_id: conv,
-                msg_seq: heads[conv],
-                sender: user,
-                client_msg_id: client_msg_id(round, i, n),
-                content: content(n).to_string(),
+                conv_id: t.conv,
+                msg_seq: heads[t.conv],
+                sender: t.user,
+                client_msg_id: t.client_msg_id,
+                content: t.content,
             }
         })
         .collect();
 
-    let checkpoint_every = tidemark_sqlite::writer::CHECKPOINT_EVERY_COMMITS;
-    let (mut commits, mut checkpoints, mut since_checkpoint) = (0u64, 0u64, 0u64);
+    let mut commits = Commits::default();
     let start = Instant::now();
     for chunk in data.chunks(batch as usize) {
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -777,16 +824,50 @@ fn insert_rate_in(dir: &Path, topo: &Topology, round: u32, rows: u64, batch: u64
             }
         }
         tx.commit()?;
-        commits += 1;
-        since_checkpoint += 1;
-        if since_checkpoint >= checkpoint_every {
-            since_checkpoint = 0;
-            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
-            checkpoints += 1;
-        }
+        commits.committed(&conn)?;
     }
-    let secs = start.elapsed().as_secs_f64();
-    Ok(InsertRun { rows, batch, commits, checkpoints, secs, rows_per_s: ratio(rows as f64, secs) })
+    Ok(commits.run(rows, batch, start.elapsed().as_secs_f64()))
+}
+
+/// A bench database opened as the server's writer opens its own: WAL,
+/// `synchronous=FULL`, the same cache, checkpoints run by the caller
+/// ([`Commits`]).
+fn commit_db(path: &Path) -> Result<Connection> {
+    let conn = Connection::open(path)?;
+    let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
+    ensure!(mode.eq_ignore_ascii_case("wal"), "journal_mode is {mode}, want wal");
+    conn.pragma_update(None, "synchronous", "FULL")?;
+    conn.pragma_update(None, "cache_size", -16_000)?;
+    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+    Ok(conn)
+}
+
+/// The commits of a baseline or floor run, with a PASSIVE checkpoint every
+/// `CHECKPOINT_EVERY_COMMITS`, as the server's writer runs them.
+#[derive(Default)]
+struct Commits {
+    commits: u64,
+    checkpoints: u64,
+    since_checkpoint: u64,
+}
+
+impl Commits {
+    /// One transaction committed on `conn`: a checkpoint when it is due.
+    fn committed(&mut self, conn: &Connection) -> Result<()> {
+        self.commits += 1;
+        self.since_checkpoint += 1;
+        if self.since_checkpoint >= tidemark_sqlite::writer::CHECKPOINT_EVERY_COMMITS {
+            self.since_checkpoint = 0;
+            conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))?;
+            self.checkpoints += 1;
+        }
+        Ok(())
+    }
+
+    fn run(&self, rows: u64, batch: u64, secs: f64) -> InsertRun {
+        let (commits, checkpoints) = (self.commits, self.checkpoints);
+        InsertRun { rows, batch, commits, checkpoints, secs, rows_per_s: ratio(rows as f64, secs) }
+    }
 }
 
 // ------------------------------------------------------------------ report
@@ -816,6 +897,9 @@ fn summarize(rounds: &[Round]) -> Summary {
         baseline_batch: m(&|r| r.baseline.batch as f64),
         baseline_rows_per_s: m(&|r| r.baseline.rows_per_s),
         ratio_server_baseline: m(&|r| r.ratio_server_baseline),
+        floor_msgs_per_s: m(&|r| r.floor.rows_per_s),
+        ratio_floor_baseline: m(&|r| r.ratio_floor_baseline),
+        ratio_server_floor: m(&|r| r.ratio_server_floor),
         disk_commits_per_s: m(&|r| r.disk.rows_per_s),
         ratio_server_disk: m(&|r| r.ratio_server_disk),
     }
@@ -879,6 +963,9 @@ fn print_report(p: &Params, s: &Summary, rounds: &[Round]) {
         row("baseline batch (rows/commit)", s.baseline_batch, &|r| r.baseline.batch as f64, &f0),
         row("baseline rows/s, same batch", s.baseline_rows_per_s, &|r| r.baseline.rows_per_s, &f0),
         row("server / baseline", s.ratio_server_baseline, &|r| r.ratio_server_baseline, &f2),
+        row("floor msgs/s, same batch", s.floor_msgs_per_s, &|r| r.floor.rows_per_s, &f0),
+        row("floor / baseline (design's ceiling)", s.ratio_floor_baseline, &|r| r.ratio_floor_baseline, &f2),
+        row("server / floor", s.ratio_server_floor, &|r| r.ratio_server_floor, &f2),
         row("disk single-commit rate (/s)", s.disk_commits_per_s, &|r| r.disk.rows_per_s, &f0),
         row("server msgs/s / disk commits/s", s.ratio_server_disk, &|r| r.ratio_server_disk, &f1),
     ];
@@ -898,6 +985,8 @@ fn print_report(p: &Params, s: &Summary, rounds: &[Round]) {
                 r.baseline.batch.to_string(),
                 f0(r.baseline.rows_per_s),
                 f2(r.ratio_server_baseline),
+                f0(r.floor.rows_per_s),
+                f2(r.ratio_floor_baseline),
                 f0(r.disk.rows_per_s),
                 f1(r.ratio_server_disk),
             ]
@@ -915,6 +1004,8 @@ fn print_report(p: &Params, s: &Summary, rounds: &[Round]) {
             "batch",
             "base rows/s",
             "srv/base",
+            "floor msg/s",
+            "floor/base",
             "disk c/s",
             "srv/disk",
         ],
