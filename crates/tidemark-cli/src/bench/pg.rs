@@ -41,8 +41,8 @@ use super::proc::{clock_ticks_per_s, cpu_ticks};
 use super::stores::{connect, Schemas};
 
 use super::{
-    client_msg_id, content, drive, hex_id, init_logs, median, print_table, ratio, unix_ms, IngestArgs, ServerRound,
-    Targets, Topology, LATENCY_MAX_US,
+    drive, hex_id, init_logs, median, print_table, ratio, unix_ms, IngestArgs, ServerRound, Targets, Topology,
+    LATENCY_MAX_US,
 };
 
 /// Longer than PostgreSQL's shortest interval between two publications of a
@@ -58,7 +58,11 @@ rows into a table shaped like `messages` (same keys) with one plain INSERT per t
 alternating with the server round by round, same database. msgs per WAL flush = messages / delta of \
 pg_stat_wal.wal_sync over the phase (server: send phase and fan-out drain, fan-out commits included); \
 pg_stat_wal is cluster-wide, so other sessions during a phase count too. Connections = peak backends with the \
-phase's application_name. Summary values are medians of the rounds.";
+phase's application_name. Summary values are medians of the rounds. Floor = the baseline's clients, each message \
+one statement (one transaction) writing on the server's own tables the rows the storage design writes for it: the \
+conversation's head, the message, its outbox row, and for both members the head, a user-log event and the \
+conversation row; floor / baseline bounds what a server on this design reaches of the baseline when it commits each \
+message alone.";
 
 #[derive(Debug, Clone, Copy, Default, Serialize)]
 struct Wal {
@@ -223,8 +227,34 @@ struct PgRound {
     limits: Option<LimitEvidence>,
     baseline: BaselineRun,
     baseline_pg: PgPhase,
+    /// The storage design's floor (`floor_phase`), the baseline's clients.
+    floor: BaselineRun,
+    floor_pg: PgPhase,
     ratio_server_baseline: f64,
+    /// The floor's messages/s over the baseline's rows/s.
+    ratio_floor_baseline: f64,
+    /// The server's messages/s over the floor's.
+    ratio_server_floor: f64,
+    /// The floor on [`FLOOR_WRITERS`] connections in transactions of the
+    /// server's requests per commit.
+    floor_writers: Vec<FloorWriters>,
 }
+
+/// The floor's statements on `writers` connections, each owning the
+/// conversations `conv mod writers` (as the server's conversation writers
+/// own hash partitions), in transactions of `batch` messages sent together.
+#[derive(Debug, Clone, Serialize)]
+struct FloorWriters {
+    writers: usize,
+    batch: usize,
+    run: BaselineRun,
+    pg: PgPhase,
+    ratio_baseline: f64,
+}
+
+/// The writer counts the floor runs with: one, as the server's default
+/// conversation writer, and one per core of this machine's two.
+const FLOOR_WRITERS: [usize; 2] = [1, 2];
 
 #[derive(Debug, Clone, Serialize)]
 struct PgSummary {
@@ -240,6 +270,15 @@ struct PgSummary {
     baseline_rows_per_wal_flush: f64,
     baseline_connections_peak: f64,
     ratio_server_baseline: f64,
+    floor_msgs_per_s: f64,
+    floor_p50_ms: f64,
+    floor_p99_ms: f64,
+    floor_msgs_per_wal_flush: f64,
+    ratio_floor_baseline: f64,
+    ratio_server_floor: f64,
+    /// Per entry of [`FLOOR_WRITERS`]: msgs/s, p50, p99, msgs per WAL
+    /// flush, batch, ÷ baseline.
+    floor_writers: Vec<[f64; 6]>,
 }
 
 #[derive(Debug, Serialize)]
@@ -388,7 +427,7 @@ pub(super) async fn ingest(args: IngestArgs, url: &str) -> Result<()> {
         pb.suspend(|| {
             eprintln!(
                 "{tag}: {:.0} msgs/s, p50 {:.2} ms, p99 {:.2} ms, {:.1} msgs/WAL flush, {} conns; \
-                 baseline {:.0} rows/s, p50 {:.2} ms, p99 {:.2} ms, {:.1} rows/WAL flush, {} conns",
+                 baseline {:.0} rows/s, p50 {:.2} ms, p99 {:.2} ms, {:.1} rows/WAL flush, {} conns; floor {:.0} msgs/s, writers {}",
                 r.server.msgs_per_s,
                 r.server.p50_ms,
                 r.server.p99_ms,
@@ -399,6 +438,8 @@ pub(super) async fn ingest(args: IngestArgs, url: &str) -> Result<()> {
                 r.baseline.p99_ms,
                 r.baseline_pg.msgs_per_wal_flush,
                 r.baseline_pg.connections_peak,
+                r.floor.rows_per_s,
+                r.floor_writers.iter().map(|w| format!("{}: {:.0} msgs/s", w.writers, w.run.rows_per_s)).collect::<Vec<_>>().join(", "),
             )
         });
         rounds.push(r);
@@ -419,6 +460,24 @@ pub(super) async fn ingest(args: IngestArgs, url: &str) -> Result<()> {
         baseline_rows_per_wal_flush: m(&|r| r.baseline_pg.msgs_per_wal_flush),
         baseline_connections_peak: m(&|r| r.baseline_pg.connections_peak as f64),
         ratio_server_baseline: m(&|r| r.ratio_server_baseline),
+        floor_msgs_per_s: m(&|r| r.floor.rows_per_s),
+        floor_p50_ms: m(&|r| r.floor.p50_ms),
+        floor_p99_ms: m(&|r| r.floor.p99_ms),
+        floor_msgs_per_wal_flush: m(&|r| r.floor_pg.msgs_per_wal_flush),
+        ratio_floor_baseline: m(&|r| r.ratio_floor_baseline),
+        ratio_server_floor: m(&|r| r.ratio_server_floor),
+        floor_writers: (0..FLOOR_WRITERS.len())
+            .map(|k| {
+                [
+                    m(&|r| r.floor_writers[k].run.rows_per_s),
+                    m(&|r| r.floor_writers[k].run.p50_ms),
+                    m(&|r| r.floor_writers[k].run.p99_ms),
+                    m(&|r| r.floor_writers[k].pg.msgs_per_wal_flush),
+                    m(&|r| r.floor_writers[k].batch as f64),
+                    m(&|r| r.floor_writers[k].ratio_baseline),
+                ]
+            })
+            .collect(),
     };
     print_pg_report(&params, &medians, &rounds);
 
@@ -456,10 +515,25 @@ async fn pg_round(
     };
     pb.set_message(format!("{tag}: baseline"));
     let (baseline, baseline_pg) = baseline_phase(url, admin, topo, schema, round, server.messages).await?;
+    pb.set_message(format!("{tag}: floor"));
+    let (floor, floor_pg) = floor_phase(url, admin, topo, schema, (round, server.messages), None).await?;
+    let batch = (server.requests_per_commit.round() as usize).max(1);
+    let mut floor_writers = Vec::with_capacity(FLOOR_WRITERS.len());
+    for writers in FLOOR_WRITERS {
+        pb.set_message(format!("{tag}: floor, {writers} writer(s)"));
+        let (run, pg) = floor_phase(url, admin, topo, schema, (round, server.messages), Some((batch, writers))).await?;
+        let ratio_baseline = ratio(run.rows_per_s, baseline.rows_per_s);
+        floor_writers.push(FloorWriters { writers, batch, run, pg, ratio_baseline });
+    }
     Ok(PgRound {
         round,
         schema: schema.to_owned(),
         ratio_server_baseline: ratio(server.msgs_per_s, baseline.rows_per_s),
+        ratio_floor_baseline: ratio(floor.rows_per_s, baseline.rows_per_s),
+        ratio_server_floor: ratio(server.msgs_per_s, floor.rows_per_s),
+        floor,
+        floor_pg,
+        floor_writers,
         nodes: args.nodes,
         server,
         server_pg,
@@ -684,6 +758,17 @@ async fn nodes_phase(
     Ok((server, phase(delta, messages, peak), evidence))
 }
 
+/// A parameter of a timed client's statement: a value, or minted when the
+/// statement runs (as the server mints them, when the row is written).
+enum Arg {
+    Text(String),
+    Int(i64),
+    /// The time, ms.
+    Now,
+    /// A message id (time-ordered: `tidemark_core::ids::message_id`).
+    MessageId,
+}
+
 async fn baseline_phase(
     url: &str,
     admin: &Client,
@@ -712,57 +797,196 @@ async fn baseline_phase(
 
     // The same rows as the server round: sender i's messages in order, in
     // its conversation, contiguous msg_seq per conversation.
-    let senders = topo.senders.len();
-    let per_sender = rows / senders as u64;
     let mut rng = rand::rng();
     let conv_ids: Vec<String> = topo.convs.iter().map(|_| hex_id("c", &mut rng)).collect();
     let mut heads = vec![0i64; conv_ids.len()];
-    let mut work: Vec<Vec<[String; 4]>> = vec![Vec::new(); senders];
-    let mut seqs: Vec<Vec<i64>> = vec![Vec::new(); senders];
-    for n in 0..per_sender {
-        for (i, &(user, conv)) in topo.senders.iter().enumerate() {
-            heads[conv] += 1;
-            seqs[i].push(heads[conv]);
-            work[i].push([
-                conv_ids[conv].clone(),
-                topo.users[user].clone(),
-                client_msg_id(round, i, n),
-                content(n).to_string(),
-            ]);
-        }
+    let mut work: Vec<Vec<Vec<Arg>>> = (0..topo.senders.len()).map(|_| Vec::new()).collect();
+    for t in topo.traffic(round, rows) {
+        heads[t.conv] += 1;
+        work[t.index].push(vec![
+            Arg::Text(conv_ids[t.conv].clone()),
+            Arg::Int(heads[t.conv]),
+            Arg::MessageId,
+            Arg::Text(topo.users[t.user].clone()),
+            Arg::Text(t.client_msg_id),
+            Arg::Text(t.content),
+            Arg::Now,
+        ]);
     }
+    let sql =
+        "INSERT INTO baseline_messages (conv_id, msg_seq, message_id, sender, client_msg_id, kind, content, created_at)
+               VALUES ($1, $2, $3, $4, $5, 'text', $6, $7)";
+    timed_clients(url, admin, &format!("{schema}_base"), schema, (sql, 1), work).await
+}
 
-    let app = format!("{schema}_base");
+/// The floor on PostgreSQL: the same clients as the baseline, each message
+/// one statement in its own transaction that writes the rows the storage
+/// design writes for it on the server's own tables (the round's schema):
+/// the conversation's head advanced, the message, its outbox row, and for
+/// both members of the direct conversation the head, a user-log event and
+/// the conversation row. Less than the server does (no idempotency lookup,
+/// no membership check, no outbox delete, no second transaction for the
+/// fan-out, no reads), so `floor / baseline` bounds what a server on this
+/// design reaches of the baseline when it commits each message alone; the
+/// server's group commits can go past it only by sharing commits.
+///
+/// With `writers` = `(batch, n)`, the same statements run on `n`
+/// connections instead, each owning the conversations `conv mod n`, in
+/// transactions of `batch` messages sent together (pipelined), in the
+/// senders' interleaved order: the server's conversation writers and their
+/// group commits with nothing else, the fan-out in the same transaction.
+async fn floor_phase(
+    url: &str,
+    admin: &Client,
+    topo: &Topology,
+    schema: &str,
+    (round, rows): (u32, u64),
+    writers: Option<(usize, usize)>,
+) -> Result<(BaselineRun, PgPhase)> {
+    // Users and conversations of their own, beside the server phase's.
+    let tag = match writers {
+        None => "floor".to_owned(),
+        Some((_, n)) => format!("floor{n}w"),
+    };
+    let user = |u: usize| format!("{tag}-{}", topo.users[u]);
+    let mut rng = rand::rng();
+    let conv_ids: Vec<String> = topo.convs.iter().map(|_| hex_id("c", &mut rng)).collect();
+    for id in &conv_ids {
+        admin
+            .execute(
+                &format!(
+                    "INSERT INTO {schema}.conversations (conv_id, kind, head, epoch, created_at) VALUES ($1, 'direct', 0, 1, $2)"
+                ),
+                &[id, &unix_ms()],
+            )
+            .await
+            .context("create the floor's conversations")?;
+    }
+    let clients = writers.map_or(topo.senders.len(), |(_, n)| n);
+    let mut work: Vec<Vec<Vec<Arg>>> = (0..clients).map(|_| Vec::new()).collect();
+    for t in topo.traffic(round, rows) {
+        let (a, b) = topo.convs[t.conv];
+        let client = writers.map_or(t.index, |(_, n)| t.conv % n);
+        let peer = if t.user == a { b } else { a };
+        work[client].push(vec![
+            Arg::Text(conv_ids[t.conv].clone()),
+            Arg::MessageId,
+            Arg::Text(user(t.user)),
+            Arg::Text(Topology::device(t.index)),
+            Arg::Text(t.client_msg_id),
+            Arg::Text(t.content),
+            Arg::Now,
+            Arg::Text(user(peer)),
+        ]);
+    }
+    // The heads are advanced after the conversation's row lock is taken
+    // (`h` reads `c`), so the two senders of a conversation queue on it and
+    // never lock the two heads in opposite orders.
+    let sql = "WITH c AS (UPDATE conversations SET head = head + 1 WHERE conv_id = $1 RETURNING head),
+         m AS (INSERT INTO messages (conv_id, msg_seq, message_id, sender, sender_device, client_msg_id, kind,
+                                     content, state, version, created_at)
+               SELECT $1, c.head, $2, $3, $4, $5, 'text', $6, 'normal', 1, $7 FROM c RETURNING msg_seq),
+         o AS (INSERT INTO outbox (conv_id, kind, source_event_id, msg_seq, actor, created_at)
+               SELECT $1, 'message', $2, m.msg_seq, $3, $7 FROM m),
+         h AS (INSERT INTO user_heads (user_id, high_watermark)
+               SELECT x, 1 FROM c, unnest(ARRAY[$3::text, $8::text]) AS x
+               ON CONFLICT (user_id) DO UPDATE SET high_watermark = user_heads.high_watermark + 1
+               RETURNING user_id, high_watermark),
+         e AS (INSERT INTO user_events (user_id, sync_seq, kind, conv_id, msg_seq, message_id, source_event_id,
+                                        period_id, created_at)
+               SELECT h.user_id, h.high_watermark, 'message', $1, m.msg_seq, $2, $2, 0, $7 FROM h, m),
+         u AS (INSERT INTO user_convs (user_id, conv_id, last_msg_seq, read_seq, unread)
+               SELECT h.user_id, $1, m.msg_seq, CASE WHEN h.user_id = $3 THEN m.msg_seq ELSE 0 END,
+                      CASE WHEN h.user_id = $3 THEN 0 ELSE 1 END FROM h, m
+               ON CONFLICT (user_id, conv_id) DO UPDATE SET
+                  last_msg_seq = GREATEST(user_convs.last_msg_seq, excluded.last_msg_seq),
+                  read_seq = GREATEST(user_convs.read_seq, excluded.read_seq),
+                  unread = user_convs.unread + excluded.unread)
+         SELECT m.msg_seq FROM m";
+    let run = timed_clients(
+        url,
+        admin,
+        &format!("{schema}_{tag}"),
+        schema,
+        (sql, writers.map_or(1, |(batch, _)| batch)),
+        work,
+    )
+    .await?;
+    // Every message and both its events were written.
+    let floor_users: Vec<String> = (0..topo.users.len()).map(user).collect();
+    let events: i64 = admin
+        .query_one(&format!("SELECT COUNT(*) FROM {schema}.user_events WHERE user_id = ANY($1)"), &[&floor_users])
+        .await?
+        .get(0);
+    ensure!(events as u64 == 2 * run.0.rows, "the floor wrote {events} events for {} messages", run.0.rows);
+    Ok(run)
+}
+
+/// One tokio-postgres client per entry of `work`, connected as `app` with
+/// `schema` first on its path, each running `sql` once per argument list
+/// of its entry, in order, all started together: one statement (one
+/// transaction) at a time with `per_tx` 1, else `per_tx` statements per
+/// transaction, sent together (pipelined). With the WAL flushes and
+/// connections of the phase; a statement's latency is its transaction's.
+async fn timed_clients(
+    url: &str,
+    admin: &Client,
+    app: &str,
+    schema: &str,
+    (sql, per_tx): (&'static str, usize),
+    work: Vec<Vec<Vec<Arg>>>,
+) -> Result<(BaselineRun, PgPhase)> {
+    let n = work.len();
     let client_url =
-        with_param(&with_param(url, "application_name", &app), "options", &format!("-c%20search_path%3D{schema}"));
-    let mut clients = Vec::with_capacity(senders);
-    for _ in 0..senders {
+        with_param(&with_param(url, "application_name", app), "options", &format!("-c%20search_path%3D{schema}"));
+    let mut clients = Vec::with_capacity(n);
+    for _ in 0..n {
         clients.push(connect(&client_url).await?);
     }
-    let peak = backends(admin, &app).await?;
+    let peak = backends(admin, app).await?;
     let wal_before = wal(admin).await?;
-    let barrier = Arc::new(tokio::sync::Barrier::new(senders + 1));
-    let mut tasks = Vec::with_capacity(senders);
-    for ((client, rows), seqs) in clients.into_iter().zip(work).zip(seqs) {
+    let barrier = Arc::new(tokio::sync::Barrier::new(n + 1));
+    let total: u64 = work.iter().map(|w| w.len() as u64).sum();
+    let mut tasks = Vec::with_capacity(n);
+    for (client, rows) in clients.into_iter().zip(work) {
         let barrier = barrier.clone();
         tasks.push(tokio::spawn(async move {
-            let stmt = client
-                .prepare(
-                    "INSERT INTO baseline_messages
-                     (conv_id, msg_seq, message_id, sender, client_msg_id, kind, content, created_at)
-                     VALUES ($1, $2, $3, $4, $5, 'text', $6, $7)",
-                )
-                .await?;
+            let mut client = client;
+            let stmt = client.prepare(sql).await?;
             let mut hist = Histogram::<u64>::new_with_bounds(1, LATENCY_MAX_US, 3)?;
             barrier.wait().await;
-            for ([conv, sender, cmid, body], seq) in rows.iter().zip(seqs) {
+            for chunk in rows.chunks(per_tx.max(1)) {
                 let t = Instant::now();
-                // Minted as the server mints it, when the row is written
-                // (time-ordered: tidemark_core::ids::message_id).
                 let now = unix_ms();
-                let id = tidemark_core::ids::message_id(now, rand::rng().random());
-                client.execute(&stmt, &[conv, &seq, &id, sender, cmid, body, &now]).await?;
-                hist.saturating_record(t.elapsed().as_micros() as u64);
+                let ids: Vec<String> =
+                    chunk.iter().map(|_| tidemark_core::ids::message_id(now, rand::rng().random())).collect();
+                let params: Vec<Vec<&(dyn tokio_postgres::types::ToSql + Sync)>> = chunk
+                    .iter()
+                    .zip(&ids)
+                    .map(|(args, id)| {
+                        args.iter()
+                            .map(|a| -> &(dyn tokio_postgres::types::ToSql + Sync) {
+                                match a {
+                                    Arg::Text(s) => s,
+                                    Arg::Int(i) => i,
+                                    Arg::Now => &now,
+                                    Arg::MessageId => id,
+                                }
+                            })
+                            .collect()
+                    })
+                    .collect();
+                if per_tx <= 1 {
+                    client.execute(&stmt, &params[0]).await?;
+                } else {
+                    let tx = client.transaction().await?;
+                    futures_util::future::try_join_all(params.iter().map(|p| tx.execute(&stmt, p))).await?;
+                    tx.commit().await?;
+                }
+                let us = t.elapsed().as_micros() as u64;
+                for _ in chunk {
+                    hist.saturating_record(us);
+                }
             }
             anyhow::Ok(hist)
         }));
@@ -772,7 +996,7 @@ async fn baseline_phase(
     let mut latency = Histogram::<u64>::new_with_bounds(1, LATENCY_MAX_US, 3)?;
     let mut first_error = None;
     for task in tasks {
-        match task.await.context("baseline client")? {
+        match task.await.context("timed client")? {
             Ok(h) => latency.add(&h)?,
             Err(e) => {
                 first_error.get_or_insert(e);
@@ -781,16 +1005,15 @@ async fn baseline_phase(
     }
     let secs = start.elapsed().as_secs_f64();
     // The clients are gone with their tasks: their backends exit.
-    wait_backends_gone(admin, &app).await?;
+    wait_backends_gone(admin, app).await?;
     let delta = wal(admin).await?.delta(wal_before);
     if let Some(e) = first_error {
         return Err(e);
     }
-    let total = per_sender * senders as u64;
     let ms = |us: u64| us as f64 / 1000.0;
     let run = BaselineRun {
         rows: total,
-        clients: senders as u32,
+        clients: n as u32,
         secs,
         rows_per_s: ratio(total as f64, secs),
         p50_ms: ms(latency.value_at_quantile(0.50)),
@@ -816,15 +1039,31 @@ fn print_pg_report(p: &PgParams, s: &PgSummary, rounds: &[PgRound]) {
         p.rounds
     );
     println!();
+    let w = |k: usize, f: &dyn Fn(f64) -> String| s.floor_writers.iter().map(|x| f(x[k])).collect::<Vec<String>>();
+    let line = |name: &str, fixed: [String; 3], k: usize, f: &dyn Fn(f64) -> String| {
+        let mut row = vec![name.to_owned()];
+        row.extend(fixed);
+        row.extend(w(k, f));
+        row
+    };
     let rows = vec![
-        vec!["msgs/s".into(), f0(s.msgs_per_s), f0(s.baseline_rows_per_s), f2(s.ratio_server_baseline)],
-        vec!["latency p50 (ms)".into(), f2(s.p50_ms), f2(s.baseline_p50_ms), String::new()],
-        vec!["latency p99 (ms)".into(), f2(s.p99_ms), f2(s.baseline_p99_ms), String::new()],
-        vec!["msgs per WAL flush".into(), f1(s.msgs_per_wal_flush), f1(s.baseline_rows_per_wal_flush), String::new()],
-        vec!["connections (peak)".into(), f0(s.connections_peak), f0(s.baseline_connections_peak), String::new()],
-        vec!["requests per commit".into(), f1(s.requests_per_commit), "1.0".into(), String::new()],
+        line("msgs/s", [f0(s.msgs_per_s), f0(s.baseline_rows_per_s), f0(s.floor_msgs_per_s)], 0, &f0),
+        line("latency p50 (ms)", [f2(s.p50_ms), f2(s.baseline_p50_ms), f2(s.floor_p50_ms)], 1, &f2),
+        line("latency p99 (ms)", [f2(s.p99_ms), f2(s.baseline_p99_ms), f2(s.floor_p99_ms)], 2, &f2),
+        line(
+            "msgs per WAL flush",
+            [f1(s.msgs_per_wal_flush), f1(s.baseline_rows_per_wal_flush), f1(s.floor_msgs_per_wal_flush)],
+            3,
+            &f1,
+        ),
+        line("requests per commit", [f1(s.requests_per_commit), "1.0".into(), "1.0".into()], 4, &f1),
+        line("÷ baseline", [f2(s.ratio_server_baseline), "1.00".into(), f2(s.ratio_floor_baseline)], 5, &f2),
     ];
-    print_table(&["median of rounds", "server", "baseline", "server/baseline"], &rows);
+    let names: Vec<String> = FLOOR_WRITERS.iter().map(|n| format!("floor, {n} writer(s)")).collect();
+    let mut header = vec!["median of rounds", "server", "baseline", "floor"];
+    header.extend(names.iter().map(String::as_str));
+    print_table(&header, &rows);
+    println!("server / floor: {}", f2(s.ratio_server_floor));
     println!();
     let per_round: Vec<Vec<String>> = rounds
         .iter()
@@ -881,6 +1120,14 @@ fn print_pg_report(p: &PgParams, s: &PgSummary, rounds: &[PgRound]) {
     let counter = rounds.first().map(|r| r.server_pg.wal_counter).unwrap_or("wal_sync");
     println!("note: WAL flushes = delta of pg_stat_wal.{counter} (cluster-wide); the baseline runs in the same round,");
     println!("      same database, one plain INSERT per transaction per client; the server's figures include fan-out.");
+    println!(
+        "      floor = the baseline's clients, each message one statement writing the rows the design writes for it"
+    );
+    println!("      on the server's tables (message, outbox row, both members' heads, events and conversation rows);");
+    println!(
+        "      floor, n writers = the same statements on n connections, each owning conv mod n, in transactions of"
+    );
+    println!("      the server's requests per commit, pipelined.");
 }
 
 #[cfg(test)]
@@ -892,6 +1139,74 @@ mod tests {
         assert_eq!(with_param("postgres://u@h/db", "a", "b"), "postgres://u@h/db?a=b");
         assert_eq!(with_param("postgres://u@h/db?x=y", "a", "b"), "postgres://u@h/db?x=y&a=b");
         assert_eq!(with_param("host=h user=u", "a", "b"), "host=h user=u a=b");
+    }
+
+    /// The floor's statement still fits the server's tables and writes what
+    /// a server would, in both shapes: contiguous `msg_seq` per
+    /// conversation, heads that match the events, two events and one
+    /// unread per message. Needs PostgreSQL (`TIDEMARK_TEST_PG_URL`).
+    #[tokio::test]
+    async fn the_floor_writes_a_servers_rows_on_the_servers_tables() {
+        let url = match std::env::var("TIDEMARK_TEST_PG_URL") {
+            Ok(url) if !url.is_empty() => url,
+            Ok(_) => panic!("TIDEMARK_TEST_PG_URL is set but empty"),
+            Err(_) => {
+                println!(
+                    "SKIPPED the_floor_writes_a_servers_rows_on_the_servers_tables: TIDEMARK_TEST_PG_URL is not set"
+                );
+                return;
+            }
+        };
+        let schemas = Schemas::connect(&url).await.unwrap();
+        let admin = schemas.admin();
+        let url = &url;
+        schemas
+            .run("floortest", |schema| async move {
+                let config = PgConfig { schema: Some(schema.clone()), ..PgConfig::new(url.clone()) };
+                drop(PgStore::open(config).await?);
+                let topo = Topology::new(6, 3);
+                for (writers, tag) in [(None, "floor"), (Some((7, 2)), "floor2w")] {
+                    let (run, _) = floor_phase(url, admin, &topo, &schema, (1, 60), writers).await?;
+                    assert_eq!(run.rows, 60);
+                    let one = |sql: String| async move {
+                        let n: i64 = admin.query_one(&sql, &[]).await.unwrap().get(0);
+                        n
+                    };
+                    let mine = format!("user_id LIKE '{tag}-%'");
+                    assert_eq!(one(format!("SELECT COUNT(*) FROM {schema}.user_events WHERE {mine}")).await, 120);
+                    assert_eq!(
+                        one(format!(
+                            "SELECT COALESCE(SUM(high_watermark), 0)::BIGINT FROM {schema}.user_heads WHERE {mine}"
+                        ))
+                        .await,
+                        120
+                    );
+                    assert_eq!(
+                        one(format!(
+                            "SELECT COUNT(*) FROM {schema}.user_heads h WHERE {mine} AND h.high_watermark <>
+                             (SELECT COUNT(*) FROM {schema}.user_events e WHERE e.user_id = h.user_id)"
+                        ))
+                        .await,
+                        0
+                    );
+                    assert_eq!(
+                        one(format!("SELECT COALESCE(SUM(unread), 0)::BIGINT FROM {schema}.user_convs WHERE {mine}"))
+                            .await,
+                        60
+                    );
+                    assert_eq!(
+                        one(format!(
+                            "SELECT COUNT(*) FROM (SELECT m.conv_id FROM {schema}.messages m
+                             WHERE m.sender LIKE '{tag}-%' GROUP BY m.conv_id HAVING MAX(m.msg_seq) <> COUNT(*)) x"
+                        ))
+                        .await,
+                        0
+                    );
+                }
+                Ok(())
+            })
+            .await
+            .unwrap();
     }
 
     #[test]
