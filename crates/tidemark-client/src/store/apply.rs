@@ -735,35 +735,95 @@ pub(super) fn save_cursor(
 /// Recomputes a conversation's summary from what is held (in the caller's
 /// transaction): the last `msg_seq`, the read position (one's own events
 /// count as read, §3.6) and the unread count (messages from others above
-/// it, not recalled, not deleted, never control events, R3).
+/// it, not recalled, not deleted, never control events, R3) with the
+/// mentions among them.
+///
+/// Counted from the messages appended since the last refresh only, when
+/// nothing else changed (`summary_dirty` unset: see
+/// `schema::SUMMARY_TRIGGERS`): the old counts plus the new messages above
+/// the read position, or, when one of our own new messages moved the read
+/// position past everything counted before, the new messages above it.
+/// Otherwise the whole conversation is counted again. Either way the
+/// result is the whole count's (*summary_counts_as_a_whole_recount_would*);
+/// a page of a busy conversation nobody reads costs the page's messages,
+/// not every unread one.
 pub(super) fn refresh_summary(tx: &Transaction<'_>, user: &str, conv: &str, sync_seq: u64) -> StoreResult<()> {
-    tx.execute(
-        "UPDATE conversations SET
-             last_msg_seq = MAX(last_msg_seq, (SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = ?1)),
-             read_seq = MAX(read_seq, (SELECT COALESCE(MAX(msg_seq), 0) FROM messages
-                                        WHERE conv = ?1 AND sender = ?2)),
-             updated_sync_seq = MAX(updated_sync_seq, ?3)
+    let Some(held) = summary_state(tx, conv)? else { return Ok(()) };
+    let last: i64 = tx
+        .prepare_cached("SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = ?1")?
+        .query_row(params![conv], |r| r.get(0))?;
+    let from = if held.dirty { 0 } else { held.counted_upto };
+    let own: i64 = tx
+        .prepare_cached(
+            "SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = ?1 AND sender = ?2 AND msg_seq > ?3",
+        )?
+        .query_row(params![conv, user, from], |r| r.get(0))?;
+    let read_seq = held.read_seq.max(own);
+    let (unread, mentions) = if !held.dirty && read_seq == held.read_seq {
+        let (n, m) = count_unread(tx, conv, user, held.counted_upto.max(read_seq))?;
+        (held.unread + n, held.mentions + m)
+    } else {
+        let (n, m) = count_unread(tx, conv, user, read_seq)?;
+        let below = read_seq < held.history_to;
+        (n + if below { held.unread_below } else { 0 }, m + if below { held.mentions_below } else { 0 })
+    };
+    tx.prepare_cached(
+        "UPDATE conversations SET last_msg_seq = MAX(last_msg_seq, ?2), read_seq = ?3, unread = ?4, mentions = ?5,
+             updated_sync_seq = MAX(updated_sync_seq, ?6), counted_upto = ?2, summary_dirty = 0,
+             summary_rev = summary_rev + 1
          WHERE conv = ?1",
-        params![conv, user, sync_seq as i64],
-    )?;
-    tx.execute(
-        &format!(
-            "UPDATE conversations SET unread = (
-                 SELECT COUNT(*) FROM messages m
-                 WHERE m.conv = ?1 AND m.sender <> ?2 AND m.msg_seq > conversations.read_seq
-                   AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted'))
-                 + CASE WHEN read_seq < history_to THEN unread_below ELSE 0 END,
-                 mentions = (
-                 SELECT COUNT(*) FROM messages m
-                 WHERE m.conv = ?1 AND m.sender <> ?2 AND m.msg_seq > conversations.read_seq
-                   AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted')
-                   AND (m.mention_all = 1 OR EXISTS (SELECT 1 FROM json_each(m.mentions) j WHERE j.value = ?2)))
-                 + CASE WHEN read_seq < history_to THEN mentions_below ELSE 0 END
-             WHERE conv = ?1"
-        ),
-        params![conv, user],
-    )?;
+    )?
+    .execute(params![conv, last, read_seq, unread, mentions, sync_seq as i64])?;
     Ok(())
+}
+
+/// What [`refresh_summary`] starts from.
+struct SummaryState {
+    read_seq: i64,
+    unread: i64,
+    mentions: i64,
+    counted_upto: i64,
+    dirty: bool,
+    history_to: i64,
+    unread_below: i64,
+    mentions_below: i64,
+}
+
+fn summary_state(tx: &Transaction<'_>, conv: &str) -> StoreResult<Option<SummaryState>> {
+    Ok(tx
+        .prepare_cached(
+            "SELECT read_seq, unread, mentions, counted_upto, summary_dirty, history_to, unread_below, mentions_below
+             FROM conversations WHERE conv = ?1",
+        )?
+        .query_row(params![conv], |r| {
+            Ok(SummaryState {
+                read_seq: r.get(0)?,
+                unread: r.get(1)?,
+                mentions: r.get(2)?,
+                counted_upto: r.get(3)?,
+                dirty: r.get(4)?,
+                history_to: r.get(5)?,
+                unread_below: r.get(6)?,
+                mentions_below: r.get(7)?,
+            })
+        })
+        .optional()?)
+}
+
+/// The held messages of `conv` above `above` that count as unread for
+/// `user` (from others, not control events, not recalled or deleted), and
+/// how many of them mention the user.
+fn count_unread(tx: &Transaction<'_>, conv: &str, user: &str, above: i64) -> StoreResult<(i64, i64)> {
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "SELECT COUNT(*), COALESCE(SUM(m.mention_all = 1 OR (m.mentions IS NOT NULL
+                        AND EXISTS (SELECT 1 FROM json_each(m.mentions) j WHERE j.value = ?2))), 0)
+             FROM messages m
+             WHERE m.conv = ?1 AND m.msg_seq > ?3 AND m.sender <> ?2
+               AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted')"
+        )
+    });
+    Ok(tx.prepare_cached(&SQL)?.query_row(params![conv, user, above], |r| Ok((r.get(0)?, r.get(1)?)))?)
 }
 
 /// Issue 18, as `tidemark_core::mention::counts` decides it on the server:

@@ -37,7 +37,11 @@
 //!   `settings_version`), `updated_sync_seq`, `active` (still a member),
 //!   `history_to` (events at or below it were never delivered here: a
 //!   snapshot's older history) and `unread_below` (unread messages below
-//!   `history_to`, counted while `read_seq` is below it).
+//!   `history_to`, counted while `read_seq` is below it); `counted_upto`,
+//!   `summary_dirty`, `summary_rev`: what the unread count was counted
+//!   from, so a page adds its own messages instead of counting the
+//!   conversation again (`apply::refresh_summary`, kept honest by the
+//!   triggers of `schema::SUMMARY_TRIGGERS`).
 //! - `messages` — key `(conv, msg_seq)`, `message_id` unique: every
 //!   conversation event held (user messages and control events), its
 //!   envelope with `version` and `reactions`, and the `sync_seq` that

@@ -150,7 +150,53 @@ const CONVERSATION_COLUMNS: &[(&str, &str)] = &[
     // When its cursor was left with a hole (wall ms), NULL while it has
     // none: the hole's detection, for `client.stats` (O1).
     ("hole_since_ms", "INTEGER"),
+    // The summary's bookkeeping (`apply::refresh_summary`): `unread` and
+    // `mentions` count every held message up to `counted_upto`;
+    // `summary_dirty` says a held message at or below it, or the read
+    // position, changed since (set by [`SUMMARY_TRIGGERS`]), so the next
+    // refresh counts the whole conversation again; `summary_rev` moves
+    // with each refresh, telling its own writes from everyone else's.
+    ("counted_upto", "INTEGER NOT NULL DEFAULT 0"),
+    ("summary_dirty", "INTEGER NOT NULL DEFAULT 1"),
+    ("summary_rev", "INTEGER NOT NULL DEFAULT 0"),
 ];
+
+/// Marks a conversation's summary for a whole recount
+/// (`summary_dirty`) whenever something it was counted from changes other
+/// than by appending messages above `counted_upto`: a message inserted at
+/// or below it (a gap filled, a history page), a held message whose state,
+/// kind, sender, place or mentions change (a recall, a delete for me, an
+/// edit, a repair), a message removed, and a read position or count
+/// written by anything but the refresh itself (a `read` event, a local
+/// read, a snapshot's counts). Storage-level, so every path that writes
+/// those rows is covered, including paths added later.
+const SUMMARY_TRIGGERS: &str = "
+CREATE TRIGGER IF NOT EXISTS summary_message_inserted AFTER INSERT ON messages
+WHEN NEW.msg_seq <= (SELECT counted_upto FROM conversations WHERE conv = NEW.conv)
+BEGIN
+    UPDATE conversations SET summary_dirty = 1 WHERE conv = NEW.conv;
+END;
+CREATE TRIGGER IF NOT EXISTS summary_message_changed AFTER UPDATE ON messages
+WHEN OLD.state IS NOT NEW.state OR OLD.kind IS NOT NEW.kind OR OLD.sender IS NOT NEW.sender
+  OR OLD.conv IS NOT NEW.conv OR OLD.msg_seq IS NOT NEW.msg_seq
+  OR OLD.mentions IS NOT NEW.mentions OR OLD.mention_all IS NOT NEW.mention_all
+BEGIN
+    UPDATE conversations SET summary_dirty = 1 WHERE conv IN (OLD.conv, NEW.conv);
+END;
+CREATE TRIGGER IF NOT EXISTS summary_message_removed AFTER DELETE ON messages
+WHEN EXISTS (SELECT 1 FROM conversations WHERE conv = OLD.conv AND summary_dirty = 0)
+BEGIN
+    UPDATE conversations SET summary_dirty = 1 WHERE conv = OLD.conv;
+END;
+CREATE TRIGGER IF NOT EXISTS summary_position_written
+AFTER UPDATE OF read_seq, unread, mentions, history_to, unread_below, mentions_below ON conversations
+WHEN NEW.summary_rev = OLD.summary_rev AND (OLD.read_seq IS NOT NEW.read_seq OR OLD.unread IS NOT NEW.unread
+  OR OLD.mentions IS NOT NEW.mentions OR OLD.history_to IS NOT NEW.history_to
+  OR OLD.unread_below IS NOT NEW.unread_below OR OLD.mentions_below IS NOT NEW.mentions_below)
+BEGIN
+    UPDATE conversations SET summary_dirty = 1 WHERE conv = NEW.conv;
+END;
+";
 
 /// Gap-timing columns of other tables (O1): when a repair was queued
 /// (0 for a record older than the column: its duration is unknown).
@@ -171,7 +217,8 @@ const MENTION_COLUMNS: &[(&str, &str, &str)] = &[
 ];
 
 /// Adds the columns of [`CONVERSATION_COLUMNS`], [`MENTION_COLUMNS`] and
-/// [`GAP_COLUMNS`] that an older database lacks.
+/// [`GAP_COLUMNS`] that an older database lacks, then [`SUMMARY_TRIGGERS`]
+/// (an older database's conversations start dirty: counted again once).
 pub(super) fn migrate(conn: &Connection) -> StoreResult<()> {
     let added =
         CONVERSATION_COLUMNS.iter().map(|(n, d)| ("conversations", *n, *d)).chain(MENTION_COLUMNS.iter().copied());
@@ -186,5 +233,6 @@ pub(super) fn migrate(conn: &Connection) -> StoreResult<()> {
             conn.execute_batch(&format!("ALTER TABLE {table} ADD COLUMN {name} {decl}"))?;
         }
     }
+    conn.execute_batch(SUMMARY_TRIGGERS)?;
     Ok(())
 }

@@ -277,3 +277,168 @@ fn a_store_belongs_to_one_device() {
     drop(LocalStore::open(&path, "bob", "phone").unwrap());
     assert!(matches!(LocalStore::open(&path, "bob", "desktop"), Err(StoreError::WrongOwner { .. })));
 }
+
+/// `(last_msg_seq, read_seq, unread, mentions)` of `conv` counted from every
+/// held message, as the summary was before it was counted by the page.
+fn whole_count(s: &LocalStore, conv: &str) -> (i64, i64, i64, i64) {
+    let sql = format!(
+        "SELECT (SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = c.conv),
+                MAX(c.read_seq, (SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = c.conv AND sender = ?2)),
+                (SELECT COUNT(*) FROM messages m WHERE m.conv = c.conv AND m.sender <> ?2 AND m.msg_seq > c.read_seq
+                   AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted'))
+                  + CASE WHEN c.read_seq < c.history_to THEN c.unread_below ELSE 0 END,
+                (SELECT COUNT(*) FROM messages m WHERE m.conv = c.conv AND m.sender <> ?2 AND m.msg_seq > c.read_seq
+                   AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted')
+                   AND (m.mention_all = 1 OR EXISTS (SELECT 1 FROM json_each(m.mentions) j WHERE j.value = ?2)))
+                  + CASE WHEN c.read_seq < c.history_to THEN c.mentions_below ELSE 0 END
+         FROM conversations c WHERE c.conv = ?1"
+    );
+    s.conn.query_row(&sql, params![conv, s.user], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))).unwrap()
+}
+
+/// One step of [`summary_counts_as_a_whole_recount_would`]'s random pages.
+#[derive(Debug, Clone)]
+enum Step {
+    /// A message from `ann` (`mention`: 0 none, 1 bob, 2 everyone) or from
+    /// bob himself; `skip` leaves the next `msg_seq` out, to come later.
+    Message {
+        conv: usize,
+        own: bool,
+        mention: u8,
+        skip: bool,
+    },
+    /// A message left out earlier arrives.
+    Fill {
+        conv: usize,
+    },
+    Recall {
+        conv: usize,
+        pick: usize,
+    },
+    Delete {
+        conv: usize,
+        pick: usize,
+    },
+    Edit {
+        conv: usize,
+        pick: usize,
+    },
+    Read {
+        conv: usize,
+        back: u64,
+    },
+    /// The page ends here.
+    EndPage,
+}
+
+fn step() -> impl proptest::strategy::Strategy<Value = Step> {
+    use proptest::prelude::*;
+    prop_oneof![
+        6 => (0..2usize, any::<bool>(), 0..3u8, proptest::bool::weighted(0.25))
+            .prop_map(|(conv, own, mention, skip)| Step::Message { conv, own, mention, skip }),
+        2 => (0..2usize).prop_map(|conv| Step::Fill { conv }),
+        1 => (0..2usize, any::<usize>()).prop_map(|(conv, pick)| Step::Recall { conv, pick }),
+        1 => (0..2usize, any::<usize>()).prop_map(|(conv, pick)| Step::Delete { conv, pick }),
+        1 => (0..2usize, any::<usize>()).prop_map(|(conv, pick)| Step::Edit { conv, pick }),
+        1 => (0..2usize, 0..4u64).prop_map(|(conv, back)| Step::Read { conv, back }),
+        3 => Just(Step::EndPage),
+    ]
+}
+
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig { cases: 128, ..Default::default() })]
+
+    /// However messages arrive (appended, late into a gap, recalled, deleted
+    /// for me, edited, read past), the unread and mention counts a page
+    /// leaves are those of counting the whole conversation again.
+    #[test]
+    fn summary_counts_as_a_whole_recount_would(steps in proptest::collection::vec(step(), 1..60)) {
+        let (_d, mut s) = open();
+        let convs = ["c1", "c2"];
+        // Per conversation: the next msg_seq, those left out, the messages held.
+        let mut next = [1u64; 2];
+        let mut missing: [Vec<u64>; 2] = Default::default();
+        let mut held: [Vec<String>; 2] = Default::default();
+        let mut version = 1u64;
+        let (mut sync_seq, mut events) = (0u64, Vec::new());
+        let message = |sync_seq: u64, conv: &str, msg_seq: u64, sender: &str, mention: u8| -> UserEvent {
+            serde_json::from_value(json!({
+                "sync_seq": sync_seq, "kind": "message", "conv": conv, "msg_seq": msg_seq,
+                "message": {
+                    "message_id": format!("m-{conv}-{msg_seq}"), "conv": conv, "msg_seq": msg_seq, "kind": "text",
+                    "state": "normal", "sender": sender, "content": {"n": msg_seq}, "created_at": 1000,
+                    "version": 1, "mentions": if mention == 1 { json!(["bob"]) } else { json!([]) },
+                    "mention_all": mention == 2,
+                },
+            }))
+            .unwrap()
+        };
+        for (i, st) in steps.iter().chain(std::iter::once(&Step::EndPage)).enumerate() {
+            let mut seq = || { sync_seq += 1; sync_seq };
+            match st.clone() {
+                Step::Message { conv, own, mention, skip } => {
+                    if skip {
+                        missing[conv].push(next[conv]);
+                        next[conv] += 1;
+                    }
+                    let (c, m) = (convs[conv], next[conv]);
+                    next[conv] += 1;
+                    events.push(message(seq(), c, m, if own { "bob" } else { "ann" }, mention));
+                    held[conv].push(format!("m-{c}-{m}"));
+                }
+                Step::Fill { conv } => {
+                    if let Some(m) = missing[conv].pop() {
+                        let c = convs[conv];
+                        events.push(message(seq(), c, m, "ann", 1));
+                        held[conv].push(format!("m-{c}-{m}"));
+                    }
+                }
+                Step::Recall { conv, pick } | Step::Edit { conv, pick } if !held[conv].is_empty() => {
+                    let (c, target) = (convs[conv], held[conv][pick % held[conv].len()].clone());
+                    let m = next[conv];
+                    next[conv] += 1;
+                    version += 1;
+                    events.push(match st {
+                        Step::Recall { .. } => conv_event(seq(), c, m, "recall", "ann",
+                            json!({"target_message_id": target})),
+                        _ => conv_event(seq(), c, m, "edit", "ann",
+                            json!({"target_message_id": target, "version": version, "content": {"text": "e"}})),
+                    });
+                }
+                Step::Delete { conv, pick } if !held[conv].is_empty() => {
+                    let target = held[conv][pick % held[conv].len()].clone();
+                    events.push(serde_json::from_value(json!({"sync_seq": seq(), "kind": "delete",
+                        "conv": convs[conv], "data": {"message_id": target}})).unwrap());
+                }
+                Step::Read { conv, back } => {
+                    let read_seq = next[conv].saturating_sub(back);
+                    events.push(serde_json::from_value(json!({"sync_seq": seq(), "kind": "read",
+                        "conv": convs[conv], "data": {"read_seq": read_seq, "unread": 0}})).unwrap());
+                }
+                Step::Recall { .. } | Step::Edit { .. } | Step::Delete { .. } => {}
+                Step::EndPage => {
+                    if events.is_empty() {
+                        continue;
+                    }
+                    let p = page(std::mem::take(&mut events), sync_seq);
+                    s.apply_page(&p, GO).unwrap();
+                    for conv in convs {
+                        let Some(c) = s.conversation(conv).unwrap() else { continue };
+                        let got = (c.last_msg_seq as i64, c.read_seq as i64, c.unread as i64, c.mentions as i64);
+                        proptest::prop_assert_eq!(got, whole_count(&s, conv), "{} after step {}", conv, i);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_late_message_below_the_counted_ones_is_counted() {
+    let (_d, mut s) = open();
+    s.apply_page(&page(vec![event(1, "c1", 1, "ann"), event(2, "c1", 3, "ann")], 2), GO).unwrap();
+    assert_eq!(s.conversation("c1").unwrap().unwrap().unread, 2);
+    s.apply_page(&page_at(1, 2, vec![event(3, "c1", 2, "ann")], 3), GO).unwrap();
+    let c = s.conversation("c1").unwrap().unwrap();
+    assert_eq!((c.contiguous_msg_seq, c.last_msg_seq, c.unread), (3, 3, 3), "the gap's message counts once it arrives");
+}
