@@ -451,7 +451,7 @@ async fn a_sync_page_costs_the_same_statements_for_one_message_or_forty() {
 
 /// Issue 19's bound on a resume: a device that reconnects 100 events behind
 /// (the WebSocket with its token, two pages of 50, each ACKed, as in
-/// `tidemark bench reconnect`) costs at most 16 SQL statements when nothing
+/// `tidemark bench reconnect`) costs 16 SQL statements when nothing
 /// else writes: 3 reads (the presence facts and one per page; no sync facts,
 /// no dirty markers for a user in no shared group) and 5 writes (the
 /// connection epoch, which reads the ACK and the head in the same statement,
@@ -459,8 +459,13 @@ async fn a_sync_page_costs_the_same_statements_for_one_message_or_forty() {
 /// `BEGIN`/`COMMIT` around each of the 3 writing requests (in a storm those
 /// pairs are shared by a whole group commit), and 2 more in the window (the
 /// replaced connection's close, the counter's own scrape). About 25 before.
+/// Since reads that queue together share one read transaction
+/// (`READ_BATCH_MAX`), the connect's presence read and the first page
+/// often run in one, and its `BEGIN`/`ROLLBACK` add 2: whether they queue
+/// together is the scheduler's choice, so the bound is 18 (16 and 18 were
+/// both seen, round by round).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_resume_of_a_hundred_events_costs_at_most_sixteen_statements() {
+async fn a_resume_of_a_hundred_events_costs_at_most_eighteen_statements() {
     // 300 sends in a burst: the per-device send limit is not under test.
     let limits = tidemark_server::limits::LimitsConfig::off();
     let ts = TestServer::start_with(tidemark_server::ServerConfig { limits, ..Default::default() }).await;
@@ -497,6 +502,6 @@ async fn a_resume_of_a_hundred_events_costs_at_most_sixteen_statements() {
         let after = statements_when_idle(&ts).await;
         least = least.min(after - before);
     }
-    assert!(least <= 16.0, "a resume cost {least} SQL statements");
+    assert!(least <= 18.0, "a resume cost {least} SQL statements");
     ts.stop().await;
 }
