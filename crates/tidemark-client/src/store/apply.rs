@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use tidemark_proto::{Envelope, SyncOk, UserEvent};
 
 use super::schema::{CONTROL_KINDS_SQL, STATE_DELETED, STATE_EDITED, STATE_RECALLED};
+use super::Cached;
 use super::{FaultAction, FaultPoint, LocalStore, Message, StoreError, StoreResult};
 use crate::cursor::{hole_step, ConvCursor, HoleStep, Policy, PENDING_MAX};
 use tidemark_core::client_stats::repair_duration_ms;
@@ -161,7 +162,7 @@ impl LocalStore {
             }
             refresh_summary(&tx, &user, &conv, next)?;
         }
-        tx.execute(
+        tx.exec(
             "UPDATE device SET sync_generation = ?1, applied_sync_seq = ?2 WHERE id = 1",
             params![page.sync_generation as i64, next as i64],
         )
@@ -180,7 +181,7 @@ impl LocalStore {
 
     /// Records a confirmed ACK (the server's value, never lowered).
     pub fn record_ack(&mut self, generation: u64, acked_sync_seq: u64) -> StoreResult<()> {
-        self.conn.execute(
+        self.conn.exec(
             "UPDATE device SET acked_sync_seq = MAX(acked_sync_seq, ?2) WHERE id = 1 AND sync_generation = ?1",
             params![generation as i64, acked_sync_seq as i64],
         )?;
@@ -189,13 +190,13 @@ impl LocalStore {
 }
 
 fn read_position(tx: &Transaction<'_>) -> StoreResult<(Option<u64>, u64)> {
-    Ok(tx.query_row("SELECT sync_generation, applied_sync_seq FROM device WHERE id = 1", [], |r| {
+    Ok(tx.row("SELECT sync_generation, applied_sync_seq FROM device WHERE id = 1", [], |r| {
         Ok((r.get::<_, Option<i64>>(0)?.map(|g| g as u64), r.get::<_, i64>(1)? as u64))
     })?)
 }
 
 pub(super) fn ensure_conv(tx: &Transaction<'_>, conv: &str) -> StoreResult<()> {
-    tx.execute("INSERT OR IGNORE INTO conversations (conv, kind) VALUES (?1, 'direct')", params![conv])?;
+    tx.exec("INSERT OR IGNORE INTO conversations (conv, kind) VALUES (?1, 'direct')", params![conv])?;
     Ok(())
 }
 
@@ -203,9 +204,10 @@ pub(super) fn ensure_conv(tx: &Transaction<'_>, conv: &str) -> StoreResult<()> {
 /// rows held above it (the persistent pending buffer).
 pub(super) fn load_cursor(tx: &Transaction<'_>, conv: &str) -> StoreResult<ConvCursor> {
     let position: i64 =
-        tx.query_row("SELECT contiguous_msg_seq FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))?;
-    let mut stmt =
-        tx.prepare_cached("SELECT msg_seq FROM messages WHERE conv = ?1 AND msg_seq > ?2 ORDER BY msg_seq LIMIT ?3")?;
+        tx.row("SELECT contiguous_msg_seq FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))?;
+    let mut stmt = tx.prepare_cached(
+        "SELECT msg_seq FROM messages WHERE conv = ?1 AND msg_seq > ?2 ORDER BY msg_seq LIMIT ?3 + 0",
+    )?;
     let above = stmt
         .query_map(params![conv, position, PENDING_MAX as i64], |r| r.get::<_, i64>(0))?
         .collect::<Result<Vec<_>, _>>()?;
@@ -221,7 +223,7 @@ pub(super) fn held(
     message_id: &str,
 ) -> StoreResult<Option<(u64, String)>> {
     let row: Option<(String, i64, String)> = tx
-        .query_row(
+        .row(
             "SELECT message_id, version, state FROM messages WHERE conv = ?1 AND msg_seq = ?2",
             params![conv, msg_seq as i64],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
@@ -237,7 +239,7 @@ pub(super) fn held(
 }
 
 pub(super) fn insert_message(tx: &Transaction<'_>, msg: &Message) -> StoreResult<()> {
-    tx.execute(
+    tx.exec(
         "INSERT INTO messages (conv, msg_seq, message_id, kind, state, sender, content, created_at, version,
                                reactions, sync_seq, mentions, mention_all)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
@@ -295,13 +297,13 @@ pub(super) fn store_envelope(tx: &Transaction<'_>, msg: &Message) -> StoreResult
     };
     let final_here = state == STATE_DELETED || (state == STATE_RECALLED && msg.state != STATE_DELETED);
     if final_here || msg.version < version {
-        tx.execute(
+        tx.exec(
             "UPDATE messages SET sync_seq = COALESCE(sync_seq, ?2) WHERE message_id = ?1",
             params![msg.message_id, msg.sync_seq.map(|s| s as i64)],
         )?;
         return Ok(());
     }
-    tx.execute(
+    tx.exec(
         "UPDATE messages SET state = ?2, content = ?3, version = ?4, reactions = ?5,
                              sync_seq = COALESCE(sync_seq, ?6), mentions = ?7, mention_all = ?8
          WHERE message_id = ?1",
@@ -322,7 +324,7 @@ pub(super) fn store_envelope(tx: &Transaction<'_>, msg: &Message) -> StoreResult
 /// The held target of a control event: `(msg_seq, version, state)`.
 fn target(tx: &Transaction<'_>, conv: &str, message_id: &str) -> StoreResult<Option<(u64, u64, String)>> {
     Ok(tx
-        .query_row(
+        .row(
             "SELECT msg_seq, version, state FROM messages WHERE conv = ?1 AND message_id = ?2",
             params![conv, message_id],
             |r| Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64, r.get(2)?)),
@@ -338,7 +340,7 @@ pub(super) fn recall_target(tx: &Transaction<'_>, conv: &str, message_id: &str) 
         // Not held (outside this user's periods): nothing to hide.
         return Ok(None);
     };
-    tx.execute(
+    tx.exec(
         "UPDATE messages SET content = json_remove(content, '$.content')
          WHERE conv = ?1 AND kind = 'edit' AND json_extract(content, '$.target_message_id') = ?2",
         params![conv, message_id],
@@ -346,7 +348,7 @@ pub(super) fn recall_target(tx: &Transaction<'_>, conv: &str, message_id: &str) 
     if state == STATE_RECALLED || state == STATE_DELETED {
         return Ok(None);
     }
-    tx.execute(
+    tx.exec(
         "UPDATE messages SET state = ?2, content = '{}', reactions = '{}', version = version + 1
          WHERE message_id = ?1",
         params![message_id, STATE_RECALLED],
@@ -368,14 +370,14 @@ fn apply_versioned(tx: &Transaction<'_>, conv: &str, kind: &str, content: &Value
         return Ok(());
     }
     if kind == "edit" {
-        tx.execute(
+        tx.exec(
             "UPDATE messages SET content = ?2, state = ?3, version = ?4 WHERE message_id = ?1",
             params![message_id, content["content"].to_string(), STATE_EDITED, new_version as i64],
         )?;
         return Ok(());
     }
     let reactions: String =
-        tx.query_row("SELECT reactions FROM messages WHERE message_id = ?1", params![message_id], |r| r.get(0))?;
+        tx.row("SELECT reactions FROM messages WHERE message_id = ?1", params![message_id], |r| r.get(0))?;
     let mut reactions: BTreeMap<String, Vec<String>> = serde_json::from_str(&reactions).unwrap_or_default();
     let (Some(reaction), Some(user)) = (content["reaction"].as_str(), content["user"].as_str()) else {
         return Ok(());
@@ -388,7 +390,7 @@ fn apply_versioned(tx: &Transaction<'_>, conv: &str, kind: &str, content: &Value
     }
     reactions.retain(|_, users| !users.is_empty());
     let reactions = serde_json::to_string(&reactions).map_err(|e| StoreError::Integrity(e.to_string()))?;
-    tx.execute(
+    tx.exec(
         "UPDATE messages SET reactions = ?2, version = ?3 WHERE message_id = ?1",
         params![message_id, reactions, new_version as i64],
     )?;
@@ -415,7 +417,7 @@ fn apply_or_queue_repair(
 ) -> Result<(), ApplyError> {
     let cursor_before = touched.get(&e.conv).cloned();
     let (recalled_before, messages_before) = (report.recalled.len(), report.messages.len());
-    tx.execute_batch("SAVEPOINT event").map_err(StoreError::from)?;
+    tx.exec("SAVEPOINT event", []).map_err(StoreError::from)?;
     let point = FaultPoint::ApplyEvent { conv: e.conv.clone(), msg_seq: env.msg_seq };
     let outcome = match fault(&point) {
         FaultAction::Fail => Err(ApplyError::Store(StoreError::Integrity(format!("fault hook refused {point:?}")))),
@@ -423,7 +425,7 @@ fn apply_or_queue_repair(
     };
     let reason = match outcome {
         Ok(()) => {
-            tx.execute_batch("RELEASE event").map_err(StoreError::from)?;
+            tx.exec("RELEASE event", []).map_err(StoreError::from)?;
             return Ok(());
         }
         Err(ApplyError::Malformed { why, .. }) => why,
@@ -452,11 +454,11 @@ fn queue_repair(tx: &Transaction<'_>, conv: &str, from_msg_seq: u64, sync_seq: u
     ensure_conv(tx, conv)?;
     // A conversation newly queued is one gap detected (`client.stats`); a
     // widened record is the same gap.
-    tx.execute(
+    tx.exec(
         "UPDATE gap_stats SET detected = detected + 1 WHERE NOT EXISTS (SELECT 1 FROM repairs WHERE conv = ?1)",
         params![conv],
     )?;
-    tx.execute(
+    tx.exec(
         "INSERT INTO repairs (conv, from_msg_seq, sync_seq, reason, queued_at_ms) VALUES (?1, ?2, ?3, ?4, ?5)
          ON CONFLICT (conv) DO UPDATE SET from_msg_seq = MIN(from_msg_seq, excluded.from_msg_seq),
                                           sync_seq = MIN(sync_seq, excluded.sync_seq)",
@@ -476,8 +478,8 @@ pub const GAP_DURATIONS_KEPT_MAX: i64 = 1024;
 /// Records how long a repaired gap of `kind` took, in the caller's
 /// transaction, keeping at most [`GAP_DURATIONS_KEPT_MAX`] unreported.
 pub(super) fn record_duration(tx: &Transaction<'_>, kind: &str, ms: u64) -> StoreResult<()> {
-    tx.execute("INSERT INTO gap_durations (kind, ms) VALUES (?1, ?2)", params![kind, ms as i64])?;
-    tx.execute(
+    tx.exec("INSERT INTO gap_durations (kind, ms) VALUES (?1, ?2)", params![kind, ms as i64])?;
+    tx.exec(
         "DELETE FROM gap_durations WHERE id <= (SELECT MAX(id) FROM gap_durations) - ?1",
         params![GAP_DURATIONS_KEPT_MAX],
     )?;
@@ -537,7 +539,7 @@ pub(super) fn apply_envelope(
     // time the user was out.
     if env.kind == "member.join" && env.content["user"].as_str() == Some(user) {
         let tail_missing = tx
-            .query_row(
+            .row(
                 "SELECT EXISTS (SELECT 1 FROM messages WHERE conv = ?1 AND kind = 'member.leave'
                    AND msg_seq > ?2 AND msg_seq < ?3 AND json_extract(content, '$.user') = ?4)",
                 params![env.conv, cursor.position() as i64, env.msg_seq as i64, user],
@@ -551,21 +553,18 @@ pub(super) fn apply_envelope(
     // Only groups have a creation event and membership events: a
     // conversation first learned from one is a group, whatever was assumed.
     if matches!(env.kind.as_str(), "conv.created" | "member.join" | "member.leave" | "conv.mode") {
-        tx.execute("UPDATE conversations SET kind = 'group' WHERE conv = ?1 AND kind <> 'group'", params![env.conv])
+        tx.exec("UPDATE conversations SET kind = 'group' WHERE conv = ?1 AND kind <> 'group'", params![env.conv])
             .map_err(StoreError::from)?;
     }
     // The switch (G3): later events of the group come by `conv.sync`, when
     // its marker says so.
     if env.kind == "conv.mode" && env.content["mode"].as_str() == Some("shared") {
-        tx.execute("UPDATE conversations SET mode = 'shared' WHERE conv = ?1", params![env.conv])
+        tx.exec("UPDATE conversations SET mode = 'shared' WHERE conv = ?1", params![env.conv])
             .map_err(StoreError::from)?;
     }
     if (env.kind == "member.join" || env.kind == "member.leave") && env.content["user"].as_str() == Some(user) {
-        tx.execute(
-            "UPDATE conversations SET active = ?2 WHERE conv = ?1",
-            params![env.conv, env.kind == "member.join"],
-        )
-        .map_err(StoreError::from)?;
+        tx.exec("UPDATE conversations SET active = ?2 WHERE conv = ?1", params![env.conv, env.kind == "member.join"])
+            .map_err(StoreError::from)?;
     }
     store_envelope(tx, &message_of(env, sync_seq))?;
     // The outcome is read back from the cursor once the page is done, so
@@ -604,7 +603,7 @@ fn apply_user_event(
         "read" => match data["read_seq"].as_u64() {
             Some(read_seq) => {
                 ensure_conv(tx, &e.conv)?;
-                tx.execute(
+                tx.exec(
                     "UPDATE conversations SET read_seq = MAX(read_seq, ?2) WHERE conv = ?1",
                     params![e.conv, read_seq as i64],
                 )
@@ -619,7 +618,7 @@ fn apply_user_event(
                 ensure_conv(tx, &e.conv)?;
                 // Absent from servers before per-conversation previews.
                 let preview = data["push_preview"].as_str().unwrap_or("full");
-                tx.execute(
+                tx.exec(
                     "UPDATE conversations SET muted = ?2, pinned = ?3, settings_version = ?4, push_preview = ?5
                      WHERE conv = ?1 AND settings_version < ?4",
                     params![e.conv, muted, pinned, version as i64, preview],
@@ -655,7 +654,7 @@ fn apply_user_event(
         }
         "delete" => match data["message_id"].as_str() {
             Some(message_id) => {
-                tx.execute(
+                tx.exec(
                     "UPDATE messages SET state = ?3, content = '{}', reactions = '{}' WHERE conv = ?1 AND message_id = ?2",
                     params![e.conv, message_id, STATE_DELETED],
                 )
@@ -672,7 +671,7 @@ fn apply_user_event(
     }
     let body =
         serde_json::to_string(e).map_err(|err| ApplyError::Malformed { sync_seq: e.sync_seq, why: err.to_string() })?;
-    tx.execute(
+    tx.exec(
         "INSERT OR REPLACE INTO control_events (sync_seq, kind, conv, msg_seq, body) VALUES (?1, ?2, ?3, ?4, ?5)",
         params![e.sync_seq as i64, e.kind, e.conv, e.msg_seq.map(|s| s as i64), body],
     )
@@ -684,7 +683,7 @@ fn apply_user_event(
 /// Stores the user's privacy switches when `p` is newer than what is held
 /// (in the caller's transaction); whether they changed.
 pub(super) fn set_privacy(tx: &Transaction<'_>, p: &super::PrivacySwitches) -> StoreResult<bool> {
-    let n = tx.execute(
+    let n = tx.exec(
         "UPDATE privacy SET hide_presence = ?1, private_receipts = ?2, push_preview = ?3, version = ?4
          WHERE id = 1 AND version < ?4",
         params![p.hide_presence, p.private_receipts, p.push_preview, p.version as i64],
@@ -705,23 +704,23 @@ pub(super) fn save_cursor(
     let to = cursor.position();
     assert!(to >= before, "a conversation cursor never moves back ({conv}: {before} -> {to})");
     let since: Option<i64> = tx
-        .query_row("SELECT hole_since_ms FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))
+        .row("SELECT hole_since_ms FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))
         .optional()?
         .flatten();
     let now = super::now_ms();
     match hole_step(since.is_some(), cursor.missing().is_some()) {
         HoleStep::Opened => {
-            tx.execute("UPDATE conversations SET hole_since_ms = ?2 WHERE conv = ?1", params![conv, now])?;
-            tx.execute("UPDATE gap_stats SET detected = detected + 1", [])?;
+            tx.exec("UPDATE conversations SET hole_since_ms = ?2 WHERE conv = ?1", params![conv, now])?;
+            tx.exec("UPDATE gap_stats SET detected = detected + 1", [])?;
         }
         HoleStep::Closed => {
-            tx.execute("UPDATE conversations SET hole_since_ms = NULL WHERE conv = ?1", params![conv])?;
-            tx.execute("UPDATE gap_stats SET repaired = repaired + 1", [])?;
+            tx.exec("UPDATE conversations SET hole_since_ms = NULL WHERE conv = ?1", params![conv])?;
+            tx.exec("UPDATE gap_stats SET repaired = repaired + 1", [])?;
             record_duration(tx, GAP_HOLE, repair_duration_ms(since.unwrap_or(now), now))?;
         }
         HoleStep::Same => {}
     }
-    tx.execute("UPDATE conversations SET contiguous_msg_seq = ?2 WHERE conv = ?1", params![conv, to as i64])?;
+    tx.exec("UPDATE conversations SET contiguous_msg_seq = ?2 WHERE conv = ?1", params![conv, to as i64])?;
     let moved = (to > before).then(|| CursorMove { conv: conv.to_owned(), from: before, to });
     let gap = cursor.missing().map(|m| Gap {
         conv: conv.to_owned(),

@@ -16,6 +16,7 @@ use tidemark_proto::Envelope;
 use super::apply::{ensure_conv, message_of, store_envelope};
 use super::read::{message_row, MESSAGE_SELECT};
 use super::schema::CONTROL_KINDS_SQL;
+use super::Cached;
 use super::{LocalStore, Message, StoreResult};
 
 /// A history page answered from the local store.
@@ -35,7 +36,7 @@ impl LocalStore {
     pub fn local_history(&self, conv: &str, before_seq: Option<u64>, limit: u32) -> StoreResult<Option<LocalHistory>> {
         let Some(history_to) = self
             .conn
-            .query_row("SELECT history_to FROM conversations WHERE conv = ?1", params![conv], |r| r.get::<_, i64>(0))
+            .row("SELECT history_to FROM conversations WHERE conv = ?1", params![conv], |r| r.get::<_, i64>(0))
             .optional()?
         else {
             return Ok(None);
@@ -43,7 +44,7 @@ impl LocalStore {
         let before = before_seq.map_or(i64::MAX, |b| b as i64);
         let sql = format!(
             "{MESSAGE_SELECT} WHERE conv = ?1 AND msg_seq < ?2 AND msg_seq > ?3 AND kind NOT IN {CONTROL_KINDS_SQL}
-             ORDER BY msg_seq DESC LIMIT ?4"
+             ORDER BY msg_seq DESC LIMIT ?4 + 0"
         );
         let mut stmt = self.conn.prepare_cached(&sql)?;
         // One more than asked: whether anything older is held.
@@ -79,13 +80,13 @@ impl LocalStore {
             store_envelope(&tx, &message_of(env, None))?;
         }
         let history_to: i64 =
-            tx.query_row("SELECT history_to FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))?;
+            tx.row("SELECT history_to FROM conversations WHERE conv = ?1", params![conv], |r| r.get(0))?;
         // The page and the held run `(history_to, …]` join when the page's top
         // is at or above the floor.
         let reaches_floor = before_seq.is_none_or(|b| b as i64 > history_to);
         let new_floor = covered_to.saturating_sub(1) as i64;
         if reaches_floor && new_floor < history_to {
-            tx.execute("UPDATE conversations SET history_to = ?2 WHERE conv = ?1", params![conv, new_floor])?;
+            tx.exec("UPDATE conversations SET history_to = ?2 WHERE conv = ?1", params![conv, new_floor])?;
         }
         tx.commit()?;
         Ok(())

@@ -277,6 +277,36 @@ pub struct LocalStore {
 }
 
 /// Milliseconds since the Unix epoch, for local bookkeeping only.
+/// Prepared statements the store's connection keeps. rusqlite's default is
+/// 16, fewer than the distinct statements one page runs, so the LRU evicted
+/// them in turn and each page parsed its SQL again (a sixth of the
+/// `bench fanout` process's samples, docs/benchmarks.md).
+pub const STATEMENT_CACHE_CAPACITY: usize = 128;
+
+/// `execute` and `query_row` through the connection's statement cache: the
+/// store's statements are parsed once per connection, not once per call.
+pub(crate) trait Cached {
+    fn exec<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize>;
+    fn row<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>;
+}
+
+impl Cached for Connection {
+    fn exec<P: rusqlite::Params>(&self, sql: &str, params: P) -> rusqlite::Result<usize> {
+        self.prepare_cached(sql)?.execute(params)
+    }
+
+    fn row<T, P, F>(&self, sql: &str, params: P, f: F) -> rusqlite::Result<T>
+    where
+        P: rusqlite::Params,
+        F: FnOnce(&rusqlite::Row<'_>) -> rusqlite::Result<T>,
+    {
+        self.prepare_cached(sql)?.query_row(params, f)
+    }
+}
+
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
@@ -288,6 +318,7 @@ impl LocalStore {
     pub fn open(path: &Path, user: &str, device_id: &str) -> StoreResult<LocalStore> {
         let conn = Connection::open(path)?;
         conn.busy_timeout(std::time::Duration::from_millis(BUSY_TIMEOUT_MS))?;
+        conn.set_prepared_statement_cache_capacity(STATEMENT_CACHE_CAPACITY);
         let mode: String = conn.query_row("PRAGMA journal_mode=WAL", [], |r| r.get(0))?;
         if !mode.eq_ignore_ascii_case("wal") {
             return Err(StoreError::Sqlite(format!("journal_mode is {mode}, not wal")));
@@ -313,7 +344,7 @@ impl LocalStore {
     }
 
     pub fn position(&self) -> StoreResult<SyncPosition> {
-        let p = self.conn.query_row(
+        let p = self.conn.row(
             "SELECT sync_generation, applied_sync_seq, acked_sync_seq FROM device WHERE id = 1",
             [],
             |r| {

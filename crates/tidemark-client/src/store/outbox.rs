@@ -10,6 +10,7 @@ use tidemark_proto::{ReadOk, RecallOk, SendOk};
 use super::apply::{ensure_conv, held, insert_message, load_cursor, recall_target, refresh_summary, save_cursor};
 use super::apply::{CursorMove, Gap};
 use super::schema::STATE_NORMAL;
+use super::Cached;
 use super::{now_ms, LocalStore, Message, StoreError, StoreResult};
 
 /// Pending outbox entries at most; [`LocalStore::enqueue`] refuses more.
@@ -147,11 +148,11 @@ impl LocalStore {
         mentions: &Mentions,
     ) -> StoreResult<OutboxEntry> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let pending: i64 = tx.query_row("SELECT COUNT(*) FROM outbox WHERE state = 'pending'", [], |r| r.get(0))?;
+        let pending: i64 = tx.row("SELECT COUNT(*) FROM outbox WHERE state = 'pending'", [], |r| r.get(0))?;
         if pending as u64 >= OUTBOX_PENDING_MAX {
             return Err(StoreError::OutboxFull);
         }
-        tx.execute(
+        tx.exec(
             "INSERT INTO outbox (client_msg_id, op, conv, kind, content, state, created_at, mentions, mention_all)
              VALUES (?1, ?2, ?3, ?4, ?5, 'pending', ?6, ?7, ?8)",
             params![
@@ -174,7 +175,7 @@ impl LocalStore {
     pub fn next_pending(&self) -> StoreResult<Option<OutboxEntry>> {
         let id: Option<i64> = self
             .conn
-            .query_row("SELECT id FROM outbox WHERE state = 'pending' ORDER BY id LIMIT 1", [], |r| r.get(0))
+            .row("SELECT id FROM outbox WHERE state = 'pending' ORDER BY id LIMIT 1", [], |r| r.get(0))
             .optional()?;
         match id {
             Some(id) => self.outbox_entry(id),
@@ -190,7 +191,7 @@ impl LocalStore {
         let user = self.user.clone();
         let entry = self.outbox_entry(id)?.ok_or_else(|| StoreError::Integrity(format!("no outbox entry {id}")))?;
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        tx.execute(
+        tx.exec(
             "UPDATE outbox SET state = 'accepted', message_id = ?2, msg_seq = ?3, duplicate = ?4, error = NULL
              WHERE id = ?1",
             params![id, ok.message_id, ok.msg_seq as i64, ok.duplicate],
@@ -220,7 +221,7 @@ impl LocalStore {
         }
         cursor.offer(ok.msg_seq);
         let (moved, gap) = save_cursor(&tx, &ok.conv, before, &cursor)?;
-        let applied: i64 = tx.query_row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))?;
+        let applied: i64 = tx.row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))?;
         refresh_summary(&tx, &user, &ok.conv, applied as u64)?;
         prune_outbox(&tx)?;
         tx.commit()?;
@@ -236,12 +237,12 @@ impl LocalStore {
         let entry = self.outbox_entry(id)?.ok_or_else(|| StoreError::Integrity(format!("no outbox entry {id}")))?;
         let target = entry.content["message_id"].as_str().unwrap_or_default().to_owned();
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        tx.execute(
+        tx.exec(
             "UPDATE outbox SET state = 'accepted', msg_seq = ?2, error = NULL WHERE id = ?1",
             params![id, ok.msg_seq as i64],
         )?;
         let recalled = recall_target(&tx, &entry.conv, &target)?;
-        let applied: i64 = tx.query_row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))?;
+        let applied: i64 = tx.row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))?;
         if recalled.is_some() {
             refresh_summary(&tx, &user, &entry.conv, applied as u64)?;
         }
@@ -255,21 +256,20 @@ impl LocalStore {
     pub fn record_read_ok(&mut self, id: i64, ok: &ReadOk) -> StoreResult<OutboxRecord> {
         let user = self.user.clone();
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        tx.execute(
+        tx.exec(
             "UPDATE outbox SET state = 'accepted', msg_seq = ?2, error = NULL WHERE id = ?1",
             params![id, ok.read_seq as i64],
         )?;
         ensure_conv(&tx, &ok.conv)?;
-        tx.execute(
+        tx.exec(
             "UPDATE conversations SET read_seq = MAX(read_seq, ?2) WHERE conv = ?1",
             params![ok.conv, ok.read_seq as i64],
         )?;
-        let applied: i64 = tx.query_row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))?;
+        let applied: i64 = tx.row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))?;
         refresh_summary(&tx, &user, &ok.conv, applied as u64)?;
-        let read =
-            tx.query_row("SELECT read_seq, unread FROM conversations WHERE conv = ?1", params![ok.conv], |r| {
-                Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64))
-            })?;
+        let read = tx.row("SELECT read_seq, unread FROM conversations WHERE conv = ?1", params![ok.conv], |r| {
+            Ok((r.get::<_, i64>(0)? as u64, r.get::<_, i64>(1)? as u64))
+        })?;
         prune_outbox(&tx)?;
         tx.commit()?;
         let entry = self.outbox_entry(id)?.ok_or_else(|| StoreError::Integrity(format!("no outbox entry {id}")))?;
@@ -278,26 +278,26 @@ impl LocalStore {
 
     /// An entry the server refused for good (NOT_MEMBER, FORBIDDEN…).
     pub fn record_failed(&mut self, id: i64, error: &str) -> StoreResult<OutboxEntry> {
-        self.conn.execute("UPDATE outbox SET state = 'failed', error = ?2 WHERE id = ?1", params![id, error])?;
+        self.conn.exec("UPDATE outbox SET state = 'failed', error = ?2 WHERE id = ?1", params![id, error])?;
         self.outbox_entry(id)?.ok_or_else(|| StoreError::Integrity(format!("no outbox entry {id}")))
     }
 
     pub fn outbox_entry(&self, id: i64) -> StoreResult<Option<OutboxEntry>> {
-        let row = self.conn.query_row(&format!("{OUTBOX_SELECT} WHERE id = ?1"), params![id], outbox_row).optional()?;
+        let row = self.conn.row(&format!("{OUTBOX_SELECT} WHERE id = ?1"), params![id], outbox_row).optional()?;
         row.transpose()
     }
 
     pub fn outbox_by_client_msg_id(&self, client_msg_id: &str) -> StoreResult<Option<OutboxEntry>> {
         let row = self
             .conn
-            .query_row(&format!("{OUTBOX_SELECT} WHERE client_msg_id = ?1"), params![client_msg_id], outbox_row)
+            .row(&format!("{OUTBOX_SELECT} WHERE client_msg_id = ?1"), params![client_msg_id], outbox_row)
             .optional()?;
         row.transpose()
     }
 
     /// Every outbox entry kept, in order.
     pub fn outbox(&self) -> StoreResult<Vec<OutboxEntry>> {
-        let mut stmt = self.conn.prepare(&format!("{OUTBOX_SELECT} ORDER BY id"))?;
+        let mut stmt = self.conn.prepare_cached(&format!("{OUTBOX_SELECT} ORDER BY id"))?;
         let rows = stmt.query_map([], outbox_row)?.collect::<Result<Vec<_>, _>>()?;
         rows.into_iter().collect()
     }
@@ -332,9 +332,9 @@ fn outbox_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<StoreResult<OutboxEntry
 }
 
 fn prune_outbox(tx: &Transaction<'_>) -> StoreResult<()> {
-    tx.execute(
+    tx.exec(
         "DELETE FROM outbox WHERE state <> 'pending' AND id NOT IN
-             (SELECT id FROM outbox WHERE state <> 'pending' ORDER BY id DESC LIMIT ?1)",
+             (SELECT id FROM outbox WHERE state <> 'pending' ORDER BY id DESC LIMIT ?1 + 0)",
         params![OUTBOX_DONE_KEEP as i64],
     )?;
     Ok(())

@@ -6,6 +6,7 @@ use rusqlite::{params, OptionalExtension};
 use serde_json::{json, Value};
 
 use super::schema::CONTROL_KINDS_SQL;
+use super::Cached;
 use super::{Conversation, LocalStore, Message, StoreResult};
 
 /// The user's privacy switches as this device holds them (issue 18): from
@@ -31,7 +32,7 @@ impl Default for PrivacySwitches {
 impl LocalStore {
     /// The user's privacy switches as last synced.
     pub fn privacy(&self) -> StoreResult<PrivacySwitches> {
-        Ok(self.conn.query_row(
+        Ok(self.conn.row(
             "SELECT hide_presence, private_receipts, push_preview, version FROM privacy WHERE id = 1",
             [],
             |r| {
@@ -47,7 +48,7 @@ impl LocalStore {
 
     /// Conversations, pinned first, then by their latest message.
     pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
-        let mut stmt = self.conn.prepare(&format!(
+        let mut stmt = self.conn.prepare_cached(&format!(
             "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
                     c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv), c.mode,
                     c.mentions, c.push_preview
@@ -82,7 +83,7 @@ impl LocalStore {
         for mut c in rows {
             c.last_message = self
                 .conn
-                .query_row(
+                .row(
                     &format!(
                         "{MESSAGE_SELECT} WHERE conv = ?1 AND kind NOT IN {CONTROL_KINDS_SQL}
                          ORDER BY msg_seq DESC LIMIT 1"
@@ -117,7 +118,7 @@ impl LocalStore {
     }
 
     fn query_messages(&self, sql: &str, conv: &str) -> StoreResult<Vec<Message>> {
-        let mut stmt = self.conn.prepare(sql)?;
+        let mut stmt = self.conn.prepare_cached(sql)?;
         let rows = stmt.query_map(params![conv], message_row)?.collect::<Result<Vec<_>, _>>()?;
         Ok(rows)
     }
@@ -126,14 +127,14 @@ impl LocalStore {
     pub fn conversations_with_gap(&self) -> StoreResult<Vec<String>> {
         let mut stmt = self
             .conn
-            .prepare("SELECT conv FROM conversations WHERE contiguous_msg_seq < last_msg_seq ORDER BY conv")?;
+            .prepare_cached("SELECT conv FROM conversations WHERE contiguous_msg_seq < last_msg_seq ORDER BY conv")?;
         let rows = stmt.query_map([], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
         Ok(rows)
     }
 
     /// Events of kinds this client keeps verbatim: `(sync_seq, kind, conv)`.
     pub fn kept_verbatim(&self) -> StoreResult<Vec<(u64, String, String)>> {
-        let mut stmt = self.conn.prepare("SELECT sync_seq, kind, conv FROM control_events ORDER BY sync_seq")?;
+        let mut stmt = self.conn.prepare_cached("SELECT sync_seq, kind, conv FROM control_events ORDER BY sync_seq")?;
         let rows = stmt
             .query_map([], |r| Ok((r.get::<_, i64>(0)? as u64, r.get(1)?, r.get(2)?)))?
             .collect::<Result<Vec<_>, _>>()?;

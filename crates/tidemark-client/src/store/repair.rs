@@ -20,6 +20,7 @@ use super::apply::{
     apply_envelope, load_cursor, record_duration, refresh_summary, save_cursor, ApplyError, PageReport, Touched,
     GAP_HOLE, GAP_REPAIR,
 };
+use super::Cached;
 use super::{CursorMove, LocalStore, StoreError, StoreResult};
 
 /// First wait after a failed repair; it doubles per attempt up to the cap.
@@ -99,7 +100,7 @@ impl LocalStore {
     /// `CLIENT_STATS_DURATIONS_MAX` of each kind (one report's worth; the
     /// rest go in the next).
     pub fn unreported_gaps(&self) -> StoreResult<GapCounts> {
-        let mut counts = self.conn.query_row(
+        let mut counts = self.conn.row(
             "SELECT detected - reported_detected, repaired - reported_repaired, (SELECT COUNT(*) FROM repairs)
              FROM gap_stats WHERE id = 1",
             [],
@@ -113,7 +114,7 @@ impl LocalStore {
             },
         )?;
         let max = tidemark_core::client_stats::CLIENT_STATS_DURATIONS_MAX;
-        let mut stmt = self.conn.prepare_cached("SELECT id, kind, ms FROM gap_durations ORDER BY id LIMIT ?1")?;
+        let mut stmt = self.conn.prepare_cached("SELECT id, kind, ms FROM gap_durations ORDER BY id LIMIT ?1 + 0")?;
         let rows = stmt
             .query_map(params![max as i64], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))?
             .collect::<Result<Vec<_>, _>>()?;
@@ -129,11 +130,11 @@ impl LocalStore {
     /// so a lost report is sent again, never skipped): its durations leave.
     pub fn gaps_reported(&mut self, counts: &GapCounts) -> StoreResult<()> {
         let tx = self.conn.transaction()?;
-        tx.execute(
+        tx.exec(
             "UPDATE gap_stats SET reported_detected = reported_detected + ?1, reported_repaired = reported_repaired + ?2",
             params![counts.detected as i64, counts.repaired as i64],
         )?;
-        tx.execute("DELETE FROM gap_durations WHERE id <= ?1", params![counts.durations_through])?;
+        tx.exec("DELETE FROM gap_durations WHERE id <= ?1", params![counts.durations_through])?;
         tx.commit()?;
         Ok(())
     }
@@ -142,7 +143,7 @@ impl LocalStore {
     pub fn due_repairs(&self, now_ms: i64, max: usize) -> StoreResult<Vec<Repair>> {
         let mut stmt = self
             .conn
-            .prepare_cached(&format!("{REPAIR_SELECT} WHERE next_attempt_at <= ?1 ORDER BY sync_seq LIMIT ?2"))?;
+            .prepare_cached(&format!("{REPAIR_SELECT} WHERE next_attempt_at <= ?1 ORDER BY sync_seq LIMIT ?2 + 0"))?;
         let rows = stmt.query_map(params![now_ms, max as i64], repair_row)?.collect::<Result<Vec<_>, _>>()?;
         Ok(rows)
     }
@@ -150,13 +151,13 @@ impl LocalStore {
     /// Records a failed attempt: the next one waits twice as long.
     pub fn repair_failed(&mut self, conv: &str, now_ms: i64, error: &str) -> StoreResult<Repair> {
         let attempts: i64 =
-            self.conn.query_row("SELECT attempts FROM repairs WHERE conv = ?1", params![conv], |r| r.get(0))?;
+            self.conn.row("SELECT attempts FROM repairs WHERE conv = ?1", params![conv], |r| r.get(0))?;
         let wait = REPAIR_BACKOFF_FIRST_MS.saturating_mul(1i64 << attempts.min(20)).min(REPAIR_BACKOFF_MAX_MS);
-        self.conn.execute(
+        self.conn.exec(
             "UPDATE repairs SET attempts = attempts + 1, next_attempt_at = ?2, last_error = ?3 WHERE conv = ?1",
             params![conv, now_ms.saturating_add(wait), error],
         )?;
-        Ok(self.conn.query_row(&format!("{REPAIR_SELECT} WHERE conv = ?1"), params![conv], repair_row)?)
+        Ok(self.conn.row(&format!("{REPAIR_SELECT} WHERE conv = ?1"), params![conv], repair_row)?)
     }
 
     /// Applies a pull of `conv` (`conv.sync` from this device's position,
@@ -178,7 +179,7 @@ impl LocalStore {
     pub fn mark_shared(&mut self, conv: &str) -> StoreResult<()> {
         let tx = self.conn.transaction()?;
         super::apply::ensure_conv(&tx, conv)?;
-        tx.execute("UPDATE conversations SET mode = 'shared', kind = 'group' WHERE conv = ?1", params![conv])?;
+        tx.exec("UPDATE conversations SET mode = 'shared', kind = 'group' WHERE conv = ?1", params![conv])?;
         tx.commit()?;
         Ok(())
     }
@@ -197,9 +198,8 @@ impl LocalStore {
     ) -> Result<Option<CursorMove>, ApplyError> {
         let user = self.user.clone();
         let tx = self.conn.transaction().map_err(StoreError::from)?;
-        let applied: i64 = tx
-            .query_row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0))
-            .map_err(StoreError::from)?;
+        let applied: i64 =
+            tx.row("SELECT applied_sync_seq FROM device WHERE id = 1", [], |r| r.get(0)).map_err(StoreError::from)?;
         let mut touched = Touched::new();
         let cursor = load_cursor(&tx, conv)?;
         touched.insert(conv.to_owned(), Some((cursor.position(), cursor)));
@@ -207,12 +207,12 @@ impl LocalStore {
         for env in events.iter().filter(|e| e.conv == conv && e.msg_seq > 0) {
             // The conversation log is the truth: a contradicting local row
             // at this position goes.
-            tx.execute(
+            tx.exec(
                 "DELETE FROM messages WHERE conv = ?1 AND msg_seq = ?2 AND message_id <> ?3",
                 params![conv, env.msg_seq as i64, env.message_id],
             )
             .map_err(StoreError::from)?;
-            tx.execute(
+            tx.exec(
                 "DELETE FROM messages WHERE message_id = ?1 AND NOT (conv = ?2 AND msg_seq = ?3)",
                 params![env.message_id, conv, env.msg_seq as i64],
             )
@@ -226,18 +226,17 @@ impl LocalStore {
         refresh_summary(&tx, &user, conv, applied as u64)?;
         if complete {
             let queued_at: Option<i64> = tx
-                .query_row("SELECT queued_at_ms FROM repairs WHERE conv = ?1", params![conv], |r| r.get(0))
+                .row("SELECT queued_at_ms FROM repairs WHERE conv = ?1", params![conv], |r| r.get(0))
                 .optional()
                 .map_err(StoreError::from)?;
-            let done = tx.execute("DELETE FROM repairs WHERE conv = ?1", params![conv]).map_err(StoreError::from)?;
-            tx.execute("UPDATE gap_stats SET repaired = repaired + ?1", params![done as i64])
-                .map_err(StoreError::from)?;
+            let done = tx.exec("DELETE FROM repairs WHERE conv = ?1", params![conv]).map_err(StoreError::from)?;
+            tx.exec("UPDATE gap_stats SET repaired = repaired + ?1", params![done as i64]).map_err(StoreError::from)?;
             // A record older than its timestamp column has no duration.
             if let Some(at) = queued_at.filter(|at| *at > 0) {
                 record_duration(&tx, GAP_REPAIR, repair_duration_ms(at, super::now_ms()))?;
             }
         } else {
-            tx.execute(
+            tx.exec(
                 "UPDATE repairs SET from_msg_seq = MAX(from_msg_seq, ?2) WHERE conv = ?1",
                 params![conv, next_from as i64],
             )

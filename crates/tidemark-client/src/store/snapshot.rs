@@ -9,6 +9,7 @@ use tidemark_proto::Envelope;
 
 use super::apply::{insert_message, message_of, ApplyError};
 use super::schema::{CONTROL_KINDS, STATE_DELETED, STATE_RECALLED};
+use super::Cached;
 use super::{FaultAction, FaultPoint, LocalStore, StoreError, StoreResult};
 
 /// A snapshot this device began installing (D7, docs/protocol.md §3.24),
@@ -59,7 +60,7 @@ impl LocalStore {
     pub fn pending_snapshot(&self) -> StoreResult<Option<PendingSnapshot>> {
         Ok(self
             .conn
-            .query_row(
+            .row(
                 "SELECT snapshot_id, token, generation, base_sync_seq, manifest_digest, pages, installed
                  FROM snapshot_install WHERE id = 1",
                 [],
@@ -87,7 +88,7 @@ impl LocalStore {
 
     /// Forgets the pending snapshot (its token can no longer be used).
     pub fn forget_snapshot(&mut self) -> StoreResult<()> {
-        self.conn.execute("DELETE FROM snapshot_install", [])?;
+        self.conn.exec("DELETE FROM snapshot_install", [])?;
         Ok(())
     }
 
@@ -95,8 +96,8 @@ impl LocalStore {
     /// the pending mark and records the ACK, in one transaction.
     pub fn snapshot_acked(&mut self, generation: u64, acked_sync_seq: u64) -> StoreResult<()> {
         let tx = self.conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        tx.execute("DELETE FROM snapshot_install", [])?;
-        tx.execute(
+        tx.exec("DELETE FROM snapshot_install", [])?;
+        tx.exec(
             "UPDATE device SET acked_sync_seq = MAX(acked_sync_seq, ?2) WHERE id = 1 AND sync_generation = ?1",
             params![generation as i64, acked_sync_seq as i64],
         )?;
@@ -182,7 +183,7 @@ impl LocalStore {
                         && super::apply::mentions_user(&m.mentions, m.mention_all, &m.sender, &user)
                 })
                 .count() as u64;
-            tx.execute(
+            tx.exec(
                 "INSERT INTO conversations (conv, kind, contiguous_msg_seq, last_msg_seq, read_seq, unread, muted,
                                             pinned, settings_version, updated_sync_seq, history_to, unread_below,
                                             active, mode, mentions, mentions_below, push_preview)
@@ -212,7 +213,7 @@ impl LocalStore {
                 report.messages += 1;
             }
         }
-        tx.execute(
+        tx.exec(
             "UPDATE device SET sync_generation = ?1, applied_sync_seq = ?2, acked_sync_seq = 0 WHERE id = 1",
             params![snap.generation as i64, snap.base_sync_seq as i64],
         )
