@@ -48,37 +48,50 @@ impl LocalStore {
 
     /// Conversations, pinned first, then by their latest message.
     pub fn conversations(&self) -> StoreResult<Vec<Conversation>> {
+        let order = format!(
+            "ORDER BY c.pinned DESC, COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
+                       AND m.kind NOT IN {CONTROL_KINDS_SQL} ORDER BY m.msg_seq DESC LIMIT 1), 0) DESC, c.conv"
+        );
+        self.conversation_rows(&order, None)
+    }
+
+    /// One conversation's row, read by its key (not by listing them all).
+    pub fn conversation(&self, conv: &str) -> StoreResult<Option<Conversation>> {
+        Ok(self.conversation_rows("WHERE c.conv = ?1", Some(conv))?.pop())
+    }
+
+    /// The conversation rows `tail` selects (with `conv` as `?1` when
+    /// given), each with its last user message.
+    fn conversation_rows(&self, tail: &str, conv: Option<&str>) -> StoreResult<Vec<Conversation>> {
         let mut stmt = self.conn.prepare_cached(&format!(
             "SELECT c.conv, c.kind, c.contiguous_msg_seq, c.last_msg_seq, c.read_seq, c.unread, c.muted, c.pinned,
                     c.history_to, c.active, EXISTS (SELECT 1 FROM repairs r WHERE r.conv = c.conv), c.mode,
                     c.mentions, c.push_preview
-             FROM conversations c
-             ORDER BY c.pinned DESC,
-                      COALESCE((SELECT m.created_at FROM messages m WHERE m.conv = c.conv
-                                AND m.kind NOT IN {CONTROL_KINDS_SQL} ORDER BY m.msg_seq DESC LIMIT 1), 0) DESC,
-                      c.conv"
+             FROM conversations c {tail}"
         ))?;
-        let rows = stmt
-            .query_map([], |r| {
-                Ok(Conversation {
-                    conv: r.get(0)?,
-                    kind: r.get(1)?,
-                    contiguous_msg_seq: r.get::<_, i64>(2)? as u64,
-                    last_msg_seq: r.get::<_, i64>(3)? as u64,
-                    read_seq: r.get::<_, i64>(4)? as u64,
-                    unread: r.get::<_, i64>(5)? as u64,
-                    mentions: r.get::<_, i64>(12)? as u64,
-                    muted: r.get(6)?,
-                    pinned: r.get(7)?,
-                    history_to: r.get::<_, i64>(8)? as u64,
-                    active: r.get(9)?,
-                    needs_repair: r.get(10)?,
-                    shared: r.get::<_, String>(11)? == "shared",
-                    push_preview: r.get(13)?,
-                    last_message: None,
-                })
-            })?
-            .collect::<Result<Vec<_>, _>>()?;
+        let map = |r: &rusqlite::Row<'_>| {
+            Ok(Conversation {
+                conv: r.get(0)?,
+                kind: r.get(1)?,
+                contiguous_msg_seq: r.get::<_, i64>(2)? as u64,
+                last_msg_seq: r.get::<_, i64>(3)? as u64,
+                read_seq: r.get::<_, i64>(4)? as u64,
+                unread: r.get::<_, i64>(5)? as u64,
+                mentions: r.get::<_, i64>(12)? as u64,
+                muted: r.get(6)?,
+                pinned: r.get(7)?,
+                history_to: r.get::<_, i64>(8)? as u64,
+                active: r.get(9)?,
+                needs_repair: r.get(10)?,
+                shared: r.get::<_, String>(11)? == "shared",
+                push_preview: r.get(13)?,
+                last_message: None,
+            })
+        };
+        let rows = match conv {
+            Some(conv) => stmt.query_map(params![conv], map)?.collect::<Result<Vec<_>, _>>()?,
+            None => stmt.query_map([], map)?.collect::<Result<Vec<_>, _>>()?,
+        };
         let mut out = Vec::with_capacity(rows.len());
         for mut c in rows {
             c.last_message = self
@@ -95,10 +108,6 @@ impl LocalStore {
             out.push(c);
         }
         Ok(out)
-    }
-
-    pub fn conversation(&self, conv: &str) -> StoreResult<Option<Conversation>> {
-        Ok(self.conversations()?.into_iter().find(|c| c.conv == conv))
     }
 
     /// The user messages of `conv` held locally, in `msg_seq` order (those

@@ -442,3 +442,16 @@ fn a_late_message_below_the_counted_ones_is_counted() {
     let c = s.conversation("c1").unwrap().unwrap();
     assert_eq!((c.contiguous_msg_seq, c.last_msg_seq, c.unread), (3, 3, 3), "the gap's message counts once it arrives");
 }
+
+#[test]
+fn one_conversation_is_read_by_its_key_as_the_list_shows_it() {
+    let (_d, mut s) = open();
+    let events = vec![event(1, "c1", 1, "ann"), event(2, "c2", 1, "bob"), event(3, "c1", 2, "ann")];
+    s.apply_page(&page(events, 3), GO).unwrap();
+    let list = s.conversations().unwrap();
+    assert_eq!(list.len(), 2);
+    for c in &list {
+        assert_eq!(s.conversation(&c.conv).unwrap().as_ref(), Some(c));
+    }
+    assert_eq!(s.conversation("c9").unwrap(), None);
+}
