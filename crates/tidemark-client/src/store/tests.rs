@@ -455,3 +455,15 @@ fn one_conversation_is_read_by_its_key_as_the_list_shows_it() {
     }
     assert_eq!(s.conversation("c9").unwrap(), None);
 }
+
+/// The ACK's record skips its own fsync, and only it: the pages' commits
+/// that follow are `synchronous=FULL` again.
+#[test]
+fn recording_an_ack_leaves_the_store_fully_synchronous() {
+    let (_d, mut s) = open();
+    s.apply_page(&page(vec![event(1, "c1", 1, "ann")], 1), GO).unwrap();
+    s.record_ack(1, 1).unwrap();
+    let level: i64 = s.conn.query_row("PRAGMA synchronous", [], |r| r.get(0)).unwrap();
+    assert_eq!(level, 2, "FULL");
+    assert_eq!(s.position().unwrap().acked_sync_seq, 1);
+}
