@@ -467,3 +467,21 @@ fn recording_an_ack_leaves_the_store_fully_synchronous() {
     assert_eq!(level, 2, "FULL");
     assert_eq!(s.position().unwrap().acked_sync_seq, 1);
 }
+
+/// A repair that removes a held row (here a message the server serves at
+/// another place) leaves counts of the rows that remain.
+#[test]
+fn a_repair_that_removes_a_counted_message_counts_again() {
+    let (_d, mut s) = open();
+    s.apply_page(&page(vec![event(1, "c1", 1, "ann"), event(2, "c1", 2, "ann")], 2), GO).unwrap();
+    assert_eq!(s.conversation("c1").unwrap().unwrap().unread, 2);
+    // The server's log has m-c1-1 at msg_seq 3: the row at 1 goes.
+    let mut moved = event(3, "c1", 1, "ann").message.unwrap();
+    moved.msg_seq = 3;
+    s.apply_repair("c1", &[moved], true, 4).unwrap();
+    let held: Vec<u64> = s.messages("c1").unwrap().iter().map(|m| m.msg_seq).collect();
+    assert_eq!(held, vec![2, 3]);
+    let c = s.conversation("c1").unwrap().unwrap();
+    assert_eq!((c.unread as i64, c.last_msg_seq as i64), (whole_count(&s, "c1").2, 3));
+    assert_eq!(c.unread, 2);
+}
