@@ -276,9 +276,20 @@ struct PgSummary {
     floor_msgs_per_wal_flush: f64,
     ratio_floor_baseline: f64,
     ratio_server_floor: f64,
-    /// Per entry of [`FLOOR_WRITERS`]: msgs/s, p50, p99, msgs per WAL
-    /// flush, batch, ÷ baseline.
-    floor_writers: Vec<[f64; 6]>,
+    /// Per entry of [`FLOOR_WRITERS`], medians of the rounds.
+    floor_writers: Vec<FloorWritersSummary>,
+}
+
+/// [`FloorWriters`] as the summary reports it: medians of the rounds.
+#[derive(Debug, Clone, Serialize)]
+struct FloorWritersSummary {
+    writers: usize,
+    msgs_per_s: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    msgs_per_wal_flush: f64,
+    batch: f64,
+    ratio_baseline: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -466,16 +477,20 @@ pub(super) async fn ingest(args: IngestArgs, url: &str) -> Result<()> {
         floor_msgs_per_wal_flush: m(&|r| r.floor_pg.msgs_per_wal_flush),
         ratio_floor_baseline: m(&|r| r.ratio_floor_baseline),
         ratio_server_floor: m(&|r| r.ratio_server_floor),
-        floor_writers: (0..FLOOR_WRITERS.len())
-            .map(|k| {
-                [
-                    m(&|r| r.floor_writers[k].run.rows_per_s),
-                    m(&|r| r.floor_writers[k].run.p50_ms),
-                    m(&|r| r.floor_writers[k].run.p99_ms),
-                    m(&|r| r.floor_writers[k].pg.msgs_per_wal_flush),
-                    m(&|r| r.floor_writers[k].batch as f64),
-                    m(&|r| r.floor_writers[k].ratio_baseline),
-                ]
+        floor_writers: FLOOR_WRITERS
+            .iter()
+            .enumerate()
+            .map(|(k, &writers)| {
+                let w = |f: &dyn Fn(&FloorWriters) -> f64| m(&|r| f(&r.floor_writers[k]));
+                FloorWritersSummary {
+                    writers,
+                    msgs_per_s: w(&|x| x.run.rows_per_s),
+                    p50_ms: w(&|x| x.run.p50_ms),
+                    p99_ms: w(&|x| x.run.p99_ms),
+                    msgs_per_wal_flush: w(&|x| x.pg.msgs_per_wal_flush),
+                    batch: w(&|x| x.batch as f64),
+                    ratio_baseline: w(&|x| x.ratio_baseline),
+                }
             })
             .collect(),
     };
@@ -1039,27 +1054,27 @@ fn print_pg_report(p: &PgParams, s: &PgSummary, rounds: &[PgRound]) {
         p.rounds
     );
     println!();
-    let w = |k: usize, f: &dyn Fn(f64) -> String| s.floor_writers.iter().map(|x| f(x[k])).collect::<Vec<String>>();
-    let line = |name: &str, fixed: [String; 3], k: usize, f: &dyn Fn(f64) -> String| {
+    let line = |name: &str, fixed: [String; 3], f: &dyn Fn(&FloorWritersSummary) -> String| {
         let mut row = vec![name.to_owned()];
         row.extend(fixed);
-        row.extend(w(k, f));
+        row.extend(s.floor_writers.iter().map(f));
         row
     };
     let rows = vec![
-        line("msgs/s", [f0(s.msgs_per_s), f0(s.baseline_rows_per_s), f0(s.floor_msgs_per_s)], 0, &f0),
-        line("latency p50 (ms)", [f2(s.p50_ms), f2(s.baseline_p50_ms), f2(s.floor_p50_ms)], 1, &f2),
-        line("latency p99 (ms)", [f2(s.p99_ms), f2(s.baseline_p99_ms), f2(s.floor_p99_ms)], 2, &f2),
+        line("msgs/s", [f0(s.msgs_per_s), f0(s.baseline_rows_per_s), f0(s.floor_msgs_per_s)], &|w| f0(w.msgs_per_s)),
+        line("latency p50 (ms)", [f2(s.p50_ms), f2(s.baseline_p50_ms), f2(s.floor_p50_ms)], &|w| f2(w.p50_ms)),
+        line("latency p99 (ms)", [f2(s.p99_ms), f2(s.baseline_p99_ms), f2(s.floor_p99_ms)], &|w| f2(w.p99_ms)),
         line(
             "msgs per WAL flush",
             [f1(s.msgs_per_wal_flush), f1(s.baseline_rows_per_wal_flush), f1(s.floor_msgs_per_wal_flush)],
-            3,
-            &f1,
+            &|w| f1(w.msgs_per_wal_flush),
         ),
-        line("requests per commit", [f1(s.requests_per_commit), "1.0".into(), "1.0".into()], 4, &f1),
-        line("÷ baseline", [f2(s.ratio_server_baseline), "1.00".into(), f2(s.ratio_floor_baseline)], 5, &f2),
+        line("requests per commit", [f1(s.requests_per_commit), "1.0".into(), "1.0".into()], &|w| f1(w.batch)),
+        line("÷ baseline", [f2(s.ratio_server_baseline), "1.00".into(), f2(s.ratio_floor_baseline)], &|w| {
+            f2(w.ratio_baseline)
+        }),
     ];
-    let names: Vec<String> = FLOOR_WRITERS.iter().map(|n| format!("floor, {n} writer(s)")).collect();
+    let names: Vec<String> = s.floor_writers.iter().map(|w| format!("floor, {} writer(s)", w.writers)).collect();
     let mut header = vec!["median of rounds", "server", "baseline", "floor"];
     header.extend(names.iter().map(String::as_str));
     print_table(&header, &rows);

@@ -757,17 +757,8 @@ pub(super) fn save_cursor(
 /// a page of a busy conversation nobody reads costs the page's messages,
 /// not every unread one.
 pub(super) fn refresh_summary(tx: &Transaction<'_>, user: &str, conv: &str, sync_seq: u64) -> StoreResult<()> {
-    let Some(held) = summary_state(tx, conv)? else { return Ok(()) };
-    let last: i64 = tx
-        .prepare_cached("SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = ?1")?
-        .query_row(params![conv], |r| r.get(0))?;
-    let from = if held.dirty { 0 } else { held.counted_upto };
-    let own: i64 = tx
-        .prepare_cached(
-            "SELECT COALESCE(MAX(msg_seq), 0) FROM messages WHERE conv = ?1 AND sender = ?2 AND msg_seq > ?3",
-        )?
-        .query_row(params![conv, user, from], |r| r.get(0))?;
-    let read_seq = held.read_seq.max(own);
+    let Some(held) = summary_state(tx, conv, user)? else { return Ok(()) };
+    let read_seq = held.read_seq.max(held.own);
     let (unread, mentions) = if !held.dirty && read_seq == held.read_seq {
         let (n, m) = count_unread(tx, conv, user, held.counted_upto.max(read_seq))?;
         (held.unread + n, held.mentions + m)
@@ -776,17 +767,20 @@ pub(super) fn refresh_summary(tx: &Transaction<'_>, user: &str, conv: &str, sync
         let below = read_seq < held.history_to;
         (n + if below { held.unread_below } else { 0 }, m + if below { held.mentions_below } else { 0 })
     };
-    tx.prepare_cached(
+    tx.exec(
         "UPDATE conversations SET last_msg_seq = MAX(last_msg_seq, ?2), read_seq = ?3, unread = ?4, mentions = ?5,
              updated_sync_seq = MAX(updated_sync_seq, ?6), counted_upto = ?2, summary_dirty = 0,
              summary_rev = summary_rev + 1
          WHERE conv = ?1",
-    )?
-    .execute(params![conv, last, read_seq, unread, mentions, sync_seq as i64])?;
+        params![conv, held.last, read_seq, unread, mentions, sync_seq as i64],
+    )?;
     Ok(())
 }
 
-/// What [`refresh_summary`] starts from.
+/// What [`refresh_summary`] starts from, read in one statement: the row's
+/// counts and bookkeeping, the highest `msg_seq` held, and the highest of
+/// the user's own messages among those still to count (all of them when
+/// the summary is dirty, else those above `counted_upto`).
 struct SummaryState {
     read_seq: i64,
     unread: i64,
@@ -796,26 +790,35 @@ struct SummaryState {
     history_to: i64,
     unread_below: i64,
     mentions_below: i64,
+    last: i64,
+    own: i64,
 }
 
-fn summary_state(tx: &Transaction<'_>, conv: &str) -> StoreResult<Option<SummaryState>> {
+fn summary_state(tx: &Transaction<'_>, conv: &str, user: &str) -> StoreResult<Option<SummaryState>> {
     Ok(tx
-        .prepare_cached(
-            "SELECT read_seq, unread, mentions, counted_upto, summary_dirty, history_to, unread_below, mentions_below
-             FROM conversations WHERE conv = ?1",
-        )?
-        .query_row(params![conv], |r| {
-            Ok(SummaryState {
-                read_seq: r.get(0)?,
-                unread: r.get(1)?,
-                mentions: r.get(2)?,
-                counted_upto: r.get(3)?,
-                dirty: r.get(4)?,
-                history_to: r.get(5)?,
-                unread_below: r.get(6)?,
-                mentions_below: r.get(7)?,
-            })
-        })
+        .row(
+            "SELECT c.read_seq, c.unread, c.mentions, c.counted_upto, c.summary_dirty, c.history_to, c.unread_below,
+                    c.mentions_below,
+                    (SELECT COALESCE(MAX(m.msg_seq), 0) FROM messages m WHERE m.conv = c.conv),
+                    (SELECT COALESCE(MAX(m.msg_seq), 0) FROM messages m WHERE m.conv = c.conv AND m.sender = ?2
+                       AND m.msg_seq > CASE WHEN c.summary_dirty THEN 0 ELSE c.counted_upto END)
+             FROM conversations c WHERE c.conv = ?1",
+            params![conv, user],
+            |r| {
+                Ok(SummaryState {
+                    read_seq: r.get(0)?,
+                    unread: r.get(1)?,
+                    mentions: r.get(2)?,
+                    counted_upto: r.get(3)?,
+                    dirty: r.get(4)?,
+                    history_to: r.get(5)?,
+                    unread_below: r.get(6)?,
+                    mentions_below: r.get(7)?,
+                    last: r.get(8)?,
+                    own: r.get(9)?,
+                })
+            },
+        )
         .optional()?)
 }
 
@@ -832,7 +835,7 @@ fn count_unread(tx: &Transaction<'_>, conv: &str, user: &str, above: i64) -> Sto
                AND m.kind NOT IN {CONTROL_KINDS_SQL} AND m.state NOT IN ('recalled', 'deleted')"
         )
     });
-    Ok(tx.prepare_cached(&SQL)?.query_row(params![conv, user, above], |r| Ok((r.get(0)?, r.get(1)?)))?)
+    Ok(tx.row(&SQL, params![conv, user, above], |r| Ok((r.get(0)?, r.get(1)?)))?)
 }
 
 /// Issue 18, as `tidemark_core::mention::counts` decides it on the server:

@@ -276,7 +276,6 @@ pub struct LocalStore {
     user: String,
 }
 
-/// Milliseconds since the Unix epoch, for local bookkeeping only.
 /// Prepared statements the store's connection keeps. rusqlite's default is
 /// 16, fewer than the distinct statements one page runs, so the LRU evicted
 /// them in turn and each page parsed its SQL again (a sixth of the
@@ -307,6 +306,7 @@ impl Cached for Connection {
     }
 }
 
+/// Milliseconds since the Unix epoch, for local bookkeeping only.
 pub fn now_ms() -> i64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as i64)
 }
